@@ -1,0 +1,3 @@
+from pipec.cli import main
+
+raise SystemExit(main())

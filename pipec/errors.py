@@ -1,0 +1,251 @@
+"""One exception hierarchy for everything pipec reports to a user.
+
+Two shapes of error exist, because a user can be wrong in two places:
+
+* ``SourceError``: something in a ``.pipe`` file. It prints
+  ``file:line:col: message``, the source line and a caret under the column.
+* ``ProgramError``: something in a per-rank instruction list (compiled or
+  imported). It prints ``rank R, step S: message`` and a bounded window of the
+  per-rank grid with the failing step marked.
+
+The CLI catches ``PipecError``, prints ``render()`` and exits 1; anything else
+is a bug in pipec, never a user's mistake.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class PipecError(Exception):
+    """Base of every error pipec reports to a user."""
+
+    def render(self) -> str:
+        return str(self)
+
+
+class UsageError(PipecError):
+    """Bad command-line input: unknown schedule, malformed -D, missing file."""
+
+
+# ---------------------------------------------------------------- source errors
+
+
+@dataclass(frozen=True)
+class Span:
+    """A place in a source file; lines and columns count from 1."""
+
+    file: str
+    line: int
+    col: int
+    end_line: int = 0
+    end_col: int = 0
+
+
+class SourceError(PipecError):
+    """An error located in a ``.pipe`` source file."""
+
+    def __init__(self, message: str, span: Span | None = None, source: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.span = span
+        self.source = source
+
+    def with_source(self, source: str) -> "SourceError":
+        if self.source is None:
+            self.source = source
+        return self
+
+    def render(self) -> str:
+        if self.span is None:
+            return self.message
+        span = self.span
+        head = f"{span.file}:{span.line}:{span.col}: {self.message}"
+        line_text = _source_line(self.source, span.line)
+        if line_text is None:
+            return head
+        expanded = line_text.expandtabs(4).rstrip("\n")
+        prefix = line_text[: max(span.col - 1, 0)].expandtabs(4)
+        width = 1
+        if span.end_line == span.line and span.end_col > span.col:
+            width = span.end_col - span.col
+        width = max(1, min(width, max(len(expanded) - len(prefix), 1)))
+        caret = " " * len(prefix) + "^" + "~" * (width - 1)
+        return f"{head}\n    {expanded}\n    {caret}"
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+class ParseError(SourceError):
+    """The text is not a ``.pipe`` program (grammar)."""
+
+
+class ResolveError(SourceError):
+    """An unknown name, a duplicate definition or a type mismatch."""
+
+
+class EvalError(SourceError):
+    """An expression could not be evaluated (division by zero, bad range)."""
+
+
+class RequireError(SourceError):
+    """A ``require`` constraint is false for the given parameters."""
+
+
+class ScheduleError(SourceError):
+    """The evaluated schedule is inconsistent (a stage with two homes, a task out of range)."""
+
+
+class SourceErrors(PipecError):
+    """Several source errors, collected and raised once."""
+
+    def __init__(self, errors: Sequence[SourceError]):
+        self.errors = list(errors)
+        super().__init__("\n".join(e.render() for e in self.errors))
+
+    def render(self) -> str:
+        return "\n".join(e.render() for e in self.errors)
+
+
+def _source_line(source: str | None, line: int) -> str | None:
+    if source is None or line < 1:
+        return None
+    lines = source.splitlines()
+    if line > len(lines):
+        return None
+    return lines[line - 1]
+
+
+# --------------------------------------------------------------- program errors
+
+
+class ProgramError(PipecError):
+    """An error in a per-rank instruction list, located at (rank, step).
+
+    ``grid`` is the program as text tokens, one list per rank; the rendering
+    shows a bounded window of it around the failing step.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        step: int | None = None,
+        grid: Sequence[Sequence[str]] | None = None,
+        marks: Sequence[tuple[int, int]] = (),
+    ):
+        super().__init__(message)
+        self.message = message
+        self.rank = rank
+        self.step = step
+        self.grid = grid
+        # Extra cells to mark (a deadlock cycle marks every member).
+        self.marks = list(marks)
+
+    def render(self) -> str:
+        head = self.message
+        if self.rank is not None and self.step is not None:
+            head = f"rank {self.rank}, step {self.step}: {self.message}"
+        elif self.rank is not None:
+            head = f"rank {self.rank}: {self.message}"
+        if self.grid is None or self.rank is None or self.step is None:
+            return head
+        marks = [(self.rank, self.step)] + self.marks
+        return head + "\n" + format_grid(self.grid, marks)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+class WellFormedError(ProgramError):
+    """A task is missing, duplicated, out of range or out of dependency order."""
+
+
+class MatchError(ProgramError):
+    """A send without its receive, or sends and receives in different orders."""
+
+
+class DeadlockError(ProgramError):
+    """The wait-for graph has a cycle; ``cycle`` lists (rank, step, waits-on text)."""
+
+    def __init__(self, message, rank=None, step=None, grid=None, marks=(), cycle=()):
+        super().__init__(message, rank, step, grid, marks)
+        self.cycle = list(cycle)
+
+
+class ConflictError(ProgramError):
+    """Two computations in one slot, or a buffer overwritten while in flight."""
+
+
+class BudgetError(ProgramError):
+    """Peak memory above the given budget."""
+
+
+class CostFileError(PipecError):
+    """A cost file that cannot be used."""
+
+
+class ImportError_(ProgramError):
+    """A torch CSV that cannot be read as a schedule."""
+
+
+def format_grid(
+    grid: Sequence[Sequence[str]],
+    marks: Sequence[tuple[int, int]],
+    before: int = 5,
+    after: int = 5,
+    max_ranks: int = 12,
+) -> str:
+    """Render a window of the per-rank grid around the marked cells.
+
+    Args:
+        grid: one list of instruction texts per rank.
+        marks: (rank, step) cells to bracket; the first one centres the window.
+    Returns:
+        lines ``rank r | a b [c] d`` with ``...`` where the grid is cut.
+    """
+    if not grid:
+        return ""
+    focus_rank, focus_step = marks[0]
+    marked = set(marks)
+    lo = max(focus_step - before, 0)
+    hi = focus_step + after + 1
+    for r, s in marks[1:]:
+        # widen (a little) so that every marked cell shows when they are close
+        if abs(s - focus_step) <= 3 * (before + after):
+            lo = min(lo, max(s - 1, 0))
+            hi = max(hi, s + 2)
+    ranks_to_show = sorted({r for r, _ in marks} | set(range(len(grid))))
+    if len(ranks_to_show) > max_ranks:
+        keep = {r for r, _ in marks}
+        near = [r for r in range(len(grid)) if abs(r - focus_rank) <= 2]
+        ranks_to_show = sorted(keep | set(near))
+    width = max(
+        (len(grid[r][s]) for r in ranks_to_show for s in range(lo, min(hi, len(grid[r])))),
+        default=1,
+    ) + 2
+    label_width = len(f"rank {len(grid) - 1}")
+    lead = "    " if lo > 0 else ""
+    lines = [" " * label_width + " | " + lead + "".join(f"{'s' + str(s):<{width}}" for s in range(lo, hi)).rstrip()]
+    previous = None
+    for r in ranks_to_show:
+        if previous is not None and r != previous + 1:
+            lines.append(" " * label_width + " | ...")
+        previous = r
+        row = grid[r]
+        cells = []
+        for s in range(lo, hi):
+            if s >= len(row):
+                cells.append(" " * width)
+                continue
+            text = row[s]
+            if (r, s) in marked:
+                text = f"[{text}]"
+            else:
+                text = f" {text} "
+            cells.append(f"{text:<{width}}")
+        tail = " ..." if hi < len(row) else ""
+        head = "... " if lo > 0 else ""
+        lines.append(f"{'rank ' + str(r):>{label_width}} | {head}{''.join(cells).rstrip()}{tail}")
+    return "\n".join(lines)
