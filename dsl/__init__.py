@@ -1,0 +1,6 @@
+"""The front end: parse ``.pipe`` text, resolve names and types, evaluate with parameters."""
+from pipec.dsl.parser import parse
+from pipec.dsl.schedule import ResolvedSchedule, resolve
+from pipec.dsl.spec import GreedyPolicy, ScheduleSpec
+
+__all__ = ["parse", "resolve", "ResolvedSchedule", "ScheduleSpec", "GreedyPolicy"]

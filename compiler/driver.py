@@ -1,0 +1,119 @@
+"""From a target (a path or a shipped schedule's name) to a checked program.
+
+Contract: ``compile_target(target, defines)`` runs every phase in order,
+parse -> resolve -> evaluate -> order -> compute program -> communication ->
+checks -> liveness, and returns a ``Compiled`` with the intermediate results a
+caller may want (spec, compute-only program, final program). Each phase is a
+pure function of the one before; a failure raises the ``PipecError`` of the
+phase that found it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import resources
+
+from pipec.compiler.build import compute_program
+from pipec.compiler.checks import check_all, check_well_formed
+from pipec.compiler.costs import CostModel
+from pipec.compiler.ir import Program
+from pipec.compiler.liveness import insert_frees
+from pipec.compiler.lower_comms import insert_communication
+from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
+from pipec.errors import UsageError
+
+
+@dataclass
+class Compiled:
+    """What one compilation produced.
+
+    Attributes:
+        spec: the evaluated schedule.
+        compute: the compute-only program (what the schedule ordered).
+        program: the final program: communication, checks passed, frees.
+    """
+
+    spec: ScheduleSpec
+    compute: Program
+    program: Program
+
+
+def shipped_schedules() -> dict[str, str]:
+    """Shipped schedule names (the ``.pipe`` file stems) -> their paths."""
+    folder = resources.files("pipec.schedules")
+    out = {}
+    for entry in folder.iterdir():
+        if entry.name.endswith(".pipe"):
+            out[entry.name[: -len(".pipe")]] = str(entry)
+    return dict(sorted(out.items()))
+
+
+def load_target(target: str) -> tuple[str, str, str | None]:
+    """Find a schedule's source.
+
+    Args:
+        target: a path to a ``.pipe`` file or a shipped name, optionally
+            followed by ``:NAME`` to pick one schedule of a file that has several.
+    Returns:
+        (path, source text, schedule name or None for the file's first).
+    Raises:
+        UsageError: no such file or shipped schedule.
+    """
+    name = None
+    path = target
+    if not os.path.exists(target) and ":" in target:
+        path, name = target.rsplit(":", 1)
+    if not os.path.exists(path):
+        shipped = shipped_schedules()
+        if path not in shipped:
+            listing = ", ".join(shipped) or "none"
+            raise UsageError(f"no file or shipped schedule named '{path}' (shipped: {listing})")
+        path = shipped[path]
+    if os.path.isdir(path):
+        raise UsageError(f"'{path}' is a folder, not a .pipe file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            source = handle.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read '{path}': {error}") from None
+    return _display_path(path), source, name
+
+
+def _display_path(path: str) -> str:
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else path
+
+
+def resolve_target(target: str) -> ResolvedSchedule:
+    """Parse and resolve the schedule a target names."""
+    path, source, name = load_target(target)
+    module = parse(source, path)
+    schedule = module.schedule(name)
+    if schedule is None:
+        if name is None:
+            raise UsageError(f"'{path}' defines no schedule")
+        names = ", ".join(s.name for s in module.schedules)
+        raise UsageError(f"'{path}' has no schedule '{name}' (it has {names})")
+    return resolve(schedule, path, source)
+
+
+def compile_spec(spec: ScheduleSpec, *, costs: CostModel | None = None, memory_budget: int | None = None) -> Compiled:
+    """Order, lower and check an evaluated schedule."""
+    compute = compute_program(spec, costs)
+    check_well_formed(compute)
+    program = insert_communication(compute)
+    check_all(program, semantics="rendezvous", memory_budget=memory_budget)
+    program = insert_frees(program)
+    return Compiled(spec, compute, program)
+
+
+def compile_target(
+    target: str,
+    defines: dict | None = None,
+    *,
+    costs: CostModel | None = None,
+    memory_budget: int | None = None,
+) -> Compiled:
+    """Compile a target with parameter values; see the module docstring."""
+    spec = resolve_target(target).evaluate(defines or {})
+    return compile_spec(spec, costs=costs, memory_budget=memory_budget)

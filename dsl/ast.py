@@ -1,0 +1,256 @@
+"""The untyped AST of a ``.pipe`` file, every node with its source span.
+
+Kept apart from what evaluation produces (``pipec.dsl.spec``): this is exactly
+what the user wrote, nothing resolved, nothing computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipec.errors import Span
+
+
+@dataclass(frozen=True)
+class Node:
+    span: Span
+
+
+# ---------------------------------------------------------------- expressions
+
+
+@dataclass(frozen=True)
+class IntLit(Node):
+    value: int
+
+
+@dataclass(frozen=True)
+class BoolLit(Node):
+    value: bool
+
+
+@dataclass(frozen=True)
+class Name(Node):
+    id: str
+
+
+@dataclass(frozen=True)
+class Call(Node):
+    func: str
+    args: tuple["Expr", ...]
+
+
+@dataclass(frozen=True)
+class Negate(Node):
+    operand: "Expr"
+
+
+@dataclass(frozen=True)
+class Binary(Node):
+    """Arithmetic: + - * / % with floor semantics for / and %."""
+
+    op: str
+    left: "Expr"
+    right: "Expr"
+
+
+@dataclass(frozen=True)
+class Compare(Node):
+    op: str
+    left: "Expr"
+    right: "Expr"
+
+
+@dataclass(frozen=True)
+class Logic(Node):
+    """``and`` / ``or``, short-circuit."""
+
+    op: str
+    left: "Expr"
+    right: "Expr"
+
+
+@dataclass(frozen=True)
+class Not(Node):
+    operand: "Expr"
+
+
+@dataclass(frozen=True)
+class Conditional(Node):
+    cond: "Expr"
+    then: "Expr"
+    otherwise: "Expr"
+
+
+@dataclass(frozen=True)
+class Tuple(Node):
+    """A lexicographic key; only a priority may be one."""
+
+    items: tuple["Expr", ...]
+
+
+Expr = IntLit | BoolLit | Name | Call | Negate | Binary | Compare | Logic | Not | Conditional | Tuple
+
+
+# ---------------------------------------------------------------- statements
+
+
+@dataclass(frozen=True)
+class Let(Node):
+    name: str
+    name_span: Span
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Task(Node):
+    """``F(stage, mb)``; the stage is the position along the microbatch's pipeline."""
+
+    kind: str
+    stage: Expr
+    mb: Expr
+
+
+@dataclass(frozen=True)
+class For(Node):
+    var: str
+    var_span: Span
+    start: Expr
+    stop: Expr
+    step: Expr | None
+    body: tuple["Stmt", ...]
+
+
+@dataclass(frozen=True)
+class If(Node):
+    cond: Expr
+    then: tuple["Stmt", ...]
+    otherwise: tuple["Stmt", ...]
+
+
+Stmt = Let | Task | For | If
+
+
+# -------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Param(Node):
+    name: str
+    type: str  # ranks | microbatches | chunks | int | bool
+    default: Expr | None
+
+
+@dataclass(frozen=True)
+class Require(Node):
+    cond: Expr
+    message: str
+
+
+@dataclass(frozen=True)
+class Stages(Node):
+    count: Expr
+
+
+@dataclass(frozen=True)
+class Pipelines(Node):
+    count: Expr
+
+
+@dataclass(frozen=True)
+class Route(Node):
+    """``route microbatch m to pipeline E``."""
+
+    var: str
+    var_span: Span
+    pipeline: Expr
+
+
+@dataclass(frozen=True)
+class Place(Node):
+    """``place stage s [of pipeline p] on rank E [when C]``."""
+
+    stage_var: str
+    pipeline_var: str | None
+    rank: Expr
+    when: Expr | None
+    var_spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class DeviceMap(Node):
+    var: str
+    var_span: Span
+    device: Expr
+
+
+@dataclass(frozen=True)
+class Backward(Node):
+    mode: str  # full | split
+
+
+@dataclass(frozen=True)
+class ExplicitOrder(Node):
+    rank_var: str
+    rank_span: Span
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class RankRule(Node):
+    """A per-rank number of a policy: ``inflight on rank r <= E`` (the most chunk
+    activations alive) or ``warmup on rank r = E`` (forwards before the rank
+    starts alternating backward and forward)."""
+
+    what: str  # inflight | warmup
+    rank_var: str
+    rank_span: Span
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Priority(Node):
+    kind: str
+    stage_var: str
+    mb_var: str
+    key: Expr
+    var_spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class Prefer(Node):
+    kinds: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GreedyOrder(Node):
+    lets: tuple[Let, ...]
+    rules: tuple[RankRule, ...]
+    priorities: tuple[Priority, ...]
+    prefer: tuple[Prefer, ...]
+
+
+Decl = Require | Let | Stages | Pipelines | Route | Place | DeviceMap | Backward | ExplicitOrder | GreedyOrder
+
+
+@dataclass(frozen=True)
+class Schedule(Node):
+    name: str
+    params: tuple[Param, ...]
+    decls: tuple[Decl, ...]
+
+
+@dataclass
+class Module:
+    """A parsed ``.pipe`` file."""
+
+    path: str
+    source: str
+    schedules: list[Schedule] = field(default_factory=list)
+
+    def schedule(self, name: str | None) -> Schedule | None:
+        if name is None:
+            return self.schedules[0] if self.schedules else None
+        for schedule in self.schedules:
+            if schedule.name == name:
+                return schedule
+        return None

@@ -1,0 +1,258 @@
+"""Name resolution, type checking and evaluation of ``.pipe`` expressions.
+
+pipec's own evaluator: an expression is resolved once against a ``Scope`` and
+turned into a Python closure ``fn(env) -> value`` over a flat list of slots. No
+Python ``eval``/``exec`` is involved; a ``.pipe`` file is data. Closures are
+used (rather than walking the tree on every evaluation) because an order body
+runs once per task, hundreds of thousands of times for large schedules.
+
+Types are ``int``, ``bool`` and ``key`` (a tuple of ints, only where a priority
+is expected). Arithmetic is on integers with floor semantics for ``/`` and
+``%`` (as in Python, unlike C): ``-1 / 2 == -1`` and ``-1 % 2 == 1``.
+
+Errors found while resolving (unknown names, type mismatches, shadowing) are
+collected in ``Resolver.errors`` so that all of them are reported at once.
+Errors found while evaluating (division by zero, a zero loop step) raise
+``EvalError`` at the expression's span.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipec.dsl import ast
+from pipec.errors import EvalError, ResolveError, Span
+
+INT, BOOL, KEY, ERROR = "int", "bool", "key", "error"
+Fn = Callable[[list], Any]
+
+
+@dataclass(frozen=True)
+class Binding:
+    slot: int
+    type: str
+    span: Span
+
+
+class Scope:
+    """Names visible at a point of the program; inner scopes see outer ones."""
+
+    def __init__(self, parent: "Scope | None" = None):
+        self.parent = parent
+        self.names: dict[str, Binding] = {}
+
+    def lookup(self, name: str) -> Binding | None:
+        scope = self
+        while scope is not None:
+            binding = scope.names.get(name)
+            if binding is not None:
+                return binding
+            scope = scope.parent
+        return None
+
+    def child(self) -> "Scope":
+        return Scope(self)
+
+
+_ARITH: dict[str, Callable[[int, int], int]] = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+}
+_COMPARE: dict[str, Callable[[Any, Any], bool]] = {
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+}
+# Builtin functions: name -> (minimum arity, maximum arity or None, implementation).
+_BUILTINS: dict[str, tuple[int, int | None, Callable[..., int]]] = {
+    "min": (1, None, min),
+    "max": (1, None, max),
+    "abs": (1, 1, abs),
+}
+
+# Names a user cannot bind, because they mean something already.
+RESERVED = frozenset(_BUILTINS) | {"true", "false"}
+
+
+class Resolver:
+    """Resolves names and types and compiles expressions into closures.
+
+    One resolver serves one schedule: slots are numbered across the whole
+    schedule, so a single ``env`` list (``new_env()``) holds every binding.
+    """
+
+    def __init__(self, path: str, source: str):
+        self.path = path
+        self.source = source
+        self.errors: list[ResolveError] = []
+        self.slot_count = 0
+
+    # -- bindings --------------------------------------------------------------
+
+    def error(self, message: str, span: Span) -> None:
+        self.errors.append(ResolveError(message, span, self.source))
+
+    def bind(self, scope: Scope, name: str, type_: str, span: Span) -> Binding:
+        """Define ``name`` in ``scope``; redefining a visible name is an error."""
+        previous = scope.lookup(name)
+        if name in RESERVED:
+            self.error(f"'{name}' is a builtin and cannot be redefined", span)
+        elif previous is not None:
+            self.error(f"'{name}' is already defined (line {previous.span.line}); pick another name", span)
+        binding = Binding(self.slot_count, type_, span)
+        self.slot_count += 1
+        scope.names[name] = binding
+        return binding
+
+    def new_env(self) -> list:
+        return [None] * self.slot_count
+
+    # -- expressions -----------------------------------------------------------
+
+    def expect(self, node: ast.Node, scope: Scope, want: str, what: str) -> Fn:
+        """Compile ``node`` and check that its type is ``want``.
+
+        Args:
+            node: the expression.
+            scope: names visible to it.
+            want: INT or BOOL (or KEY, which also accepts INT).
+            what: what the value is for, used in the message.
+        Returns:
+            the closure; on a type error the error is recorded and a closure
+            returning a harmless value is returned so that resolution goes on.
+        """
+        fn, got = self.expr(node, scope)
+        if got == ERROR or got == want or (want == KEY and got == INT):
+            return fn
+        self.error(f"{what} must be {_article(want)}, not {_article(got)}", node.span)
+        return fn
+
+    def expr(self, node: ast.Node, scope: Scope) -> tuple[Fn, str]:
+        method = getattr(self, "_" + type(node).__name__)
+        return method(node, scope)
+
+    def _IntLit(self, node: ast.IntLit, scope: Scope):
+        value = node.value
+        return (lambda env: value), INT
+
+    def _BoolLit(self, node: ast.BoolLit, scope: Scope):
+        value = node.value
+        return (lambda env: value), BOOL
+
+    def _Name(self, node: ast.Name, scope: Scope):
+        binding = scope.lookup(node.id)
+        if binding is None:
+            hint = _did_you_mean(node.id, scope)
+            self.error(f"unknown name '{node.id}'{hint}", node.span)
+            return (lambda env: 0), ERROR
+        slot = binding.slot
+        return (lambda env: env[slot]), binding.type
+
+    def _Negate(self, node: ast.Negate, scope: Scope):
+        fn = self.expect(node.operand, scope, INT, "the operand of '-'")
+        return (lambda env: -fn(env)), INT
+
+    def _Binary(self, node: ast.Binary, scope: Scope):
+        left = self.expect(node.left, scope, INT, f"the left operand of '{node.op}'")
+        right = self.expect(node.right, scope, INT, f"the right operand of '{node.op}'")
+        if node.op in _ARITH:
+            op = _ARITH[node.op]
+            return (lambda env: op(left(env), right(env))), INT
+        # / and %: floor semantics, and a located error instead of ZeroDivisionError.
+        floor_op = operator.floordiv if node.op == "/" else operator.mod
+        span, source = node.right.span, self.source
+
+        def divide(env):
+            divisor = right(env)
+            if divisor == 0:
+                raise EvalError(f"division by zero ('{node.op}' by a value that is 0)", span, source)
+            return floor_op(left(env), divisor)
+
+        return divide, INT
+
+    def _Compare(self, node: ast.Compare, scope: Scope):
+        left, left_type = self.expr(node.left, scope)
+        right, right_type = self.expr(node.right, scope)
+        if ERROR not in (left_type, right_type):
+            if node.op in ("==", "!="):
+                if left_type != right_type:
+                    self.error(f"cannot compare {_article(left_type)} with {_article(right_type)}", node.span)
+            elif left_type != INT or right_type != INT:
+                wrong = left_type if left_type != INT else right_type
+                self.error(f"'{node.op}' compares integers, not {_article(wrong)}", node.span)
+        op = _COMPARE[node.op]
+        return (lambda env: op(left(env), right(env))), BOOL
+
+    def _Logic(self, node: ast.Logic, scope: Scope):
+        left = self.expect(node.left, scope, BOOL, f"the left operand of '{node.op}'")
+        right = self.expect(node.right, scope, BOOL, f"the right operand of '{node.op}'")
+        if node.op == "and":
+            return (lambda env: left(env) and right(env)), BOOL
+        return (lambda env: left(env) or right(env)), BOOL
+
+    def _Not(self, node: ast.Not, scope: Scope):
+        fn = self.expect(node.operand, scope, BOOL, "the operand of 'not'")
+        return (lambda env: not fn(env)), BOOL
+
+    def _Conditional(self, node: ast.Conditional, scope: Scope):
+        cond = self.expect(node.cond, scope, BOOL, "a condition")
+        then, then_type = self.expr(node.then, scope)
+        otherwise, other_type = self.expr(node.otherwise, scope)
+        result = then_type if then_type != ERROR else other_type
+        if ERROR not in (then_type, other_type) and then_type != other_type:
+            if {then_type, other_type} == {INT, KEY}:
+                result = KEY
+            else:
+                self.error(
+                    f"both branches must have one type; here {_article(then_type)} and {_article(other_type)}",
+                    node.span,
+                )
+        return (lambda env: then(env) if cond(env) else otherwise(env)), result
+
+    def _Call(self, node: ast.Call, scope: Scope):
+        builtin = _BUILTINS.get(node.func)
+        if builtin is None:
+            known = ", ".join(sorted(_BUILTINS))
+            self.error(f"unknown function '{node.func}' (the functions are {known})", node.span)
+            return (lambda env: 0), ERROR
+        low, high, impl = builtin
+        count = len(node.args)
+        if count < low or (high is not None and count > high):
+            arity = f"{low}" if high == low else f"at least {low}"
+            self.error(f"{node.func}() takes {arity} argument(s), got {count}", node.span)
+            return (lambda env: 0), ERROR
+        args = [self.expect(a, scope, INT, f"an argument of {node.func}()") for a in node.args]
+        if count == 1:
+            (only,) = args
+            if impl is abs:
+                return (lambda env: abs(only(env))), INT
+            return only, INT  # min(x) == max(x) == x
+        if count == 2:
+            first, second = args
+            return (lambda env: impl(first(env), second(env))), INT
+        return (lambda env: impl(*(a(env) for a in args))), INT
+
+    def _Tuple(self, node: ast.Tuple, scope: Scope):
+        items = [self.expect(i, scope, INT, "an item of a priority key") for i in node.items]
+        return (lambda env: tuple(i(env) for i in items)), KEY
+
+
+def _article(type_: str) -> str:
+    return {INT: "an integer", BOOL: "a boolean", KEY: "a priority key (tuple)"}.get(type_, type_)
+
+
+def _did_you_mean(name: str, scope: Scope) -> str:
+    import difflib
+
+    visible: list[str] = []
+    s: Scope | None = scope
+    while s is not None:
+        visible.extend(s.names)
+        s = s.parent
+    close = difflib.get_close_matches(name, visible + list(_BUILTINS), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""

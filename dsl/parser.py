@@ -1,0 +1,335 @@
+"""Parse ``.pipe`` text into the AST of ``pipec.dsl.ast``.
+
+Contract: ``parse(source, path)`` returns a ``Module`` or raises ``ParseError``
+with the span of the offending token, a message that says what was expected,
+and, for the mistakes people actually make, a hint learnt from examples
+(Lark's ``match_examples``).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+
+import lark
+from lark import Lark, Token, Transformer, v_args
+
+from pipec.dsl import ast
+from pipec.errors import ParseError, Span
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Lark:
+    grammar = resources.files("pipec.grammars").joinpath("pipe.lark").read_text()
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def parse(source: str, path: str = "<string>") -> ast.Module:
+    """Parse a ``.pipe`` file.
+
+    Args:
+        source: the file's text.
+        path: the name used in error messages.
+    Returns:
+        the ``Module`` with one ``Schedule`` per ``schedule`` block.
+    Raises:
+        ParseError: the text is not a ``.pipe`` program.
+    """
+    try:
+        tree = _parser().parse(source)
+    except lark.exceptions.UnexpectedInput as error:
+        raise _friendly(error, source, path) from None
+    module = ast.Module(path, source)
+    module.schedules = _ToAst(path).transform(tree)
+    return module
+
+
+# -------------------------------------------------------------- syntax errors
+
+# Wrong programs and what to say about them: Lark matches the parser state of a
+# failing input against these to pick a message.
+_EXAMPLES = {
+    "a range is written `a .. b` (half-open), not `to` or `range()`": [
+        "schedule s(P: ranks) { order rank r { for m in 0 to P { F(r, m) } } }",
+        "schedule s(P: ranks) { order rank r { for m in range(P) { F(r, m) } } }",
+    ],
+    "an order is `order rank r { ... }` or `order greedy { ... }`": [
+        "schedule s(P: ranks) { order r { } }",
+        "schedule s(P: ranks) { order { } }",
+    ],
+    "a placement reads `place stage s on rank EXPR`": [
+        "schedule s(P: ranks) { place stage s rank s }",
+        "schedule s(P: ranks) { place s on rank s }",
+    ],
+    "a parameter needs a type: `NAME: ranks | microbatches | chunks | int | bool`": [
+        "schedule s(P) { }",
+        "schedule s(P = 4) { }",
+        "schedule s(P: integer) { }",
+    ],
+    "a `require` needs a message: `require COND : \"why\"`": [
+        "schedule s(P: ranks) { require P > 1 }",
+        "schedule s(P: ranks) { require P > 1 stages P }",
+    ],
+    "a task is `F(stage, microbatch)` (also B, I, W) with exactly two arguments": [
+        "schedule s(P: ranks) { order rank r { F(r) } }",
+        "schedule s(P: ranks) { order rank r { F(r, 0, 1) } }",
+    ],
+    "`=` assigns only in `let`; compare with `==`": [
+        "schedule s(P: ranks) { require P = 2 : \"x\" }",
+        "schedule s(P: ranks) { order rank r { if r = 0 { } } }",
+    ],
+}
+
+
+def _friendly(error: lark.exceptions.UnexpectedInput, source: str, path: str) -> ParseError:
+    line = getattr(error, "line", None) or 1
+    column = getattr(error, "column", None) or 1
+    hint = None
+    if not isinstance(error, lark.exceptions.UnexpectedCharacters):
+        try:
+            hint = error.match_examples(_parser().parse, _EXAMPLES, use_accepts=True)
+        except Exception:  # pragma: no cover - matching is best effort, never fatal
+            hint = None
+
+    if isinstance(error, lark.exceptions.UnexpectedEOF):
+        line, column = _end_of(source)
+        message = "unexpected end of file" + _expected(error.expected)
+    elif isinstance(error, lark.exceptions.UnexpectedCharacters):
+        bad = source[error.pos_in_stream] if 0 <= error.pos_in_stream < len(source) else "?"
+        message = f"unexpected character {bad!r}"
+    elif isinstance(error, lark.exceptions.UnexpectedToken):
+        token = error.token
+        if token.type == "$END":
+            line, column = _end_of(source)
+            message = "unexpected end of file"
+        else:
+            message = f"unexpected {_describe(token)}"
+        message += _expected(error.accepts or error.expected)
+    else:  # pragma: no cover - lark has no other kinds today
+        message = "syntax error"
+    if hint:
+        message += f" ({hint})"
+    return ParseError(message, Span(path, line, column), source)
+
+
+def _end_of(source: str) -> tuple[int, int]:
+    lines = source.splitlines() or [""]
+    return len(lines), len(lines[-1]) + 1
+
+
+def _describe(token: Token) -> str:
+    text = str(token)
+    if token.type in ("NAME", "INT"):
+        return f"{text!r}"
+    return f"{text!r}" if text else token.type
+
+
+# How Lark's terminal names read to a user.
+_TERMINAL_TEXT = {
+    "NAME": "a name", "INT": "a number", "STRING": "a \"message\"", "LBRACE": "'{'",
+    "RBRACE": "'}'", "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "COLON": "':'",
+    "SEMICOLON": "';'", "EQUAL": "'='", "COMPARE": "a comparison", "ADD": "'+' or '-'",
+    "MUL": "'*', '/' or '%'", "MINUS": "'-'", "QMARK": "'?'", "TASK_KIND": "F, B, I or W",
+    "PARAM_TYPE": "a type (ranks, microbatches, chunks, int, bool)", "BACKWARD_MODE": "full or split",
+    "__ANON_0": "'..'", "LESSTHAN": "'<'", "MORETHAN": "'>'",
+}
+
+
+def _expected(names) -> str:
+    if not names:
+        return ""
+    shown = []
+    for name in sorted(names):
+        if name.startswith("$"):
+            continue
+        text = _TERMINAL_TEXT.get(name)
+        if text is None:
+            try:
+                pattern = _parser().get_terminal(name).pattern
+                text = f"'{pattern.value}'" if pattern.type == "str" else name.lower()
+            except KeyError:
+                text = name.lower()
+        if text not in shown:
+            shown.append(text)
+    if not shown:
+        return ""
+    if len(shown) > 8:
+        shown = shown[:8] + ["..."]
+    return "; expected " + ", ".join(shown)
+
+
+# ------------------------------------------------------------ tree -> AST
+
+
+def _span_of(path: str, meta_or_token) -> Span:
+    item = meta_or_token
+    if isinstance(item, Token):
+        return Span(path, item.line, item.column, item.end_line or item.line, item.end_column or item.column)
+    if getattr(item, "empty", False):
+        return Span(path, 1, 1)
+    return Span(path, item.line, item.column, item.end_line, item.end_column)
+
+
+def _unquote(token: Token) -> str:
+    body = str(token)[1:-1]
+    out, i = [], 0
+    escapes = {"n": "\n", "t": "\t", '"': '"', "\\": "\\"}
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\" and i + 1 < len(body):
+            out.append(escapes.get(body[i + 1], body[i + 1]))
+            i += 2
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    """Lark tree -> AST nodes. Each callback receives (meta, children)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def _span(self, meta) -> Span:
+        return _span_of(self.path, meta)
+
+    # expressions -----------------------------------------------------------
+    def literal_int(self, meta, children):
+        return ast.IntLit(self._span(meta), int(children[0]))
+
+    def literal_true(self, meta, children):
+        return ast.BoolLit(self._span(meta), True)
+
+    def literal_false(self, meta, children):
+        return ast.BoolLit(self._span(meta), False)
+
+    def name(self, meta, children):
+        return ast.Name(self._span(meta), str(children[0]))
+
+    def call(self, meta, children):
+        func, *args = children
+        return ast.Call(self._span(meta), str(func), tuple(a for a in args if a is not None))
+
+    def negate(self, meta, children):
+        return ast.Negate(self._span(meta), children[0])
+
+    def binary(self, meta, children):
+        left, op, right = children
+        return ast.Binary(self._span(meta), str(op), left, right)
+
+    def compare(self, meta, children):
+        left, op, right = children
+        return ast.Compare(self._span(meta), str(op), left, right)
+
+    def and_op(self, meta, children):
+        return ast.Logic(self._span(meta), "and", children[0], children[1])
+
+    def or_op(self, meta, children):
+        return ast.Logic(self._span(meta), "or", children[0], children[1])
+
+    def not_op(self, meta, children):
+        return ast.Not(self._span(meta), children[0])
+
+    def conditional(self, meta, children):
+        return ast.Conditional(self._span(meta), *children)
+
+    def tuple(self, meta, children):
+        return ast.Tuple(self._span(meta), tuple(children))
+
+    # statements ------------------------------------------------------------
+    def let(self, meta, children):
+        name, value = children
+        return ast.Let(self._span(meta), str(name), _span_of(self.path, name), value)
+
+    def block(self, meta, children):
+        return tuple(c for c in children if isinstance(c, ast.Node))
+
+    def task(self, meta, children):
+        kind, stage, mb = children
+        return ast.Task(self._span(meta), str(kind), stage, mb)
+
+    def for_loop(self, meta, children):
+        var, start, stop, step, body = children
+        return ast.For(self._span(meta), str(var), _span_of(self.path, var), start, stop, step, body)
+
+    def if_stmt(self, meta, children):
+        cond, then, otherwise = children
+        if otherwise is None:
+            otherwise = ()
+        elif isinstance(otherwise, ast.If):
+            otherwise = (otherwise,)
+        return ast.If(self._span(meta), cond, then, otherwise)
+
+    # declarations ----------------------------------------------------------
+    def param(self, meta, children):
+        name, type_, default = children
+        return ast.Param(self._span(meta), str(name), str(type_), default)
+
+    def require(self, meta, children):
+        cond, message = children
+        return ast.Require(self._span(meta), cond, _unquote(message))
+
+    def stages(self, meta, children):
+        return ast.Stages(self._span(meta), children[0])
+
+    def pipelines(self, meta, children):
+        return ast.Pipelines(self._span(meta), children[0])
+
+    def route(self, meta, children):
+        var, pipeline = children
+        return ast.Route(self._span(meta), str(var), _span_of(self.path, var), pipeline)
+
+    def place(self, meta, children):
+        stage_var, pipeline_var, rank, when = children
+        spans = tuple(_span_of(self.path, t) for t in (stage_var, pipeline_var) if t is not None)
+        return ast.Place(
+            self._span(meta), str(stage_var), None if pipeline_var is None else str(pipeline_var), rank, when, spans
+        )
+
+    def device_map(self, meta, children):
+        var, device = children
+        return ast.DeviceMap(self._span(meta), str(var), _span_of(self.path, var), device)
+
+    def backward(self, meta, children):
+        return ast.Backward(self._span(meta), str(children[0]))
+
+    def order_explicit(self, meta, children):
+        var, body = children
+        return ast.ExplicitOrder(self._span(meta), str(var), _span_of(self.path, var), body)
+
+    def inflight(self, meta, children):
+        var, limit = children
+        return ast.RankRule(self._span(meta), "inflight", str(var), _span_of(self.path, var), limit)
+
+    def warmup(self, meta, children):
+        var, count = children
+        return ast.RankRule(self._span(meta), "warmup", str(var), _span_of(self.path, var), count)
+
+    def priority(self, meta, children):
+        kind, stage_var, mb_var, key = children
+        spans = (_span_of(self.path, stage_var), _span_of(self.path, mb_var))
+        return ast.Priority(self._span(meta), str(kind), str(stage_var), str(mb_var), key, spans)
+
+    def prefer(self, meta, children):
+        return ast.Prefer(self._span(meta), tuple(str(k) for k in children))
+
+    def order_greedy(self, meta, children):
+        items = [c for c in children if isinstance(c, ast.Node)]
+        return ast.GreedyOrder(
+            self._span(meta),
+            tuple(i for i in items if isinstance(i, ast.Let)),
+            tuple(i for i in items if isinstance(i, ast.RankRule)),
+            tuple(i for i in items if isinstance(i, ast.Priority)),
+            tuple(i for i in items if isinstance(i, ast.Prefer)),
+        )
+
+    def schedule(self, meta, children):
+        name, *rest = children
+        params = tuple(c for c in rest if isinstance(c, ast.Param))
+        decls = tuple(c for c in rest if isinstance(c, ast.Node) and not isinstance(c, ast.Param))
+        return ast.Schedule(self._span(meta), str(name), params, decls)
+
+    def start(self, meta, children):
+        return list(children)

@@ -1,0 +1,67 @@
+"""Arguments and helpers shared by the commands that take a schedule target."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipec.errors import UsageError
+
+
+def add_target_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> None:
+    parser.add_argument("target", metavar="TARGET", help="a .pipe file, or a shipped schedule's name (see `pipec list`)")
+    parser.add_argument(
+        "-D", dest="defines", action="append", default=[], metavar="NAME=VALUE", help="set a schedule parameter (repeatable)"
+    )
+    if costs:
+        parser.add_argument("--costs", metavar="FILE", help="a JSON cost file (default: unit costs F=1 B=2 I=W=1)")
+    parser.add_argument("--budget", type=int, metavar="N", help="fail if a rank holds more than N chunk activations")
+
+
+def parse_defines(items: list[str]) -> dict[str, str]:
+    """``["P=4", "N=8"]`` -> ``{"P": "4", "N": "8"}``; the schedule types the values."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not value.strip():
+            raise UsageError(f"-D expects NAME=VALUE, got {item!r}")
+        if name in out:
+            raise UsageError(f"-D {name} is given twice")
+        out[name] = value.strip()
+    return out
+
+
+def load_costs(args):
+    if not getattr(args, "costs", None):
+        return None
+    from pipec.compiler.costs import load_costs as load
+
+    return load(args.costs)
+
+
+def compile_from_args(args):
+    from pipec.compiler.driver import compile_target
+
+    return compile_target(
+        args.target, parse_defines(args.defines), costs=load_costs(args), memory_budget=getattr(args, "budget", None)
+    )
+
+
+def write_output(text: str, path: str | None) -> None:
+    if path in (None, "-"):
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text if text.endswith("\n") else text + "\n")
+    except OSError as error:
+        raise UsageError(f"cannot write '{path}': {error}") from None
+
+
+def dump_json(data) -> str:
+    return json.dumps(data, indent=2)
+
+
+def describe_params(params: dict) -> str:
+    return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())

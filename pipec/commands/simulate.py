@@ -1,0 +1,42 @@
+"""``pipec simulate``: predict makespan, bubble ratio and memory per rank."""
+from __future__ import annotations
+
+from pipec.commands._common import add_target_arguments, compile_from_args, describe_params, dump_json, load_costs, write_output
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("simulate", help="simulate a schedule under a cost model")
+    add_target_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pipec.compiler.simulate import simulate
+
+    compiled = compile_from_args(args)
+    result = simulate(compiled.program, load_costs(args))
+    if args.json:
+        write_output(dump_json(result.to_json()), None)
+        return 0
+    lines = [
+        f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {_num(result.makespan)}, "
+        f"bubble ratio {_ratio(result)}"
+    ]
+    for rank, stats in enumerate(result.ranks):
+        lines.append(
+            f"  rank {rank}: busy {_num(stats.busy)}, idle {_num(stats.idle)}, peak activations {stats.peak_activations}"
+        )
+    write_output("\n".join(lines), None)
+    return 0
+
+
+def _num(value) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+
+
+def _ratio(result) -> str:
+    fraction = result.bubble_fraction()
+    if fraction is not None:
+        return f"{fraction} ({float(fraction):.4f})"
+    return f"{result.bubble_ratio:.4f}"
