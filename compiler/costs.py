@@ -1,0 +1,371 @@
+"""The cost model the simulator prices a program with, and its JSON file format.
+
+A ``CostModel`` answers three questions: how long a compute task of a model
+chunk takes (``compute``), how long a message takes between two ranks
+(``transfer``), and how long a gradient all-reduce among replicas takes
+(``allreduce``). ``CostModel.unit()`` is the model the design's facts are stated
+in: F = 1, B = 2, I = W = 1, every communication free, all integers (so that
+bubble ratios come out as exact fractions).
+
+Cost file format (JSON; every key optional, unknown keys are errors so that a
+typo never silently falls back to a default)::
+
+    {
+      "compute": {
+        "F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0,
+        "per_chunk": {"0": {"F": 1.2, "B": 2.4}}
+      },
+      "links": {
+        "latency": 0.01,
+        "bandwidth": 100.0,
+        "bytes": {"act": 4.0, "grad": 4.0},
+        "node_size": 8,
+        "inter_node": {"latency": 0.05, "bandwidth": 25.0},
+        "pairs": {"0-1": {"latency": 0.0, "bandwidth": 400.0}}
+      },
+      "allreduce": {"latency": 0.01, "bandwidth": 100.0, "bytes": 64.0}
+    }
+
+* ``compute``: time of one task of one microbatch on one model chunk (the
+  stage's position along its pipeline; replicas share it). Omitted ops keep
+  the unit values, except that I and W default to half of B when B is given
+  (split backward does the work of B in two parts). ``per_chunk`` maps a chunk
+  number (a string, JSON keys are strings) to overrides for that chunk, with
+  the same completion rule starting from the top-level values.
+* ``links``: a message of kind ``act`` (activation, forward) or ``grad``
+  (gradient, backward) takes ``latency + bytes[kind] / bandwidth``. Omitted
+  bandwidth means infinite (only latency counts); omitted bytes are 0.
+  ``node_size`` groups ranks ``0..node_size-1``, ``node_size..`` into nodes;
+  messages between nodes use ``inter_node`` (fields it omits come from the
+  default link). ``pairs`` overrides the link of one pair of ranks in both
+  directions (``"a-b"``); fields it omits come from the link the pair would use
+  otherwise. A message between a rank and itself is free (a local hand-off).
+* ``allreduce``: a ring all-reduce of ``bytes`` among n members takes
+  ``2 (n-1) latency + 2 (n-1)/n bytes / bandwidth``; a single member costs 0.
+
+Ranks here are the ranks torchrun starts (devices); the simulator maps a
+program's ranks through ``Program.devices`` before asking for a link.
+
+Integers stay integers where the arithmetic allows it (an int divided by an
+int that divides it), so an all-integer file keeps exact results.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+from pipec.errors import CostFileError
+
+Number = Union[int, float]
+
+UNIT_COMPUTE: dict[str, Number] = {"F": 1, "B": 2, "I": 1, "W": 1}
+MESSAGE_KINDS = ("act", "grad")
+# Ops whose default is derived from B when the file gives B but not them.
+_HALF_OF_B = ("I", "W")
+
+
+def _ratio(numerator: Number, denominator: Number) -> Number:
+    """numerator / denominator, kept an int when both are ints and it divides."""
+    if isinstance(numerator, int) and isinstance(denominator, int) and numerator % denominator == 0:
+        return numerator // denominator
+    return numerator / denominator
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link.
+
+    Attributes:
+        latency: fixed time per message.
+        bandwidth: bytes per time unit; None means infinite.
+    """
+
+    latency: Number = 0
+    bandwidth: Number | None = None
+
+    def time(self, nbytes: Number) -> Number:
+        """Time to move ``nbytes`` over this link: latency + nbytes / bandwidth."""
+        if self.bandwidth is None or not nbytes:
+            return self.latency
+        return self.latency + _ratio(nbytes, self.bandwidth)
+
+    def overridden(self, latency: Number | None, bandwidth: Number | None) -> "Link":
+        """This link with the given fields replaced (None keeps a field)."""
+        return Link(self.latency if latency is None else latency, self.bandwidth if bandwidth is None else bandwidth)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prices of compute tasks, messages and all-reduces.
+
+    Attributes:
+        ops: default time per compute op, as sorted (op, time) pairs.
+        per_chunk: overrides as sorted (chunk, op, time) triples.
+        link: the default link between two ranks.
+        message_bytes: (kind, bytes) for kinds "act" and "grad".
+        node_size: ranks per node; 0 means one node holds every rank.
+        inter_node: the link between ranks of different nodes (None: ``link``).
+        pairs: per-pair links as sorted (low rank, high rank, Link) triples.
+        allreduce_link: the link a ring all-reduce runs over.
+        allreduce_bytes: the gradient bytes of one model chunk.
+
+    Fields are tuples so that the model is hashable; lookup tables are built
+    once in ``__post_init__``.
+    """
+
+    ops: tuple[tuple[str, Number], ...] = tuple(sorted(UNIT_COMPUTE.items()))
+    per_chunk: tuple[tuple[int, str, Number], ...] = ()
+    link: Link = Link()
+    message_bytes: tuple[tuple[str, Number], ...] = (("act", 0), ("grad", 0))
+    node_size: int = 0
+    inter_node: Link | None = None
+    pairs: tuple[tuple[int, int, Link], ...] = ()
+    allreduce_link: Link = Link()
+    allreduce_bytes: Number = 0
+    _compute_table: dict = field(init=False, repr=False, compare=False, hash=False)
+    _pair_table: dict = field(init=False, repr=False, compare=False, hash=False)
+    _bytes_table: dict = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        compute = {(None, op): cost for op, cost in self.ops}
+        compute.update({(chunk, op): cost for chunk, op, cost in self.per_chunk})
+        # frozen: the caches are set once, here, and never change afterwards
+        object.__setattr__(self, "_compute_table", compute)
+        object.__setattr__(self, "_pair_table", {(a, b): link for a, b, link in self.pairs})
+        object.__setattr__(self, "_bytes_table", dict(self.message_bytes))
+
+    @staticmethod
+    def unit() -> "CostModel":
+        """F = 1, B = 2, I = W = 1, communication free; every value an int."""
+        return CostModel()
+
+    def compute(self, op: str, chunk: int) -> Number:
+        """Time of one ``op`` task of one microbatch on model chunk ``chunk``.
+
+        Raises:
+            KeyError: for an op the model does not price.
+        """
+        table = self._compute_table
+        cost = table.get((chunk, op))
+        return cost if cost is not None else table[(None, op)]
+
+    def link_between(self, src: int, dst: int) -> Link:
+        """The link a message from ``src`` to ``dst`` uses (pairs, then nodes, then the default)."""
+        base = self.link
+        if self.node_size and src // self.node_size != dst // self.node_size and self.inter_node is not None:
+            base = self.inter_node
+        pair = self._pair_table.get((min(src, dst), max(src, dst)))
+        if pair is None:
+            return base
+        return base.overridden(pair.latency, pair.bandwidth)
+
+    def transfer(self, src_rank: int, dst_rank: int, kind: str) -> Number:
+        """Time for one message of ``kind`` ("act" or "grad") from ``src_rank`` to ``dst_rank``.
+
+        Returns:
+            0 for a rank to itself (a local hand-off), else latency + bytes / bandwidth.
+        """
+        if src_rank == dst_rank:
+            return 0
+        return self.link_between(src_rank, dst_rank).time(self._bytes_table[kind])
+
+    def allreduce(self, members: int, chunk: int) -> Number:
+        """Time of a ring all-reduce of one chunk's gradients among ``members`` replicas.
+
+        ``chunk`` is accepted so that per-chunk sizes can be added without
+        changing callers; today every chunk has ``allreduce_bytes``.
+        """
+        if members <= 1:
+            return 0
+        steps = 2 * (members - 1)
+        link = self.allreduce_link
+        time = steps * link.latency
+        if link.bandwidth is not None and self.allreduce_bytes:
+            time += _ratio(steps * self.allreduce_bytes, members * link.bandwidth)
+        return time
+
+
+# ------------------------------------------------------------------ file loading
+
+
+class _Reader:
+    """Validates one cost file's JSON value, naming the file and key of every mistake."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def fail(self, key: str, problem: str) -> CostFileError:
+        return CostFileError(f"{self.path}: {key}: {problem}")
+
+    def table(self, value: Any, key: str, allowed: tuple[str, ...] | None) -> Mapping[str, Any]:
+        """``value`` as a JSON object whose keys are all in ``allowed`` (None: any key)."""
+        if not isinstance(value, dict):
+            raise self.fail(key, f"expected an object, got {_json_type(value)}")
+        if allowed is not None:
+            for name in value:
+                if name not in allowed:
+                    raise self.fail(_join(key, name), f"unknown key (expected one of {', '.join(allowed)})")
+        return value
+
+    def number(self, value: Any, key: str, positive: bool = False) -> Number:
+        """``value`` as a non-negative (or, with ``positive``, strictly positive) finite number."""
+        # bool is an int subclass in Python, but `true` is not a cost
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(key, f"expected a number, got {_json_type(value)}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise self.fail(key, f"expected a finite number, got {value}")
+        if positive and value <= 0:
+            raise self.fail(key, f"expected a positive number, got {value}")
+        if value < 0:
+            raise self.fail(key, f"expected a non-negative number, got {value}")
+        return value
+
+    def index(self, text: str, key: str) -> int:
+        """A non-negative integer written as a JSON key."""
+        if not text.isdigit():
+            raise self.fail(key, f"expected a non-negative integer, got {text!r}")
+        return int(text)
+
+    def op_costs(self, value: Any, key: str, fallback: Mapping[str, Number], extra: tuple[str, ...] = ()) -> dict[str, Number]:
+        """Compute costs completed from ``fallback`` (I and W default to B / 2 when B is given)."""
+        given = self.table(value, key, tuple(UNIT_COMPUTE) + extra)
+        costs = {op: self.number(given[op], _join(key, op)) for op in UNIT_COMPUTE if op in given}
+        for op in _HALF_OF_B:
+            if op not in costs and "B" in costs:
+                costs[op] = _ratio(costs["B"], 2)
+        return {op: costs.get(op, fallback[op]) for op in UNIT_COMPUTE}
+
+    def link(self, value: Any, key: str, extra: tuple[str, ...] = ()) -> tuple[Number | None, Number | None, Mapping[str, Any]]:
+        """(latency, bandwidth, the object) of a link object; absent fields are None."""
+        given = self.table(value, key, ("latency", "bandwidth") + extra)
+        latency = self.number(given["latency"], _join(key, "latency")) if "latency" in given else None
+        bandwidth = self.number(given["bandwidth"], _join(key, "bandwidth"), positive=True) if "bandwidth" in given else None
+        return latency, bandwidth, given
+
+    def pair(self, text: str, key: str) -> tuple[int, int]:
+        """A ``"a-b"`` pair key as (low, high) distinct ranks."""
+        pieces = text.split("-")
+        if len(pieces) != 2 or not all(p.isdigit() for p in pieces):
+            raise self.fail(key, f"expected a pair of ranks written 'a-b', got {text!r}")
+        a, b = int(pieces[0]), int(pieces[1])
+        if a == b:
+            raise self.fail(key, "a pair needs two different ranks")
+        return min(a, b), max(a, b)
+
+    # -- sections --------------------------------------------------------------
+
+    def compute_section(self, value: Any) -> dict[str, Any]:
+        defaults = self.op_costs(value, "compute", UNIT_COMPUTE, extra=("per_chunk",))
+        per_chunk = []
+        chunks = self.table(value.get("per_chunk", {}), "compute.per_chunk", None)
+        for text, overrides in chunks.items():
+            key = _join("compute.per_chunk", text)
+            chunk = self.index(text, key)
+            merged = self.op_costs(overrides, key, defaults)
+            # store only what differs, so equal models compare equal
+            per_chunk += [(chunk, op, cost) for op, cost in merged.items() if cost != defaults[op]]
+        return {"ops": tuple(sorted(defaults.items())), "per_chunk": tuple(sorted(per_chunk))}
+
+    def links_section(self, value: Any) -> dict[str, Any]:
+        latency, bandwidth, given = self.link(value, "links", extra=("bytes", "node_size", "inter_node", "pairs"))
+        default = Link().overridden(latency, bandwidth)
+        sizes = self.table(given.get("bytes", {}), "links.bytes", MESSAGE_KINDS)
+        message_bytes = tuple((kind, self.number(sizes[kind], _join("links.bytes", kind)) if kind in sizes else 0) for kind in MESSAGE_KINDS)
+        node_size = 0
+        if "node_size" in given:
+            node_size = self.number(given["node_size"], "links.node_size", positive=True)
+            if not isinstance(node_size, int):
+                raise self.fail("links.node_size", f"expected a whole number of ranks, got {node_size}")
+        inter_node = None
+        if "inter_node" in given:
+            inter_latency, inter_bandwidth, _ = self.link(given["inter_node"], "links.inter_node")
+            inter_node = default.overridden(inter_latency, inter_bandwidth)
+        pairs = []
+        for text, pair_value in self.table(given.get("pairs", {}), "links.pairs", None).items():
+            key = _join("links.pairs", text)
+            low, high = self.pair(text, key)
+            pair_latency, pair_bandwidth, _ = self.link(pair_value, key)
+            # None fields inherit, at lookup time, from the link the pair would otherwise use
+            pairs.append((low, high, Link(pair_latency, pair_bandwidth)))
+        if len({(a, b) for a, b, _ in pairs}) != len(pairs):
+            raise self.fail("links.pairs", "the same pair of ranks is given twice")
+        return {
+            "link": default,
+            "message_bytes": message_bytes,
+            "node_size": node_size,
+            "inter_node": inter_node,
+            "pairs": tuple(sorted(pairs, key=lambda p: (p[0], p[1]))),
+        }
+
+    def allreduce_section(self, value: Any) -> dict[str, Any]:
+        latency, bandwidth, given = self.link(value, "allreduce", extra=("bytes",))
+        nbytes = self.number(given["bytes"], "allreduce.bytes") if "bytes" in given else 0
+        return {"allreduce_link": Link().overridden(latency, bandwidth), "allreduce_bytes": nbytes}
+
+
+# Top-level key -> the reader section that turns its value into CostModel fields.
+_SECTIONS = {
+    "compute": _Reader.compute_section,
+    "links": _Reader.links_section,
+    "allreduce": _Reader.allreduce_section,
+}
+
+
+def costs_from_json(data: Any, path: str = "<costs>") -> CostModel:
+    """Build a ``CostModel`` from a parsed cost file.
+
+    Args:
+        data: the JSON value (see the module docstring for the format).
+        path: the file name to put in error messages.
+    Returns:
+        the model; omitted sections keep the unit model's values.
+    Raises:
+        CostFileError: naming ``path`` and the offending key.
+    """
+    reader = _Reader(path)
+    top = reader.table(data, "top level", tuple(_SECTIONS))
+    fields: dict[str, Any] = {}
+    for name, section in _SECTIONS.items():
+        if name in top:
+            fields.update(section(reader, top[name]))
+    return CostModel(**fields)
+
+
+def load_costs(path: str) -> CostModel:
+    """Read and validate a JSON cost file.
+
+    Args:
+        path: the file.
+    Returns:
+        its ``CostModel``.
+    Raises:
+        CostFileError: unreadable file, not JSON, or any invalid key or value.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise CostFileError(f"{path}: cannot read the cost file: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise CostFileError(f"{path}: the cost file is not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CostFileError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}") from None
+    return costs_from_json(data, path)
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key != "top level" else name
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages."""
+    names = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
+    for python_type, name in names:
+        if isinstance(value, python_type):
+            if python_type is str:
+                return f"the string {value!r}"
+            return name
+    return "null"
