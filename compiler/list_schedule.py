@@ -189,21 +189,31 @@ def _finish(kind, sid, m, now, spec, remaining, release, costs, stage_rank, back
 
 
 def _stall(spec, orders, ready, pending, alive) -> ScheduleError:
+    """Explain why no rank can start anything although tasks remain."""
     policy = spec.policy
     for rank in range(spec.num_ranks):
-        waiting = [(k, sid, m) for k, heap in ready[rank].items() for _, _, m, sid in heap]
-        if waiting:
-            kind, sid, m = min(waiting)
-            s = sid % spec.num_stages
-            reason = (
-                f"its in-flight limit {policy.inflight[rank]} is reached ({alive[rank]} activations alive)"
-                if kind == "F"
-                else "nothing else is runnable"
+        waiting = sorted((k, sid, m) for k, heap in ready[rank].items() for _, _, m, sid in heap)
+        if not waiting:
+            continue
+        kind, sid, m = waiting[0]
+        task = f"{kind}({sid % spec.num_stages}, {m})"
+        limit = policy.inflight[rank]
+        if kind == "F" and limit is not None and alive[rank] >= limit:
+            why = (
+                f"its in-flight limit {limit} is reached ({alive[rank]} activations alive) and no backward "
+                f"that would free one can run anywhere; raise the limit"
             )
-            return ScheduleError(
-                f"the greedy policy stalls: rank {rank} holds ready {kind}({s}, {m}) but {reason}, "
-                f"and no backward that would free memory can run anywhere; raise the in-flight limit",
-                spec.order_span,
-                spec.source,
+        elif policy.warmup[rank] is not None:
+            why = (
+                f"its warm-up/alternation discipline (warmup {policy.warmup[rank]}) wants another kind of task "
+                f"that can never become ready; change the warm-up count"
             )
-    return ScheduleError("the greedy policy stalls: no rank can start a task", spec.order_span, spec.source)
+        else:
+            why = "its policy does not allow it"
+        done = len(orders[rank])
+        return ScheduleError(
+            f"the greedy policy stalls: rank {rank} has run {done} tasks and holds ready {task}, but {why}",
+            spec.order_span,
+            spec.source,
+        )
+    return ScheduleError("the greedy policy stalls: no rank holds a ready task", spec.order_span, spec.source)

@@ -102,6 +102,17 @@ class Let(Node):
 
 
 @dataclass(frozen=True)
+class FuncDef(Node):
+    """``def name(a, b) = expr``: a named integer expression with parameters."""
+
+    name: str
+    name_span: Span
+    params: tuple[str, ...]
+    param_spans: tuple[Span, ...]
+    body: Expr
+
+
+@dataclass(frozen=True)
 class Task(Node):
     """``F(stage, mb)``; the stage is the position along the microbatch's pipeline."""
 
@@ -229,7 +240,7 @@ class GreedyOrder(Node):
     prefer: tuple[Prefer, ...]
 
 
-Decl = Require | Let | Stages | Pipelines | Route | Place | DeviceMap | Backward | ExplicitOrder | GreedyOrder
+Decl = Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | ExplicitOrder | GreedyOrder
 
 
 @dataclass(frozen=True)

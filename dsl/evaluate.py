@@ -33,6 +33,9 @@ class Binding:
     slot: int
     type: str
     span: Span
+    # For a user function: its parameters' slots and its compiled body.
+    param_slots: tuple[int, ...] = ()
+    body: "Fn | None" = None
 
 
 class Scope:
@@ -109,6 +112,23 @@ class Resolver:
         scope.names[name] = binding
         return binding
 
+    def define_function(self, scope: Scope, node: ast.FuncDef) -> None:
+        """Resolve ``def name(params) = body`` and bind ``name`` in ``scope``.
+
+        The body sees the names visible at the definition and its parameters;
+        the function's own name is bound only after, so it cannot recurse.
+        """
+        inner = scope.child()
+        slots = tuple(self.bind(inner, p, INT, s).slot for p, s in zip(node.params, node.param_spans))
+        body, type_ = self.expr(node.body, inner)
+        if type_ == KEY:
+            self.error("a function returns an integer or a boolean, not a priority key", node.body.span)
+        previous = scope.lookup(node.name)
+        if node.name in RESERVED or previous is not None:
+            self.bind(scope, node.name, type_, node.name_span)  # reports the clash
+            return
+        scope.names[node.name] = Binding(-1, type_, node.name_span, slots, body)
+
     def new_env(self) -> list:
         return [None] * self.slot_count
 
@@ -146,6 +166,9 @@ class Resolver:
 
     def _Name(self, node: ast.Name, scope: Scope):
         binding = scope.lookup(node.id)
+        if binding is not None and binding.body is not None:
+            self.error(f"'{node.id}' is a function; call it: {node.id}(...)", node.span)
+            return (lambda env: 0), ERROR
         if binding is None:
             hint = _did_you_mean(node.id, scope)
             self.error(f"unknown name '{node.id}'{hint}", node.span)
@@ -215,6 +238,9 @@ class Resolver:
         return (lambda env: then(env) if cond(env) else otherwise(env)), result
 
     def _Call(self, node: ast.Call, scope: Scope):
+        user = scope.lookup(node.func)
+        if user is not None and user.body is not None:
+            return self._call_user(node, user, scope)
         builtin = _BUILTINS.get(node.func)
         if builtin is None:
             known = ", ".join(sorted(_BUILTINS))
@@ -236,6 +262,29 @@ class Resolver:
             first, second = args
             return (lambda env: impl(first(env), second(env))), INT
         return (lambda env: impl(*(a(env) for a in args))), INT
+
+    def _call_user(self, node: ast.Call, user: Binding, scope: Scope):
+        if len(node.args) != len(user.param_slots):
+            self.error(f"{node.func}() takes {len(user.param_slots)} argument(s), got {len(node.args)}", node.span)
+            return (lambda env: 0), ERROR
+        args = [self.expect(a, scope, INT, f"an argument of {node.func}()") for a in node.args]
+        slots, body = user.param_slots, user.body
+        if len(args) == 1:
+            (arg,), (slot,) = args, slots
+
+            def call_one(env):
+                env[slot] = arg(env)
+                return body(env)
+
+            return call_one, user.type
+
+        def call(env):
+            values = [a(env) for a in args]  # all arguments before any parameter is set
+            for slot, value in zip(slots, values):
+                env[slot] = value
+            return body(env)
+
+        return call, user.type
 
     def _Tuple(self, node: ast.Tuple, scope: Scope):
         items = [self.expect(i, scope, INT, "an item of a priority key") for i in node.items]

@@ -106,9 +106,23 @@ def _friendly(error: lark.exceptions.UnexpectedInput, source: str, path: str) ->
         message += _expected(error.accepts or error.expected)
     else:  # pragma: no cover - lark has no other kinds today
         message = "syntax error"
+    if not hint and isinstance(error, lark.exceptions.UnexpectedToken):
+        hint = _fallback_hint(str(error.token), error.accepts or error.expected)
     if hint:
         message += f" ({hint})"
     return ParseError(message, Span(path, line, column), source)
+
+
+def _fallback_hint(token: str, expected) -> str | None:
+    """Hints that hold whatever surrounds the mistake (``match_examples`` keys on
+    the whole parser state, so its examples miss some contexts)."""
+    names = set(expected or ())
+    range_expected = any(_terminal_text(n) == "'..'" for n in names)
+    if range_expected and token in ("to", "range", ":", "in"):
+        return "a range is written `a .. b` (half-open), not `to` or `range()`"
+    if token == "=" and "COMPARE" in names:
+        return "`=` assigns only in `let`; compare with `==`"
+    return None
 
 
 def _end_of(source: str) -> tuple[int, int]:
@@ -130,7 +144,7 @@ _TERMINAL_TEXT = {
     "SEMICOLON": "';'", "EQUAL": "'='", "COMPARE": "a comparison", "ADD": "'+' or '-'",
     "MUL": "'*', '/' or '%'", "MINUS": "'-'", "QMARK": "'?'", "TASK_KIND": "F, B, I or W",
     "PARAM_TYPE": "a type (ranks, microbatches, chunks, int, bool)", "BACKWARD_MODE": "full or split",
-    "__ANON_0": "'..'", "LESSTHAN": "'<'", "MORETHAN": "'>'",
+"LESSTHAN": "'<'", "MORETHAN": "'>'",
 }
 
 
@@ -141,13 +155,7 @@ def _expected(names) -> str:
     for name in sorted(names):
         if name.startswith("$"):
             continue
-        text = _TERMINAL_TEXT.get(name)
-        if text is None:
-            try:
-                pattern = _parser().get_terminal(name).pattern
-                text = f"'{pattern.value}'" if pattern.type == "str" else name.lower()
-            except KeyError:
-                text = name.lower()
+        text = _terminal_text(name)
         if text not in shown:
             shown.append(text)
     if not shown:
@@ -155,6 +163,17 @@ def _expected(names) -> str:
     if len(shown) > 8:
         shown = shown[:8] + ["..."]
     return "; expected " + ", ".join(shown)
+
+
+def _terminal_text(name: str) -> str:
+    text = _TERMINAL_TEXT.get(name)
+    if text is not None:
+        return text
+    try:
+        pattern = _parser().get_terminal(name).pattern
+    except KeyError:
+        return name.lower()
+    return f"'{pattern.value}'" if pattern.type == "str" else name.lower()
 
 
 # ------------------------------------------------------------ tree -> AST
@@ -242,6 +261,18 @@ class _ToAst(Transformer):
     def let(self, meta, children):
         name, value = children
         return ast.Let(self._span(meta), str(name), _span_of(self.path, name), value)
+
+    def func(self, meta, children):
+        name, *params, body = children
+        params = [p for p in params if p is not None]
+        return ast.FuncDef(
+            self._span(meta),
+            str(name),
+            _span_of(self.path, name),
+            tuple(str(p) for p in params),
+            tuple(_span_of(self.path, p) for p in params),
+            body,
+        )
 
     def block(self, meta, children):
         return tuple(c for c in children if isinstance(c, ast.Node))

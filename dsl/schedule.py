@@ -446,7 +446,9 @@ def _resolve_params(out: ResolvedSchedule, schedule: ast.Schedule, scope: Scope)
 
 def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
     resolver = out.resolver
-    if isinstance(decl, ast.Let):
+    if isinstance(decl, ast.FuncDef):
+        resolver.define_function(scope, decl)
+    elif isinstance(decl, ast.Let):
         fn, type_ = resolver.expr(decl.value, scope)
         if type_ == KEY:
             resolver.error("a `let` holds an integer or a boolean, not a priority key", decl.value.span)

@@ -16,6 +16,7 @@ from pipec.errors import PipecError
 
 # Subcommand modules, in the order ``pipec --help`` lists them.
 COMMANDS = (
+    "demo",
     "list",
     "check",
     "compile",
