@@ -1,0 +1,301 @@
+"""A ``Program`` as JSON: what ``pipec compile --json`` writes and the runtime loads.
+
+The format, version 1::
+
+    {"format": "pipec-program", "version": 1,
+     "name": str, "params": {str: int}, "source": str,
+     "num_ranks": int, "num_microbatches": int,
+     "stages": [{"id", "rank", "pipeline", "position"}, ...],
+     "pipelines": [[stage id, ...], ...], "mb_pipeline": [pipeline, ...],
+     "devices": [device, ...] | null,
+     "ranks": [[instruction, ...], ...]}
+
+An instruction is ``{"op", "text", "stage", "mb", "peer", "parts"}``: ``op`` and
+``text`` (torch's token, e.g. ``2F0``) always; ``stage``, ``mb`` and ``peer``
+only when set (an absent one reads back as -1, the IR's "none"); ``parts``, a
+list of instructions, only for a ``BATCH``. ``text`` is redundant and checked on
+load: it is there for people and tools that read the file, and a hand edit that
+changes one but not the other is caught instead of silently believed.
+
+``program_from_json(program_to_json(p)) == p`` for every program. Loading
+validates structure and ranges and reports the first problem as an
+``ImportError_`` (at ``rank R, step S`` for an instruction); the semantic
+checks (dataflow, matching, deadlock) stay in ``pipec.compiler.checks``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pipec.compiler.ir import (
+    ALLREDUCE_GRAD,
+    ALLREDUCE_WAIT,
+    BATCH,
+    COMM_OPS,
+    COMPUTE_OPS,
+    FREE_F,
+    NO_PEER,
+    Action,
+    Program,
+    StageInfo,
+)
+# The cyclic GC rescans every object built so far each time allocations trigger
+# it; these passes build hundreds of thousands of acyclic ones.
+from pipec.compiler.simulate import _gc_paused
+from pipec.errors import ImportError_
+
+# Action._make skips NamedTuple's keyword handling: about 3x cheaper per instruction.
+_make_action = Action._make
+
+FORMAT = "pipec-program"
+VERSION = 1
+
+# Which instruction fields each op must carry (others are optional and default
+# to -1). A BATCH carries parts instead.
+_REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    **{op: ("stage", "mb") for op in COMPUTE_OPS},
+    **{op: ("stage", "mb", "peer") for op in COMM_OPS},
+    FREE_F: ("stage", "mb"),
+    ALLREDUCE_GRAD: ("stage",),
+    ALLREDUCE_WAIT: ("stage",),
+    BATCH: ("parts",),
+}
+
+
+# ------------------------------------------------------------------------ write
+
+
+def program_to_json(program: Program) -> dict:
+    """Encode a program as a JSON-ready dict.
+
+    Args:
+        program: any ``Program``.
+    Returns:
+        a dict of plain lists, dicts, strings and ints in the version-1 format;
+        ``json.dumps`` it to write a file.
+    """
+    with _gc_paused():
+        ranks = [[_instruction_to_json(a) for a in row] for row in program.ranks]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": program.name,
+        "params": dict(program.params),
+        "source": program.source,
+        "num_ranks": program.num_ranks,
+        "num_microbatches": program.num_microbatches,
+        "stages": [
+            {"id": s.id, "rank": s.rank, "pipeline": s.pipeline, "position": s.position}
+            for s in program.stages
+        ],
+        "pipelines": [list(line) for line in program.pipelines],
+        "mb_pipeline": list(program.mb_pipeline),
+        "devices": None if program.devices is None else list(program.devices),
+        "ranks": ranks,
+    }
+
+
+def _instruction_to_json(action: Action) -> dict:
+    out: dict[str, Any] = {"op": action.op, "text": action.text()}
+    if action.stage != -1:
+        out["stage"] = action.stage
+    if action.mb != -1:
+        out["mb"] = action.mb
+    if action.peer != NO_PEER:
+        out["peer"] = action.peer
+    if action.parts:
+        out["parts"] = [_instruction_to_json(p) for p in action.parts]
+    return out
+
+
+# ------------------------------------------------------------------------- read
+
+
+def program_from_json(data: dict) -> Program:
+    """Decode (and validate) a version-1 program dict.
+
+    Args:
+        data: the parsed JSON, as written by ``program_to_json``.
+    Returns:
+        the ``Program`` it describes.
+    Raises:
+        ImportError_: a missing or mistyped field, an unknown op, an index out
+            of range, or an instruction whose ``text`` disagrees with its fields.
+    """
+    if not isinstance(data, dict):
+        raise ImportError_(f"a pipec program is a JSON object, not {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise ImportError_(f"not a pipec program: \"format\" is {data.get('format')!r}, expected {FORMAT!r}")
+    if data.get("version") != VERSION or type(data.get("version")) is not int:
+        raise ImportError_(f"unsupported pipec program version {data.get('version')!r}; this pipec reads version {VERSION}")
+
+    name = _get(data, "name", str)
+    source = data.get("source", "")
+    if not isinstance(source, str):
+        raise ImportError_("field \"source\" must be a string")
+    params = _get(data, "params", dict)
+    for key, value in params.items():
+        if type(value) is not int:
+            raise ImportError_(f"parameter {key!r} must be an integer, got {value!r}")
+    num_ranks = _get_int(data, "num_ranks", low=1)
+    num_microbatches = _get_int(data, "num_microbatches", low=0)
+    stages = _read_stages(_get(data, "stages", list), num_ranks)
+    pipelines = _read_pipelines(_get(data, "pipelines", list), stages)
+    mb_pipeline = _read_int_list(_get(data, "mb_pipeline", list), "mb_pipeline", len(pipelines))
+    if len(mb_pipeline) != num_microbatches:
+        raise ImportError_(f"\"mb_pipeline\" has {len(mb_pipeline)} entries for {num_microbatches} microbatches")
+    devices = data.get("devices")
+    if devices is not None:
+        if not isinstance(devices, list):
+            raise ImportError_("field \"devices\" must be a list or null")
+        devices = _read_int_list(devices, "devices", None)
+        if len(devices) != num_ranks:
+            raise ImportError_(f"\"devices\" has {len(devices)} entries for {num_ranks} ranks")
+    raw_ranks = _get(data, "ranks", list)
+    if len(raw_ranks) != num_ranks:
+        raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
+    limits = (len(stages), num_microbatches, num_ranks)
+    ranks = []
+    with _gc_paused():
+        for r, row in enumerate(raw_ranks):
+            if not isinstance(row, list):
+                raise ImportError_(f"rank {r}'s instructions must be a list", rank=r)
+            ranks.append(_read_row(row, r, limits, raw_ranks))
+    return Program(
+        name=name,
+        num_ranks=num_ranks,
+        num_microbatches=num_microbatches,
+        stages=stages,
+        pipelines=pipelines,
+        mb_pipeline=mb_pipeline,
+        ranks=ranks,
+        params=dict(params),
+        devices=devices,
+        source=source,
+    )
+
+
+def _get(data: dict, key: str, kind: type):
+    if key not in data:
+        raise ImportError_(f"pipec program has no field \"{key}\"")
+    value = data[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ImportError_(f"field \"{key}\" must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _get_int(data: dict, key: str, low: int) -> int:
+    value = _get(data, key, int)
+    if value < low:
+        raise ImportError_(f"field \"{key}\" must be at least {low}, got {value}")
+    return value
+
+
+def _read_int_list(values: list, what: str, bound: int | None) -> list[int]:
+    for i, v in enumerate(values):
+        if type(v) is not int or v < 0 or (bound is not None and v >= bound):
+            limit = f" in 0..{bound - 1}" if bound is not None else " >= 0"
+            raise ImportError_(f"\"{what}\"[{i}] must be an integer{limit}, got {v!r}")
+    return list(values)
+
+
+def _read_stages(raw: list, num_ranks: int) -> list[StageInfo]:
+    stages = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise ImportError_(f"stages[{i}] must be an object")
+        fields = []
+        for key in ("id", "rank", "pipeline", "position"):
+            value = entry.get(key)
+            if type(value) is not int or value < 0:
+                raise ImportError_(f"stages[{i}].{key} must be a non-negative integer, got {value!r}")
+            fields.append(value)
+        if fields[0] != i:
+            raise ImportError_(f"stages[{i}] has id {fields[0]}; stage ids must equal their index")
+        if fields[1] >= num_ranks:
+            raise ImportError_(f"stage {i} is on rank {fields[1]}, but there are {num_ranks} ranks")
+        stages.append(StageInfo(*fields))
+    return stages
+
+
+def _read_pipelines(raw: list, stages: list[StageInfo]) -> list[list[int]]:
+    pipelines = []
+    for p, line in enumerate(raw):
+        if not isinstance(line, list):
+            raise ImportError_(f"pipelines[{p}] must be a list of stage ids")
+        pipelines.append(_read_int_list(line, f"pipelines[{p}]", len(stages)))
+    # The stage table and the pipelines say the same thing twice; next_stage()
+    # and prev_stage() rely on them agreeing.
+    for info in stages:
+        if info.pipeline >= len(pipelines) or info.position >= len(pipelines[info.pipeline]) \
+                or pipelines[info.pipeline][info.position] != info.id:
+            raise ImportError_(
+                f"stage {info.id} says it is at position {info.position} of pipeline {info.pipeline}, "
+                f"but \"pipelines\" disagrees"
+            )
+    return pipelines
+
+
+def _read_row(row: list, rank: int, limits: tuple[int, int, int], raw_ranks: list) -> list[Action]:
+    actions = []
+    for step, obj in enumerate(row):
+        try:
+            actions.append(_read_instruction(obj, limits, inside_batch=False))
+        except _BadInstruction as bad:
+            raise ImportError_(str(bad), rank=rank, step=step, grid=_raw_grid(raw_ranks)) from None
+    return actions
+
+
+class _BadInstruction(Exception):
+    """Internal: what is wrong with one instruction; located by the caller."""
+
+
+def _read_instruction(obj: Any, limits: tuple[int, int, int], inside_batch: bool) -> Action:
+    if not isinstance(obj, dict):
+        raise _BadInstruction(f"an instruction must be an object, got {obj!r}")
+    get = obj.get
+    op = get("op")
+    required = _REQUIRED_FIELDS.get(op) if isinstance(op, str) else None
+    if required is None:
+        raise _BadInstruction(f"unknown op {op!r}; known: {', '.join(_REQUIRED_FIELDS)}")
+    if inside_batch and op not in COMM_OPS:
+        raise _BadInstruction(f"a BATCH may only hold sends and receives, not {op}")
+    num_stages, num_microbatches, num_ranks = limits
+    stage, mb, peer = get("stage", -1), get("mb", -1), get("peer", -1)
+    # one combined test for the common, valid case; _index says what is wrong otherwise
+    if not (type(stage) is int and type(mb) is int and type(peer) is int
+            and -1 <= stage < num_stages and -1 <= mb < num_microbatches and -1 <= peer < num_ranks):
+        _index(obj, "stage", num_stages)
+        _index(obj, "mb", num_microbatches)
+        _index(obj, "peer", num_ranks)
+    for key in required:
+        if key not in obj:
+            raise _BadInstruction(f"{op} instruction needs field \"{key}\"")
+    parts: tuple[Action, ...] = ()
+    if op == BATCH:
+        raw_parts = obj["parts"]
+        if not isinstance(raw_parts, list) or not raw_parts:
+            raise _BadInstruction("a BATCH needs a non-empty list \"parts\"")
+        parts = tuple(_read_instruction(p, limits, inside_batch=True) for p in raw_parts)
+    elif "parts" in obj:
+        raise _BadInstruction(f"only a BATCH has \"parts\", not {op}")
+    action = _make_action((stage, op, mb, peer, parts))
+    text = get("text")
+    if text != action.text():
+        raise _BadInstruction(f"\"text\" is {text!r} but the fields say {action.text()!r}")
+    return action
+
+
+def _index(obj: dict, key: str, bound: int) -> None:
+    """Raise if an optional index field is neither absent/-1 nor an int in 0..bound-1."""
+    value = obj.get(key, -1)
+    if type(value) is not int or not -1 <= value < bound:
+        raise _BadInstruction(f"\"{key}\" must be an integer in 0..{bound - 1}, got {value!r}")
+
+
+def _raw_grid(raw_ranks: list) -> list[list[str]]:
+    """The ranks as text for an error window, tolerating malformed entries."""
+    grid = []
+    for row in raw_ranks:
+        cells = row if isinstance(row, list) else []
+        grid.append([str(c.get("text", "?")) if isinstance(c, dict) else "?" for c in cells])
+    return grid

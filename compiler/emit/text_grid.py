@@ -1,0 +1,48 @@
+"""A ``Program`` as a readable text grid: one line per rank, steps in columns.
+
+    schedule 1f1b (N=4, P=2): 2 ranks, 2 stages, 4 microbatches, 16 instructions
+    rank 0 | 0F0  0SEND_F0  0F1  ...
+    rank 1 | 1RECV_F0  1F0  ...
+
+Each column (step) is as wide as its widest token, so a step lines up across
+ranks. Steps are positions in each rank's list, not times: the simulator's
+timeline is what ``render`` draws.
+"""
+from __future__ import annotations
+
+from pipec.compiler.ir import Program
+
+
+def format_text_grid(program: Program) -> str:
+    """The program's per-rank instruction lists as an aligned text grid.
+
+    Args:
+        program: any ``Program``.
+    Returns:
+        a header line naming the schedule and its parameters, then one line
+        ``rank R | tok tok ...`` per rank; ends with a newline.
+    """
+    grid = program.grid()
+    columns = max((len(row) for row in grid), default=0)
+    widths = [0] * columns
+    for row in grid:
+        for step, text in enumerate(row):
+            if len(text) > widths[step]:
+                widths[step] = len(text)
+    label_width = len(f"rank {max(len(grid) - 1, 0)}")
+    lines = [_header(program)]
+    for rank, row in enumerate(grid):
+        cells = " ".join(text.ljust(widths[step]) for step, text in enumerate(row))
+        lines.append(f"{'rank ' + str(rank):<{label_width}} | {cells}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _header(program: Program) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in sorted(program.params.items()))
+    name = program.name or "(unnamed)"
+    if params:
+        name += f" ({params})"
+    return (
+        f"schedule {name}: {program.num_ranks} ranks, {len(program.stages)} stages, "
+        f"{program.num_microbatches} microbatches, {program.instruction_count()} instructions"
+    )

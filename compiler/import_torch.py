@@ -1,0 +1,280 @@
+"""Read a torch.distributed.pipelining schedule CSV into a ``Program``.
+
+torch writes a schedule as a CSV with one row per rank and one action token per
+cell (``PipelineScheduleMulti._dump_csv``; ``_PipelineScheduleRuntime._dump_csv``
+adds communication). A token is ``<stage><type><microbatch>``, e.g. ``2F0``,
+``3SEND_B1``, ``0UNSHARD``; a cell may also hold torch's sub-action form
+``(a;b)OVERLAP_F_B``. How pipec reads them:
+
+* Compute (F, B, I, W) and point-to-point tokens (SEND_F, RECV_F, SEND_B,
+  RECV_B) become instructions. Tokens must match whole (torch's regex matches a
+  prefix; ``1F0x`` is an error here, not ``1F0``).
+* ``(a;b)OVERLAP_F_B`` becomes its sub-actions, in order: it runs a forward and
+  a backward of different stages together, and the dataflow and message order
+  it must respect are those of running them one after the other.
+* UNSHARD, RESHARD and REDUCE_GRAD are skipped: they are FSDP's all-gathers and
+  data-parallel gradient reductions, outside the pipeline's dataflow.
+* Empty cells (torch's idle steps) are ignored.
+* The stage -> rank mapping is where each stage's compute appears (a stage on
+  two ranks is an error); stages form one chain 0..S-1 (stage s+1 follows s),
+  and N = 1 + the largest microbatch index.
+
+A compute-only CSV gets pipec's communication (``insert_communication``) and is
+checked under rendezvous semantics, the strictest; a CSV with communication is
+checked as written, under torch's own runtime semantics ("async": sends and
+receives posted in order, a receive waited at first use).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+
+from pipec.compiler.checks import check_all
+from pipec.compiler.costs import CostModel
+from pipec.compiler.ir import COMM_OPS, COMPUTE_OPS, NO_PEER, RECV_B, RECV_F, SEND_B, SEND_F, Action, Program, single_pipeline
+from pipec.compiler.lower_comms import insert_communication
+# The cyclic GC rescans every object built so far each time allocations trigger
+# it; reading builds hundreds of thousands of acyclic ones.
+from pipec.compiler.simulate import SimResult, _gc_paused, simulate
+from pipec.errors import ImportError_, UsageError, WellFormedError
+
+# torch's action token (schedules.py's _action_regex), matched whole.
+_TOKEN = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
+# torch's sub-action form: (a;b;...)TYPE
+_GROUP = re.compile(r"\(([^()]*)\)([A-Z_]+)")
+
+# What each torch action type becomes.
+_COMPUTE, _COMM, _SKIP = "compute", "comm", "skip"
+_KIND = {
+    **{op: _COMPUTE for op in COMPUTE_OPS},
+    **{op: _COMM for op in COMM_OPS},
+    "UNSHARD": _SKIP,
+    "RESHARD": _SKIP,
+    "REDUCE_GRAD": _SKIP,
+}
+# Action._make skips NamedTuple's keyword handling: about 3x cheaper per instruction.
+_make_action = Action._make
+# Sub-action containers read as their parts in order. torch writes only
+# OVERLAP_F_B (a forward and a backward of two stages run together).
+_GROUPS = {"OVERLAP_F_B"}
+# The stage at the other end of a message, relative to the token's stage: a send
+# names its producer and a receive its consumer (torch's convention and pipec's).
+_NEIGHBOUR = {SEND_F: +1, RECV_F: -1, SEND_B: -1, RECV_B: +1}
+
+
+class _BadToken(Exception):
+    """Internal: why one cell cannot be read; located by the caller."""
+
+
+def read_torch_csv(text: str, source: str = "<csv>") -> tuple[Program, bool]:
+    """Parse torch's schedule CSV.
+
+    Args:
+        text: the CSV, one row per rank.
+        source: where it came from, for messages and ``Program.source``.
+    Returns:
+        (program, had_comms): the program exactly as written (no communication
+        added, nothing checked beyond what reading needs) and whether the CSV
+        held send/recv tokens.
+    Raises:
+        ImportError_: a token that is not torch's, a microbatch-less compute or
+            communication token, a stage that never computes, a message whose
+            stage is not on its rank or has no neighbour; located at
+            ``rank R, step S`` (S = the CSV column) with the grid.
+        WellFormedError: a stage whose compute appears on two ranks.
+    """
+    grid = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    while grid and not any(grid[-1]):
+        grid.pop()  # trailing blank lines are not ranks
+    if not grid:
+        raise ImportError_(f"{source}: empty schedule CSV")
+    reader = _Reader(grid)
+    with _gc_paused():
+        for rank, row in enumerate(grid):
+            reader.read_row(rank, row)
+        ranks, home, num_microbatches, had_comms = reader.finish()
+    stages, pipelines, mb_pipeline = single_pipeline(len(grid), home, num_microbatches)
+    program = Program(
+        name=_name_of(source),
+        num_ranks=len(grid),
+        num_microbatches=num_microbatches,
+        stages=stages,
+        pipelines=pipelines,
+        mb_pipeline=mb_pipeline,
+        ranks=ranks,
+        source=source,
+    )
+    return program, had_comms
+
+
+class _Reader:
+    """One pass over the cells, then one over the messages (whose peers need every stage's home)."""
+
+    def __init__(self, grid: list[list[str]]):
+        self.grid = grid
+        self.ranks: list[list[Action | None]] = []
+        self.first_seen: dict[int, tuple[int, int]] = {}  # stage -> (rank, column) of its first compute
+        self.messages: list[tuple[int, int, int, int, str, int]] = []  # (rank, index, column, stage, op, mb)
+        self.max_mb = -1
+
+    def read_row(self, rank: int, row: list[str]) -> None:
+        self.actions: list[Action | None] = []
+        self.ranks.append(self.actions)
+        add, token = self._add, _TOKEN.fullmatch
+        for column, cell in enumerate(row):
+            if not cell:
+                continue
+            match = token(cell)
+            if match is not None and match[3]:
+                add(rank, column, int(match[1]), match[2], int(match[3]))  # the common case
+                continue
+            try:
+                leaves = _parse_cell(cell)
+            except _BadToken as bad:
+                raise ImportError_(str(bad), rank=rank, step=column, grid=self.grid) from None
+            for stage, op, mb in leaves:
+                add(rank, column, stage, op, mb)
+
+    def _add(self, rank: int, column: int, stage: int, op: str, mb: int) -> None:
+        kind = _KIND[op]
+        if kind is _COMPUTE:
+            self.actions.append(_make_action((stage, op, mb, NO_PEER, ())))
+            if mb > self.max_mb:
+                self.max_mb = mb
+            seen = self.first_seen.get(stage)
+            if seen is None:
+                self.first_seen[stage] = (rank, column)
+            elif seen[0] != rank:
+                raise WellFormedError(
+                    f"stage {stage} computes on rank {seen[0]} (step {seen[1]}) and on rank {rank}; "
+                    "a stage has exactly one home rank",
+                    rank=rank, step=column, grid=self.grid, marks=[seen],
+                )
+        elif kind is _COMM:
+            # its peer is known only once every stage's home is: filled in by finish()
+            self.messages.append((rank, len(self.actions), column, stage, op, mb))
+            self.actions.append(None)
+
+    def finish(self) -> tuple[list[list[Action]], list[int], int, bool]:
+        """(ranks, stage homes, N, had_comms), with every message's peer resolved."""
+        first_seen = self.first_seen
+        if not first_seen:
+            raise ImportError_("the schedule CSV has no compute action (F, B, I or W)")
+        num_stages = 1 + max(first_seen)
+        missing = [s for s in range(num_stages) if s not in first_seen]
+        if missing:
+            raise ImportError_(
+                f"stage(s) {', '.join(map(str, missing))} never compute, but stage {num_stages - 1} does; "
+                "torch's stages form one chain 0..S-1"
+            )
+        home = [first_seen[s][0] for s in range(num_stages)]
+        num_microbatches = self.max_mb + 1
+        for rank, index, column, stage, op, mb in self.messages:
+            try:
+                peer = _message_peer(rank, stage, op, mb, home, num_microbatches)
+            except _BadToken as bad:
+                raise ImportError_(str(bad), rank=rank, step=column, grid=self.grid) from None
+            self.ranks[rank][index] = _make_action((stage, op, mb, peer, ()))
+        return self.ranks, home, num_microbatches, bool(self.messages)
+
+
+def _parse_cell(cell: str) -> list[tuple[int, str, int]]:
+    """One CSV cell as (stage, op, mb) actions; a sub-action group as its parts in order."""
+    group = _GROUP.fullmatch(cell)
+    if group is not None:
+        inner, kind = group.groups()
+        if kind not in _GROUPS:
+            raise _BadToken(f"unknown sub-action group type {kind!r} in {cell!r}; torch writes {', '.join(sorted(_GROUPS))}")
+        parts = [p.strip() for p in inner.split(";") if p.strip()]
+        if not parts:
+            raise _BadToken(f"empty sub-action group {cell!r}")
+        return [_parse_token(p) for p in parts]
+    return [_parse_token(cell)]
+
+
+def _parse_token(token: str) -> tuple[int, str, int]:
+    match = _TOKEN.fullmatch(token)
+    if match is None:
+        raise _BadToken(
+            f"{token!r} is not a torch.distributed.pipelining action "
+            "(expected <stage><type><microbatch>, e.g. 2F0, 1SEND_B3, or (a;b)OVERLAP_F_B)"
+        )
+    stage, op, mb = match.groups()
+    if not mb:
+        if _KIND[op] != _SKIP:
+            raise _BadToken(f"{token!r}: a {op} action needs a microbatch index, e.g. {token}0")
+        return int(stage), op, -1
+    return int(stage), op, int(mb)
+
+
+def _message_peer(rank: int, stage: int, op: str, mb: int, home: list[int], num_microbatches: int) -> int:
+    """The rank at the other end of a send/recv token on ``rank``."""
+    neighbour = stage + _NEIGHBOUR[op]
+    if stage < len(home) and home[stage] == rank and mb < num_microbatches and 0 <= neighbour < len(home) \
+            and home[neighbour] != rank:
+        return home[neighbour]  # the common, valid case; the messages below say what is wrong otherwise
+    token = f"{stage}{op}{mb}"
+    if stage >= len(home):
+        raise _BadToken(f"{token}: stage {stage} never computes (stages are 0..{len(home) - 1})")
+    if home[stage] != rank:
+        raise _BadToken(f"{token}: stage {stage} runs on rank {home[stage]}, so rank {rank} cannot {op.lower()} for it")
+    if mb >= num_microbatches:
+        raise _BadToken(f"{token}: microbatch {mb} never computes (microbatches are 0..{num_microbatches - 1})")
+    if not 0 <= neighbour < len(home):
+        raise _BadToken(f"{token}: stage {stage} has no stage {neighbour} to exchange with")
+    raise _BadToken(f"{token}: stages {stage} and {neighbour} are both on rank {rank}; their hand-off is local, not a message")
+
+
+def _name_of(source: str) -> str:
+    if source.startswith("<"):
+        return "torch-csv"
+    return os.path.splitext(os.path.basename(source))[0] or "torch-csv"
+
+
+# ---------------------------------------------------------- import, lower, check
+
+
+def prepare_imported(program: Program, had_comms: bool) -> Program:
+    """Make an imported program complete and prove it safe.
+
+    Args:
+        program, had_comms: what ``read_torch_csv`` returned.
+    Returns:
+        the program with pipec's communication added when the CSV had none.
+    Raises:
+        ProgramError: a check fails; a compute-only schedule is checked under
+            rendezvous semantics, one with communication under torch's "async"
+            runtime semantics, as written.
+    """
+    if had_comms:
+        check_all(program, semantics="async")
+        return program
+    program = insert_communication(program)
+    check_all(program, semantics="rendezvous")
+    return program
+
+
+def import_and_check(path: str, costs: CostModel | None = None) -> tuple[Program, SimResult]:
+    """Read, complete, check and simulate a torch schedule CSV file.
+
+    Args:
+        path: the CSV file.
+        costs: optional cost model for ``simulate`` (unit costs when None).
+    Returns:
+        (program, SimResult).
+    Raises:
+        UsageError: the file cannot be read.
+        ProgramError: the CSV is not a schedule, or a check fails.
+    """
+    try:
+        with open(path, newline="") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"{path}: cannot read: {error}") from None
+    program, had_comms = read_torch_csv(text, source=path)
+    program = prepare_imported(program, had_comms)
+    return program, simulate(program, costs)

@@ -1,0 +1,64 @@
+"""``pipec import-torch CSV``: read a torch.distributed.pipelining schedule CSV,
+complete it with communication if it has none, check it, and simulate it.
+
+Prints one summary line, or with ``--json`` the simulation as JSON plus the
+schedule's shape. Any problem with the file or the schedule is a pipec error
+(exit 1, no traceback).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from pipec.errors import UsageError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "import-torch",
+        help="check and simulate a torch.distributed.pipelining schedule CSV",
+        description=(
+            "Read a torch.distributed.pipelining schedule CSV (compute-only or with communication), "
+            "prove it safe with pipec's checks and simulate it."
+        ),
+    )
+    parser.add_argument("csv", metavar="CSV", help="torch schedule CSV, one row per rank")
+    parser.add_argument("--json", action="store_true", help="print the simulation as JSON")
+    parser.add_argument("--costs", metavar="FILE", help="cost model file for the simulator (unit costs by default)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pipec.compiler.import_torch import import_and_check
+
+    if not os.path.isfile(args.csv):
+        raise UsageError(f"{args.csv}: no such file")
+    costs = _load_costs(args.costs) if args.costs else None
+    program, result = import_and_check(args.csv, costs=costs)
+    if args.json:
+        report = result.to_json()
+        report.update(
+            num_ranks=program.num_ranks,
+            num_stages=len(program.stages),
+            num_microbatches=program.num_microbatches,
+        )
+        print(json.dumps(report))
+    else:
+        print(_summary(program, result))
+    return 0
+
+
+def _load_costs(path: str):
+    from pipec.compiler.costs import load_costs
+
+    return load_costs(path)  # a missing or bad file is a CostFileError
+
+
+def _summary(program, result) -> str:
+    peaks = " ".join(str(rank.peak_activations) for rank in result.ranks)
+    return (
+        f"{program.name}: {program.num_ranks} ranks, {len(program.stages)} stages, "
+        f"{program.num_microbatches} microbatches, {program.instruction_count()} instructions, "
+        f"makespan {result.makespan:g}, bubble ratio {result.bubble_ratio:.4f}, "
+        f"peak activations per rank [{peaks}]"
+    )
