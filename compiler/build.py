@@ -9,7 +9,7 @@ yet; that is ``lower_comms``'s job.
 from __future__ import annotations
 
 from pipec.compiler.costs import CostModel
-from pipec.compiler.ir import Action, Program, StageInfo
+from pipec.compiler.ir import NO_PEER, Action, Program, StageInfo
 from pipec.compiler.list_schedule import greedy_order
 from pipec.dsl.spec import ScheduleSpec
 
@@ -23,7 +23,8 @@ def compute_program(spec: ScheduleSpec, costs: CostModel | None = None) -> Progr
     ]
     pipelines = [[p * S + s for s in range(S)] for p in range(spec.num_pipelines)]
     order = spec.order if spec.order is not None else greedy_order(spec, costs)
-    ranks = [[Action(sid, kind, m) for kind, sid, m in row] for row in order]
+    make = Action._make  # the NamedTuple constructor's fast path
+    ranks = [[make((sid, kind, m, NO_PEER, ())) for kind, sid, m in row] for row in order]
     return Program(
         name=spec.name,
         num_ranks=spec.num_ranks,

@@ -58,11 +58,7 @@ class Scope:
         return Scope(self)
 
 
-_ARITH: dict[str, Callable[[int, int], int]] = {
-    "+": operator.add,
-    "-": operator.sub,
-    "*": operator.mul,
-}
+_ARITH = ("+", "-", "*")
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,
     "!=": operator.ne,
@@ -183,20 +179,62 @@ class Resolver:
     def _Binary(self, node: ast.Binary, scope: Scope):
         left = self.expect(node.left, scope, INT, f"the left operand of '{node.op}'")
         right = self.expect(node.right, scope, INT, f"the right operand of '{node.op}'")
+        # Order bodies run once per task: specialise the shapes that dominate
+        # them (a slot or any expression against a constant) into one closure.
+        constant = _constant(node.right)
+        if constant is not None and (node.op in _ARITH or constant != 0):
+            slot = self._slot(node.left, scope)
+            if slot is not None:
+                return _SLOT_CONST[node.op](slot, constant), INT
+            return _FN_CONST[node.op](left, constant), INT
         if node.op in _ARITH:
-            op = _ARITH[node.op]
-            return (lambda env: op(left(env), right(env))), INT
+            return _FN_FN[node.op](left, right), INT
         # / and %: floor semantics, and a located error instead of ZeroDivisionError.
-        floor_op = operator.floordiv if node.op == "/" else operator.mod
         span, source = node.right.span, self.source
+        divisor_slot = self._slot(node.right, scope)
+        if node.op == "/":
+            if divisor_slot is not None:
 
-        def divide(env):
+                def divide_by_slot(env):
+                    divisor = env[divisor_slot]
+                    if divisor == 0:
+                        raise EvalError("division by zero ('/' by a value that is 0)", span, source)
+                    return left(env) // divisor
+
+                return divide_by_slot, INT
+
+            def divide(env):
+                divisor = right(env)
+                if divisor == 0:
+                    raise EvalError("division by zero ('/' by a value that is 0)", span, source)
+                return left(env) // divisor
+
+            return divide, INT
+        if divisor_slot is not None:
+
+            def modulo_by_slot(env):
+                divisor = env[divisor_slot]
+                if divisor == 0:
+                    raise EvalError("division by zero ('%' by a value that is 0)", span, source)
+                return left(env) % divisor
+
+            return modulo_by_slot, INT
+
+        def modulo(env):
             divisor = right(env)
             if divisor == 0:
-                raise EvalError(f"division by zero ('{node.op}' by a value that is 0)", span, source)
-            return floor_op(left(env), divisor)
+                raise EvalError("division by zero ('%' by a value that is 0)", span, source)
+            return left(env) % divisor
 
-        return divide, INT
+        return modulo, INT
+
+    def _slot(self, node: ast.Node, scope: Scope) -> int | None:
+        """The slot a plain name reads, or None for anything else."""
+        if isinstance(node, ast.Name):
+            binding = scope.lookup(node.id)
+            if binding is not None and binding.body is None and binding.slot >= 0:
+                return binding.slot
+        return None
 
     def _Compare(self, node: ast.Compare, scope: Scope):
         left, left_type = self.expr(node.left, scope)
@@ -289,6 +327,37 @@ class Resolver:
     def _Tuple(self, node: ast.Tuple, scope: Scope):
         items = [self.expect(i, scope, INT, "an item of a priority key") for i in node.items]
         return (lambda env: tuple(i(env) for i in items)), KEY
+
+
+def _constant(node: ast.Node) -> int | None:
+    if isinstance(node, ast.IntLit):
+        return node.value
+    if isinstance(node, ast.Negate) and isinstance(node.operand, ast.IntLit):
+        return -node.operand.value
+    return None
+
+
+# Closure factories for arithmetic, by operator: slot (op) constant, closure (op)
+# constant, closure (op) closure. A constant divisor is never 0 here.
+_SLOT_CONST = {
+    "+": lambda s, c: lambda env: env[s] + c,
+    "-": lambda s, c: lambda env: env[s] - c,
+    "*": lambda s, c: lambda env: env[s] * c,
+    "/": lambda s, c: lambda env: env[s] // c,
+    "%": lambda s, c: lambda env: env[s] % c,
+}
+_FN_CONST = {
+    "+": lambda f, c: lambda env: f(env) + c,
+    "-": lambda f, c: lambda env: f(env) - c,
+    "*": lambda f, c: lambda env: f(env) * c,
+    "/": lambda f, c: lambda env: f(env) // c,
+    "%": lambda f, c: lambda env: f(env) % c,
+}
+_FN_FN = {
+    "+": lambda f, g: lambda env: f(env) + g(env),
+    "-": lambda f, g: lambda env: f(env) - g(env),
+    "*": lambda f, g: lambda env: f(env) * g(env),
+}
 
 
 def _article(type_: str) -> str:

@@ -20,7 +20,9 @@ from pipec.errors import ParseError, Span
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
     grammar = resources.files("pipec.grammars").joinpath("pipe.lark").read_text()
-    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    # cache=True keeps the built LALR tables in the temp folder: building them is
+    # most of the time a small compile takes.
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True, cache=True)
 
 
 def parse(source: str, path: str = "<string>") -> ast.Module:

@@ -26,6 +26,19 @@ TASK_KINDS = ("F", "B", "I", "W")
 _KIND_INDEX = {k: i for i, k in enumerate(TASK_KINDS)}
 DEFAULT_PREFER = ("B", "I", "F", "W")
 
+# Bounds that keep a mistaken program from running for hours: the loop
+# iterations one evaluation may run, and the size of the task grid.
+MAX_LOOP_ITERATIONS = 50_000_000
+MAX_TASKS = 20_000_000
+
+
+class _Budget:
+    """Loop iterations left to one evaluation (a ``for`` pays its length up front)."""
+
+    def __init__(self):
+        self.left = MAX_LOOP_ITERATIONS
+
+
 # Parameter types: the smallest value each admits.
 _PARAM_MINIMUM = {"ranks": 1, "microbatches": 1, "chunks": 1, "int": None, "bool": None}
 
@@ -63,6 +76,7 @@ class ResolvedSchedule:
     ranks_param: str = ""
     microbatches_param: str = ""
     _state: "_OrderState | None" = None
+    budget: _Budget = field(default_factory=_Budget)
 
     @property
     def name(self) -> str:
@@ -94,6 +108,7 @@ class ResolvedSchedule:
         """
         defines = dict(defines or {})
         env = self.resolver.new_env()
+        self.budget.left = MAX_LOOP_ITERATIONS
         values = self._bind_params(env, defines)
         for node, slot, fn in self.scalar_steps:
             if isinstance(node, ast.Require):
@@ -114,6 +129,14 @@ class ResolvedSchedule:
         if self.pipelines.fn is not None:
             pipelines = self._positive(self.pipelines.fn(env), "the number of pipelines", self.pipelines.node)
 
+        tasks = 3 * N * S * pipelines
+        if tasks > MAX_TASKS or P > MAX_TASKS:
+            raise EvalError(
+                f"{P} ranks x {pipelines} pipeline(s) x {S} stages x {N} microbatches is beyond pipec's limit "
+                f"of {MAX_TASKS} tasks",
+                self.stages.node.span,
+                self.source,
+            )
         mb_pipeline = self._route(env, N, pipelines)
         placement = self._place(env, P, S, pipelines)
         devices = self._devices(env, P)
@@ -519,7 +542,8 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope) -> list[Call
             step = None if stmt.step is None else resolver.expect(stmt.step, scope, INT, "a range step")
             inner = scope.child()
             slot = resolver.bind(inner, stmt.var, INT, stmt.var_span).slot
-            compiled.append(_loop(stmt, slot, start, stop, step, _resolve_body(out, stmt.body, inner), out.source))
+            body_fns = _resolve_body(out, stmt.body, inner)
+            compiled.append(_loop(stmt, slot, start, stop, step, body_fns, out.source, out.budget))
         elif isinstance(stmt, ast.If):
             cond = resolver.expect(stmt.cond, scope, BOOL, "an `if` condition")
             then = _resolve_body(out, stmt.then, scope.child())
@@ -542,25 +566,33 @@ def _assign(slot: int, fn: Fn) -> Callable:
     return run
 
 
-def _loop(node: ast.For, slot: int, start: Fn, stop: Fn, step: Fn | None, body: list[Callable], source: str) -> Callable:
+def _loop(
+    node: ast.For, slot: int, start: Fn, stop: Fn, step: Fn | None, body: list[Callable], source: str, budget: _Budget
+) -> Callable:
+    def values(env) -> range:
+        stride = 1 if step is None else step(env)
+        if stride == 0:
+            raise EvalError("a range step cannot be 0", node.step.span, source)
+        span = range(start(env), stop(env), stride)
+        budget.left -= len(span)
+        if budget.left < 0:
+            raise EvalError(
+                f"the loops run more than {MAX_LOOP_ITERATIONS} iterations in all; is a bound wrong?", node.span, source
+            )
+        return span
+
     if len(body) == 1:
         (only,) = body
 
         def run_one(env):
-            stride = 1 if step is None else step(env)
-            if stride == 0:
-                raise EvalError("a range step cannot be 0", node.step.span, source)
-            for value in range(start(env), stop(env), stride):
+            for value in values(env):
                 env[slot] = value
                 only(env)
 
         return run_one
 
     def run(env):
-        stride = 1 if step is None else step(env)
-        if stride == 0:
-            raise EvalError("a range step cannot be 0", node.step.span, source)
-        for value in range(start(env), stop(env), stride):
+        for value in values(env):
             env[slot] = value
             for stmt in body:
                 stmt(env)

@@ -1,0 +1,128 @@
+"""The command line: outputs other tools depend on, exit statuses, and no traceback ever."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pipec.cli import main
+from pipec.compiler.driver import shipped_schedules
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_list_shows_every_shipped_schedule_with_parameters(capsys):
+    status, out, _ = run(capsys, "list")
+    assert status == 0
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "chimera", "bitpipe"):
+        assert name in shipped_schedules()
+        assert any(line.startswith(name + " ") for line in out.splitlines())
+    assert "v: chunks = 2" in out
+    status, out, _ = run(capsys, "list", "--json")
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert {"name": "P", "type": "ranks", "default": "4"} in rows["1f1b"]["params"]
+
+
+def test_check_prints_one_line_and_exits_zero(capsys):
+    status, out, err = run(capsys, "check", "1f1b", "-D", "P=4", "-D", "N=8")
+    assert status == 0 and err == ""
+    assert out.count("\n") == 1 and out.startswith("ok: one_f_one_b (P=4, N=8)")
+
+
+def test_compile_json_has_ranks_of_instructions_with_op_and_text(capsys):
+    status, out, _ = run(capsys, "compile", "1f1b", "-D", "P=2", "-D", "N=2", "--format", "json")
+    assert status == 0
+    data = json.loads(out)
+    assert isinstance(data["ranks"], list) and len(data["ranks"]) == 2
+    for row in data["ranks"]:
+        for instruction in row:
+            assert "op" in instruction and "text" in instruction
+    texts = [i["text"] for i in data["ranks"][1]]
+    assert "1F0" in texts and "1B1" in texts
+
+
+def test_compile_torch_csv_has_one_row_per_rank(capsys, tmp_path):
+    target = tmp_path / "out.csv"
+    status, _, _ = run(capsys, "compile", "interleaved_1f1b", "-D", "P=4", "-D", "N=4", "--format", "torch-csv", "-o", str(target))
+    assert status == 0
+    rows = target.read_text().strip().splitlines()
+    assert len(rows) == 4 and rows[0].split(",")[0] == "0F0"
+
+
+def test_simulate_json_keys_and_exact_bubble(capsys):
+    status, out, _ = run(capsys, "simulate", "1f1b", "-D", "P=4", "-D", "N=8", "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert data["makespan"] == 33
+    assert abs(data["bubble_ratio"] - 3 / 11) < 1e-12
+    assert [r["peak_activations"] for r in data["ranks"]] == [4, 3, 2, 1]
+    assert {"busy", "idle", "peak_activations"} <= set(data["ranks"][0])
+
+
+def test_simulate_text_shows_fraction(capsys):
+    status, out, _ = run(capsys, "simulate", "zb_h1", "-D", "P=4", "-D", "N=8")
+    assert status == 0 and "bubble ratio 1/9" in out
+
+
+def test_source_error_exits_one_with_location_and_caret(capsys, tmp_path):
+    path = tmp_path / "bad.pipe"
+    path.write_text("schedule s(P: ranks, N: microbatches) {\n  stages P\n  place stage s on rank s\n  order rank r { F(r, 0) B(r, 0) Q }\n}\n")
+    status, out, err = run(capsys, "check", str(path), "-D", "P=2", "-D", "N=1")
+    assert status == 1 and out == ""
+    first = err.splitlines()[0]
+    assert first.startswith(f"{path}:4:") or first.startswith("bad.pipe:4:") or ":4:" in first.split(" ")[0]
+    assert "^" in err and "Traceback" not in err
+
+
+def test_require_violated_exits_one(capsys):
+    status, _, err = run(capsys, "check", "interleaved_1f1b", "-D", "P=4", "-D", "N=6")
+    assert status == 1
+    assert "requirement failed: Megatron's interleaved order needs N to be a multiple of P" in err
+    assert "schedules/interleaved_1f1b.pipe:" in err.splitlines()[0]
+
+
+def test_budget_violation_is_a_program_error(capsys):
+    status, _, err = run(capsys, "check", "gpipe", "-D", "P=2", "-D", "N=4", "--budget", "3")
+    assert status == 1 and err.startswith("rank 0, step ")
+    assert "[0F3]" in err
+
+
+def test_usage_errors_exit_one(capsys):
+    assert run(capsys, "check", "no_such_schedule")[0] == 1
+    assert run(capsys, "check", "1f1b", "-D", "P")[0] == 1
+    assert run(capsys, "check", "1f1b", "-D", "Q=3")[0] == 1
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 1
+
+
+def test_console_script_exits_one_without_traceback(tmp_path):
+    path = tmp_path / "x.pipe"
+    path.write_text("schedule")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "pipec", "check", str(path)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1
+    assert "unexpected end of file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_file_with_several_schedules_is_addressed_by_name(capsys, tmp_path):
+    path = tmp_path / "two.pipe"
+    path.write_text(
+        textwrap.dedent(
+            """
+            schedule a(P: ranks = 1, N: microbatches = 1) { stages 1 place stage s on rank 0 order rank r { F(0, 0) B(0, 0) } }
+            schedule b(P: ranks = 2, N: microbatches = 1) { stages 2 place stage s on rank s order rank r { F(r, 0) B(r, 0) } }
+            """
+        )
+    )
+    status, out, _ = run(capsys, "check", f"{path}:b")
+    assert status == 0 and out.startswith("ok: b (P=2, N=1): 2 ranks")
+    assert run(capsys, "check", f"{path}:c")[0] == 1
