@@ -240,7 +240,18 @@ class GreedyOrder(Node):
     prefer: tuple[Prefer, ...]
 
 
-Decl = Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | ExplicitOrder | GreedyOrder
+@dataclass(frozen=True)
+class SortedOrder(Node):
+    """``order sorted { key F(s, m) = K ... }``: each rank runs its tasks in key order."""
+
+    lets: tuple[Let, ...]
+    keys: tuple[Priority, ...]
+
+
+Decl = (
+    Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | ExplicitOrder | GreedyOrder
+    | SortedOrder
+)
 
 
 @dataclass(frozen=True)

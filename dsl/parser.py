@@ -54,7 +54,7 @@ _EXAMPLES = {
         "schedule s(P: ranks) { order rank r { for m in 0 to P { F(r, m) } } }",
         "schedule s(P: ranks) { order rank r { for m in range(P) { F(r, m) } } }",
     ],
-    "an order is `order rank r { ... }` or `order greedy { ... }`": [
+    "an order is `order rank r { ... }`, `order greedy { ... }` or `order sorted { ... }`": [
         "schedule s(P: ranks) { order r { } }",
         "schedule s(P: ranks) { order { } }",
     ],
@@ -347,6 +347,17 @@ class _ToAst(Transformer):
 
     def prefer(self, meta, children):
         return ast.Prefer(self._span(meta), tuple(str(k) for k in children))
+
+    def sort_key(self, meta, children):
+        return self.priority(meta, children)
+
+    def order_sorted(self, meta, children):
+        items = [c for c in children if isinstance(c, ast.Node)]
+        return ast.SortedOrder(
+            self._span(meta),
+            tuple(i for i in items if isinstance(i, ast.Let)),
+            tuple(i for i in items if isinstance(i, ast.Priority)),
+        )
 
     def order_greedy(self, meta, children):
         items = [c for c in children if isinstance(c, ast.Node)]

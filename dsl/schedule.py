@@ -69,7 +69,8 @@ class ResolvedSchedule:
     split_backward: bool = False
     explicit: tuple[ast.ExplicitOrder, int, list[Callable]] | None = None
     greedy: ast.GreedyOrder | None = None
-    greedy_lets: list[tuple[int, Fn]] = field(default_factory=list)
+    sorted: ast.SortedOrder | None = None
+    order_lets: list[tuple[int, Fn]] = field(default_factory=list)
     rank_rules: dict[str, tuple[ast.RankRule, int, Fn]] = field(default_factory=dict)
     priorities: dict[str, tuple[int, int, Fn]] = field(default_factory=dict)
     prefer: tuple[str, ...] = DEFAULT_PREFER
@@ -155,11 +156,14 @@ class ResolvedSchedule:
             split_backward=self.split_backward,
         )
         if self.explicit is not None:
-            spec.order = self._run_explicit(env, spec)
             spec.order_span = self.explicit[0].span
+            spec.order = self._run_explicit(env, spec)
+        elif self.sorted is not None:
+            spec.order_span = self.sorted.span
+            spec.order = self._run_sorted(env, spec)
         else:
-            spec.policy = self._policy(env, spec)
             spec.order_span = self.greedy.span
+            spec.policy = self._policy(env, spec)
         return spec
 
     def _bind_params(self, env: list, defines: dict) -> dict[str, int | bool]:
@@ -277,11 +281,37 @@ class ResolvedSchedule:
         state.finish(node)
         return state.orders
 
+    def _run_sorted(self, env: list, spec: ScheduleSpec) -> list[list[tuple[str, int, int]]]:
+        """Each rank's tasks sorted by (key, kind F B I W, microbatch, stage)."""
+        priority = self._priority_function(env, spec)
+        S = spec.num_stages
+        kinds = ("F",) + spec.backward_kinds
+        by_pipeline: dict[int, list[int]] = {}
+        for m, p in enumerate(spec.mb_pipeline):
+            by_pipeline.setdefault(p, []).append(m)
+        keyed: list[list] = [[] for _ in range(spec.num_ranks)]
+        for p, row in enumerate(spec.placement):
+            for s, rank in enumerate(row):
+                sid = p * S + s
+                for m in by_pipeline.get(p, ()):
+                    for kind in kinds:
+                        keyed[rank].append((priority(kind, sid, m), _KIND_INDEX[kind], m, sid, kind))
+        orders = []
+        for tasks in keyed:
+            tasks.sort()
+            orders.append([(kind, sid, m) for _, _, m, sid, kind in tasks])
+        return orders
+
     def _policy(self, env: list, spec: ScheduleSpec) -> GreedyPolicy:
-        for slot, fn in self.greedy_lets:
-            env[slot] = fn(env)
+        priority = self._priority_function(env, spec)
         inflight = self._per_rank(env, spec, "inflight", 1, "no forward could run")
         warmup = self._per_rank(env, spec, "warmup", 0, "a count of forwards is never negative")
+        return GreedyPolicy(inflight=inflight, warmup=warmup, prefer=self.prefer, priority=priority)
+
+    def _priority_function(self, env: list, spec: ScheduleSpec):
+        """``(kind, stage id, mb) -> key tuple`` from the order's keys (after its lets)."""
+        for slot, fn in self.order_lets:
+            env[slot] = fn(env)
         priorities = dict(self.priorities)
         S = spec.num_stages
         pipelines_of = spec.mb_pipeline
@@ -298,7 +328,7 @@ class ResolvedSchedule:
             key = fn(base_env)
             return key if isinstance(key, tuple) else (key,)
 
-        return GreedyPolicy(inflight=inflight, warmup=warmup, prefer=self.prefer, priority=priority)
+        return priority
 
     def _per_rank(self, env: list, spec: ScheduleSpec, what: str, minimum: int, why: str) -> list[int | None]:
         """Evaluate a policy's per-rank rule for every rank (None where absent)."""
@@ -428,7 +458,7 @@ def resolve(schedule: ast.Schedule, path: str, source: str) -> ResolvedSchedule:
 
     backward_nodes = [d for d in schedule.decls if isinstance(d, ast.Backward)]
     out.split_backward = bool(backward_nodes) and backward_nodes[-1].mode == "split"
-    orders = [d for d in schedule.decls if isinstance(d, (ast.ExplicitOrder, ast.GreedyOrder))]
+    orders = [d for d in schedule.decls if isinstance(d, (ast.ExplicitOrder, ast.GreedyOrder, ast.SortedOrder))]
 
     for decl in schedule.decls:
         _resolve_decl(out, decl, scope)
@@ -438,7 +468,10 @@ def resolve(schedule: ast.Schedule, path: str, source: str) -> ResolvedSchedule:
     if not out.places:
         resolver.error("a schedule needs at least one `place stage s on rank EXPR`", schedule.span)
     if not orders:
-        resolver.error("a schedule needs an order: `order rank r { ... }` or `order greedy { ... }`", schedule.span)
+        resolver.error(
+            "a schedule needs an order: `order rank r { ... }`, `order greedy { ... }` or `order sorted { ... }`",
+            schedule.span,
+        )
     for extra in orders[1:]:
         resolver.error(f"a schedule has one order; another is at line {orders[0].span.line}", extra.span)
     for extra in backward_nodes[1:]:
@@ -511,16 +544,25 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
     elif isinstance(decl, ast.Backward):
         pass  # read before the walk: tasks need to know it
     elif isinstance(decl, ast.ExplicitOrder):
-        if out.explicit is None and out.greedy is None:
+        if out.explicit is None and out.greedy is None and out.sorted is None:
             inner = scope.child()
             slot = resolver.bind(inner, decl.rank_var, INT, decl.rank_span).slot
             out._state = _OrderState(resolver)
             body = _resolve_body(out, decl.body, inner)
             out.explicit = (decl, slot, body)
     elif isinstance(decl, ast.GreedyOrder):
-        if out.explicit is None and out.greedy is None:
+        if out.explicit is None and out.greedy is None and out.sorted is None:
             out.greedy = decl
             _resolve_greedy(out, decl, scope)
+    elif isinstance(decl, ast.SortedOrder):
+        if out.explicit is None and out.greedy is None and out.sorted is None:
+            out.sorted = decl
+            inner = _resolve_order_lets(out, decl.lets, scope)
+            _resolve_keys(out, decl.keys, inner, "key")
+            family = ("F", "I", "W") if out.split_backward else ("F", "B")
+            missing = [k for k in family if k not in out.priorities]
+            if missing:
+                resolver.error(f"`order sorted` needs a key for every kind of task; add `key {missing[0]}(s, m) = ...`", decl.span)
 
 
 def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope) -> list[Callable]:
@@ -608,12 +650,31 @@ def _branch(cond: Fn, then: list[Callable], otherwise: list[Callable]) -> Callab
     return run
 
 
+def _resolve_order_lets(out: ResolvedSchedule, lets: tuple, scope: Scope) -> Scope:
+    inner = scope.child()
+    for let in lets:
+        fn, type_ = out.resolver.expr(let.value, inner)
+        out.order_lets.append((out.resolver.bind(inner, let.name, type_, let.name_span).slot, fn))
+    return inner
+
+
+def _resolve_keys(out: ResolvedSchedule, nodes: tuple, scope: Scope, word: str) -> None:
+    """``priority``/``key`` KIND(s, m) = KEY, at most one per kind."""
+    resolver = out.resolver
+    for node in nodes:
+        if node.kind in out.priorities:
+            resolver.error(f"the {word} of {node.kind} is already given", node.span)
+        if node.kind not in (("F", "I", "W") if out.split_backward else ("F", "B")):
+            resolver.error(f"this schedule has no {node.kind} tasks (backward {'split' if out.split_backward else 'full'})", node.span)
+        key_scope = scope.child()
+        s_slot = resolver.bind(key_scope, node.stage_var, INT, node.var_spans[0]).slot
+        m_slot = resolver.bind(key_scope, node.mb_var, INT, node.var_spans[1]).slot
+        out.priorities[node.kind] = (s_slot, m_slot, resolver.expect(node.key, key_scope, KEY, f"a {word}"))
+
+
 def _resolve_greedy(out: ResolvedSchedule, decl: ast.GreedyOrder, scope: Scope) -> None:
     resolver = out.resolver
-    inner = scope.child()
-    for let in decl.lets:
-        fn, type_ = resolver.expr(let.value, inner)
-        out.greedy_lets.append((resolver.bind(inner, let.name, type_, let.name_span).slot, fn))
+    inner = _resolve_order_lets(out, decl.lets, scope)
     for node in decl.rules:
         if node.what in out.rank_rules:
             first = out.rank_rules[node.what][0]
@@ -622,15 +683,7 @@ def _resolve_greedy(out: ResolvedSchedule, decl: ast.GreedyOrder, scope: Scope) 
         rule_scope = inner.child()
         slot = resolver.bind(rule_scope, node.rank_var, INT, node.rank_span).slot
         out.rank_rules[node.what] = (node, slot, resolver.expect(node.value, rule_scope, INT, f"a {node.what} count"))
-    for node in decl.priorities:
-        if node.kind in out.priorities:
-            resolver.error(f"the priority of {node.kind} is already given", node.span)
-        if node.kind not in (("F", "I", "W") if out.split_backward else ("F", "B")):
-            resolver.error(f"this schedule has no {node.kind} tasks (backward {'split' if out.split_backward else 'full'})", node.span)
-        key_scope = inner.child()
-        s_slot = resolver.bind(key_scope, node.stage_var, INT, node.var_spans[0]).slot
-        m_slot = resolver.bind(key_scope, node.mb_var, INT, node.var_spans[1]).slot
-        out.priorities[node.kind] = (s_slot, m_slot, resolver.expect(node.key, key_scope, KEY, "a priority"))
+    _resolve_keys(out, decl.priorities, inner, "priority")
     for extra in decl.prefer[1:]:
         resolver.error(f"`prefer` is already given at line {decl.prefer[0].span.line}", extra.span)
     if decl.prefer:

@@ -282,3 +282,28 @@ def test_greedy_policy_values():
 def test_source_files_with_several_schedules_pick_by_name():
     text = ONE_F_ONE_B + "\nschedule other(P: ranks = 1, N: microbatches = 1) { stages 1 place stage s on rank 0 order rank r { F(0, 0) B(0, 0) } }\n"
     assert spec_of(text, name="other").name == "other"
+
+
+def test_sorted_order_sorts_each_ranks_tasks_by_key():
+    spec = spec_of(
+        """
+        schedule s(P: ranks = 2, N: microbatches = 3) {
+          stages P
+          place stage s on rank s
+          order sorted {
+            key F(s, m) = 2 * m + s
+            key B(s, m) = (2 * m + 2 * P - s, 0)
+          }
+        }
+        """
+    )
+    # rank 1: F keys 1, 3, 5; B keys 2*m + 3 -> 3, 5, 7 (ties: F before B)
+    assert spec.order[1] == [("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("F", 1, 2), ("B", 1, 1), ("B", 1, 2)]
+
+
+def test_sorted_order_needs_every_key():
+    error = error_of(
+        ResolveError,
+        "schedule s(P: ranks = 2, N: microbatches = 1) { stages P place stage s on rank s order sorted { key F(s, m) = m } }",
+    )
+    assert "needs a key for every kind" in error.message and "key B(s, m)" in error.message
