@@ -1,0 +1,72 @@
+"""The safety checks: each proves one property of a per-rank Program.
+
+* ``check_well_formed``: exactly the family's tasks, in range, at home, in an
+  order whose dependencies can be met.
+* ``check_matching``: every message routed producer -> consumer and matched
+  FIFO per ordered pair of ranks.
+* ``check_conflict``: no buffer read before it is received or after it is freed.
+* ``check_deadlock``: every rank reaches its end ("rendezvous" or "async").
+* ``check_memory`` / ``peak_activations``: live activations per rank.
+
+``check_all`` runs them in that order, so that each check can rely on the ones
+before it, and builds the shared indexes (task positions, message log) once.
+"""
+from __future__ import annotations
+
+from pipec.compiler.ir import Program
+from pipec.compiler.checks.conflict import check_conflict
+from pipec.compiler.checks.deadlock import ASYNC, RENDEZVOUS, SEMANTICS, check_deadlock
+from pipec.compiler.checks.matching import MessageLog, check_matching, describe_tensor, scan_messages
+from pipec.compiler.checks.memory import check_memory, peak_activations
+from pipec.compiler.checks.wellformed import (
+    StageTables,
+    TaskIndex,
+    check_well_formed,
+    locate_tasks,
+    stage_tables,
+)
+
+
+def check_all(program: Program, *, semantics: str = RENDEZVOUS, memory_budget: int | None = None) -> None:
+    """Run every check on ``program``: well-formed, matching, conflict, deadlock, memory.
+
+    Args:
+        program: the program to prove safe.
+        semantics: the runtime model for ``check_deadlock``: "rendezvous"
+            (pipec's own programs) or "async" (imported torch CSV).
+        memory_budget: the most live activations per rank, or None.
+    Raises:
+        ProgramError: the first failing check's error (WellFormedError,
+            MatchError, ConflictError, DeadlockError or BudgetError).
+    """
+    if semantics not in SEMANTICS:
+        raise ValueError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
+    tables = stage_tables(program)
+    tasks = locate_tasks(program, tables)
+    check_well_formed(program, tasks=tasks, tables=tables)
+    log = scan_messages(program, tables)
+    check_matching(program, log=log, tables=tables)
+    check_conflict(program, tasks=tasks, log=log, tables=tables)
+    check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
+    check_memory(program, memory_budget)
+
+
+__all__ = [
+    "ASYNC",
+    "RENDEZVOUS",
+    "SEMANTICS",
+    "MessageLog",
+    "StageTables",
+    "TaskIndex",
+    "check_all",
+    "check_conflict",
+    "check_deadlock",
+    "check_matching",
+    "check_memory",
+    "check_well_formed",
+    "describe_tensor",
+    "locate_tasks",
+    "peak_activations",
+    "scan_messages",
+    "stage_tables",
+]

@@ -1,0 +1,335 @@
+"""Deadlock freedom: simulate every rank's progress under a runtime's semantics.
+
+A rank walks its list; some instructions make it wait for other ranks. An
+instruction is *posted* once its rank has reached it (and stays posted). Two
+semantics are modelled:
+
+``"rendezvous"`` (the strictest; pipec's own programs must pass it)
+    A SEND or RECV waits until its counterpart is posted (NCCL's blocking
+    point-to-point). A BATCH (``batch_isend_irecv``) posts all its parts at once
+    and completes when every part's counterpart is posted. Compute, frees and
+    ALLREDUCE_WAIT never wait.
+``"async"`` (torch.distributed.pipelining's runtime, for imported CSV)
+    Sends never block and a RECV only posts; the first compute that reads a
+    received tensor waits until the matching send is posted (and can never run
+    if its receive comes later on its own rank). ``check_conflict`` proves each
+    such tensor has a receive.
+
+Under both, ALLREDUCE_GRAD is a collective: a rank reaching the k-th
+all-reduce of a chunk waits until every rank holding a replica of that chunk
+has reached its own k-th all-reduce of that chunk.
+
+Counterparts are paired the way the runtime pairs them: FIFO per ordered pair
+of ranks (``check_matching`` proves the tensors agree).
+
+The simulation runs on a ``WaitGraph``: per rank, the sorted list of its waits,
+each one int ``step * stride + other_step * R + other_rank`` ("at ``step`` this
+rank needs ``other_rank`` to have reached ``other_step``"). It is a worklist
+over ranks: a rank runs until a wait is unmet, parks on the one position it
+waits for, and is woken when that rank gets there, so each wait is examined
+O(1) times. If ranks remain parked, the wait-for graph (each parked rank points
+to the rank it waits on) has a cycle, or a chain ending in an instruction that
+never comes; ``DeadlockError`` names every member, marks them in the grid and
+lists them in ``cycle`` as (rank, step, what it waits on).
+"""
+from __future__ import annotations
+
+from itertools import repeat
+from typing import Iterable, NamedTuple, Sequence
+
+from pipec.compiler.ir import ALLREDUCE_GRAD, COMPUTE_OPS, F, Program
+from pipec.compiler.checks.matching import (
+    ACT,
+    GRAD,
+    MessageLog,
+    consumer_stage,
+    describe_tensor,
+    part_tensor,
+    replica_ranks,
+    scan_messages,
+    tensor_id,
+)
+from pipec.compiler.checks.wellformed import StageTables, TaskIndex, locate_tasks, stage_tables
+from pipec.errors import DeadlockError
+
+RENDEZVOUS, ASYNC = "rendezvous", "async"
+SEMANTICS = (RENDEZVOUS, ASYNC)
+
+
+class WaitGraph(NamedTuple):
+    """Every wait of a program, encoded as ints (module docstring).
+
+    Attributes:
+        num_ranks: R.
+        done: the step value of a rank that finished (beyond every list).
+        never: a step no rank ever reaches (waits for something that does not exist).
+        stride: ``(never + 1) * R``; a wait is ``step * stride + other_step * R + other_rank``.
+        waits: per rank, its waits sorted by step. A step that others wait for
+            but that waits for nothing itself carries a wait that is always met.
+    """
+
+    num_ranks: int
+    done: int
+    never: int
+    stride: int
+    waits: list[list[int]]
+
+
+def empty_graph(num_ranks: int, longest: int) -> WaitGraph:
+    """A ``WaitGraph`` with no waits yet, for ranks whose lists have at most ``longest`` steps.
+
+    Fill it with ``add_waits``, ``add_meetings`` and ``add_collectives``.
+    """
+    return WaitGraph(num_ranks, longest + 1, longest + 2, (longest + 3) * num_ranks, [[] for _ in range(num_ranks)])
+
+
+def add_waits(graph: WaitGraph, rank: int, steps: Iterable[int], others: Iterable[int],
+              other_steps: Iterable[int]) -> None:
+    """At ``steps[i]``, ``rank`` waits until rank ``others[i]`` has reached ``other_steps[i]``."""
+    stride, num_ranks = graph.stride, graph.num_ranks
+    graph.waits[rank].extend([step * stride + at * num_ranks + other
+                              for step, other, at in zip(steps, others, other_steps)])
+
+
+def add_meetings(graph: WaitGraph, src: int, dst: int, send_steps: Sequence[int], recv_steps: Sequence[int]) -> None:
+    """Rendezvous messages src -> dst: the i-th send and the i-th receive wait for each other.
+
+    When one side has more operations, its extra ones wait for a step that never comes.
+    """
+    never = graph.never
+    sends = list(send_steps) + [never] * (len(recv_steps) - len(send_steps))
+    recvs = list(recv_steps) + [never] * (len(send_steps) - len(recv_steps))
+    add_waits(graph, src, send_steps, repeat(dst), recvs)
+    add_waits(graph, dst, recv_steps, repeat(src), sends)
+
+
+def add_collectives(graph: WaitGraph, groups: Iterable[Sequence[tuple[int, int]]]) -> None:
+    """Each group's (rank, step) members wait for every other member to arrive (``never``: a member that does not)."""
+    for group in groups:
+        for rank, step in group:
+            if step != graph.never:
+                others = [(other, at) for other, at in group if other != rank]
+                add_waits(graph, rank, repeat(step, len(others)), (o for o, _ in others), (a for _, a in others))
+
+
+def blocked_ranks(graph: WaitGraph) -> dict[int, tuple[int, int, int]]:
+    """Advance every rank as far as it can go.
+
+    Returns:
+        rank -> (step it is stuck at, rank it waits for, step it waits for),
+        for the ranks that never finish; empty when the program runs to the end.
+    """
+    num_ranks, stride, done = graph.num_ranks, graph.stride, graph.done
+    waits = graph.waits
+    for row in waits:
+        row.sort()
+    cursor = [0] * num_ranks
+    reached = [row[0] // stride if row else done for row in waits]
+    parked: dict[int, list[int]] = {}  # a position other_step * R + other_rank -> ranks waiting for it
+    ready = list(range(num_ranks))
+    while ready:
+        rank = ready.pop()
+        row = waits[rank]
+        index, count = cursor[rank], len(row)
+        while index < count:
+            need = row[index] % stride
+            if reached[need % num_ranks] < need // num_ranks:
+                parked.setdefault(need, []).append(rank)
+                break
+            index += 1
+            step = row[index] // stride if index < count else done
+            if step != reached[rank]:  # moved on to a new instruction: it is posted now
+                reached[rank] = step
+                woken = parked.pop(step * num_ranks + rank, None)
+                if woken:
+                    ready.extend(woken)
+        cursor[rank] = index
+    stuck = {}
+    for rank, row in enumerate(waits):
+        if cursor[rank] < len(row):
+            step, need = divmod(row[cursor[rank]], stride)
+            other_step, other = divmod(need, num_ranks)
+            stuck[rank] = (step, other, other_step)
+    return stuck
+
+
+# ------------------------------------------------------------------ the check
+
+
+def check_deadlock(
+    program: Program,
+    semantics: str = RENDEZVOUS,
+    *,
+    log: MessageLog | None = None,
+    tasks: TaskIndex | None = None,
+    tables: StageTables | None = None,
+) -> None:
+    """Prove every rank reaches the end of its list under ``semantics``.
+
+    Args:
+        program: a program with in-range communication (``scan_messages``
+            raises MatchError otherwise); under "async" its compute actions must
+            be well formed too.
+        semantics: "rendezvous" or "async" (module docstring).
+        log, tasks, tables: precomputed ``scan_messages``, ``locate_tasks`` and
+            ``stage_tables`` results (``check_all`` shares them); computed when
+            omitted.
+    Raises:
+        DeadlockError: with ``cycle`` = [(rank, step, what it waits on), ...].
+        ValueError: an unknown ``semantics``.
+    """
+    if semantics not in SEMANTICS:
+        raise ValueError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
+    tables = tables or stage_tables(program)
+    log = log or scan_messages(program, tables)
+    graph = empty_graph(program.num_ranks, max((len(row) for row in program.ranks), default=0))
+    if semantics == RENDEZVOUS:
+        for src, dst, sent, received in _pairs(log, program.num_ranks):
+            add_meetings(graph, src, dst, sent[0::2], received[0::2])
+    else:
+        _add_async_waits(graph, program, log, tasks or locate_tasks(program, tables), tables)
+    add_collectives(graph, _collective_groups(program, tables, log, graph.never))
+    blocked = blocked_ranks(graph)
+    if blocked:
+        raise _deadlock_error(program, tables, graph, blocked)
+
+
+def _pairs(log: MessageLog, num_ranks: int):
+    """(src, dst, send entry, receive entry) for every ordered pair with traffic."""
+    for key in set(log.sends) | set(log.recvs):
+        src, dst = divmod(key, num_ranks)
+        yield src, dst, log.sends.get(key, []), log.recvs.get(key, [])
+
+
+def _add_async_waits(graph: WaitGraph, program: Program, log: MessageLog, tasks: TaskIndex, tables: StageTables) -> None:
+    """Sends are places others wait for; the reader of a received tensor waits for its send."""
+    num_ranks = graph.num_ranks
+    where = tasks.where
+    for src, dst, sent, received in _pairs(log, num_ranks):
+        sent_steps = sent[0::2]
+        add_waits(graph, src, sent_steps, repeat(0), repeat(0))  # "rank 0 reached step 0": always met
+        sent_steps += [graph.never] * (len(received) // 2 - len(sent_steps))  # receives nobody sends
+        for index in range(0, len(received), 2):
+            recv_step, tensor = received[index], received[index + 1]
+            reader = _reader_key(tensor, program, tables, where)
+            if reader < 0 or where[reader] % num_ranks != dst:
+                continue  # nobody here reads it: check_matching reports the receive
+            use_step = where[reader] // num_ranks
+            # the reader waits for the send; and forever for itself if it comes before its receive
+            waits_for = [(src, sent_steps[index // 2])] + ([(dst, recv_step)] if recv_step > use_step else [])
+            add_waits(graph, dst, repeat(use_step), (o for o, _ in waits_for), (a for _, a in waits_for))
+
+
+def _reader_key(tensor: int, program: Program, tables: StageTables, where: list[int]) -> int:
+    """The task key of the compute that reads ``tensor``, or -1."""
+    num_mb = program.num_microbatches
+    stage = consumer_stage(tensor, program, tables)
+    if stage < 0:
+        return -1
+    base = (stage * num_mb + tensor % num_mb) * 4
+    if tensor // num_mb < len(program.stages):  # an activation: read by F
+        return base
+    return base + 1 if where[base + 1] >= 0 else base + 2  # a gradient: read by B, or by I when split
+
+
+def _collective_groups(program: Program, tables: StageTables, log: MessageLog, never: int):
+    """The k-th all-reduce of each chunk: (rank, step) per replica rank (``never`` if it has none)."""
+    members_of = replica_ranks(program, tables)
+    for chunk, by_rank in log.collectives.items():
+        members = sorted(members_of.get(chunk, set()) | set(by_rank))
+        for k in range(max(len(steps) for steps in by_rank.values())):
+            yield [(rank, by_rank[rank][k] if k < len(by_rank.get(rank, ())) else never) for rank in members]
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _deadlock_error(program: Program, tables: StageTables, graph: WaitGraph, blocked) -> DeadlockError:
+    """Follow the wait-for edges to a cycle (or to a wait that can never be met)."""
+    members = _cycle(blocked, graph.never)
+    cycle, texts = [], []
+    for rank in members:
+        step, other, other_step = blocked[rank]
+        waits_on = _wait_text(program, tables, graph, rank, step, other, other_step)
+        cycle.append((rank, step, waits_on))
+        texts.append(f"rank {rank} step {step} ({program.ranks[rank][step].text()}) {waits_on}")
+    first_rank, first_step, _ = cycle[0]
+    return DeadlockError("deadlock: " + "; ".join(texts), first_rank, first_step, program.grid(),
+                         [(rank, step) for rank, step, _ in cycle[1:]], cycle)
+
+
+def _cycle(blocked, never: int) -> list[int]:
+    """The ranks of one wait-for cycle, smallest rank first; else a rank whose wait never ends."""
+    dead_end = None
+    walk_of: dict[int, int] = {}
+    for walk, start in enumerate(sorted(blocked)):
+        path, rank = [], start
+        while rank in blocked and rank not in walk_of:
+            walk_of[rank] = walk
+            path.append(rank)
+            _, other, other_step = blocked[rank]
+            if other_step == never:
+                dead_end = rank if dead_end is None else dead_end
+                break
+            rank = other
+        else:
+            if rank in blocked and walk_of[rank] == walk:
+                loop = path[path.index(rank):]
+                first = loop.index(min(loop))
+                return loop[first:] + loop[:first]
+    if dead_end is None:
+        raise AssertionError("blocked ranks without a cycle or a dead end")
+    return [dead_end]
+
+
+def _wait_text(program: Program, tables: StageTables, graph: WaitGraph, rank: int, step: int,
+               other: int, other_step: int) -> str:
+    """Words for "rank waits at step for other to reach other_step", from the two instructions."""
+    action = program.ranks[rank][step]
+    never = other_step == graph.never
+    describe = lambda t: describe_tensor(t, len(program.stages), program.num_microbatches)  # noqa: E731
+    if action.op == ALLREDUCE_GRAD:
+        chunk = tables.chunk[action.stage]
+        tail = ", which it never does" if never else f" (its step {other_step})"
+        return f"waits for rank {other} to join the all-reduce of chunk {chunk}{tail}"
+    if action.op in COMPUTE_OPS:  # async: a reader waits for the send of its input
+        tensor = _input_of(program, tables, action)
+        if other == rank:
+            return f"needs the {describe(tensor)}, which this rank receives only later (step {other_step})"
+        if never:
+            return f"waits for rank {other} to send the {describe(tensor)}, which it never does"
+        return (f"waits for rank {other} to send the {describe(tensor)} "
+                f"(its step {other_step}, {program.ranks[other][other_step].text()})")
+    mine = [part for part in action.comms() if part.peer == other]
+    theirs = [] if never else [part for part in program.ranks[other][other_step].comms() if part.peer == rank]
+    common = {part_tensor(p, program, tables) for p in mine} & {part_tensor(p, program, tables) for p in theirs}
+    part = next((p for p in mine if part_tensor(p, program, tables) in common), mine[-1] if mine else None)
+    if part is None:
+        return f"waits for rank {other} to reach step {other_step}"
+    verb = "receive" if part.op.startswith("SEND") else "send"
+    what = describe(part_tensor(part, program, tables))
+    if never:
+        return f"waits for rank {other} to {verb} the {what}, which it never does"
+    return f"waits for rank {other} to {verb} the {what} (its step {other_step}, {program.ranks[other][other_step].text()})"
+
+
+def _input_of(program: Program, tables: StageTables, action) -> int:
+    """The tensor a compute reads from another rank: F its input activation, a backward its output gradient."""
+    num_stages, num_mb = len(program.stages), program.num_microbatches
+    if action.op == F:
+        return tensor_id(ACT, tables.prev[action.stage], action.mb, num_stages, num_mb)
+    return tensor_id(GRAD, tables.next[action.stage], action.mb, num_stages, num_mb)
+
+
+__all__ = [
+    "ASYNC",
+    "RENDEZVOUS",
+    "SEMANTICS",
+    "WaitGraph",
+    "add_collectives",
+    "add_meetings",
+    "add_waits",
+    "blocked_ranks",
+    "check_deadlock",
+    "empty_graph",
+]

@@ -1,0 +1,383 @@
+"""Message matching: every send meets exactly one receive, in the same order.
+
+Messages are untagged and matched FIFO per ordered pair of ranks (what
+torch.distributed does), so a receive gets whatever the peer sent next. The
+check proves, for the point-to-point parts of a program (plain SEND/RECV and
+the parts of each BATCH):
+
+* every message has a home: its tensor's producer runs on the sending rank, its
+  consumer on the receiving rank, and those are different ranks (a hand-off
+  inside one rank is local and must not be a message);
+* per ordered pair (src, dst), the tensors src sends and the tensors dst
+  receives are the same sequence: no send without a receive, no receive without
+  a send, no tensor twice, no two messages swapped;
+* all-reduce instructions sit on replicas of their chunk, and each rank waits
+  (ALLREDUCE_WAIT) exactly for the all-reduces it started. Whether every member
+  reaches its all-reduce, and in a consistent order, is a question of progress:
+  ``check_deadlock`` answers it.
+
+Tensors are integer ids ``kind * S * N + producer_stage * N + mb`` (kind 0: the
+activation F(producer) made, 1: the gradient its B or I made); ``MessageLog``
+holds, per ordered pair, the steps and tensor ids of its sends and of its
+receives, and is shared with ``check_deadlock`` and ``check_conflict``.
+"""
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from itertools import chain, repeat
+from typing import NamedTuple
+
+from pipec.compiler.ir import (
+    ALLREDUCE_GRAD,
+    ALLREDUCE_WAIT,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Program,
+)
+from pipec.compiler.checks.wellformed import StageTables, stage_tables
+from pipec.errors import MatchError
+
+ACT, GRAD = 0, 1
+_KIND_NAME = ("activation", "gradient")
+_PRODUCER_OP = ("F", "B")
+
+# part op -> (is a send, tensor kind, which neighbour of the action's stage produced it)
+_SELF, _PREV, _NEXT = 0, 1, 2
+_PART_RULES = {
+    SEND_F: (True, ACT, _SELF),
+    SEND_B: (True, GRAD, _SELF),
+    RECV_F: (False, ACT, _PREV),
+    RECV_B: (False, GRAD, _NEXT),
+}
+_COLLECTIVE_OPS = (ALLREDUCE_GRAD, ALLREDUCE_WAIT)
+
+
+class MessageLog(NamedTuple):
+    """Every point-to-point part and collective of a program, grouped for matching.
+
+    Attributes:
+        sends: pair key ``src * R + dst`` -> flat list ``[step, tensor, step,
+            tensor, ...]`` of src's sends to dst in list order (slice [0::2] for
+            steps, [1::2] for tensors).
+        recvs: pair key ``src * R + dst`` -> the same for dst's receives from src.
+        collectives: chunk -> rank -> steps of its ALLREDUCE_GRAD of that chunk.
+        collective_waits: chunk -> rank -> steps of its ALLREDUCE_WAIT.
+    """
+
+    sends: dict[int, list[int]]
+    recvs: dict[int, list[int]]
+    collectives: dict[int, dict[int, list[int]]]
+    collective_waits: dict[int, dict[int, list[int]]]
+
+
+def tensor_id(kind: int, producer: int, mb: int, num_stages: int, num_microbatches: int) -> int:
+    """The integer id of the tensor ``kind`` made by ``producer`` for ``mb``."""
+    return (kind * num_stages + producer) * num_microbatches + mb
+
+
+def describe_tensor(tensor: int, num_stages: int, num_microbatches: int) -> str:
+    """Words for a tensor id: ``activation of 0F1`` / ``gradient of 2B0``."""
+    kind_stage, mb = divmod(tensor, num_microbatches)
+    kind, stage = divmod(kind_stage, num_stages)
+    return f"{_KIND_NAME[kind]} of {stage}{_PRODUCER_OP[kind]}{mb}"
+
+
+def consumer_stage(tensor: int, program: Program, tables: StageTables) -> int:
+    """The stage that reads ``tensor``: next(producer) for an activation, prev for a gradient (-1: none)."""
+    kind, stage = divmod(tensor // program.num_microbatches, len(program.stages))
+    return (tables.next if kind == ACT else tables.prev)[stage]
+
+
+def part_tensor(part, program: Program, tables: StageTables) -> int:
+    """The tensor id a SEND/RECV part carries (-1 when no stage produces it)."""
+    _is_send, kind, side = _PART_RULES[part.op]
+    producer = (part.stage, tables.prev[part.stage], tables.next[part.stage])[side]
+    if producer < 0:
+        return -1
+    return tensor_id(kind, producer, part.mb, len(program.stages), program.num_microbatches)
+
+
+def replica_ranks(program: Program, tables: StageTables) -> dict[int, set[int]]:
+    """chunk -> the ranks holding a replica of it (the members of its all-reduce)."""
+    members: dict[int, set[int]] = {}
+    for line in program.pipelines:
+        for position, stage in enumerate(line):
+            members.setdefault(position, set()).add(tables.home[stage])
+    return members
+
+
+def scan_messages(program: Program, tables: StageTables | None = None) -> MessageLog:
+    """Collect the program's point-to-point parts and collectives.
+
+    Args:
+        program: any program (compute actions and frees are skipped).
+        tables: ``stage_tables(program)``, when the caller has it.
+    Returns:
+        the ``MessageLog``.
+    Raises:
+        MatchError: a part whose op, stage, microbatch or peer is out of range,
+            a receive of a tensor no stage produces (RECV_F on a first stage,
+            RECV_B on a last one), or a BATCH part that is not a send/receive.
+    """
+    tables = tables or stage_tables(program)
+    num_stages, num_mb, num_ranks = len(program.stages), program.num_microbatches, program.num_ranks
+    first_tensor = _first_tensors(program, tables)
+    sends: dict[int, list[int]] = {}
+    recvs: dict[int, list[int]] = {}
+    collectives: dict[int, dict[int, list[int]]] = {}
+    waits: dict[int, dict[int, list[int]]] = {}
+    for rank, row in enumerate(program.ranks):
+        # This rank's lists per peer (the pair key depends only on the peer
+        # here), reached from a part's op: its sends, or its receives.
+        to_peer: dict[int, list[int]] = {}
+        from_peer: dict[int, list[int]] = {}
+        lists_of = {SEND_F: to_peer, SEND_B: to_peer, RECV_F: from_peer, RECV_B: from_peer}
+        for step, action in enumerate(row):
+            parts = action[4]
+            if not parts:  # not a batch: a single send/receive, a collective, or nothing to log
+                op = action[1]
+                if op not in lists_of:
+                    if op in _COLLECTIVE_OPS:
+                        _log_collective(program, tables, rank, step, collectives if op == ALLREDUCE_GRAD else waits)
+                    continue
+                parts = (action,)
+            for part in parts:
+                stage, part_op, mb, peer, _ = part
+                lists = lists_of.get(part_op)
+                if lists is None or not (0 <= stage < num_stages and 0 <= mb < num_mb):
+                    raise _bad_part(program, rank, step, part)
+                first = first_tensor[part_op][stage]
+                if first < 0:
+                    raise _error(program, f"{part.text()} receives a tensor no stage produces", rank, step)
+                entry = lists.get(peer)
+                if entry is None:
+                    entry = lists[peer] = []
+                entry += (step, first + mb)
+        for peer in chain(to_peer, from_peer):  # peers are checked once per rank, not per part
+            if not 0 <= peer < num_ranks:
+                raise _bad_peer(program, rank, peer)
+        for peer, entry in to_peer.items():
+            sends[rank * num_ranks + peer] = entry
+        for peer, entry in from_peer.items():
+            recvs[peer * num_ranks + rank] = entry
+    return MessageLog(sends, recvs, collectives, waits)
+
+
+def _first_tensors(program: Program, tables: StageTables) -> dict[str, list[int]]:
+    """part op -> per stage: the id of the tensor it carries for microbatch 0 (-1: none), so id = that + mb."""
+    num_stages, num_mb = len(program.stages), program.num_microbatches
+    producers = (list(range(num_stages)), tables.prev, tables.next)
+    return {op: [tensor_id(kind, producer, 0, num_stages, num_mb) if producer >= 0 else -1 for producer in producers[side]]
+            for op, (_is_send, kind, side) in _PART_RULES.items()}
+
+
+def _log_collective(program, tables, rank, step, into) -> None:
+    action = program.ranks[rank][step]
+    if not 0 <= action.stage < len(program.stages):
+        raise _error(program, f"{action.text()}: there is no stage {action.stage}", rank, step)
+    into.setdefault(tables.chunk[action.stage], {}).setdefault(rank, []).append(step)
+
+
+def check_matching(program: Program, *, log: MessageLog | None = None, tables: StageTables | None = None) -> None:
+    """Prove every message is well routed and matched FIFO per pair (module docstring).
+
+    Args:
+        program: a program whose compute actions are well formed.
+        log: ``scan_messages(program)``, when the caller has it (``check_all``).
+        tables: ``stage_tables(program)``, when the caller has it.
+    Raises:
+        MatchError: at the offending send or receive, naming both ranks and the
+            tensors involved.
+    """
+    tables = tables or stage_tables(program)
+    log = log or scan_messages(program, tables)
+    _check_routes(program, tables, log)
+    for key in sorted(set(log.sends) | set(log.recvs)):
+        sent, received = log.sends.get(key, []), log.recvs.get(key, [])
+        if sent[1::2] != received[1::2]:
+            raise _pair_mismatch(program, key, sent, received)
+    _check_unique(program, log)
+    _check_collectives(program, tables, log)
+
+
+# ---------------------------------------------------------------------- routes
+
+
+def _stage_routes(program: Program, tables: StageTables) -> list[int]:
+    """For (kind * S + producer): the pair key its tensors must travel on.
+
+    -1: the tensor has no consumer; -2: producer and consumer share a rank.
+    """
+    num_ranks, home = program.num_ranks, tables.home
+    routes = []
+    for neighbour in (tables.next, tables.prev):  # ACT goes to next, GRAD to prev
+        for stage, consumer in enumerate(neighbour):
+            if consumer < 0:
+                routes.append(-1)
+            elif home[consumer] == home[stage]:
+                routes.append(-2)
+            else:
+                routes.append(home[stage] * num_ranks + home[consumer])
+    return routes
+
+
+def _check_routes(program: Program, tables: StageTables, log: MessageLog) -> None:
+    """Each pair carries only tensors made on src and read on dst (compared per producer stage)."""
+    routes = _stage_routes(program, tables)
+    num_mb = program.num_microbatches
+    for is_send, logged in ((True, log.sends), (False, log.recvs)):
+        for key, entry in logged.items():
+            for producer in set(map(operator.floordiv, entry[1::2], repeat(num_mb))):
+                if routes[producer] != key:
+                    raise _misrouted(program, tables, key, entry, producer, routes[producer], is_send)
+
+
+def _misrouted(program, tables, key, entry, producer, route, is_send) -> MatchError:
+    num_ranks, num_mb = program.num_ranks, program.num_microbatches
+    src, dst = divmod(key, num_ranks)
+    index = next(i for i in range(1, len(entry), 2) if entry[i] // num_mb == producer)
+    step, tensor = entry[index - 1], entry[index]
+    rank = src if is_send else dst
+    part = _part_at(program, rank, step, tensor, tables)
+    what = describe_tensor(tensor, len(program.stages), num_mb)
+    consumer = consumer_stage(tensor, program, tables)
+    if route == -1:
+        message = f"{part} moves the {what}, which no stage reads"
+    elif route == -2:
+        message = (f"{part} moves the {what} between ranks {src} and {dst}, but its producer and its consumer "
+                   f"(stage {consumer}) both live on rank {tables.home[consumer]}: the hand-off is local, not a message")
+    else:
+        right_src, right_dst = divmod(route, num_ranks)
+        message = (f"{part} moves the {what} from rank {src} to rank {dst}, but it is made on rank {right_src} "
+                   f"and read (by stage {consumer}) on rank {right_dst}")
+    return _error(program, message, rank, step)
+
+
+def _part_at(program, rank, step, tensor, tables) -> str:
+    """The text of the part of instruction (rank, step) that carries ``tensor``."""
+    action = program.ranks[rank][step]
+    for part in action.comms():
+        if part_tensor(part, program, tables) == tensor:
+            return part.text()
+    return action.text()
+
+
+# -------------------------------------------------------------- pair sequences
+
+
+def _pair_mismatch(program: Program, key: int, sent: list[int], received: list[int]) -> MatchError:
+    """Explain why src's sends to dst and dst's receives from src differ.
+
+    In order of preference: a tensor only one side moves, a tensor one side
+    moves more often, and finally the first pair of swapped messages.
+    """
+    num_ranks, num_stages, num_mb = program.num_ranks, len(program.stages), program.num_microbatches
+    src, dst = divmod(key, num_ranks)
+    describe = lambda t: describe_tensor(t, num_stages, num_mb)  # noqa: E731
+    sent_count, received_count = Counter(sent[1::2]), Counter(received[1::2])
+    sides = (
+        (src, sent, received_count, f"rank {src} sends the {{}} to rank {dst}, which never receives it from rank {src}",
+         "sends"),
+        (dst, received, sent_count, f"rank {dst} receives the {{}} from rank {src}, which never sends it to rank {dst}",
+         "receives"),
+    )
+    for rank, entry, other_count, never, _ in sides:
+        for index in range(1, len(entry), 2):
+            if other_count[entry[index]] == 0:
+                return _error(program, never.format(describe(entry[index])), rank, entry[index - 1])
+    for rank, entry, other_count, _, verb in sides:
+        seen: Counter = Counter()
+        for index in range(1, len(entry), 2):
+            tensor = entry[index]
+            seen[tensor] += 1
+            if seen[tensor] > other_count[tensor]:
+                return _error(program, f"rank {rank} {verb} the {describe(tensor)} more often than rank "
+                                       f"{dst if rank == src else src} matches it (pair {src} -> {dst})",
+                              rank, entry[index - 1])
+    sent_tensors = sent[1::2]
+    for index, (out, back) in enumerate(zip(sent_tensors, received[1::2])):
+        if out != back:
+            send_step, recv_step = sent[2 * index], received[2 * index]
+            later = sent_tensors.index(back, index)
+            return _error(
+                program,
+                f"messages from rank {src} to rank {dst} out of order: rank {src} sends the {describe(out)} "
+                f"(step {send_step}) before the {describe(back)} (step {sent[2 * later]}), but rank {dst} "
+                f"receives the {describe(back)} first (step {recv_step}); untagged messages match in order, "
+                f"so the data would be swapped",
+                dst, recv_step, [(src, send_step), (src, sent[2 * later])])
+    raise AssertionError("pair lists differ but no difference found")
+
+
+def _check_unique(program: Program, log: MessageLog) -> None:
+    """No tensor travels twice (pair lists are equal by now, so sends suffice)."""
+    total = sum(len(entry) for entry in log.sends.values()) // 2
+    if len(set(chain.from_iterable(entry[1::2] for entry in log.sends.values()))) == total:
+        return
+    seen: dict[int, tuple[int, int]] = {}
+    num_ranks = program.num_ranks
+    for key in sorted(log.sends):
+        entry = log.sends[key]
+        src = key // num_ranks
+        for index in range(0, len(entry), 2):
+            tensor = entry[index + 1]
+            if tensor in seen:
+                first = seen[tensor]
+                what = describe_tensor(tensor, len(program.stages), program.num_microbatches)
+                raise _error(program, f"the {what} is sent twice (first at rank {first[0]}, step {first[1]})",
+                             src, entry[index], [first])
+            seen[tensor] = (src, entry[index])
+
+
+# ----------------------------------------------------------------- collectives
+
+
+def _check_collectives(program: Program, tables: StageTables, log: MessageLog) -> None:
+    """All-reduces sit on replicas of their chunk; each rank waits once for each it starts."""
+    members = replica_ranks(program, tables)
+    for chunk, by_rank in sorted(log.collectives.items()):
+        for rank, steps in sorted(by_rank.items()):
+            if rank not in members.get(chunk, ()):
+                raise _error(program, f"rank {rank} joins the all-reduce of chunk {chunk}, but holds no replica "
+                                      f"of it (replicas on ranks {sorted(members.get(chunk, ()))})", rank, steps[0])
+    for chunk in sorted(set(log.collectives) | set(log.collective_waits)):
+        started, waited = log.collectives.get(chunk, {}), log.collective_waits.get(chunk, {})
+        for rank in sorted(set(started) | set(waited)):
+            _check_waits(program, chunk, rank, started.get(rank, []), waited.get(rank, []))
+
+
+def _check_waits(program, chunk, rank, starts: list[int], waits: list[int]) -> None:
+    for index, wait in enumerate(waits):
+        if index >= len(starts) or starts[index] > wait:
+            raise _error(program, f"ALLREDUCE_WAIT of chunk {chunk} with no all-reduce started before it", rank, wait)
+    if len(starts) > len(waits):
+        raise _error(program, f"the all-reduce of chunk {chunk} started here is never waited for (ALLREDUCE_WAIT)",
+                     rank, starts[len(waits)])
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def _bad_part(program: Program, rank: int, step: int, part) -> MatchError:
+    num_stages, num_mb = len(program.stages), program.num_microbatches
+    checks = (
+        (part.op in _PART_RULES, f"{part.text()} in a batch is not a send or a receive"),
+        (0 <= part.stage < num_stages, f"{part.text()}: there is no stage {part.stage}"),
+        (0 <= part.mb < num_mb, f"{part.text()}: there is no microbatch {part.mb}"),
+    )
+    message = next(text for ok, text in checks if not ok)
+    return _error(program, message, rank, step)
+
+
+def _bad_peer(program: Program, rank: int, peer: int) -> MatchError:
+    step, part = next((step, part) for step, action in enumerate(program.ranks[rank])
+                      for part in action.comms() if part.peer == peer)
+    return _error(program, f"{part.text()}: peer rank {peer} does not exist (ranks 0..{program.num_ranks - 1})",
+                  rank, step)
+
+
+def _error(program: Program, message: str, rank: int, step: int | None, marks=()) -> MatchError:
+    return MatchError(message, rank, step, program.grid(), marks)

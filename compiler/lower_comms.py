@@ -1,0 +1,555 @@
+"""Insert the communication of an activation-passing program.
+
+``insert_communication`` turns per-rank compute orders into complete per-rank
+instruction lists. It derives every message from placement and dataflow: the
+activation F(s, m) makes goes to the home rank of next(s), the gradient B or
+I(s, m) makes goes to the home rank of prev(s), and nothing is sent when
+producer and consumer live on the same rank (the hand-off is local).
+
+Placement is tried in three ways, in order; the first one that runs to the end
+under rendezvous semantics (``check_deadlock``'s simulation, run on integer
+codes before any instruction is built) is kept:
+
+1. *Near use* (Megatron's 1F1B): a SEND right after the compute that produces
+   its tensor; the RECVs of a pair (src, dst) in src's send order (messages are
+   untagged and FIFO per pair), each just before the first compute on dst that
+   reads it, or earlier when a message sent after it is needed sooner. Every
+   maximal run of two or more communications between two computes becomes one
+   BATCH (``batch_isend_irecv``), sends first: a rank's send_forward and
+   recv_backward are posted together, so neighbours cannot wait on each other.
+2. *Paired* (Megatron's interleaved 1F1B): as 1, but nothing is exchanged
+   between an F and the B (or I) right after it: the sends there move to the
+   run after the B, the receives to the run before the F, so each F-B pair is
+   bracketed by one batch. Near use deadlocks for interleaved schedules with
+   more microbatches than ranks; this does not.
+3. *Global order* (torch's ``_add_send_recv``, deadlock-free by construction):
+   ranks take turns, one compute each; a compute runs once its inputs have been
+   delivered; a SEND is appended on the producer and its RECV on the consumer
+   at the same moment; an all-reduce is appended on all its ranks when the last
+   of them reaches it (the others go on meanwhile). Every rank's list is then a
+   subsequence of one global sequence of events, each involving only ranks
+   whose earlier events all precede it, so the program runs to the end under
+   rendezvous semantics (batching only posts operations earlier and cannot
+   break that). It needs an acyclic compute order; when the order is cyclic
+   the near-use placement is returned and ``check_well_formed`` names the
+   cycle. Mirrored pipelines (Chimera, BitPipe) end up here: their first
+   sends face each other.
+
+Replicated stages (the same chunk in several pipelines) get an ALLREDUCE_GRAD
+on each replica rank after that rank's last B or W of the chunk (in tiers 1
+and 2 right after the run of communication that follows it; all-reduces at the
+same place in chunk order), and an ALLREDUCE_WAIT for each at the end of the
+list; the simulation treats each all-reduce as a collective of its ranks. A
+rank holding a replica no microbatch rides still joins, after its last compute.
+
+Performance: programs reach a few hundred thousand instructions, so the passes
+work on flat integer lists with C-level builtins (map, zip, accumulate, sort)
+and build each Action once.
+"""
+from __future__ import annotations
+
+import gc
+import operator
+from bisect import bisect_left, bisect_right
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import replace
+from itertools import accumulate, chain, compress, groupby, repeat
+from typing import NamedTuple
+
+from pipec.compiler.ir import (
+    ALLREDUCE_GRAD,
+    ALLREDUCE_WAIT,
+    B,
+    BATCH,
+    F,
+    I,
+    NO_PEER,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    W,
+    Action,
+    Program,
+)
+from pipec.compiler.checks.deadlock import WaitGraph, add_collectives, add_waits, blocked_ranks, empty_graph
+from pipec.compiler.checks.wellformed import TASK_CODE, StageTables, stage_tables
+
+_new_action = tuple.__new__  # Action(...) without the NamedTuple constructor's overhead
+_stage_of = operator.itemgetter(0)
+_op_of = operator.itemgetter(1)
+_mb_of = operator.itemgetter(2)
+
+_BACKWARD_WEIGHT_OPS = (B, W)  # the last of these on a rank finishes a chunk's weight gradient
+_PAIRED_AFTER_F = (B, I)       # a paired placement brackets an F followed by one of these
+_NOWHERE = -1
+
+
+class _Plan(NamedTuple):
+    """The messages and all-reduces of a compute-only program.
+
+    Messages are numbered in producer order, rank by rank: per ordered pair of
+    ranks, increasing ids are the FIFO order. A communication is coded
+    ``2 * message`` (its send) or ``2 * message + 1`` (its receive).
+
+    Attributes:
+        senders: per rank, the input indices whose compute sends a message, ascending.
+        first: per rank, the id of its first message (then consecutive).
+        stage, mb: message -> producer stage, microbatch.
+        forward: message -> 1 for an activation (to the next stage), 0 for a gradient.
+        consumer: message -> consumer stage.
+        sources, targets: message -> sending rank, receiving rank.
+        reader: message -> index of the compute that reads it in the receiver's
+            input list, or that list's length when there is none.
+        pairs: pair key ``src * R + dst`` -> its messages in FIFO order.
+        collectives: per rank, (input index, ALLREDUCE_GRAD) in list order: each
+            all-reduce follows that compute (and the run of communication after it).
+    """
+
+    senders: list[list[int]]
+    first: list[int]
+    stage: list[int]
+    mb: list[int]
+    forward: list[int]
+    consumer: list[int]
+    sources: list[int]
+    targets: list[int]
+    reader: list[int]
+    pairs: dict[int, list[int]]
+    collectives: list[list[tuple[int, Action]]]
+
+
+def insert_communication(program: Program) -> Program:
+    """Add sends, receives, batches and gradient all-reduces to a compute-only program.
+
+    Args:
+        program: per-rank compute orders (F, B, I, W); it is not modified.
+            Actions that are not valid compute tasks are kept where they are and
+            take part in no message (``check_well_formed`` reports them).
+    Returns:
+        a new Program with the same stages and the complete per-rank lists
+        (see the module docstring for the placement and its guarantee).
+    """
+    with paused_gc():
+        tables = stage_tables(program)
+        plan = _plan(program, tables)
+        near_use = _near_use(program, plan)
+        for make in (lambda: near_use, lambda: _paired(program, plan, near_use)):  # the second only if needed
+            layout = _layout(program, plan, make())
+            if not blocked_ranks(_wait_graph(program, plan, layout)):
+                return replace(program, ranks=_materialize(program, plan, layout))
+        ordered = _place_in_global_order(program, plan)
+        if ordered is None:
+            ordered = _materialize(program, plan, _layout(program, plan, near_use))
+        return replace(program, ranks=ordered)
+
+
+@contextmanager
+def paused_gc():
+    """Pause Python's cyclic garbage collector while a pass builds many small tuples.
+
+    A lowered program is a few hundred thousand Actions; allocating them
+    triggers full collections over the whole heap again and again, which find
+    nothing (Actions hold ints, strings and tuples of Actions: no cycles) and
+    cost as much as the pass itself. Reference counting still frees memory.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+# ------------------------------------------------------------------------ plan
+
+
+def _plan(program: Program, tables: StageTables) -> _Plan:
+    """Number every message and find where each is read; place the all-reduces."""
+    num_stages, num_mb, num_ranks = len(program.stages), program.num_microbatches, program.num_ranks
+    target_of, consumer_of, forward_of = _routes(tables)
+    where: dict[int, int] = {}
+    senders, first = [], []
+    stage, mb, forward, consumer, sources, targets = [], [], [], [], [], []
+    for rank in range(num_ranks - 1, -1, -1):  # backwards, so that where keeps first occurrences
+        row = program.ranks[rank]
+        kinds, keys = _task_codes(row, num_stages, num_mb)
+        where.update(zip(reversed(keys), range(rank + (len(row) - 1) * num_ranks, -1, -num_ranks)))
+        dsts = list(map(target_of.__getitem__, kinds))
+        picked = [index for index, dst in enumerate(dsts) if dst >= 0]
+        senders.append(picked)
+        sent = [row[index] for index in picked]
+        kind = [kinds[index] for index in picked]
+        stage.append(list(map(_stage_of, sent)))
+        mb.append(list(map(_mb_of, sent)))
+        forward.append(list(map(forward_of.__getitem__, kind)))
+        consumer.append(list(map(consumer_of.__getitem__, kind)))
+        targets.append(list(map(dsts.__getitem__, picked)))
+        sources.append([rank] * len(picked))
+    senders.reverse()
+    flat = [list(chain.from_iterable(reversed(part))) for part in (stage, mb, forward, consumer, sources, targets)]
+    stage, mb, forward, consumer, sources, targets = flat
+    first = list(accumulate(map(len, senders), initial=0))[:-1]
+    reader = _readers(program, where, mb, forward, consumer, targets)
+    return _Plan(senders, first, stage, mb, forward, consumer, sources, targets, reader,
+                 _pairs(sources, targets, num_ranks), _collectives(program, tables))
+
+
+def _routes(tables: StageTables) -> tuple[list[int], list[int], list[int]]:
+    """Tables indexed by ``stage * 4 + task code`` (and -1, the last entry, for no task).
+
+    Returns:
+        (rank the task's output is sent to or -1, the stage that reads it,
+        1 if it is an activation else 0).
+    """
+    home = tables.home
+    target, consumer, forward = [], [], []
+    for stage in range(len(home)):
+        for op in (F, B, I, W):
+            reader = tables.next[stage] if op == F else tables.prev[stage] if op in (B, I) else -1
+            remote = reader >= 0 and home[reader] != home[stage]
+            target.append(home[reader] if remote else -1)
+            consumer.append(reader)
+            forward.append(1 if op == F else 0)
+    return target + [-1], consumer + [-1], forward + [0]
+
+
+def _task_codes(row: list[Action], num_stages: int, num_mb: int) -> tuple[list[int], list[int]]:
+    """Per action: ``stage * 4 + code`` and its task key; -1 for anything but a valid compute task."""
+    try:
+        codes = list(map(TASK_CODE.__getitem__, map(_op_of, row)))
+        stages, mbs = list(map(_stage_of, row)), list(map(_mb_of, row))
+        if row and not (0 <= min(stages) and max(stages) < num_stages and 0 <= min(mbs) and max(mbs) < num_mb):
+            raise KeyError("out of range")
+    except KeyError:  # something other than valid compute: sort it out action by action
+        valid = [TASK_CODE.get(a.op, -1) if 0 <= a.stage < num_stages and 0 <= a.mb < num_mb else -1 for a in row]
+        kinds = [a.stage * 4 + code if code >= 0 else -1 for a, code in zip(row, valid)]
+        keys = [(a.stage * num_mb + a.mb) * 4 + code if code >= 0 else -1 for a, code in zip(row, valid)]
+        return kinds, keys
+    kinds = [s * 4 + c for s, c in zip(stages, codes)]
+    keys = [(s * num_mb + m) * 4 + c for s, m, c in zip(stages, mbs, codes)]
+    return kinds, keys
+
+
+def _readers(program: Program, where, mb, forward, consumer, targets) -> list[int]:
+    """Per message: the index of its reader on the receiving rank (B, else I, for a gradient)."""
+    num_mb, num_ranks = program.num_microbatches, program.num_ranks
+    wanted = [(c * num_mb + m) * 4 + 1 - f for c, m, f in zip(consumer, mb, forward)]
+    found = list(map(where.get, wanted, repeat(_NOWHERE)))
+    for message in [m for m, place in enumerate(found) if place < 0 and not forward[m]]:
+        found[message] = where.get(wanted[message] + 1, _NOWHERE)  # a split backward: read by I
+    ends = [len(row) for row in program.ranks]
+    # nobody reads it on the receiver: receive it at the end, the checks report the missing task
+    return [place // num_ranks if place >= 0 and place % num_ranks == dst else ends[dst]
+            for place, dst in zip(found, targets)]
+
+
+def _pairs(sources: list[int], targets: list[int], num_ranks: int) -> dict[int, list[int]]:
+    keys = [src * num_ranks + dst for src, dst in zip(sources, targets)]
+    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: FIFO within a pair
+    return {key: list(group) for key, group in groupby(order, key=keys.__getitem__)}
+
+
+def _collectives(program: Program, tables: StageTables) -> list[list[tuple[int, Action]]]:
+    """Per rank: one ALLREDUCE_GRAD per replicated chunk it holds, after its last B/W of that chunk.
+
+    A rank holding a replica that no microbatch rides still joins the
+    all-reduce (its weights must follow the other replicas), after its last compute.
+    """
+    held: list[dict[int, int]] = [{} for _ in program.ranks]  # rank -> chunk -> a replica stage it holds
+    for stage in range(len(program.stages)):
+        if len(program.replicas(stage)) > 1:
+            held[tables.home[stage]].setdefault(tables.chunk[stage], stage)
+    placed = []
+    for rank, row in enumerate(program.ranks):
+        last: dict[int, tuple[int, int]] = {}  # chunk -> (index, stage) of its last B/W here
+        if held[rank]:
+            for index, action in enumerate(row):
+                stage = action.stage
+                if action.op in _BACKWARD_WEIGHT_OPS and 0 <= stage < len(tables.chunk) \
+                        and tables.chunk[stage] in held[rank]:
+                    last[tables.chunk[stage]] = (index, stage)
+        for chunk, stage in held[rank].items():
+            last.setdefault(chunk, (len(row) - 1, stage))
+        # all-reduces at the same place go in chunk order, the same on every rank
+        placed.append([(index, Action(stage, ALLREDUCE_GRAD))
+                       for index, _, stage in sorted((index, chunk, stage) for chunk, (index, stage) in last.items())])
+    return placed
+
+
+# ------------------------------------------------------------------ placements
+#
+# A placement is, per rank, a sorted list of entries, one per communication:
+#     entry = (gap * 2 + side) * K + code,   K = 2 * number of messages,
+# where gap k means "posted just before input compute k" (gap len(row): after
+# the last), side is 0 for a send and 1 for a receive, and code is the
+# communication's code. Sorting puts each gap's sends before its receives and
+# keeps message order inside each, which is each pair's FIFO order.
+
+
+def _stride(plan: _Plan) -> int:
+    return max(2 * len(plan.sources), 2)
+
+
+def _near_use(program: Program, plan: _Plan) -> list[list[int]]:
+    """Sends right after their producers, receives just before their readers."""
+    stride = _stride(plan)
+    placed = [[((index + 1) * 2) * stride + 2 * message for message, index in enumerate(senders, first)]
+              for senders, first in zip(plan.senders, plan.first)]
+    reader = plan.reader
+    for key, messages in plan.pairs.items():
+        # A receive comes before its reader and before every later receive of
+        # the pair: the suffix minimum of the readers' indices.
+        gaps = list(accumulate(reversed(list(map(reader.__getitem__, messages))), min))
+        gaps.reverse()
+        placed[key % program.num_ranks].extend(
+            (gap * 2 + 1) * stride + 2 * message + 1 for gap, message in zip(gaps, messages))
+    for entries in placed:
+        entries.sort()
+    return placed
+
+
+def _paired(program: Program, plan: _Plan, near_use: list[list[int]]) -> list[list[int]]:
+    """Near use, but nothing between an F and the B or I right after it (module docstring)."""
+    stride = _stride(plan)
+    placed = []
+    for row, entries in zip(program.ranks, near_use):
+        ops = list(map(_op_of, row))
+        # shift[gap * 2 + side]: sends of a bracketed gap move one gap later, receives one earlier
+        shift = [0] * (2 * len(row) + 2)
+        for gap in [g for g in range(1, len(row)) if ops[g - 1] == F and ops[g] in _PAIRED_AFTER_F]:
+            shift[2 * gap] = 2 * stride
+            shift[2 * gap + 1] = -2 * stride
+        moved = list(map(operator.add, entries, map(shift.__getitem__, map(operator.floordiv, entries, repeat(stride)))))
+        moved.sort()
+        placed.append(moved)
+    return placed
+
+
+class _Layout(NamedTuple):
+    """Where a placement's instructions land.
+
+    Attributes:
+        codes, steps: per rank, the communication codes in placement order and
+            the step (index in the rank's final list) of each.
+        starts: per rank, where each run starts in ``codes``.
+        run_gaps: per rank, the gap of each run.
+        reduces: per rank, (chunk, step) of each all-reduce.
+        longest: the length of the longest final list.
+    """
+
+    codes: list[list[int]]
+    steps: list[list[int]]
+    starts: list[list[int]]
+    run_gaps: list[list[int]]
+    reduces: list[list[tuple[int, int]]]
+    longest: int
+
+
+def _layout(program: Program, plan: _Plan, placed: list[list[int]]) -> _Layout:
+    """Number the final instructions: per gap, its run (if any), an all-reduce, the compute."""
+    stride = _stride(plan)
+    layout = _Layout([], [], [], [], [], 0)
+    longest = 0
+    for rank, entries in enumerate(placed):
+        row, collectives = program.ranks[rank], plan.collectives[rank]
+        gaps = list(map(operator.floordiv, entries, repeat(2 * stride)))
+        starts = list(compress(range(len(gaps)), map(operator.ne, gaps, chain((-1,), gaps))))  # a new gap: a run
+        run_gaps = list(map(gaps.__getitem__, starts))
+        # a run's step: the computes before its gap, the runs and all-reduces before it
+        run_steps = list(map(operator.add, run_gaps, range(len(run_gaps))))
+        reduces = []
+        for index, started in collectives:
+            # The all-reduce after compute ``index`` follows the run of gap index + 1;
+            # it sits after index + 1 computes, the runs up to that gap and the
+            # all-reduces before it, and pushes every later run one step on.
+            later = next((i for i, gap in enumerate(run_gaps) if gap > index + 1), len(run_gaps))
+            reduces.append((program.stages[started.stage].position, index + 1 + later + len(reduces)))
+            run_steps[later:] = map(operator.add, run_steps[later:], repeat(1))
+        lengths = map(operator.sub, chain(starts[1:], (len(entries),)), starts)
+        layout.codes.append(list(map(operator.mod, entries, repeat(stride))))
+        layout.steps.append(list(chain.from_iterable(map(repeat, run_steps, lengths))))
+        layout.starts.append(starts)
+        layout.run_gaps.append(run_gaps)
+        layout.reduces.append(reduces)
+        longest = max(longest, len(row) + len(starts) + 2 * len(collectives))
+    return layout._replace(longest=longest)
+
+
+def _wait_graph(program: Program, plan: _Plan, layout: _Layout) -> WaitGraph:
+    """The rendezvous ``WaitGraph`` of a laid-out placement.
+
+    Built without a code -> step map: a rank's sends, in placement order, are
+    its messages in id order; its receives, sorted by code, are grouped by
+    sender (messages are numbered sender by sender) in FIFO order. Pairing each
+    receive with its own message is the runtime's FIFO pairing because every
+    placement keeps each pair's receives in send order.
+    """
+    num_ranks = program.num_ranks
+    graph = empty_graph(num_ranks, layout.longest)
+    send_step = [0] * len(plan.sources)
+    is_receive = [list(map(operator.and_, codes, repeat(1))) for codes in layout.codes]
+    for rank, (steps, receives) in enumerate(zip(layout.steps, is_receive)):
+        sent = list(compress(steps, map(operator.not_, receives)))
+        send_step[plan.first[rank]:plan.first[rank] + len(sent)] = sent
+    scale = layout.longest + 1
+    for rank, (codes, steps, receives) in enumerate(zip(layout.codes, layout.steps, is_receive)):
+        received = sorted(map(operator.add, map(operator.mul, compress(codes, receives), repeat(scale)),
+                              compress(steps, receives)))
+        messages = [entry // scale >> 1 for entry in received]
+        at = list(map(operator.mod, received, repeat(scale)))
+        senders = list(map(plan.sources.__getitem__, messages))
+        their_steps = list(map(send_step.__getitem__, messages))
+        add_waits(graph, rank, at, senders, their_steps)  # a receive waits for its send
+        for src in set(senders):  # and each send for its receive (one contiguous group per sender)
+            lo, hi = bisect_left(senders, src), bisect_right(senders, src)
+            add_waits(graph, src, their_steps[lo:hi], repeat(rank), at[lo:hi])
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for rank, reduces in enumerate(layout.reduces):
+        for chunk, at in reduces:
+            groups.setdefault(chunk, []).append((rank, at))
+    add_collectives(graph, groups.values())
+    return graph
+
+
+# ------------------------------------------------------------------ building
+
+
+def _parts(plan: _Plan) -> list[Action]:
+    """Every communication's instruction, indexed by its code."""
+    count = len(plan.sources)
+    sends = map(_new_action, repeat(Action, count), zip(
+        plan.stage, map((SEND_B, SEND_F).__getitem__, plan.forward), plan.mb, plan.targets, repeat((), count)))
+    recvs = map(_new_action, repeat(Action, count), zip(
+        plan.consumer, map((RECV_B, RECV_F).__getitem__, plan.forward), plan.mb, plan.sources, repeat((), count)))
+    parts: list[Action] = [None] * (2 * count)  # type: ignore[list-item]
+    parts[0::2] = list(sends)
+    parts[1::2] = list(recvs)
+    return parts
+
+
+def _run_instruction(parts: list[Action], codes: list[int]) -> Action:
+    """One instruction for a run: the operation itself, or a BATCH of them (``_materialize`` inlines this)."""
+    if len(codes) == 1:
+        return parts[codes[0]]
+    return _new_action(Action, (-1, BATCH, -1, NO_PEER, tuple(map(parts.__getitem__, codes))))
+
+
+def _materialize(program: Program, plan: _Plan, layout: _Layout) -> list[list[Action]]:
+    """The instruction lists of a laid-out placement."""
+    parts = _parts(plan)
+    lowered = []
+    for rank, (row, codes, starts) in enumerate(zip(program.ranks, layout.codes, layout.starts)):
+        collectives = plan.collectives[rank]
+        made = [parts[codes[a]] if b - a == 1 else _new_action(Action, (-1, BATCH, -1, NO_PEER, tuple(
+                    map(parts.__getitem__, codes[a:b])))) for a, b in zip(starts, chain(starts[1:], (len(codes),)))]
+        inserts = list(zip(layout.run_gaps[rank], made))
+        if collectives:  # each all-reduce after the run that follows its compute (stable sort: runs first)
+            inserts = sorted(inserts + [(index + 1, started) for index, started in collectives], key=_gap_of)
+        out: list[Action] = []
+        start = 0
+        for gap, instruction in inserts:  # the computes before the gap, then what goes there
+            out += row[start:gap]
+            out.append(instruction)
+            start = gap
+        out += row[start:]
+        _finish(out, collectives)
+        lowered.append(out)
+    return lowered
+
+
+_gap_of = operator.itemgetter(0)
+
+
+def _finish(out: list[Action], collectives: list[tuple[int, Action]]) -> None:
+    """Wait for this rank's all-reduces, in the order it started them."""
+    out.extend(Action(started.stage, ALLREDUCE_WAIT) for _, started in collectives)
+
+
+# ---------------------------------------------------------------- global order
+
+
+def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] | None:
+    """Rebuild the lists by advancing ranks in turn (module docstring); None if the order is cyclic."""
+    num_ranks = program.num_ranks
+    rows = program.ranks
+    parts = _parts(plan)
+    # Each rank's stream: its computes (input index k, sort key 2k) and its
+    # all-reduces (~their position in its collectives, sort key 2 * index + 1: after compute index).
+    streams = []
+    for rank, row in enumerate(rows):
+        inserts = [(2 * index + 1, ~j) for j, (index, _) in enumerate(plan.collectives[rank])]
+        streams.append([item for _, item in sorted([(2 * k, k) for k in range(len(row))] + inserts, key=_gap_of)])
+    produced = [dict(zip(senders, range(first, first + len(senders))))
+                for senders, first in zip(plan.senders, plan.first)]
+    readers_of: dict[int, list[int]] = {}  # index * R + rank of a reader -> the messages it reads
+    for message, (dst, index) in enumerate(zip(plan.targets, plan.reader)):
+        readers_of.setdefault(index * num_ranks + dst, []).append(message)
+    chunk_of = [s.position for s in program.stages]
+    reduce_of = [{chunk_of[started.stage]: started for _, started in collectives} for collectives in plan.collectives]
+    members: dict[int, int] = {}  # chunk -> how many ranks run its all-reduce
+    for mine in reduce_of:
+        for chunk in mine:
+            members[chunk] = members.get(chunk, 0) + 1
+    delivered = bytearray(len(plan.sources))
+    waiting: dict[int, list[int]] = {}
+    arrived: dict[int, list[int]] = {}  # chunk -> ranks that have reached its all-reduce
+    cursor = [0] * num_ranks
+    out: list[list[Action]] = [[] for _ in range(num_ranks)]
+    run: list[list[int]] = [[] for _ in range(num_ranks)]
+
+    def emit(rank: int, action: Action) -> None:
+        if run[rank]:
+            out[rank].append(_run_instruction(parts, sorted(run[rank], key=_is_receive)))  # sends first
+            run[rank] = []
+        out[rank].append(action)
+
+    turns = deque(range(num_ranks))
+    while turns:
+        rank = turns.popleft()
+        if cursor[rank] == len(streams[rank]):
+            continue
+        item = streams[rank][cursor[rank]]
+        if item < 0:
+            # An all-reduce never holds a rank up here: the rank goes on, and
+            # when the last member arrives the all-reduce is appended on every
+            # member at once (one event), so ranks cannot meet them in
+            # different orders.
+            chunk = chunk_of[plan.collectives[rank][~item][1].stage]
+            arrived.setdefault(chunk, []).append(rank)
+            if len(arrived[chunk]) == members[chunk]:
+                for member in arrived.pop(chunk):
+                    emit(member, reduce_of[member][chunk])
+            cursor[rank] += 1
+            turns.append(rank)
+            continue
+        missing = next((m for m in readers_of.get(item * num_ranks + rank, ()) if not delivered[m]), -1)
+        if missing >= 0:
+            waiting.setdefault(missing, []).append(rank)
+            continue
+        emit(rank, rows[rank][item])
+        cursor[rank] += 1
+        message = produced[rank].get(item, -1)
+        if message >= 0:
+            run[rank].append(2 * message)
+            run[plan.targets[message]].append(2 * message + 1)
+            delivered[message] = 1
+            turns.extend(waiting.pop(message, ()))
+        turns.append(rank)
+    if arrived or any(cursor[rank] < len(streams[rank]) for rank in range(num_ranks)):
+        return None
+    for rank in range(num_ranks):
+        if run[rank]:
+            out[rank].append(_run_instruction(parts, sorted(run[rank], key=_is_receive)))
+        out[rank].extend(Action(started.stage, ALLREDUCE_WAIT) for started in
+                         (a for a in out[rank] if a.op == ALLREDUCE_GRAD))
+    return out
+
+
+def _is_receive(code: int) -> int:
+    return code & 1
+
+
+__all__ = ["insert_communication"]
