@@ -37,7 +37,8 @@ from pipec.compiler.ir import COMM_OPS, COMPUTE_OPS, NO_PEER, RECV_B, RECV_F, SE
 from pipec.compiler.lower_comms import insert_communication
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; reading builds hundreds of thousands of acyclic ones.
-from pipec.compiler.simulate import SimResult, _gc_paused, simulate
+from pipec.compiler.gc_pause import paused_gc
+from pipec.compiler.simulate import SimResult, simulate
 from pipec.errors import ImportError_, UsageError, WellFormedError
 
 # torch's action token (schedules.py's _action_regex), matched whole.
@@ -91,7 +92,7 @@ def read_torch_csv(text: str, source: str = "<csv>") -> tuple[Program, bool]:
     if not grid:
         raise ImportError_(f"{source}: empty schedule CSV")
     reader = _Reader(grid)
-    with _gc_paused():
+    with paused_gc():
         for rank, row in enumerate(grid):
             reader.read_row(rank, row)
         ranks, home, num_microbatches, had_comms = reader.finish()

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipec.compiler.ir import B, FREE_F, W, Action, Program
-from pipec.compiler.lower_comms import paused_gc
+from pipec.compiler.gc_pause import paused_gc
 
 # The instructions after which the saved activation of their (stage, mb) is dead.
 _LAST_USE_OPS = (B, W)

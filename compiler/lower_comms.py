@@ -48,15 +48,14 @@ and build each Action once.
 """
 from __future__ import annotations
 
-import gc
 import operator
 from bisect import bisect_left, bisect_right
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import replace
 from itertools import accumulate, chain, compress, groupby, repeat
 from typing import NamedTuple
 
+from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import (
     ALLREDUCE_GRAD,
     ALLREDUCE_WAIT,
@@ -145,22 +144,6 @@ def insert_communication(program: Program) -> Program:
         return replace(program, ranks=ordered)
 
 
-@contextmanager
-def paused_gc():
-    """Pause Python's cyclic garbage collector while a pass builds many small tuples.
-
-    A lowered program is a few hundred thousand Actions; allocating them
-    triggers full collections over the whole heap again and again, which find
-    nothing (Actions hold ints, strings and tuples of Actions: no cycles) and
-    cost as much as the pass itself. Reference counting still frees memory.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 # ------------------------------------------------------------------------ plan

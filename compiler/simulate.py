@@ -33,15 +33,14 @@ not run yet.
 """
 from __future__ import annotations
 
-import gc
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from operator import itemgetter
 from typing import NamedTuple, Union
 
 from pipec.compiler.costs import CostModel
+from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import (
     ALLREDUCE_GRAD,
     ALLREDUCE_WAIT,
@@ -177,22 +176,8 @@ def simulate(program: Program, costs: CostModel | None = None) -> SimResult:
         MatchError: a RECV matched (FIFO) to a SEND of another tensor.
         DeadlockError: a rank waits for an input that never arrives.
     """
-    with _gc_paused():
+    with paused_gc():
         return _Simulation(program, costs or CostModel.unit()).run()
-
-
-@contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector: the simulation allocates one slot per
-    task and no cycles, and collections triggered by those allocations rescan
-    the whole growing timeline (about a third of the run time on large programs)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class _Simulation:

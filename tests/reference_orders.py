@@ -6,7 +6,7 @@ every shipped schedule is a ``.pipe`` file.
 """
 from __future__ import annotations
 
-from pipec.compiler.ir import Action, Program, StageInfo, single_pipeline
+from pipec.compiler.ir import Action, Program, single_pipeline
 
 
 def compute_program(name: str, stage_ranks: list[int], num_microbatches: int, orders: list[list[tuple[str, int, int]]]) -> Program:

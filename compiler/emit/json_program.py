@@ -40,7 +40,7 @@ from pipec.compiler.ir import (
 )
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; these passes build hundreds of thousands of acyclic ones.
-from pipec.compiler.simulate import _gc_paused
+from pipec.compiler.gc_pause import paused_gc
 from pipec.errors import ImportError_
 
 # Action._make skips NamedTuple's keyword handling: about 3x cheaper per instruction.
@@ -73,7 +73,7 @@ def program_to_json(program: Program) -> dict:
         a dict of plain lists, dicts, strings and ints in the version-1 format;
         ``json.dumps`` it to write a file.
     """
-    with _gc_paused():
+    with paused_gc():
         ranks = [[_instruction_to_json(a) for a in row] for row in program.ranks]
     return {
         "format": FORMAT,
@@ -155,7 +155,7 @@ def program_from_json(data: dict) -> Program:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
     limits = (len(stages), num_microbatches, num_ranks)
     ranks = []
-    with _gc_paused():
+    with paused_gc():
         for r, row in enumerate(raw_ranks):
             if not isinstance(row, list):
                 raise ImportError_(f"rank {r}'s instructions must be a list", rank=r)
