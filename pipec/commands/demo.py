@@ -19,7 +19,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from pipec.compiler.checks import peak_activations
     from pipec.compiler.driver import compile_target
-    from pipec.compiler.emit import format_text_grid
+    from pipec.compiler.emit import format_timeline
     from pipec.compiler.simulate import simulate
 
     defines = {"P": "4", "N": "4"}
@@ -38,7 +38,9 @@ def run(args) -> int:
         f"simulated (unit costs F=1 B=2): makespan {result.makespan}, bubble ratio {bubble}, "
         f"peak activations per rank {peak_activations(program)}",
         "",
-        format_text_grid(program),
+        "timeline (one column per unit of time; '..' is a bubble, '--' a backward's second unit):",
+        format_timeline(result),
+        "the per-rank instruction lists: pipec compile bitpipe -D P=4 -D N=4 --format text",
     ]
     write_output("\n".join(lines), None)
     return 0

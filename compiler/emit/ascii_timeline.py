@@ -1,0 +1,34 @@
+"""A simulated timeline as text: one lane per rank, one column per time unit.
+
+    rank 0 | F0 F1 F2 .. .. B0 -- F3 B1 --
+    rank 1 | .. F0 F1 B0 -- ...
+
+Each compute slot prints its kind and microbatch in its first column and
+``--`` in the rest; ``..`` is idle time (a bubble). Meant for terminals and for
+costs that are whole numbers (the unit costs); other costs are scaled so that
+the shortest operation takes one column.
+"""
+from __future__ import annotations
+
+from pipec.compiler.simulate import SimResult
+
+
+def format_timeline(result: SimResult, max_columns: int = 400) -> str:
+    """Args: result: a simulation; max_columns: lanes longer than this are cut with "...".
+    Returns: one line per rank, ending with a newline."""
+    durations = [s.end - s.start for lane in result.timeline for s in lane if not s.is_comm and s.end > s.start]
+    unit = min(durations) if durations else 1
+    columns = int(round(result.makespan / unit)) if unit else 0
+    shown = min(columns, max_columns)
+    lanes = []
+    labels = [[(s.action.op + str(s.action.mb), s) for s in lane if not s.is_comm] for lane in result.timeline]
+    width = max((len(label) for lane in labels for label, _ in lane), default=2)
+    for lane in labels:
+        cells = [".." .ljust(width)] * shown
+        for label, slot in lane:
+            first, last = int(round(slot.start / unit)), int(round(slot.end / unit))
+            for column in range(first, min(last, shown)):
+                cells[column] = (label if column == first else "-" * width).ljust(width)
+        lanes.append(" ".join(cells) + (" ..." if columns > shown else ""))
+    label_width = len(f"rank {max(len(lanes) - 1, 0)}")
+    return "\n".join(f"{'rank ' + str(r):<{label_width}} | {lane}" for r, lane in enumerate(lanes)) + "\n"
