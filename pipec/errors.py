@@ -221,31 +221,24 @@ def format_grid(
         keep = {r for r, _ in marks}
         near = [r for r in range(len(grid)) if abs(r - focus_rank) <= 2]
         ranks_to_show = sorted(keep | set(near))
-    width = max(
-        (len(grid[r][s]) for r in ranks_to_show for s in range(lo, min(hi, len(grid[r])))),
-        default=1,
-    ) + 2
+    def cell(r: int, s: int) -> str:
+        row = grid[r]
+        if s >= len(row):
+            return ""
+        return f"[{row[s]}]" if (r, s) in marked else f" {row[s]} "
+
+    # Each step's column is as wide as its widest cell among the ranks shown.
+    widths = {s: max(max((len(cell(r, s)) for r in ranks_to_show), default=0), len(f"s{s}")) + 1 for s in range(lo, hi)}
     label_width = len(f"rank {len(grid) - 1}")
     lead = "    " if lo > 0 else ""
-    lines = [" " * label_width + " | " + lead + "".join(f"{'s' + str(s):<{width}}" for s in range(lo, hi)).rstrip()]
+    lines = [" " * label_width + " | " + lead + "".join(f"{'s' + str(s):<{widths[s]}}" for s in range(lo, hi)).rstrip()]
     previous = None
     for r in ranks_to_show:
         if previous is not None and r != previous + 1:
             lines.append(" " * label_width + " | ...")
         previous = r
-        row = grid[r]
-        cells = []
-        for s in range(lo, hi):
-            if s >= len(row):
-                cells.append(" " * width)
-                continue
-            text = row[s]
-            if (r, s) in marked:
-                text = f"[{text}]"
-            else:
-                text = f" {text} "
-            cells.append(f"{text:<{width}}")
-        tail = " ..." if hi < len(row) else ""
+        cells = "".join(f"{cell(r, s):<{widths[s]}}" for s in range(lo, hi))
+        tail = " ..." if hi < len(grid[r]) else ""
         head = "... " if lo > 0 else ""
-        lines.append(f"{'rank ' + str(r):>{label_width}} | {head}{''.join(cells).rstrip()}{tail}")
+        lines.append(f"{'rank ' + str(r):>{label_width}} | {head}{cells.rstrip()}{tail}")
     return "\n".join(lines)
