@@ -242,3 +242,37 @@ def format_grid(
         head = "... " if lo > 0 else ""
         lines.append(f"{'rank ' + str(r):>{label_width}} | {head}{cells.rstrip()}{tail}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------- runtime faults
+
+
+class RuntimeFault(PipecError):
+    """A worker could not go on: a wait ran past its deadline, or a peer failed.
+
+    Renders on one line as ``rank R, step S (INSTR): MESSAGE``, where S is the
+    instruction's index in the rank's list and INSTR its text; a wait's message
+    starts ``waited T s for rank Q``. The launcher finds these lines in the
+    workers' stderr.
+
+    Attributes:
+        rank: the rank that stopped.
+        step: the instruction index it stopped at.
+        instruction: that instruction's text.
+        message: what went wrong.
+        peer: the rank waited on, or None.
+    """
+
+    def __init__(self, message: str, rank: int, step: int, instruction: str, peer: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.rank = rank
+        self.step = step
+        self.instruction = instruction
+        self.peer = peer
+
+    def render(self) -> str:
+        return f"rank {self.rank}, step {self.step} ({self.instruction}): {self.message}"
+
+    def __str__(self) -> str:
+        return self.render()

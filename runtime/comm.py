@@ -1,0 +1,231 @@
+"""Messages, batches and replica all-reduces for the interpreter, each with a deadline.
+
+The interpreter posts every communication at its instruction and waits for it
+later (a receive at the first compute that reads it, a send at the end of the
+step, an all-reduce at its ALLREDUCE_WAIT). This module owns the two things
+that differ between backends and the one thing that must never differ:
+
+* How a wait meets its deadline. gloo's ``Work.wait(timeout)`` blocks the CPU
+  until the operation is done or the deadline passes, which is what a CPU run
+  wants. NCCL's ``Work.wait()`` only makes the compute stream wait, so the CPU
+  can run ahead and queue kernels; blocking it at every wait would serialise
+  CPU and GPU. There the deadline is checked when the step settles (``settle``),
+  by polling ``is_completed`` of everything still outstanding.
+* How a failed wait is reported: ``RuntimeFault`` naming the rank, the
+  instruction index and text, how long it waited and for which rank(s).
+* The replica subgroups: ``replica_groups`` calls ``dist.new_group`` for every
+  replicated chunk in chunk order, on every rank, members or not, as
+  torch.distributed requires.
+"""
+from __future__ import annotations
+
+import re
+import time
+from datetime import timedelta
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipec.compiler.ir import Program
+from pipec.errors import RuntimeFault
+
+# How often a deadline poll looks at an unfinished NCCL operation, in seconds.
+_POLL_S = 0.0005
+# Words in a backend's error that mean "the deadline passed" rather than "the peer failed".
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+class Site(NamedTuple):
+    """Where a wait happens, for its fault message.
+
+    Attributes:
+        rank: the waiting rank.
+        step: the index of the instruction that waits.
+        instruction: that instruction's text (and, when it waits for an
+            operation another instruction posted, which one).
+        peers: the rank(s) the operation involves.
+        iteration: the training step, counted from 1.
+    """
+
+    rank: int
+    step: int
+    instruction: str
+    peers: tuple[int, ...]
+    iteration: int
+
+
+def _peers_text(peers: Sequence[int]) -> str:
+    if len(peers) == 1:
+        return f"rank {peers[0]}"
+    return "ranks " + ", ".join(map(str, peers))
+
+
+def wait_fault(site: Site, waited: float, error: BaseException | None) -> RuntimeFault:
+    """The fault for a wait at ``site`` that ended after ``waited`` seconds.
+
+    Args:
+        site: where the wait happened.
+        waited: seconds waited.
+        error: the backend's exception, or None when the deadline passed without one.
+    Returns:
+        a ``RuntimeFault`` whose message starts ``waited T s for rank Q``.
+    """
+    head = f"waited {waited:.1f} s for {_peers_text(site.peers)}"
+    text = _backend_words(error)
+    if error is None or any(word in text.lower() for word in _TIMEOUT_WORDS):
+        why = "no answer within the timeout (a hung or slower peer; raise --timeout if it is only slow)"
+    else:
+        why = f"the peer failed or closed the connection ({text})"
+    message = f"{head}: {why}; training step {site.iteration}"
+    return RuntimeFault(message, site.rank, site.step, site.instruction, site.peers[0] if site.peers else None)
+
+
+def _backend_words(error: BaseException | None) -> str:
+    """The gist of a backend's error: its first sentence, without gloo's source location."""
+    if error is None:
+        return ""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)  # "[.../pair.cc:553] "
+    return text.split(". ")[0].rstrip(".")
+
+
+def await_blocking(works: Sequence[dist.Work], timeout: float, site: Site) -> None:
+    """Wait for every work on the CPU, all within ``timeout`` seconds (gloo).
+
+    Raises:
+        RuntimeFault: the deadline passed or the backend reported an error.
+    """
+    start = time.monotonic()
+    for work in works:
+        remaining = timeout - (time.monotonic() - start)
+        try:
+            if remaining <= 0 or not work.wait(timeout=timedelta(seconds=remaining)):
+                raise wait_fault(site, time.monotonic() - start, None)
+        except RuntimeError as error:  # gloo reports a timeout and a dead peer as RuntimeError
+            raise wait_fault(site, time.monotonic() - start, error) from None
+
+
+def await_stream(works: Sequence[dist.Work], timeout: float, site: Site) -> None:
+    """Make the current stream wait for every work (NCCL); the CPU goes on.
+
+    The deadline is checked later, by ``settle``.
+    """
+    for work in works:
+        work.wait()
+
+
+def settle(works: Sequence[dist.Work], timeout: float, site: Site) -> None:
+    """Poll until every work has completed, within ``timeout`` seconds; the CPU-side check for NCCL.
+
+    Raises:
+        RuntimeFault: the deadline passed, or a work reports an exception.
+    """
+    start = time.monotonic()
+    for work in works:
+        while not work.is_completed():
+            waited = time.monotonic() - start
+            if waited > timeout:
+                raise wait_fault(site, waited, None)
+            time.sleep(_POLL_S)
+        try:
+            work.wait()  # completed: returns at once, or raises the operation's error
+        except RuntimeError as error:
+            raise wait_fault(site, time.monotonic() - start, error) from None
+
+
+# Per backend: (wait at use, whether the CPU blocks there). A backend not listed
+# is treated as gloo: blocking waits are correct everywhere, only slower on GPU.
+WAIT_RULES = {
+    "gloo": (await_blocking, True),
+    "nccl": (await_stream, False),
+}
+
+
+def wait_rule(backend: str):
+    """The (wait function, blocks the CPU) pair for ``backend``."""
+    return WAIT_RULES.get(backend, WAIT_RULES["gloo"])
+
+
+# ------------------------------------------------------------------ posting
+
+
+def post_send(tensor: torch.Tensor, peer: int) -> list[dist.Work]:
+    return [dist.isend(tensor, peer)]
+
+
+def post_recv(buffer: torch.Tensor, peer: int) -> list[dist.Work]:
+    return [dist.irecv(buffer, peer)]
+
+
+def post_batch(ops: Sequence[tuple[bool, torch.Tensor, int]]) -> list[list[dist.Work]]:
+    """Post a batch through ``batch_isend_irecv``; per op, the works to wait for it.
+
+    Args:
+        ops: (is_send, tensor, peer) in the batch's order.
+    Returns:
+        one list of works per op: its own work when the backend returns one per
+        op (gloo), else every work of the batch (NCCL coalesces a batch).
+    """
+    p2p = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer) for is_send, tensor, peer in ops]
+    works = dist.batch_isend_irecv(p2p)
+    if len(works) == len(ops):
+        return [[work] for work in works]
+    return [works] * len(ops)
+
+
+class ReplicaGroup(NamedTuple):
+    """The subgroup that all-reduces one replicated chunk's weight gradients.
+
+    Attributes:
+        group: the process group (this rank is a member).
+        peers: the other member ranks, for fault messages.
+    """
+
+    group: object
+    peers: tuple[int, ...]
+
+
+def replica_groups(program: Program, rank: int) -> dict[int, ReplicaGroup]:
+    """Create the replica subgroups once; collective: every rank calls it, in the same state.
+
+    Args:
+        program: the compiled program (the same on every rank).
+        rank: this rank.
+    Returns:
+        chunk -> its ``ReplicaGroup``, for the replicated chunks this rank
+        holds on two or more distinct ranks. Replicas on a single rank share one
+        module and need no all-reduce.
+    """
+    mine: dict[int, ReplicaGroup] = {}
+    for chunk in range(program.num_chunks):
+        ranks = sorted({program.stages[line[chunk]].rank for line in program.pipelines})
+        if len(ranks) < 2:
+            continue
+        group = dist.new_group(ranks)  # every rank, same order: new_group is collective
+        if rank in ranks:
+            mine[chunk] = ReplicaGroup(group, tuple(r for r in ranks if r != rank))
+    return mine
+
+
+def start_allreduce(flat: torch.Tensor, replicas: ReplicaGroup) -> list[dist.Work]:
+    """Start the sum all-reduce of a chunk's flat gradient buffer in its replica group."""
+    return [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=replicas.group, async_op=True)]
+
+
+__all__ = [
+    "ReplicaGroup",
+    "Site",
+    "WAIT_RULES",
+    "await_blocking",
+    "await_stream",
+    "post_batch",
+    "post_recv",
+    "post_send",
+    "replica_groups",
+    "settle",
+    "start_allreduce",
+    "wait_fault",
+    "wait_rule",
+]

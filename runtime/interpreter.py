@@ -1,0 +1,500 @@
+"""The per-rank interpreter: one loop over a rank's instructions, one handler per op.
+
+``make_context`` prepares what a rank keeps across training steps (its stages'
+modules, flat gradient buffers, the optimizer, the replica subgroups);
+``run_step`` walks the rank's instruction list once, through ``HANDLERS``, and
+ends with the optimizer step.
+
+Dataflow inside a step. Every tensor that crosses a stage boundary is named by
+``(kind, producer stage, microbatch)`` (``compiler.ir.tensor_of``), coded as one
+int. A producer puts its output in ``produced`` under that key; the consumer
+takes it from there when producer and consumer share the rank (a local
+hand-off, no message), or a SEND takes it and ships it. A RECV posts its
+receive into a fresh buffer of the activation's shape and files it in
+``pending`` under the same key; the compute that reads it waits for it then
+(receives are posted early, waited at first use).
+
+Autograd. Each stage is its own graph: a stage's input is a leaf (the received
+or handed-off tensor, detached), so B or I yields the gradient to send back as
+that leaf's gradient. The last stage of a pipeline turns logits into
+``loss_fn / N`` right after its forward, so microbatch gradients sum to the
+one-process gradient of the mean loss. I computes the input gradient with
+``retain_graph`` and keeps the output gradient; W later runs the backward again
+for the stage's parameters only. Weight gradients accumulate into ``.grad``,
+which for every parameter is a view into its chunk's flat buffer, so a
+replicated chunk's all-reduce is one call on one tensor, and zeroing is one fill.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from pipec.compiler.ir import (
+    ALLREDUCE_GRAD,
+    ALLREDUCE_WAIT,
+    B,
+    BATCH,
+    F,
+    FREE_F,
+    I,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    SEND_OPS,
+    W,
+    Action,
+    Program,
+)
+from pipec.errors import ProgramError, RuntimeFault
+from pipec.runtime import comm
+
+# Kinds of a hand-off tensor: the low bit of its key.
+ACT, GRAD = 0, 1
+
+# A trace event: (instruction index, start, end, waited), perf_counter
+# seconds; waited is the time the instruction spent waiting for messages, at
+# its start (a compute waits for its inputs before it computes). The optimizer
+# step is recorded with index len(row).
+Event = tuple[int, float, float, float]
+
+
+@dataclass
+class RankContext:
+    """What one rank keeps across training steps (built by ``make_context``).
+
+    Attributes:
+        program: the compiled program.
+        rank: this rank.
+        row: this rank's instruction list (a copy; a test may insert into it).
+        stages: stage id -> module, for this rank's stages; replicas of one
+            chunk on this rank share the module.
+        loss_fn: (last chunk's output, targets) -> scalar.
+        optimizer: steps every parameter of this rank's chunks (None when it holds none).
+        flat_grads: chunk -> the flat buffer its parameters' ``.grad`` views.
+        stage_params: stage id -> its module's trainable parameters (for W).
+        replicas: chunk -> replica subgroup, for chunks all-reduced across ranks.
+        activation_shape: shape of every message (an activation or its gradient).
+        dtype, device: of the messages.
+        timeout: longest wait of one instruction, in seconds.
+        wait: the backend's wait function (``comm.wait_rule``).
+        blocking: whether ``wait`` blocks the CPU (else the step settles at its end).
+        handlers: op -> handler; ``HANDLERS`` plus anything a test adds.
+        synchronize: called after every instruction when the trace must show
+            device time (CUDA), else None.
+        prev, next: per stage id, its neighbour along its pipeline or -1.
+        producer: per communication op, stage id -> the producer stage of the
+            tensor it carries.
+        iteration: the current training step, counted from 1 (for messages).
+    """
+
+    program: Program
+    rank: int
+    row: list[Action]
+    stages: dict[int, nn.Module]
+    loss_fn: Callable
+    optimizer: torch.optim.Optimizer | None
+    flat_grads: dict[int, torch.Tensor]
+    stage_params: dict[int, list[torch.Tensor]]
+    replicas: dict[int, comm.ReplicaGroup]
+    activation_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    timeout: float
+    wait: Callable
+    blocking: bool
+    handlers: dict[str, Callable]
+    synchronize: Callable[[], None] | None
+    prev: list[int]
+    next: list[int]
+    producer: dict[str, list[int]]
+    iteration: int = 0
+
+
+def make_context(
+    program: Program,
+    rank: int,
+    stages: dict[int, nn.Module],
+    *,
+    loss_fn: Callable,
+    make_optimizer: Callable,
+    activation_shape: Sequence[int],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    synchronize: Callable[[], None] | None = None,
+    groups: dict[int, comm.ReplicaGroup] | None = None,
+) -> RankContext:
+    """Prepare a rank to run steps; collective (it creates the replica subgroups).
+
+    Args:
+        program: the compiled program, the same on every rank.
+        rank: this rank.
+        stages: stage id -> module for every stage this rank holds (see
+            ``stage_modules``); modules already on ``device``.
+        loss_fn, make_optimizer: the model spec's.
+        activation_shape: the shape of what one stage hands the next for one
+            microbatch (its gradient has the same shape).
+        device, dtype: where and in what messages live.
+        backend: "gloo" or "nccl"; chooses how waits meet their deadline.
+        timeout: longest wait of one instruction, seconds.
+        synchronize: see ``RankContext``.
+        groups: replica subgroups already made (``comm.replica_groups``); made here when None.
+    Returns:
+        the ``RankContext``. Every parameter's ``.grad`` is now a zeroed view
+        into its chunk's flat buffer: never set it to None (``run_step`` zeroes it).
+    Raises:
+        ProgramError: an instruction with no handler.
+    """
+    row = list(program.ranks[rank])
+    for index, action in enumerate(row):
+        if action.op not in HANDLERS:
+            raise ProgramError(f"the runtime has no handler for '{action.op}'", rank, index, program.grid())
+    chunk_modules: dict[int, nn.Module] = {}
+    for stage, module in stages.items():
+        chunk_modules.setdefault(program.stages[stage].position, module)
+    flat_grads = {chunk: _bind_flat_grads(module) for chunk, module in chunk_modules.items()}
+    parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
+    prev = [program.prev_stage(s) for s in range(len(program.stages))]
+    nxt = [program.next_stage(s) for s in range(len(program.stages))]
+    itself = list(range(len(program.stages)))
+    wait, blocking = comm.wait_rule(backend)
+    return RankContext(
+        program=program,
+        rank=rank,
+        row=row,
+        stages=stages,
+        loss_fn=loss_fn,
+        optimizer=make_optimizer(parameters) if parameters else None,
+        flat_grads=flat_grads,
+        stage_params={stage: _trainable(module) for stage, module in stages.items()},
+        replicas=groups if groups is not None else comm.replica_groups(program, rank),
+        activation_shape=tuple(activation_shape),
+        dtype=dtype,
+        device=torch.device(device),
+        timeout=timeout,
+        wait=wait,
+        blocking=blocking,
+        handlers=dict(HANDLERS),
+        synchronize=synchronize,
+        prev=prev,
+        next=nxt,
+        producer={SEND_F: itself, SEND_B: itself, RECV_F: prev, RECV_B: nxt},
+    )
+
+
+def stage_modules(program: Program, rank: int, build: Callable[[int], nn.Module]) -> dict[int, nn.Module]:
+    """Stage id -> module for the stages on ``rank``, building each chunk once.
+
+    Args:
+        program: the compiled program.
+        rank: this rank.
+        build: chunk index -> a new module for that chunk.
+    Returns:
+        a dict over this rank's stages; replicas of a chunk on this rank share one module.
+    """
+    built: dict[int, nn.Module] = {}
+    out = {}
+    for info in program.stages:
+        if info.rank == rank:
+            if info.position not in built:
+                built[info.position] = build(info.position)
+            out[info.id] = built[info.position]
+    return out
+
+
+def _trainable(module: nn.Module) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _bind_flat_grads(module: nn.Module) -> torch.Tensor:
+    """Make every parameter's ``.grad`` a view into one zeroed buffer; return the buffer.
+
+    Autograd accumulates into an existing ``.grad`` in place, so the views stay
+    bound for the whole run.
+    """
+    params = _trainable(module)
+    if not params:
+        return torch.zeros(0)
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+# ------------------------------------------------------------------ one step
+
+
+@dataclass
+class _Step:
+    """The state of one training step on one rank (see the module docstring).
+
+    Attributes:
+        ctx: the rank's context.
+        inputs, targets: per microbatch, the first stage's input and the loss targets.
+        num_microbatches: N.
+        saved: stage * N + mb -> (input leaf or None, output or scaled loss).
+        produced: tensor key -> tensor made here, not yet consumed or sent.
+        pending: tensor key -> (buffer, works, index of its RECV, peer).
+        output_grads: stage * N + mb -> the output gradient I used, for W.
+        sends: (works, tensor, index of its SEND, peer): waited when the step ends.
+        reduces: chunk -> (works, index of its ALLREDUCE_GRAD).
+        streamed: (works, site) of every wait that only ordered the stream
+            (NCCL): their deadline is checked when the step ends.
+        waited: seconds spent waiting for messages so far in this step.
+        loss: sum of this rank's scaled microbatch losses, or None.
+    """
+
+    ctx: RankContext
+    inputs: Sequence[torch.Tensor]
+    targets: Sequence[torch.Tensor]
+    num_microbatches: int
+    saved: dict = field(default_factory=dict)
+    produced: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)
+    output_grads: dict = field(default_factory=dict)
+    sends: list = field(default_factory=list)
+    reduces: dict = field(default_factory=dict)
+    streamed: list = field(default_factory=list)
+    waited: float = 0.0
+    loss: torch.Tensor | None = None
+
+    def key(self, kind: int, producer: int, mb: int) -> int:
+        return (producer * self.num_microbatches + mb) * 2 + kind
+
+    def site(self, index: int, text: str, peers: tuple[int, ...]) -> comm.Site:
+        return comm.Site(self.ctx.rank, index, text, peers, self.ctx.iteration)
+
+    def wait(self, works, site: comm.Site) -> None:
+        """Wait for ``works`` the backend's way (see ``comm``); a stream wait is settled at the end."""
+        start = perf_counter()
+        self.ctx.wait(works, self.ctx.timeout, site)
+        self.waited += perf_counter() - start
+        if not self.ctx.blocking:
+            self.streamed.append((works, site))
+
+    def take(self, kind: int, producer: int, mb: int, index: int) -> torch.Tensor:
+        """The tensor (kind, producer, mb): handed off here, or received (waited now)."""
+        key = self.key(kind, producer, mb)
+        tensor = self.produced.pop(key, None)
+        if tensor is not None:
+            return tensor
+        entry = self.pending.pop(key, None)
+        ctx = self.ctx
+        if entry is None:
+            raise RuntimeFault(
+                f"its input ({'activation' if kind == ACT else 'gradient'} of stage {producer}, microbatch {mb}) "
+                f"was neither made on this rank nor received (a program the checks did not pass?)",
+                ctx.rank, index, ctx.row[index].text())
+        buffer, works, posted, peer = entry
+        text = f"{ctx.row[index].text()}, reading {ctx.row[posted].text()} of step {posted}"
+        self.wait(works, self.site(index, text, (peer,)))
+        return buffer
+
+    def new_buffer(self) -> torch.Tensor:
+        ctx = self.ctx
+        return torch.empty(ctx.activation_shape, dtype=ctx.dtype, device=ctx.device)
+
+
+def _forward(step: _Step, action: Action, index: int) -> None:
+    ctx = step.ctx
+    stage, mb = action[0], action[2]
+    prev = ctx.prev[stage]
+    if prev < 0:
+        leaf = None
+        out = ctx.stages[stage](step.inputs[mb])
+    else:
+        leaf = step.take(ACT, prev, mb, index).requires_grad_()
+        out = ctx.stages[stage](leaf)
+    if ctx.next[stage] < 0:
+        out = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
+        step.loss = out.detach() if step.loss is None else step.loss + out.detach()
+    else:
+        step.produced[step.key(ACT, stage, mb)] = out.detach()
+    step.saved[stage * step.num_microbatches + mb] = (leaf, out)
+
+
+def _output_grad(step: _Step, stage: int, mb: int, index: int) -> torch.Tensor | None:
+    """The gradient of a stage's output: None for a loss (a scalar), else the next stage's."""
+    after = step.ctx.next[stage]
+    return None if after < 0 else step.take(GRAD, after, mb, index)
+
+
+def _backward(step: _Step, action: Action, index: int) -> None:
+    stage, mb = action[0], action[2]
+    leaf, out = step.saved[stage * step.num_microbatches + mb]
+    torch.autograd.backward(out, _output_grad(step, stage, mb, index))
+    if leaf is not None:
+        step.produced[step.key(GRAD, stage, mb)] = leaf.grad
+
+
+def _input_grad(step: _Step, action: Action, index: int) -> None:
+    stage, mb = action[0], action[2]
+    slot = stage * step.num_microbatches + mb
+    leaf, out = step.saved[slot]
+    grad = _output_grad(step, stage, mb, index)
+    step.output_grads[slot] = grad
+    if leaf is not None:  # a first stage has no input gradient: W does all its backward
+        (step.produced[step.key(GRAD, stage, mb)],) = torch.autograd.grad(out, leaf, grad, retain_graph=True)
+
+
+def _weight_grad(step: _Step, action: Action, index: int) -> None:
+    stage, mb = action[0], action[2]
+    slot = stage * step.num_microbatches + mb
+    _, out = step.saved[slot]
+    torch.autograd.backward(out, step.output_grads.pop(slot), inputs=step.ctx.stage_params[stage])
+
+
+def _free(step: _Step, action: Action, index: int) -> None:
+    step.saved.pop(action[0] * step.num_microbatches + action[2], None)
+
+
+def _message_key(step: _Step, part: Action) -> int:
+    """The key of the tensor a SEND or RECV carries (its kind from the op, its producer from the table)."""
+    op = part[1]
+    kind = ACT if op in (SEND_F, RECV_F) else GRAD
+    return step.key(kind, step.ctx.producer[op][part[0]], part[2])
+
+
+def _outgoing(step: _Step, part: Action, index: int) -> torch.Tensor:
+    tensor = step.produced.pop(_message_key(step, part), None)
+    if tensor is None:
+        raise RuntimeFault("it sends a tensor this rank has not made (a program the checks did not pass?)",
+                           step.ctx.rank, index, step.ctx.row[index].text())
+    return tensor.contiguous()  # a no-op for the usual outputs; NCCL and gloo need dense memory
+
+
+def _send(step: _Step, action: Action, index: int) -> None:
+    tensor = _outgoing(step, action, index)
+    step.sends.append((comm.post_send(tensor, action[3]), tensor, index, action[3]))
+
+
+def _recv(step: _Step, action: Action, index: int) -> None:
+    buffer = step.new_buffer()
+    step.pending[_message_key(step, action)] = (buffer, comm.post_recv(buffer, action[3]), index, action[3])
+
+
+def _batch(step: _Step, action: Action, index: int) -> None:
+    parts = action[4]
+    tensors = [_outgoing(step, part, index) if part[1] in SEND_OPS else step.new_buffer() for part in parts]
+    works = comm.post_batch([(part[1] in SEND_OPS, tensor, part[3]) for part, tensor in zip(parts, tensors)])
+    for part, tensor, handles in zip(parts, tensors, works):
+        if part[1] in SEND_OPS:
+            step.sends.append((handles, tensor, index, part[3]))
+        else:
+            step.pending[_message_key(step, part)] = (tensor, handles, index, part[3])
+
+
+def _allreduce_start(step: _Step, action: Action, index: int) -> None:
+    ctx = step.ctx
+    chunk = ctx.program.stages[action[0]].position
+    replicas = ctx.replicas.get(chunk)
+    if replicas is not None:  # replicas all on this rank share one module: nothing to reduce
+        step.reduces[chunk] = (comm.start_allreduce(ctx.flat_grads[chunk], replicas), index)
+
+
+def _allreduce_wait(step: _Step, action: Action, index: int) -> None:
+    ctx = step.ctx
+    chunk = ctx.program.stages[action[0]].position
+    entry = step.reduces.pop(chunk, None)
+    if entry is not None:
+        works, started = entry
+        text = f"{ctx.row[index].text()}, for {ctx.row[started].text()} of step {started}"
+        step.wait(works, step.site(index, text, ctx.replicas[chunk].peers))
+
+
+# The dispatch table: one handler per op, each (step, action, index) -> None.
+HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
+    F: _forward,
+    B: _backward,
+    I: _input_grad,
+    W: _weight_grad,
+    FREE_F: _free,
+    SEND_F: _send,
+    SEND_B: _send,
+    RECV_F: _recv,
+    RECV_B: _recv,
+    BATCH: _batch,
+    ALLREDUCE_GRAD: _allreduce_start,
+    ALLREDUCE_WAIT: _allreduce_wait,
+}
+
+
+def run_step(
+    program: Program,
+    rank: int,
+    stages: dict[int, nn.Module],
+    batch: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
+    context: RankContext,
+) -> tuple[torch.Tensor | None, list[Event]]:
+    """Run one training step of ``rank``: its instruction list, then the optimizer step.
+
+    Args:
+        program: the compiled program (``context.program``).
+        rank: this rank (``context.rank``).
+        stages: this rank's stage modules (``context.stages``).
+        batch: (inputs, targets), each a sequence of N microbatches on the
+            device; a rank reads the inputs of the microbatches its first stages
+            run and the targets of those its last stages run.
+        context: from ``make_context``; ``context.iteration`` names the step in messages.
+    Returns:
+        (loss, events): the sum of this rank's scaled microbatch losses (a 0-d
+        tensor; None when it holds no last stage); and one ``Event``
+        (index, start, end, waited) per instruction, ``perf_counter`` seconds,
+        the optimizer step last with index ``len(context.row)``.
+    Raises:
+        RuntimeFault: a wait ran past ``context.timeout`` or a peer failed.
+    """
+    if program is not context.program or rank != context.rank or stages is not context.stages:
+        raise ValueError("run_step: program, rank and stages must be the context's")
+    inputs, targets = batch
+    step = _Step(context, inputs, targets, program.num_microbatches)
+    for flat in context.flat_grads.values():
+        flat.zero_()
+    handlers = context.handlers
+    synchronize = context.synchronize
+    events: list[Event] = []
+    append = events.append
+    for index, action in enumerate(context.row):
+        start = perf_counter()
+        before = step.waited
+        handlers[action[1]](step, action, index)
+        if synchronize is not None:
+            synchronize()
+        append((index, start, perf_counter(), step.waited - before))
+    end = len(context.row)
+    _finish(step, end)
+    start = perf_counter()
+    if context.optimizer is not None:
+        context.optimizer.step()
+    if synchronize is not None:
+        synchronize()
+    append((end, start, perf_counter(), 0.0))
+    return step.loss, events
+
+
+def _finish(step: _Step, end: int) -> None:
+    """Wait for this step's sends and any unwaited all-reduce; check that nothing is left over."""
+    ctx = step.ctx
+    settle = comm.await_blocking if ctx.blocking else comm.settle
+    for works, _tensor, index, peer in step.sends:
+        settle(works, ctx.timeout, step.site(index, f"{ctx.row[index].text()}, at the end of the list", (peer,)))
+    for chunk, (works, index) in step.reduces.items():
+        settle(works, ctx.timeout, step.site(index, f"{ctx.row[index].text()}, at the end of the list",
+                                             ctx.replicas[chunk].peers))
+    for works, site in step.streamed:  # NCCL: the waits that only ordered the stream
+        settle(works, ctx.timeout, site)
+    if step.pending:
+        _, _, index, _ = next(iter(step.pending.values()))
+        raise RuntimeFault("a message was received that no instruction read (a program the checks did not pass?)",
+                           ctx.rank, index, ctx.row[index].text())
+
+
+__all__ = ["ACT", "GRAD", "HANDLERS", "Event", "RankContext", "make_context", "run_step", "stage_modules"]

@@ -1,0 +1,530 @@
+"""The model the runtime trains in demos and tests, and the interface for a user's own.
+
+A small LLaMA-style decoder: token embedding; ``layers`` decoder layers, each
+``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))`` with causal multi-head
+attention under rotary position embeddings and a SwiGLU MLP; a final RMSNorm and
+a linear output head. A pipeline cuts it into ``num_chunks`` chunks of
+consecutive layers (``chunk_layers``); chunk 0 also holds the embedding, the
+last chunk the final norm and the head.
+
+Two properties make a pipelined run comparable with one process, bit for bit
+where the arithmetic is the same:
+
+* Parameter names inside a chunk are the full model's (``embed.weight``,
+  ``layers.5.attn.wqkv.weight``, ``norm.weight``, ``head.weight``), so the chunks'
+  ``state_dict()``s merge into the full model's.
+* Every parameter is drawn from a generator seeded by ``(seed, owner)`` where
+  the owner is the layer index (or the embedding, or the head), never from
+  torch's global generator: a chunk built alone equals the same layers of the
+  full model, and building a model leaves the caller's random state untouched.
+
+The synthetic task: the target of token ``x[t]`` is ``perm[x[t]]`` for a fixed
+random permutation ``perm`` of the vocabulary, on uniformly random tokens. The
+loss starts at ln(vocab) and falls within a few steps, so a demo's first lines
+already show it learning. (A task that needs attention, such as predicting
+``perm[x[t-1]]``, takes hundreds of steps at this size; attention and rotary
+embeddings still take part in every forward and backward, which is what the
+exactness tests need of them.)
+
+``ModelSpec`` bundles the functions the runtime calls; ``LLAMA`` is this
+module's, and ``load_model_spec("package.module:attribute")`` loads a user's
+(see docs/runtime.md, "Your own model").
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipec.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the decoder and of one microbatch.
+
+    Attributes:
+        vocab: number of token ids (also the number of classes of the head).
+        dim: width of the residual stream.
+        layers: number of decoder layers; a pipeline's chunk count must divide it.
+        heads: attention heads; ``dim / heads`` must be even (rotary pairs).
+        hidden: width of the SwiGLU MLP.
+        seq_len: tokens per sequence.
+        microbatch_size: sequences per microbatch.
+    """
+
+    vocab: int = 64
+    dim: int = 32
+    layers: int = 8
+    heads: int = 4
+    hidden: int = 64
+    seq_len: int = 16
+    microbatch_size: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "dim", "layers", "heads", "hidden", "seq_len", "microbatch_size"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"model config: {name} must be at least 1, got {getattr(self, name)}")
+        if self.dim % self.heads or (self.dim // self.heads) % 2:
+            raise UsageError(
+                f"model config: dim {self.dim} must split into {self.heads} heads of an even width (rotary pairs)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+# ------------------------------------------------------------------- seeding
+
+# Owners of parameters other than decoder layers: their own generator streams,
+# far from any layer index so that no model size makes two owners collide.
+_EMBED_OWNER = 1 << 40
+_HEAD_OWNER = (1 << 40) + 1
+# Streams of the synthetic data, apart from every parameter stream.
+_DATA_DOMAIN = 1 << 41
+_TASK_DOMAIN = (1 << 41) + 1
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, owner: int) -> int:
+    """A generator seed for ``owner``'s random numbers under the run's ``seed``.
+
+    SplitMix64's finaliser over the pair, so that neighbouring seeds and owners
+    give unrelated streams; pure integer arithmetic, the same in every process
+    (Python's ``hash`` is not, for strings).
+
+    Args:
+        seed: the run's seed (any int).
+        owner: a layer index, or one of the owner/domain constants above plus an index.
+    Returns:
+        an int in [0, 2**63) for ``torch.Generator.manual_seed``.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + owner * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _generator(seed: int, owner: int) -> torch.Generator:
+    return torch.Generator().manual_seed(stream_seed(seed, owner))
+
+
+# ------------------------------------------------------------------- modules
+
+
+def _linear(fan_in: int, fan_out: int) -> nn.Linear:
+    # skip_init: no draw from torch's global generator; _initialise fills it.
+    return torch.nn.utils.skip_init(nn.Linear, fan_in, fan_out, bias=False)
+
+
+def rotary_table(seq_len: int, head_dim: int) -> torch.Tensor:
+    """Rotations applied to a layer's stacked (query, key, value) projections.
+
+    Feature pair (2i, 2i+1) of a query or key head at position p turns by the
+    angle ``p * 10000 ** (-2i / head_dim)`` (LLaMA's interleaved-pair rotary
+    convention); values turn by 0. Rotating all three in one complex product
+    costs fewer kernel calls, forward and backward, than slicing out q and k
+    first, and kernel calls are what a model this small costs.
+
+    Returns:
+        complex64 [seq_len, 3, 1, head_dim / 2]: (position, q/k/v, broadcast over
+        heads, pair); computed in float64 and rounded once.
+    """
+    inverse_frequency = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inverse_frequency)
+    no_turn = torch.zeros_like(angles)
+    angles = torch.stack((angles, angles, no_turn), dim=1).unsqueeze(2)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def apply_rotary(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Turn the feature pairs of ``x`` [..., head_dim] by the unit complex numbers ``rotation`` [..., head_dim / 2]."""
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, written out: on CPU at this size it is cheaper
+    than ``nn.RMSNorm``, whose fused path copies its input first."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary position embeddings.
+
+    ``wqkv`` holds the query, key and value projections stacked (rows 0..dim-1
+    are W_q, then W_k, then W_v): one matrix product instead of three, which
+    matters at this size where every kernel call costs more than its arithmetic.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.heads = config.heads
+        self.wqkv = _linear(config.dim, 3 * config.dim)
+        self.wo = _linear(config.dim, config.dim)
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """x: [batch * seq, dim], sequences one after another; rotation: ``rotary_table``'s first ``seq`` rows."""
+        tokens, dim = x.shape
+        seq = rotation.shape[0]
+        qkv = self.wqkv(x).view(tokens // seq, seq, 3, self.heads, dim // self.heads)
+        # [batch, seq, 3, heads, head_dim] -> three of [batch, heads, seq, head_dim]
+        q, k, v = apply_rotary(qkv, rotation).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(tokens, dim))
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(gate) * up)`` with ``w13`` holding the gate (W_1) and up (W_3) projections stacked."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w13 = _linear(config.dim, 2 * config.hidden)
+        self.w2 = _linear(config.hidden, config.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then the MLP."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.dim)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """x: [batch * seq, dim] -> the same shape."""
+        x = x + self.attn(self.attn_norm(x), rotation)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderChunk(nn.Module):
+    """Consecutive decoder layers, plus the embedding if first and the head if last.
+
+    The whole model is the chunk that is both first and last. Layers live in a
+    ``ModuleDict`` keyed by their global index, so the names are the full model's.
+    Inside, activations are [batch * seq, dim]: a linear layer on a 2-D input is
+    one matrix product, where a 3-D input adds a reshape before and after, and
+    at this size the autograd nodes cost more than the arithmetic.
+
+    forward(x): token ids LongTensor [b, seq] when ``is_first``, else hidden states
+    float [b, seq, dim]; returns logits [b, seq, vocab] when ``is_last``, else
+    hidden states [b, seq, dim].
+    """
+
+    def __init__(self, config: ModelConfig, layers: range, is_first: bool, is_last: bool):
+        super().__init__()
+        self.config = config
+        self.layer_range = layers
+        self.is_first = is_first
+        self.is_last = is_last
+        if is_first:
+            self.embed = torch.nn.utils.skip_init(nn.Embedding, config.vocab, config.dim)
+        self.layers = nn.ModuleDict({str(index): DecoderLayer(config) for index in layers})
+        if is_last:
+            self.norm = RMSNorm(config.dim)
+            self.head = _linear(config.dim, config.vocab)
+        # Not persistent: derived from the config, so not part of the state_dict
+        # a pipelined run saves (its keys must be the parameters only).
+        self.register_buffer("rotary", rotary_table(config.seq_len, config.head_dim), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        x = self.embed(x.reshape(-1)) if self.is_first else x.reshape(batch * seq, -1)
+        rotation = self.rotary[:seq]
+        for layer in self.layers.values():
+            x = layer(x, rotation)
+        if self.is_last:
+            x = self.head(self.norm(x))
+        return x.view(batch, seq, -1)
+
+
+# ------------------------------------------------------------ initialisation
+
+# Standard deviation of each kind of weight, by the last two parts of its name
+# (norm weights are ones and draw nothing). Output projections of a residual
+# branch are scaled down with depth so that the residual stream keeps its size.
+_INIT_STD: dict[str, Callable[[ModelConfig], float]] = {
+    "embed.weight": lambda c: 1.0,
+    "wqkv.weight": lambda c: c.dim ** -0.5,
+    "wo.weight": lambda c: (c.dim * 2 * c.layers) ** -0.5,
+    "w13.weight": lambda c: c.dim ** -0.5,
+    "w2.weight": lambda c: (c.hidden * 2 * c.layers) ** -0.5,
+    # Small, so that the first loss is close to ln(vocab): no confident wrong guesses.
+    "head.weight": lambda c: 0.02,
+}
+
+
+def _owner(name: str) -> int:
+    """The generator stream a parameter is drawn from: its layer, or the embedding's, or the head's."""
+    top, _, rest = name.partition(".")
+    if top == "layers":
+        return int(rest.partition(".")[0])
+    return _EMBED_OWNER if top == "embed" else _HEAD_OWNER
+
+
+@torch.no_grad()
+def _initialise(chunk: DecoderChunk, config: ModelConfig, seed: int) -> None:
+    """Fill every parameter from its owner's stream, in registration order.
+
+    A chunk registers an owner's parameters in the same order as the full
+    model does, so each stream yields the same numbers for the same names.
+    """
+    generators: dict[int, torch.Generator] = {}
+    for name, parameter in chunk.named_parameters():
+        kind = ".".join(name.split(".")[-2:])
+        if kind.endswith("norm.weight"):
+            parameter.fill_(1.0)
+            continue
+        owner = _owner(name)
+        if owner not in generators:
+            generators[owner] = _generator(seed, owner)
+        parameter.normal_(0.0, _INIT_STD[kind](config), generator=generators[owner])
+
+
+# ------------------------------------------------------------ public contract
+
+
+def chunk_layers(config: ModelConfig, chunk: int, num_chunks: int) -> range:
+    """The decoder layers of model chunk ``chunk`` out of ``num_chunks``.
+
+    Args:
+        config: the model.
+        chunk: 0 .. num_chunks - 1, a stage's position along its pipeline.
+        num_chunks: how many chunks the model is cut into; must divide ``config.layers``.
+    Returns:
+        a range of consecutive global layer indices, the same length for every chunk.
+    Raises:
+        UsageError: the layers do not split evenly, or ``chunk`` is out of range.
+    """
+    if num_chunks < 1 or config.layers % num_chunks:
+        raise UsageError(
+            f"the model has {config.layers} layers, which do not split evenly into {num_chunks} chunks; "
+            f"choose a layer count that {num_chunks} divides"
+        )
+    if not 0 <= chunk < num_chunks:
+        raise UsageError(f"chunk {chunk} is out of range: the model is cut into {num_chunks} chunks")
+    per_chunk = config.layers // num_chunks
+    return range(chunk * per_chunk, (chunk + 1) * per_chunk)
+
+
+def build_chunk(config: ModelConfig, chunk: int, num_chunks: int, seed: int) -> DecoderChunk:
+    """Model chunk ``chunk`` of ``num_chunks``, on the CPU in fp32 (``.to(device)`` it after).
+
+    Args:
+        config: the model.
+        chunk: which chunk; chunk 0 holds the embedding, the last one the final norm and head.
+        num_chunks: how many chunks the model is cut into.
+        seed: the run's seed; equal seeds give equal parameters whatever the cut.
+    Returns:
+        a ``DecoderChunk`` whose parameters equal, name for name and bit for bit,
+        those of ``build_model(config, seed)``.
+    """
+    layers = chunk_layers(config, chunk, num_chunks)
+    module = DecoderChunk(config, layers, is_first=chunk == 0, is_last=chunk == num_chunks - 1)
+    _initialise(module, config, seed)
+    return module
+
+
+def build_model(config: ModelConfig, seed: int) -> DecoderChunk:
+    """The whole model: one chunk holding every layer, the embedding and the head."""
+    return build_chunk(config, 0, 1, seed)
+
+
+def task_permutation(config: ModelConfig, seed: int) -> torch.Tensor:
+    """The fixed vocabulary permutation of the synthetic task (LongTensor [vocab])."""
+    return torch.randperm(config.vocab, generator=_generator(seed, _TASK_DOMAIN))
+
+
+def synthetic_batch(
+    config: ModelConfig, step: int, num_microbatches: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training batch of ``step``: uniform random tokens and their targets.
+
+    The target of token t is ``perm[x[t]]`` (``task_permutation``). The
+    data depend only on (config, step, num_microbatches, seed), so every worker
+    draws the same batch without communicating.
+
+    Args:
+        config: the model (vocab, seq_len, microbatch_size).
+        step: the training step (any int).
+        num_microbatches: N; the batch has N * microbatch_size sequences.
+        seed: the run's seed.
+    Returns:
+        (inputs, targets): LongTensors [N * microbatch_size, seq_len]; microbatch
+        m is rows ``m * microbatch_size`` to ``(m + 1) * microbatch_size``.
+    """
+    generator = _generator(seed, _DATA_DOMAIN + step)
+    inputs = torch.randint(
+        config.vocab, (num_microbatches * config.microbatch_size, config.seq_len), generator=generator
+    )
+    return inputs, task_permutation(config, seed)[inputs]
+
+
+def split_microbatches(batch: tuple[torch.Tensor, torch.Tensor], num_microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a batch from ``synthetic_batch`` into its N (inputs, targets) microbatches, in order."""
+    inputs, targets = batch
+    return list(zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches)))
+
+
+def activation_shape(config: ModelConfig) -> tuple[int, int, int]:
+    """Shape of what one chunk hands the next for one microbatch: (microbatch_size, seq_len, dim), fp32."""
+    return (config.microbatch_size, config.seq_len, config.dim)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token of a microbatch (a scalar)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, learning rate 0.2, fp32.
+
+    SGD rather than Adam because its update is linear in the gradient: the
+    pipelined run sums microbatch gradients in another order than one process,
+    and a rounding difference must stay a rounding difference (Adam divides by
+    the gradient's size, which amplifies it wherever a gradient is near zero).
+    ``foreach=False``: the same per-parameter arithmetic on every device (torch
+    would pick the multi-tensor path on CUDA only).
+    """
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9, foreach=False)
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Number of scalar parameters of ``module``."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def describe(config: ModelConfig) -> str:
+    """One line about the model for the demo: sizes, parameter count, microbatch shape, task."""
+    model_parameters = _parameter_count(config)
+    return (
+        f"LLaMA-style decoder: {config.layers} layers, dim {config.dim}, {config.heads} heads, "
+        f"SwiGLU hidden {config.hidden}, vocab {config.vocab}, {model_parameters:,} parameters; "
+        f"microbatch {config.microbatch_size} x {config.seq_len} tokens; "
+        f"task: map each token through a fixed permutation"
+    )
+
+
+def _parameter_count(config: ModelConfig) -> int:
+    """Parameters of the whole model, by formula (describe() builds nothing)."""
+    per_layer = 4 * config.dim * config.dim + 3 * config.dim * config.hidden + 2 * config.dim
+    return config.layers * per_layer + 2 * config.vocab * config.dim + config.dim
+
+
+# ----------------------------------------------------------- the model spec
+
+_SPEC_FUNCTIONS = ("build_chunk", "build_model", "synthetic_batch", "loss_fn", "make_optimizer")
+_OPTIONAL_FUNCTIONS = ("describe", "activation_shape")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The functions the runtime calls to build, feed and train a model.
+
+    ``config`` is passed as the first argument of ``build_chunk``,
+    ``build_model`` and ``synthetic_batch``; the runtime never looks inside it.
+
+    Attributes:
+        build_chunk: (config, chunk, num_chunks, seed) -> nn.Module of that chunk.
+        build_model: (config, seed) -> the whole model, same parameter names.
+        synthetic_batch: (config, step, num_microbatches, seed) -> (inputs, targets),
+            each with N * microbatch rows; microbatch m is the m-th of N equal row blocks.
+        loss_fn: (last chunk's output, targets of the microbatch) -> scalar loss.
+        make_optimizer: (iterable of parameters) -> torch.optim.Optimizer.
+        config: whatever the functions above want as their config.
+        describe: optional (config) -> one line for the demo.
+        activation_shape: optional (config) -> shape of the fp32 tensor one chunk
+            hands the next per microbatch (receivers allocate it before it
+            arrives); without it the runtime assumes (config.microbatch_size,
+            config.seq_len, config.dim).
+    """
+
+    build_chunk: Callable[..., nn.Module]
+    build_model: Callable[..., nn.Module]
+    synthetic_batch: Callable[..., tuple[Any, Any]]
+    loss_fn: Callable[..., torch.Tensor]
+    make_optimizer: Callable[..., torch.optim.Optimizer]
+    config: Any = None
+    describe: Callable[[Any], str] | None = None
+    activation_shape: Callable[[Any], tuple[int, ...]] | None = None
+
+    def summary(self) -> str:
+        """One line for the demo: ``describe(config)``, or the functions' module."""
+        if self.describe is not None:
+            return self.describe(self.config)
+        return f"model from {getattr(self.build_chunk, '__module__', '?')}"
+
+
+LLAMA = ModelSpec(
+    build_chunk=build_chunk,
+    build_model=build_model,
+    synthetic_batch=synthetic_batch,
+    loss_fn=loss_fn,
+    make_optimizer=make_optimizer,
+    config=ModelConfig(),
+    describe=describe,
+    activation_shape=activation_shape,
+)
+"""The built-in model: the default of ``--model``."""
+
+DEFAULT_MODEL = "pipec.runtime.model:LLAMA"
+
+
+def load_model_spec(text: str) -> ModelSpec:
+    """The model spec that ``--model TEXT`` names.
+
+    Args:
+        text: ``package.module:attribute`` (an attribute holding a ``ModelSpec``, or
+            any object with the five functions and optionally ``config``,
+            ``describe`` and ``activation_shape``), or ``package.module`` (the module itself has them).
+    Returns:
+        a ``ModelSpec``.
+    Raises:
+        UsageError: malformed text, a module that cannot be imported (with the
+            import's own error), a missing attribute, or a missing or
+            non-callable function.
+    """
+    module_name, _, attribute = text.partition(":")
+    if not module_name or (":" in text and not attribute):
+        raise UsageError(f"--model expects package.module:attribute, got {text!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # a user's module may fail in any way while importing
+        raise UsageError(f"--model {text}: cannot import module {module_name!r}: {type(error).__name__}: {error}") from error
+    target: Any = module
+    for part in attribute.split(".") if attribute else ():
+        if not hasattr(target, part):
+            raise UsageError(f"--model {text}: module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if isinstance(target, ModelSpec):
+        return target
+    missing = [name for name in _SPEC_FUNCTIONS if not callable(getattr(target, name, None))]
+    if missing:
+        raise UsageError(
+            f"--model {text}: not a model spec: missing or not callable: {', '.join(missing)} "
+            f"(a model spec has {', '.join(_SPEC_FUNCTIONS)}; see docs/runtime.md)"
+        )
+    optional = {name: getattr(target, name, None) for name in _OPTIONAL_FUNCTIONS}
+    return ModelSpec(
+        *(getattr(target, name) for name in _SPEC_FUNCTIONS),
+        config=getattr(target, "config", None),
+        **{name: function for name, function in optional.items() if callable(function)},
+    )

@@ -1,0 +1,357 @@
+"""One worker of a pipelined training run: ``python -m pipec.runtime TARGET ...``.
+
+Started by torchrun (or ``pipec run``) once per rank, it reads RANK, WORLD_SIZE
+and LOCAL_RANK from the environment (without them it runs alone as rank 0 of
+1), compiles the target itself (compilation is deterministic, so every rank
+gets the same program), joins the process group, builds only its own chunks,
+and runs K training steps through the interpreter. Rank 0 prints
+``step k loss X`` per step (k from 1; the loss of the whole batch, the mean of
+its microbatch losses). ``--save`` gathers the chunks' parameters to rank 0
+(one copy of replicated chunks) and writes the whole model's state_dict;
+``--trace`` gathers every instruction's timing to rank 0 as one Chrome trace.
+
+A fault (a wait past ``--timeout``, a peer that died) prints
+``rank R, step S (INSTR): waited T s for rank Q ...`` to stderr and ends the
+process at once with status 1: ``os._exit``, because tearing down a process
+group whose peer is gone can itself hang.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Iterator
+
+from pipec.errors import PipecError, RuntimeFault, UsageError
+
+DEFAULT_STEPS = 5
+DEFAULT_SEED = 0
+DEFAULT_TIMEOUT_S = 60.0
+# Test-only faults planted with --inject KIND:RANK:INDEX.
+_INJECT_OPS = {"hang": "INJECT_HANG", "kill": "INJECT_KILL", "exit": "INJECT_EXIT"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipec.runtime.model import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pipec.runtime",
+        description="One worker of a pipelined run; start it with torchrun --nproc-per-node P (or use `pipec run`).",
+    )
+    parser.add_argument("target", metavar="TARGET", help="a .pipe file, or a shipped schedule's name")
+    parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
+                        help="set a schedule parameter (repeatable)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)")
+    parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
+    parser.add_argument("--save", metavar="FILE", help="torch.save the whole model's state_dict after the last step")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="S", help=f"seed of parameters and data (default {DEFAULT_SEED})")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help=f"longest wait of one instruction (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:ATTR",
+                        help="a model spec (default: the built-in LLaMA-style decoder)")
+    parser.add_argument("--costs", metavar="FILE", help="a JSON cost file for schedules whose order depends on costs")
+    parser.add_argument("--config", dest="config", action="append", default=[], metavar="NAME=VALUE",
+                        help="override a field of the model's config, e.g. --config layers=16 (repeatable)")
+    parser.add_argument("--inject", metavar="KIND:RANK:INDEX", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the worker; returns its exit status (a fault ends the process itself)."""
+    args = build_parser().parse_args(argv)
+    try:
+        rank, world, local_rank = _environment()
+        plan = make_plan(args, world)
+    except PipecError as error:
+        sys.stderr.write(error.render() + "\n")
+        return 1
+    with fatal_errors(rank):
+        device = join_group(args.backend, rank, world, local_rank, args.timeout)
+        train(args, plan, rank, world, device)
+        leave_group()
+    return 0
+
+
+@contextlib.contextmanager
+def fatal_errors(rank: int) -> Iterator[None]:
+    """Turn any failure inside into a message on stderr and an immediate exit (``os._exit``)."""
+    try:
+        yield
+    except RuntimeFault as fault:
+        _die(fault.render())
+    except PipecError as error:
+        _die(f"rank {rank}: {error.render()}")
+    except KeyboardInterrupt:
+        _die(f"rank {rank}: interrupted", status=130)
+    except BaseException:  # a bug: show it, and do not hang in the process group's teardown
+        _die(f"rank {rank}: internal error\n{traceback.format_exc()}")
+
+
+def _die(message: str, status: int = 1) -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(message.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
+
+
+def _environment() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; alone when it is not set."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    except (KeyError, ValueError):
+        raise UsageError("RANK and WORLD_SIZE must both be set to integers (start the workers with torchrun)") from None
+    return rank, world, local_rank
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Plan:
+    """What every rank derives from the arguments alone, before joining the group."""
+
+    program: object
+    spec: object
+    config: object
+    activation_shape: tuple[int, ...]
+
+
+def make_plan(args, world: int) -> Plan:
+    """Compile the target, load the model, check the arguments against the world size."""
+    from pipec.commands._common import parse_defines
+    from pipec.compiler.driver import compile_target
+    from pipec.runtime.model import ModelConfig, chunk_layers, load_model_spec
+
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    costs = None
+    if args.costs:
+        from pipec.compiler.costs import load_costs
+
+        costs = load_costs(args.costs)
+    program = compile_target(args.target, parse_defines(args.defines), costs=costs).program
+    if world != program.num_ranks:
+        raise UsageError(
+            f"{program.name} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
+            f"start {program.num_ranks} workers (torchrun --nproc-per-node {program.num_ranks}), or change -D P=..."
+        )
+    spec = load_model_spec(args.model)
+    config = _override_config(spec.config, args.config)
+    if isinstance(config, ModelConfig):
+        try:  # the cut must be even: say so before joining the group
+            chunk_layers(config, 0, program.num_chunks)
+        except UsageError as error:
+            raise UsageError(f"{error} (--config layers=N sets the model's layer count)") from None
+    return Plan(program, spec, config, _activation_shape(spec, config))
+
+
+def _override_config(config, items: list[str]):
+    """The model config with ``--config NAME=VALUE`` overrides (a dataclass config, values typed like its fields)."""
+    if not items:
+        return config
+    if not dataclasses.is_dataclass(config):
+        raise UsageError("--config needs a model whose config is a dataclass")
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    changes = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields:
+            known = ", ".join(fields)
+            raise UsageError(f"--config expects NAME=VALUE with NAME one of {known}; got {item!r}")
+        kind = type(getattr(config, name))
+        try:
+            changes[name] = kind(text.strip())
+        except ValueError:
+            raise UsageError(f"--config {name}: {text!r} is not a valid {kind.__name__}") from None
+    return dataclasses.replace(config, **changes)
+
+
+def _activation_shape(spec, config) -> tuple[int, ...]:
+    """What one stage hands the next per microbatch: the spec's ``activation_shape(config)``, else [b, seq, dim]."""
+    shape_of = getattr(spec, "activation_shape", None)
+    if callable(shape_of):
+        return tuple(shape_of(config))
+    try:
+        return (config.microbatch_size, config.seq_len, config.dim)
+    except AttributeError:
+        raise UsageError(
+            "the model spec has no activation_shape(config), and its config lacks microbatch_size, seq_len and dim"
+        ) from None
+
+
+def _device(backend: str, local_rank: int):
+    import torch
+
+    if backend == "nccl":
+        if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+            raise UsageError(f"--backend nccl needs a GPU for local rank {local_rank}")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def join_group(backend: str, rank: int, world: int, local_rank: int, timeout: float):
+    """Pick this rank's device and join the default process group; returns the device."""
+    import torch.distributed as dist
+
+    device = _device(backend, local_rank)
+    # The group's own timeout covers the collectives outside the instruction
+    # list (barrier, loss, gathers); NCCL's watchdog gets a margin so that the
+    # interpreter's deadline speaks first.
+    group_timeout = timedelta(seconds=timeout + (30 if backend == "nccl" else 0))
+    extra = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=group_timeout, **extra)
+    return device
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
+    """Run ``args.steps`` training steps of ``plan`` on this rank; the group is joined.
+
+    Collective: every rank calls it with the same arguments. Rank 0 prints the
+    loss per step, and writes the trace and the saved model when asked.
+
+    Returns:
+        on rank 0 the loss of each step; elsewhere an empty list.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from pipec.runtime.interpreter import make_context, run_step, stage_modules
+    from pipec.runtime.model import split_microbatches
+
+    program, spec, config = plan.program, plan.spec, plan.config
+    stages = stage_modules(program, rank,
+                           lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, args.seed).to(device))
+    synchronize = torch.cuda.synchronize if (args.trace and device.type == "cuda") else None
+    context = make_context(
+        program, rank, stages,
+        loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, activation_shape=plan.activation_shape,
+        device=device, backend=args.backend, timeout=args.timeout, synchronize=synchronize,
+    )
+    if args.inject:
+        _inject(context, args.inject)
+    num_mb = program.num_microbatches
+    dist.barrier()
+    t0 = time.perf_counter()
+    recorded = []
+    losses = []
+    for iteration in range(1, args.steps + 1):
+        context.iteration = iteration
+        inputs, targets = spec.synthetic_batch(config, iteration - 1, num_mb, args.seed)
+        micro = split_microbatches((inputs.to(device), targets.to(device)), num_mb)
+        batch = ([m[0] for m in micro], [m[1] for m in micro])
+        loss, events = run_step(program, rank, stages, batch, context)
+        if args.trace:
+            recorded.append(events)
+        total = (loss.detach().reshape(1).float() if loss is not None else torch.zeros(1, device=device))
+        dist.reduce(total, dst=0, op=dist.ReduceOp.SUM)
+        if rank == 0:
+            losses.append(total.item())
+            print(f"step {iteration} loss {losses[-1]:.6f}", flush=True)
+    if args.trace:
+        _write_trace(args.trace, context, recorded, t0, world)
+    if args.save:
+        _save(args.save, stages, rank, world)
+    return losses
+
+
+def _gather(obj, rank: int, world: int):
+    """Every rank's ``obj`` on rank 0 (a list in rank order), None elsewhere."""
+    import torch.distributed as dist
+
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _write_trace(path: str, context, recorded, t0: float, world: int) -> None:
+    from pipec.runtime.trace import chrome_events, write_chrome_trace
+
+    events = chrome_events(context.rank, context.row, recorded, t0)
+    gathered = _gather(events, context.rank, world)
+    if context.rank == 0:
+        program = context.program
+        write_chrome_trace(path, gathered, {"schedule": program.name, "params": dict(program.params)})
+        print(f"trace: {path}", flush=True)
+
+
+def _save(path: str, stages, rank: int, world: int) -> None:
+    """Gather one copy of every chunk's parameters on rank 0 and save the whole model's state_dict."""
+    import torch
+
+    state = {}
+    for module in {id(m): m for m in stages.values()}.values():
+        for name, tensor in module.state_dict().items():
+            state[name] = tensor.detach().cpu()
+    gathered = _gather(state, rank, world)
+    if rank == 0:
+        merged = {}
+        for part in gathered:
+            for name, tensor in part.items():
+                merged.setdefault(name, tensor)  # replicas are equal: keep the first copy
+        torch.save(merged, path)
+        print(f"saved: {path}", flush=True)
+
+
+def _inject(context, text: str) -> None:
+    """Plant a fault for tests: ``hang``, ``kill`` (SIGKILL itself) or ``exit`` at instruction INDEX of RANK."""
+    from pipec.compiler.ir import Action
+
+    try:
+        kind, rank_text, index_text = text.split(":")
+        op, rank, index = _INJECT_OPS[kind], int(rank_text), int(index_text)
+    except (ValueError, KeyError):
+        raise UsageError(f"--inject expects KIND:RANK:INDEX with KIND one of {', '.join(_INJECT_OPS)}; got {text!r}") from None
+    if rank != context.rank:
+        return
+    context.row.insert(min(index, len(context.row)), Action(-1, op))
+    context.handlers[op] = _INJECTED[op]
+
+
+def _hang(step, action, index) -> None:
+    while True:
+        time.sleep(3600)
+
+
+def _kill(step, action, index) -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit(step, action, index) -> None:
+    _die(f"rank {step.ctx.rank}: injected exit before instruction {index}", status=3)
+
+
+_INJECTED = {"INJECT_HANG": _hang, "INJECT_KILL": _kill, "INJECT_EXIT": _exit}
+
+
+__all__ = ["RuntimeFault", "build_parser", "fatal_errors", "join_group", "leave_group", "main", "make_plan", "train"]

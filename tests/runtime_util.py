@@ -1,0 +1,168 @@
+"""Launch ``python -m pipec.runtime`` workers from tests, the way torchrun would, with a hard deadline.
+
+Each worker is a subprocess with torchrun's environment (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and OMP_NUM_THREADS=1,
+in its own session so that it and anything it starts can be killed as a group.
+A run that outlives its deadline is killed and reported as timed out, so a
+hang fails a test instead of stalling the suite; no worker outlives ``launch_workers``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+# How often the launcher looks at its workers, seconds.
+_POLL_S = 0.02
+
+
+@dataclass
+class WorkerRun:
+    """How a multi-process run ended.
+
+    Attributes:
+        returncodes: per rank (negative: killed by that signal).
+        stdout, stderr: per rank, everything it wrote.
+        timed_out: the deadline passed and the workers were killed.
+        seconds: wall time of the run.
+    """
+
+    returncodes: list[int]
+    stdout: list[str]
+    stderr: list[str]
+    timed_out: bool
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(code == 0 for code in self.returncodes)
+
+    def describe(self) -> str:
+        """Everything the workers said, for an assertion message."""
+        parts = [f"timed out: {self.timed_out}; return codes: {self.returncodes}; {self.seconds:.1f} s"]
+        for rank, (out, err) in enumerate(zip(self.stdout, self.stderr)):
+            parts.append(f"--- rank {rank} stdout:\n{out}--- rank {rank} stderr:\n{err}")
+        return "\n".join(parts)
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (rank 0's store binds it soon after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_workers(args: list[str], nproc: int, deadline_s: float, env: dict[str, str] | None = None) -> WorkerRun:
+    """Run ``python -m pipec.runtime ARGS`` on ``nproc`` ranks and wait for all of them.
+
+    Args:
+        args: the worker's arguments (target, -D ..., options).
+        nproc: the world size.
+        deadline_s: wall-clock limit for the whole run; past it every worker is killed.
+        env: extra environment variables.
+    Returns:
+        a ``WorkerRun``; every worker has exited when it returns.
+    """
+    return _launch([sys.executable, "-m", "pipec.runtime", *args], nproc, deadline_s, env)
+
+
+def _launch(command: list[str], nproc: int, deadline_s: float, env: dict[str, str] | None) -> WorkerRun:
+    """Start ``command`` once per rank; once more on a fresh port if another process took the port first."""
+    run = _launch_once(command, nproc, deadline_s, env)
+    if not run.ok and any(_PORT_TAKEN in err.lower() for err in run.stderr):
+        run = _launch_once(command, nproc, deadline_s, env)
+    return run
+
+
+# What rank 0's store says when the free port was taken between our probe and its bind.
+_PORT_TAKEN = "address already in use"
+
+
+def _launch_once(command: list[str], nproc: int, deadline_s: float, env: dict[str, str] | None) -> WorkerRun:
+    """Start ``command`` once per rank with torchrun's environment; wait, kill at the deadline."""
+    port = free_port()
+    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    base.update(env or {})
+    files, procs = [], []
+    start = time.monotonic()
+    try:
+        for rank in range(nproc):
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            files.append((out, err))
+            procs.append(subprocess.Popen(
+                command,
+                env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
+                stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+            ))
+        timed_out = False
+        while any(proc.poll() is None for proc in procs):
+            if time.monotonic() - start > deadline_s:
+                timed_out = True
+                break
+            time.sleep(_POLL_S)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+    seconds = time.monotonic() - start
+    stdout, stderr = [], []
+    for out, err in files:
+        out.seek(0)
+        err.seek(0)
+        stdout.append(out.read())
+        stderr.append(err.read())
+        out.close()
+        err.close()
+    return WorkerRun([proc.returncode for proc in procs], stdout, stderr, timed_out, seconds)
+
+
+# ------------------------------------------------------------------ batches
+#
+# Starting a worker costs seconds of imports (torch, its optimizer's dynamo
+# import); a test that runs many short trainings at one world size runs them
+# all in one set of processes: this file, run as a script, joins the process
+# group once and calls the worker's own ``make_plan`` and ``train`` per job.
+
+
+def launch_batch(jobs: list[list[str]], nproc: int, deadline_s: float) -> WorkerRun:
+    """Run several worker command lines, one after the other, in one set of ``nproc`` processes (gloo).
+
+    Args:
+        jobs: each a worker's arguments (as for ``python -m pipec.runtime``).
+        nproc: the world size; every job must compile to this many ranks.
+        deadline_s: limit for the whole batch.
+    Returns:
+        a ``WorkerRun``; rank 0's stdout has a line ``job I done`` after each job.
+    """
+    return _launch([sys.executable, os.path.abspath(__file__), json.dumps(jobs)], nproc, deadline_s, None)
+
+
+def _batch_main(jobs: list[list[str]]) -> None:
+    from pipec.runtime import worker
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with worker.fatal_errors(rank):
+        parser = worker.build_parser()
+        first = parser.parse_args(jobs[0])
+        device = worker.join_group(first.backend, rank, world, int(os.environ["LOCAL_RANK"]), first.timeout)
+        for index, job in enumerate(jobs):
+            args = parser.parse_args(job)
+            worker.train(args, worker.make_plan(args, world), rank, world, device)
+            if rank == 0:
+                print(f"job {index} done", flush=True)
+        worker.leave_group()
+
+
+if __name__ == "__main__":
+    _batch_main(json.loads(sys.argv[1]))
