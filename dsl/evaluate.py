@@ -33,9 +33,11 @@ class Binding:
     slot: int
     type: str
     span: Span
-    # For a user function: its parameters' slots and its compiled body.
+    # For a user function: its parameters' slots and its compiled body, and
+    # its definition (scope and AST) for inlining at a call site.
     param_slots: tuple[int, ...] = ()
     body: "Fn | None" = None
+    definition: "tuple[Scope, ast.FuncDef] | None" = None
 
 
 class Scope:
@@ -123,7 +125,7 @@ class Resolver:
         if node.name in RESERVED or previous is not None:
             self.bind(scope, node.name, type_, node.name_span)  # reports the clash
             return
-        scope.names[node.name] = Binding(-1, type_, node.name_span, slots, body)
+        scope.names[node.name] = Binding(-1, type_, node.name_span, slots, body, (scope, node))
 
     def new_env(self) -> list:
         return [None] * self.slot_count
@@ -306,6 +308,9 @@ class Resolver:
             self.error(f"{node.func}() takes {len(user.param_slots)} argument(s), got {len(node.args)}", node.span)
             return (lambda env: 0), ERROR
         args = [self.expect(a, scope, INT, f"an argument of {node.func}()") for a in node.args]
+        arg_slots = [self._slot(a, scope) for a in node.args]
+        if None not in arg_slots:
+            return self._inline(user, arg_slots), user.type
         slots, body = user.param_slots, user.body
         if len(args) == 1:
             (arg,), (slot,) = args, slots
@@ -323,6 +328,22 @@ class Resolver:
             return body(env)
 
         return call, user.type
+
+    def _inline(self, user: Binding, arg_slots: list[int]) -> Fn:
+        """Compile the body again with each parameter reading its argument's slot.
+
+        Every argument is a plain name, so reading its slot at the body's use
+        is the same as passing the value; the call costs nothing at run time.
+        Errors in the body were reported at the definition; not again here.
+        """
+        definition_scope, node = user.definition
+        inner = definition_scope.child()
+        for name, span, slot in zip(node.params, node.param_spans, arg_slots):
+            inner.names[name] = Binding(slot, INT, span)
+        reported = len(self.errors)
+        body, _ = self.expr(node.body, inner)
+        del self.errors[reported:]
+        return body
 
     def _Tuple(self, node: ast.Tuple, scope: Scope):
         items = [self.expect(i, scope, INT, "an item of a priority key") for i in node.items]
