@@ -21,6 +21,8 @@ COMMANDS = (
     "check",
     "compile",
     "simulate",
+    "render",
+    "run",
     "import_torch",
     "rings",
 )

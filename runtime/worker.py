@@ -67,12 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the worker; returns its exit status (a fault ends the process itself)."""
     args = build_parser().parse_args(argv)
+    _die_with_launcher()
     try:
         rank, world, local_rank = _environment()
         plan = make_plan(args, world)
     except PipecError as error:
         sys.stderr.write(error.render() + "\n")
         return 1
+    signal.signal(signal.SIGTERM, lambda *_: _die(f"rank {rank}: stopped by the launcher (another worker failed)"))
     with fatal_errors(rank):
         device = join_group(args.backend, rank, world, local_rank, args.timeout)
         train(args, plan, rank, world, device)
@@ -93,6 +95,18 @@ def fatal_errors(rank: int) -> Iterator[None]:
         _die(f"rank {rank}: interrupted", status=130)
     except BaseException:  # a bug: show it, and do not hang in the process group's teardown
         _die(f"rank {rank}: internal error\n{traceback.format_exc()}")
+
+
+def _die_with_launcher() -> None:
+    """On Linux, ask the kernel to SIGKILL this worker when its launcher dies, so
+    that a killed ``pipec run`` or torchrun leaves no worker behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own shutdown still stops the workers
 
 
 def _die(message: str, status: int = 1) -> None:
@@ -156,7 +170,7 @@ def make_plan(args, world: int) -> Plan:
             f"start {program.num_ranks} workers (torchrun --nproc-per-node {program.num_ranks}), or change -D P=..."
         )
     spec = load_model_spec(args.model)
-    config = _override_config(spec.config, args.config)
+    config = override_config(spec.config, args.config)
     if isinstance(config, ModelConfig):
         try:  # the cut must be even: say so before joining the group
             chunk_layers(config, 0, program.num_chunks)
@@ -165,7 +179,7 @@ def make_plan(args, world: int) -> Plan:
     return Plan(program, spec, config, _activation_shape(spec, config))
 
 
-def _override_config(config, items: list[str]):
+def override_config(config, items: list[str]):
     """The model config with ``--config NAME=VALUE`` overrides (a dataclass config, values typed like its fields)."""
     if not items:
         return config

@@ -1,18 +1,37 @@
 """``pipec demo``: the tour a new user runs first.
 
 Compiles a shipped schedule (BitPipe on 4 ranks by default), proves it safe,
-prints its per-rank instruction grid and its simulated timeline figures. (Running
-it on CPU ranks and drawing it come with the runtime and the renderer.)
+prints its per-rank instruction grid and its simulated timeline figures; then
+trains the built-in model with it for a few steps on CPU worker processes
+(gloo), started through torch's elastic launcher exactly as ``pipec run``
+starts them, and prints the loss per step, whether it fell, and where the
+Chrome/Perfetto trace of every instruction went.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+
 from pipec.commands._common import describe_params, parse_defines, write_output
+
+DEFAULT_STEPS = 10
+# The worker's per-step line (runtime.worker): "step K loss X".
+_LOSS_LINE = re.compile(r"^step (\d+) loss (\S+)$")
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("demo", help="compile, check and simulate a shipped schedule (BitPipe, 4 ranks)")
+    parser = sub.add_parser("demo", help="compile, check, simulate and run a shipped schedule (BitPipe, 4 CPU ranks)")
     parser.add_argument("--schedule", default="bitpipe", help="a shipped schedule or .pipe file (default bitpipe)")
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, metavar="K",
+        help=f"training steps on CPU ranks (default {DEFAULT_STEPS}; 0: compile, check and simulate only)",
+    )
+    parser.add_argument("--trace", metavar="FILE", help="where to write the run's trace (default: in the temp folder)")
     parser.set_defaults(func=run)
 
 
@@ -40,7 +59,61 @@ def run(args) -> int:
         "",
         "timeline (one column per unit of time; '..' is a bubble, '--' a backward's second unit):",
         format_timeline(result),
-        "the per-rank instruction lists: pipec compile bitpipe -D P=4 -D N=4 --format text",
+        f"the per-rank instruction lists: pipec compile {args.schedule} "
+        + " ".join(f"-D {name}={value}" for name, value in defines.items())
+        + " --format text",
     ]
     write_output("\n".join(lines), None)
+    if args.steps <= 0:
+        return 0
+    return _train(args, defines, program)
+
+
+def _train(args, defines: dict[str, str], program) -> int:
+    """Run the program for ``args.steps`` steps on CPU ranks and report the loss and the trace."""
+    from pipec.commands.run import WORKER_MODULE, check_launch, launch, worker_arguments
+    from pipec.runtime.model import LLAMA
+
+    config = dataclasses.replace(LLAMA.config, layers=_fitting_layers(LLAMA.config.layers, program.num_chunks))
+    run_args = argparse.Namespace(
+        target=args.schedule,
+        defines=[f"{name}={value}" for name, value in defines.items()],
+        nproc=None,
+        steps=args.steps,
+        backend="gloo",
+        trace=args.trace or os.path.join(tempfile.gettempdir(), "pipec-demo-trace.json"),
+        save=None,
+        seed=None,
+        timeout=None,
+        model=None,
+        config=[] if config == LLAMA.config else [f"layers={config.layers}"],
+        costs=None,
+        inject=None,
+    )
+    nproc = check_launch(run_args, program)
+    write_output(
+        f"\nrunning {args.steps} training steps on {nproc} CPU ranks (gloo; one worker process per rank, "
+        f"started as `pipec run` starts them)\nmodel: {LLAMA.describe(config)}",
+        None,
+    )
+    losses: list[float] = []
+
+    def collect(rank: int, line: str) -> None:
+        match = _LOSS_LINE.match(line)
+        if rank == 0 and match:
+            losses.append(float(match.group(2)))
+
+    result = launch(["-m", WORKER_MODULE, *worker_arguments(run_args)], nproc, on_line=collect)
+    if not result.ok:
+        sys.stderr.write(result.report)
+        return 1
+    if len(losses) >= 2:
+        verdict = "fell" if losses[-1] < losses[0] else "did not fall"
+        write_output(f"loss {verdict}: {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps", None)
+    write_output(f"trace of every instruction on every rank: {run_args.trace} (open it in https://ui.perfetto.dev)", None)
     return 0
+
+
+def _fitting_layers(layers: int, num_chunks: int) -> int:
+    """The smallest multiple of ``num_chunks`` that is at least ``layers``: a model depth the program can cut."""
+    return num_chunks * -(-layers // num_chunks)

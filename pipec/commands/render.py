@@ -1,0 +1,169 @@
+"""``pipec render``: draw a schedule; the output's suffix picks the drawing.
+
+* ``.svg`` / ``.html``: the simulated timeline (HTML: hover tips, zoom, legend);
+  with ``--trace RUN.json`` (written by ``pipec run --trace``), the measured
+  timeline of one training step above the predicted one;
+* ``.json``: the simulated timeline as a Chrome / Perfetto trace;
+* ``.dot`` / ``.png``: the task dependency graph, ranks as clusters. A program
+  that fails the deadlock check is still drawn, its wait-for cycle in red (a
+  note on stderr says so; the exit status stays 0, the drawing was made).
+
+TARGET is a ``.pipe`` file, a shipped schedule, or a program ``.json`` from
+``pipec compile`` (edited or not). With ``--trace`` it may be left out: the
+trace names its schedule and parameters.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from pipec.commands._common import load_costs, parse_defines, write_output
+from pipec.errors import UsageError
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "render",
+        help="draw a schedule: timeline (.svg, .html), Chrome trace (.json), task graph (.dot, .png)",
+        description="Draw TARGET into FILE; FILE's suffix picks the drawing (.svg, .html, .json, .dot, .png).",
+    )
+    parser.add_argument(
+        "target", nargs="?", metavar="TARGET",
+        help="a .pipe file, a shipped schedule's name, or a program .json from `pipec compile` "
+             "(with --trace: default, the schedule the trace names)",
+    )
+    parser.add_argument(
+        "-D", dest="defines", action="append", default=[], metavar="NAME=VALUE", help="set a schedule parameter (repeatable)"
+    )
+    parser.add_argument("-o", dest="output", required=True, metavar="FILE", help="the drawing to write")
+    parser.add_argument("--costs", metavar="FILE", help="a JSON cost file (default: unit costs F=1 B=2 I=W=1)")
+    parser.add_argument("--budget", type=int, metavar="N", help="fail if a rank holds more than N chunk activations")
+    parser.add_argument(
+        "--trace", metavar="RUN.json",
+        help="a `pipec run --trace` file: draw its measured timeline above the predicted one (.svg, .html)",
+    )
+    parser.add_argument("--step", type=int, metavar="K", help="the training step of --trace to draw (default: the last)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pipec.compiler.render import GRAPH_FORMS, TIMELINE_FORMS, form_of, write_graph, write_timeline
+
+    form = form_of(args.output)
+    trace = _read_json(args.trace, "trace") if args.trace else None
+    if trace is not None and form not in TIMELINE_FORMS:
+        raise UsageError("--trace draws the measured timeline above the predicted one: write .svg or .html")
+    if args.step is not None and trace is None:
+        raise UsageError("--step picks a step of --trace; give --trace RUN.json")
+    target, defines = _target_and_defines(args, trace)
+    costs = load_costs(args)
+    if form in GRAPH_FORMS:
+        program, cycle = _program_for_graph(target, defines, costs)
+        write_graph(program, args.output, cycle=cycle)
+        if cycle:
+            sys.stderr.write(f"note: {program.name} fails the deadlock check; its wait-for cycle is drawn in red "
+                             f"({len(cycle)} rank(s))\n")
+    else:
+        from pipec.compiler.render import timeline_from_trace
+        from pipec.compiler.simulate import simulate
+
+        program = _checked_program(target, defines, costs, args.budget)
+        result = simulate(program, costs)
+        measured = None
+        if trace is not None:
+            measured = timeline_from_trace(trace, program, args.step, name=os.path.basename(args.trace))
+        write_timeline(result, program, args.output, measured=measured)
+    write_output(f"wrote {args.output}", None)
+    return 0
+
+
+def _target_and_defines(args, trace) -> tuple[str, dict[str, str]]:
+    """TARGET and the -D values; without TARGET, the schedule and parameters the trace names."""
+    defines = parse_defines(args.defines)
+    if args.target is not None:
+        return args.target, defines
+    if trace is None:
+        raise UsageError("render needs TARGET (a .pipe file, a shipped schedule or a program .json)")
+    other = trace.get("otherData") if isinstance(trace, dict) else None
+    name = other.get("schedule") if isinstance(other, dict) else None
+    if not isinstance(name, str):
+        raise UsageError(f"'{args.trace}' does not name its schedule; give TARGET")
+    params = other.get("params") if isinstance(other.get("params"), dict) else {}
+    merged = {str(key): str(value) for key, value in params.items()}
+    merged.update(defines)
+    return _shipped_target_named(name, args.trace), merged
+
+
+def _shipped_target_named(name: str, trace_path: str) -> str:
+    """The shipped target that defines schedule ``name`` (a file stem, or ``path:name``)."""
+    from pipec.compiler.driver import load_target, shipped_schedules
+    from pipec.dsl import parse
+
+    shipped = shipped_schedules()
+    if name in shipped:
+        return name
+    for stem, file in shipped.items():
+        path, source, _ = load_target(stem)
+        if parse(source, path).schedule(name) is not None:
+            return f"{file}:{name}"
+    raise UsageError(f"'{trace_path}' ran schedule '{name}', which no shipped file defines; give TARGET")
+
+
+def _is_program_file(target: str) -> bool:
+    return target.lower().endswith(".json") and os.path.isfile(target)
+
+
+def _load_program(target: str, defines: dict[str, str]):
+    """A program .json (``pipec compile``), unchecked."""
+    from pipec.compiler.emit import program_from_json
+
+    if defines:
+        raise UsageError("-D sets parameters of a .pipe schedule; a compiled program .json already has its own")
+    return program_from_json(_read_json(target, "program"))
+
+
+def _checked_program(target: str, defines: dict[str, str], costs, budget):
+    """The program to simulate: compiled and checked, or loaded and checked."""
+    from pipec.compiler.checks import check_all
+    from pipec.compiler.driver import compile_target
+
+    if not _is_program_file(target):
+        return compile_target(target, defines, costs=costs, memory_budget=budget).program
+    program = _load_program(target, defines)
+    check_all(program, memory_budget=budget)
+    return program
+
+
+def _program_for_graph(target: str, defines: dict[str, str], costs):
+    """The program to draw and its deadlock cycle (empty when it passes).
+
+    The driver's phases up to the checks, then the checks with a deadlock kept
+    for drawing: every other failure is raised as usual.
+    """
+    from pipec.compiler.build import compute_program
+    from pipec.compiler.checks import check_all
+    from pipec.compiler.driver import resolve_target
+    from pipec.compiler.lower_comms import insert_communication
+    from pipec.errors import DeadlockError
+
+    if _is_program_file(target):
+        program = _load_program(target, defines)
+    else:
+        spec = resolve_target(target).evaluate(defines)
+        program = insert_communication(compute_program(spec, costs))
+    try:
+        check_all(program)
+    except DeadlockError as deadlock:
+        return program, deadlock.cycle
+    return program, []
+
+
+def _read_json(path: str, what: str):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except OSError as error:
+        raise UsageError(f"cannot read {what} '{path}': {error}") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UsageError(f"{what} '{path}' is not JSON: {error}") from None

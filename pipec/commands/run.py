@@ -1,0 +1,442 @@
+"""``pipec run``: train a model with a compiled schedule on P worker processes.
+
+The parent compiles and checks the target first, so a bad schedule fails at
+once with the compiler's error; then it starts P workers through torch's
+elastic launcher (the launcher ``torchrun`` runs), each one
+``python -m pipec.runtime TARGET ...`` with the same arguments. Starting the
+workers here rather than through ``torchrun`` changes nothing for them: they
+see the same environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+What the user sees:
+
+* every worker's stdout, live: rank 0's lines as they are (the loss per step),
+  another rank's behind ``[rank R] ``;
+* on success, any worker stderr (warnings) after the run, behind ``[rank R] ``;
+* on a failure, the workers' fault messages (``rank R, step S (INSTR): waited
+  T s for rank Q ...``), each distinct one once, and how each failed worker
+  ended; never the launcher's own traceback. Exit status 1.
+
+Every worker ends with the run: the launcher sends the whole worker group
+SIGTERM as soon as one worker fails (and SIGKILL after ``SHUTDOWN_TIMEOUT_S``),
+each worker runs in its own process group, and ``launch`` returns only after
+the agent has reaped them.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from pipec.commands._common import parse_defines
+from pipec.errors import UsageError
+
+# How often the launcher's agent looks at its workers, in seconds: the delay
+# between a worker's exit and the others being stopped (and the run's end).
+# Not shorter: when a worker dies, the peer waiting on it sees the broken
+# connection at once, but needs a moment (more on a loaded machine) to print
+# its fault message (rank, instruction, peer) before the launcher stops it.
+MONITOR_INTERVAL_S = 0.5
+# A worker that ignores SIGTERM for this long is killed.
+SHUTDOWN_TIMEOUT_S = 5
+# How often the output follower polls the workers' stdout files.
+FOLLOW_INTERVAL_S = 0.05
+# A worker's fault message: "rank R, step S (INSTR): ..." (runtime.worker's RuntimeFault).
+FAULT_LINE = re.compile(r"rank \d+, step \d+ \(.+\): .*")
+# Stderr lines shown for a failed worker that printed no fault message.
+TAIL_LINES = 20
+
+# The worker program: ``python -m pipec.runtime``.
+WORKER_MODULE = "pipec.runtime"
+# Worker options passed through as they are: (option, argparse dest).
+_PASS_THROUGH = (
+    ("--steps", "steps"),
+    ("--backend", "backend"),
+    ("--seed", "seed"),
+    ("--timeout", "timeout"),
+    ("--model", "model"),
+    ("--inject", "inject"),
+)
+# Repeatable worker options: (option, dest holding a list).
+_REPEATED = (("-D", "defines"), ("--config", "config"))
+# Worker options that name files: passed as absolute paths so that they do not
+# depend on the directory a worker resolves them in.
+_PATHS = (("--trace", "trace"), ("--save", "save"), ("--costs", "costs"))
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "run",
+        help="train with a schedule on P worker processes (torch.distributed, launched like torchrun)",
+        description="Compile and check TARGET, then train the model with it on --nproc worker processes.",
+    )
+    add_run_arguments(parser)
+    parser.add_argument(
+        "--nproc", type=int, metavar="P", help="worker processes; must equal the program's ranks (default: its ranks)"
+    )
+    parser.set_defaults(func=run)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``pipec run`` shares with ``python -m pipec.runtime`` (the worker's defaults apply when omitted)."""
+    from pipec.runtime.worker import DEFAULT_SEED, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
+
+    parser.add_argument("target", metavar="TARGET", help="a .pipe file, or a shipped schedule's name (see `pipec list`)")
+    parser.add_argument(
+        "-D", dest="defines", action="append", default=[], metavar="NAME=VALUE", help="set a schedule parameter (repeatable)"
+    )
+    parser.add_argument("--steps", type=int, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), help="gloo (CPU, default) or nccl (one GPU per rank)")
+    parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
+    parser.add_argument("--save", metavar="FILE", help="torch.save the whole model's state_dict after the last step")
+    parser.add_argument("--seed", type=int, metavar="S", help=f"seed of the parameters and the data (default {DEFAULT_SEED})")
+    parser.add_argument(
+        "--timeout", type=float, metavar="SECONDS",
+        help=f"longest wait of one instruction; past it the run stops with a fault message (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument("--model", metavar="MODULE:ATTR", help="a model spec (default: the built-in LLaMA-style decoder)")
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="NAME=VALUE",
+        help="override a field of the model's config, e.g. --config layers=16 (repeatable)",
+    )
+    parser.add_argument("--costs", metavar="FILE", help="a JSON cost file, for schedules whose order depends on costs")
+    # test-only: plant a fault in a worker (runtime.worker's --inject KIND:RANK:INDEX)
+    parser.add_argument("--inject", metavar="KIND:RANK:INDEX", help=argparse.SUPPRESS)
+
+
+def run(args) -> int:
+    nproc = check_before_launch(args)
+    result = launch(["-m", WORKER_MODULE, *worker_arguments(args)], nproc)
+    if result.ok:
+        return 0
+    sys.stderr.write(result.report)
+    return 1
+
+
+def check_before_launch(args) -> int:
+    """Compile and check the target, and validate the launch, before any worker starts.
+
+    Args:
+        args: the parsed ``pipec run`` arguments.
+    Returns:
+        the number of workers to start (see ``check_launch``).
+    Raises:
+        PipecError: the compiler's error, or ``check_launch``'s.
+    """
+    from pipec.commands._common import load_costs
+    from pipec.compiler.driver import compile_target
+
+    program = compile_target(args.target, parse_defines(args.defines), costs=load_costs(args)).program
+    return check_launch(args, program)
+
+
+def check_launch(args, program) -> int:
+    """Check that the workers can run ``program`` with these arguments, so that a mistake shows once, here.
+
+    Args:
+        args: the parsed ``pipec run`` arguments.
+        program: the compiled target.
+    Returns:
+        the number of workers to start: ``--nproc``, or the program's ranks.
+    Raises:
+        UsageError: a worker count other than the program's ranks, a bad step
+            count or timeout, too few GPUs for nccl, or a model that cannot be
+            loaded or cut into the program's chunks.
+    """
+    nproc = args.nproc if args.nproc is not None else program.num_ranks
+    if nproc != program.num_ranks:
+        raise UsageError(
+            f"--nproc {nproc}, but {program.name} was compiled for {program.num_ranks} ranks: "
+            f"one worker runs one rank (pass --nproc {program.num_ranks}, or change -D P=...)"
+        )
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.backend == "nccl":
+        _check_gpus(nproc)
+    _check_model(args.model, args.config, program.num_chunks)
+    return nproc
+
+
+def _check_gpus(nproc: int) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < nproc:
+        raise UsageError(f"--backend nccl needs one GPU per rank: {nproc} ranks, {count} GPUs visible")
+
+
+def _check_model(text: str | None, overrides: list[str], num_chunks: int) -> None:
+    """Load the model spec and its config as the workers will (an error shows here, once, not P times).
+
+    For the built-in model, also check that its layers split into the program's chunks.
+    """
+    from pipec.runtime.model import DEFAULT_MODEL, ModelConfig, chunk_layers, load_model_spec
+    from pipec.runtime.worker import override_config
+
+    spec = load_model_spec(text or DEFAULT_MODEL)
+    config = override_config(spec.config, overrides)
+    if isinstance(config, ModelConfig):
+        chunk_layers(config, 0, num_chunks)  # raises UsageError when the layers do not split
+
+
+def worker_arguments(args) -> list[str]:
+    """The command-line arguments of ``python -m pipec.runtime`` for the parsed ``pipec run`` arguments.
+
+    Only the options the user gave are passed, so the worker's defaults stay the
+    one source of defaults.
+    """
+    out = [args.target]
+    for option, dest in _REPEATED:
+        for value in getattr(args, dest, None) or ():
+            out += [option, value]
+    for option, dest in _PASS_THROUGH:
+        value = getattr(args, dest, None)
+        if value is not None:
+            out += [option, str(value)]
+    for option, dest in _PATHS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            out += [option, os.path.abspath(value)]
+    return out
+
+
+# ------------------------------------------------------------------ launching
+
+
+@dataclass
+class LaunchResult:
+    """How a launch ended.
+
+    Attributes:
+        ok: every worker exited 0.
+        report: on failure, the text to show the user (fault messages first); "" on success.
+        exits: for each failed rank the launcher saw, its exit code (negative: killed by that signal).
+        faults: the distinct fault messages the workers printed, in rank order.
+    """
+
+    ok: bool
+    report: str = ""
+    exits: dict[int, int] = field(default_factory=dict)
+    faults: list[str] = field(default_factory=list)
+
+
+def launch(
+    python_args: list[str],
+    nproc: int,
+    *,
+    on_line: Callable[[int, str], None] | None = None,
+    echo: bool = True,
+    env: dict[str, str] | None = None,
+) -> LaunchResult:
+    """Run ``python PYTHON_ARGS`` on ``nproc`` local workers through torch's elastic launcher.
+
+    Args:
+        python_args: the arguments of each worker's Python, e.g.
+            ``["-m", "pipec.runtime", *worker_arguments(args)]``.
+        nproc: the number of workers (the program's ranks).
+        on_line: called with (rank, line without newline) for each stdout line of a worker.
+        echo: also write the workers' stdout to ours (rank 0 as is, the others behind ``[rank R] ``).
+        env: extra environment for the workers. OMP_NUM_THREADS defaults to 1
+            (ranks share the machine's cores) and PYTHONUNBUFFERED to 1 (lines arrive as printed).
+    Returns:
+        a ``LaunchResult``; every worker has exited when it returns.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    log_dir = tempfile.mkdtemp(prefix="pipec-run-")
+    run_id = uuid.uuid4().hex
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend="c10d",
+        # port 0: the agent's store takes a free port itself (no probe-then-bind race)
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=MONITOR_INTERVAL_S,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
+    )
+    follower = _OutputFollower(log_dir, nproc, on_line, echo)
+    exits: dict[int, int] = {}
+    with _worker_environment(env), _quiet_launcher_logs():
+        follower.start()
+        try:
+            elastic_launch(config, sys.executable)(*python_args)
+        except ChildFailedError as failed:
+            exits = {rank: failure.exitcode for rank, failure in failed.failures.items()}
+        except SignalException as stop:
+            # we were told to stop; the agent has stopped the workers already
+            if stop.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            report = f"pipec run: stopped by {signal.Signals(stop.sigval).name}\nworker logs: {log_dir}\n"
+            return LaunchResult(ok=False, report=report)
+        except RendezvousError as error:  # no worker ran: the launcher's own store could not start
+            shutil.rmtree(log_dir, ignore_errors=True)
+            return LaunchResult(ok=False, report=f"pipec run: the launcher could not start the workers: {error}\n")
+        finally:
+            follower.stop()
+    if not exits:
+        _echo_stderr(log_dir, nproc)
+        shutil.rmtree(log_dir, ignore_errors=True)
+        return LaunchResult(ok=True)
+    faults = _distinct(line for rank in range(nproc) for line in _fault_lines(_read_stderr(log_dir, rank)))
+    return LaunchResult(ok=False, report=_failure_report(log_dir, nproc, exits, faults), exits=exits, faults=faults)
+
+
+def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: list[str]) -> str:
+    """The failure text: fault messages, then how each failed worker ended, then where the logs are."""
+    lines = ["pipec run: the run failed"] + faults
+    for rank in sorted(exits):
+        code = exits[rank]
+        stderr = _read_stderr(log_dir, rank)
+        if code < 0:
+            lines.append(f"rank {rank}: {_signal_name(-code)}")
+            continue
+        lines.append(f"rank {rank}: exited with status {code}")
+        if not _fault_lines(stderr):
+            # no fault message: a startup error or a bug; its own words say more than ours
+            tail = [line for line in stderr.splitlines() if line.strip()][-TAIL_LINES:]
+            lines += [f"  {line}" for line in tail]
+    lines.append(f"worker logs: {log_dir}")
+    return "\n".join(lines) + "\n"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    # the launcher stops the survivors with SIGTERM once one worker failed
+    why = " (stopped by the launcher after another worker failed)" if number == signal.SIGTERM else ""
+    return f"killed by {name}{why}"
+
+
+def _fault_lines(stderr: str) -> list[str]:
+    return [match.group(0) for match in map(FAULT_LINE.search, stderr.splitlines()) if match]
+
+
+def _distinct(lines) -> list[str]:
+    return list(dict.fromkeys(lines))
+
+
+def _worker_file(log_dir: str, rank: int, name: str) -> str | None:
+    """The path of a worker's ``stdout.log`` / ``stderr.log`` once the launcher has made it."""
+    # DefaultLogsSpecs' layout: <log_dir>/<run_id>_<random>/attempt_0/<local rank>/<name>
+    found = glob.glob(os.path.join(glob.escape(log_dir), "*", "attempt_0", str(rank), name))
+    return found[0] if found else None
+
+
+def _read_stderr(log_dir: str, rank: int) -> str:
+    path = _worker_file(log_dir, rank, "stderr.log")
+    if path is None:
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return handle.read()
+
+
+def _echo_stderr(log_dir: str, nproc: int) -> None:
+    """After a successful run, show what workers wrote to stderr (warnings), behind their rank."""
+    for rank in range(nproc):
+        for line in _read_stderr(log_dir, rank).splitlines():
+            sys.stderr.write(f"[rank {rank}] {line}\n")
+
+
+@contextlib.contextmanager
+def _worker_environment(extra: dict[str, str] | None) -> Iterator[None]:
+    """os.environ as the workers should inherit it (the launcher copies it), restored afterwards."""
+    wanted = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    changes = {name: value for name, value in wanted.items() if name not in os.environ}
+    changes.update(extra or {})
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _quiet_launcher_logs() -> Iterator[None]:
+    """Silence the elastic agent's log lines (SIGTERM sent, 'failed (exitcode: 1)'): the report says it better."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+class _OutputFollower:
+    """Copies the workers' stdout files to our stdout while they run (the launcher writes them to files)."""
+
+    def __init__(self, log_dir: str, nproc: int, on_line: Callable[[int, str], None] | None, echo: bool):
+        self.log_dir = log_dir
+        self.nproc = nproc
+        self.on_line = on_line
+        self.echo = echo
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._follow, name="pipec-run-output", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _follow(self) -> None:
+        handles: dict[int, object] = {}
+        partial = {rank: "" for rank in range(self.nproc)}
+        try:
+            while True:
+                finished = self.done.is_set()  # read before the last pass, so nothing written before stop is lost
+                for rank in range(self.nproc):
+                    if rank not in handles:
+                        path = _worker_file(self.log_dir, rank, "stdout.log")
+                        if path is None:
+                            continue
+                        handles[rank] = open(path, encoding="utf-8", errors="replace")
+                    partial[rank] = self._emit(rank, partial[rank] + handles[rank].read(), finished)
+                if finished:
+                    return
+                self.done.wait(FOLLOW_INTERVAL_S)
+        finally:
+            for handle in handles.values():
+                handle.close()
+
+    def _emit(self, rank: int, text: str, flush_partial: bool) -> str:
+        """Emit the complete lines of ``text``; return the unfinished rest (all of it is emitted at the end)."""
+        *lines, rest = text.split("\n")
+        if flush_partial and rest:
+            lines.append(rest)
+            rest = ""
+        for line in lines:
+            if self.on_line is not None:
+                self.on_line(rank, line)
+            if self.echo:
+                sys.stdout.write(line + "\n" if rank == 0 else f"[rank {rank}] {line}\n")
+        if lines and self.echo:
+            sys.stdout.flush()
+        return rest
