@@ -9,6 +9,7 @@ them after an intended change.
 """
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -514,6 +515,55 @@ def test_headless_chromium_draws_the_html_timeline(tmp_path):
             assert pixels_of(image, shade) > 300, (op, shade)
     assert pixels_of(image, style.IDLE_FILL) > 2000
     assert coloured_share(image) > 0.03  # 4 lanes of boxes on a 1200 x 800 page
+
+
+# Moves the pointer over box INDEX of lane RANK, then over an idle time of lane IDLE_RANK, and keeps each tip's text.
+HOVER_PROBE = """<script>
+window.addEventListener("load", function () {
+  var data = JSON.parse(document.getElementById("timeline-data").textContent), L = data.layout;
+  var canvas = document.getElementById("timeline"), frame = canvas.getBoundingClientRect();
+  var panel = data.panels[0], k = (canvas.clientWidth - L.left - L.right) / panel.makespan;
+  function hover(rank, time, name) {
+    var y = L.panel_head + rank * (L.lane_height + L.lane_gap) + L.lane_height / 2;
+    canvas.dispatchEvent(new MouseEvent("mousemove", {clientX: frame.left + L.left + time * k, clientY: frame.top + y}));
+    document.body.setAttribute(name, document.getElementById("tip").textContent);
+  }
+  var lane = panel.lanes[RANK];
+  hover(RANK, (lane.start[INDEX] + lane.end[INDEX]) / 2, "data-box-tip");
+  hover(IDLE_RANK, IDLE_TIME, "data-idle-tip");
+});
+</script>
+</body>"""
+
+
+@needs_chromium
+def test_hovering_a_box_in_chromium_shows_its_rank_op_stage_microbatch_start_and_end(tmp_path):
+    program, result = compiled("interleaved_1f1b", P=4, N=8)
+    rank, index = 2, 9
+    slot = result.timeline[rank][index]
+    idle_rank, idle_time = 3, 0.5  # rank 3 waits for its first activation
+    assert all(not (s.start <= idle_time < s.end) for s in result.timeline[idle_rank])
+    probe = HOVER_PROBE
+    for name, value in (("IDLE_RANK", idle_rank), ("IDLE_TIME", idle_time), ("RANK", rank), ("INDEX", index)):
+        probe = probe.replace(name, str(value))
+    page = tmp_path / "hover.html"
+    page.write_text(timeline_html(make_drawing(result, program)).replace("</body>", probe))
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,800", "--dump-dom",
+                          page.as_uri()], capture_output=True, text=True, timeout=180).stdout
+    tips = {name: html.unescape(text) for name, text in re.findall(r'data-(box|idle)-tip="([^"]*)"', dom)}
+    action = slot.action
+    assert tips["box"].splitlines() == [
+        f"rank {rank} (predicted)",
+        f"op {action.op}  ({action.op}{action.mb}c{program.stages[action.stage].chunk})",
+        f"stage {action.stage}, chunk {program.stages[action.stage].chunk}",
+        f"microbatch {action.mb}",
+        f"start {slot.start}",
+        f"end {slot.end}",
+    ]
+    # a pointer event lands on a whole pixel, so the time under it is the idle time to within a pixel
+    at = re.fullmatch(rf"rank {idle_rank}: idle at (\S+) \(predicted\)", tips["idle"])
+    assert at and float(at.group(1)) == pytest.approx(idle_time, abs=0.05)
 
 
 @needs_chromium

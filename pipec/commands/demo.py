@@ -32,6 +32,9 @@ def register(sub) -> None:
         help=f"training steps on CPU ranks (default {DEFAULT_STEPS}; 0: compile, check and simulate only)",
     )
     parser.add_argument("--trace", metavar="FILE", help="where to write the run's trace (default: in the temp folder)")
+    parser.add_argument(
+        "--timeline", metavar="FILE", help="where to draw the predicted timeline (.html, .svg or .json; default: in the temp folder)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -46,6 +49,10 @@ def run(args) -> int:
     compiled = compile_target(args.schedule, defines)
     program = compiled.program
     result = simulate(program)
+    from pipec.compiler.render import write_timeline
+
+    timeline = args.timeline or os.path.join(tempfile.gettempdir(), "pipec-demo-timeline.html")
+    write_timeline(result, program, timeline)
     fraction = result.bubble_fraction()
     bubble = f"{fraction} = {float(fraction):.4f}" if fraction is not None else f"{result.bubble_ratio:.4f}"
     lines = [
@@ -59,6 +66,7 @@ def run(args) -> int:
         "",
         "timeline (one column per unit of time; '..' is a bubble, '--' a backward's second unit):",
         format_timeline(result),
+        f"timeline drawn: {timeline} (open it in a browser; pipec render also writes .svg and .json)",
         f"the per-rank instruction lists: pipec compile {args.schedule} "
         + " ".join(f"-D {name}={value}" for name, value in defines.items())
         + " --format text",

@@ -59,7 +59,7 @@ def run(args) -> int:
     target, defines = _target_and_defines(args, trace)
     costs = load_costs(args)
     if form in GRAPH_FORMS:
-        program, cycle = _program_for_graph(target, defines, costs)
+        program, cycle = _program_for_graph(target, defines, costs, args.budget)
         write_graph(program, args.output, cycle=cycle)
         if cycle:
             sys.stderr.write(f"note: {program.name} fails the deadlock check; its wait-for cycle is drawn in red "
@@ -135,7 +135,7 @@ def _checked_program(target: str, defines: dict[str, str], costs, budget):
     return program
 
 
-def _program_for_graph(target: str, defines: dict[str, str], costs):
+def _program_for_graph(target: str, defines: dict[str, str], costs, budget):
     """The program to draw and its deadlock cycle (empty when it passes).
 
     The driver's phases up to the checks, then the checks with a deadlock kept
@@ -153,7 +153,7 @@ def _program_for_graph(target: str, defines: dict[str, str], costs):
         spec = resolve_target(target).evaluate(defines)
         program = insert_communication(compute_program(spec, costs))
     try:
-        check_all(program)
+        check_all(program, memory_budget=budget)
     except DeadlockError as deadlock:
         return program, deadlock.cycle
     return program, []

@@ -1,0 +1,140 @@
+"""The task dependency graph of a program as Graphviz DOT (template ``taskgraph.dot.j2``), and as PNG.
+
+One cluster per rank holds that rank's instructions in list order (dashed
+"order" edges), frees left out. Compute nodes are coloured like timeline boxes;
+"data" edges join each compute to the computes whose outputs it reads
+(activation from the previous stage, gradient from the next, its own forward,
+its input-gradient for a W), darker when they cross ranks. For a program that
+fails the deadlock check, the members of the wait-for cycle
+(``DeadlockError.cycle``: (rank, step, what it waits on)) are outlined in red and
+each one's wait is a red edge to the member it waits for (the next one in the
+cycle), labelled with the wait.
+
+The DOT text needs nothing outside Python; the PNG needs Graphviz's ``dot``
+program (Debian: ``apt-get install graphviz``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from pipec.compiler.ir import BATCH, COMPUTE_OPS, FREE_F, Program
+from pipec.compiler.render import style
+from pipec.compiler.render._templates import render
+from pipec.compiler.render.model import format_params
+from pipec.errors import UsageError
+
+# Graphviz lays out a few thousand nodes in seconds; far more takes minutes.
+MAX_PNG_NODES = 4000
+
+# consumer op -> what it reads: (producer ops, first that exists; whose: the stage relative to the consumer's)
+_READS = {
+    "F": ((("F",), "prev"),),
+    "B": ((("F",), "self"), (("B", "I"), "next")),
+    "I": ((("F",), "self"), (("B", "I"), "next")),
+    "W": ((("I",), "self"),),
+}
+# Node kind -> DOT attributes.
+_NODE_STYLES = {
+    "compute": 'shape=box, style="rounded,filled"',
+    "comm": 'shape=box, style="dashed,filled", fontsize=8, color="#888888"',
+}
+# Edge kind -> DOT attributes.
+_EDGE_STYLES = {
+    "order": 'style=dashed, color="#bbbbbb", arrowsize=0.4',
+    "data": 'color="#333333", penwidth=1.2',
+    "local data": 'color="#999999"',
+    "wait": f'color="{style.CYCLE_COLOR}", fontcolor="{style.CYCLE_COLOR}", penwidth=2.5, constraint=false',
+}
+_CYCLE_NODE = f'color="{style.CYCLE_COLOR}", penwidth=3'
+
+
+def task_graph_dot(program: Program, cycle: Sequence[tuple[int, int, str]] = ()) -> str:
+    """The DOT text of ``program``'s task graph.
+
+    Args:
+        program: any program (compute-only or with communication).
+        cycle: a ``DeadlockError.cycle`` to draw in red; empty for none.
+    Returns:
+        a ``digraph`` (module docstring); node ids are ``r{rank}_{step}``.
+    """
+    members = {(rank, step): text for rank, step, text in cycle}
+    clusters, where = [], {}
+    for rank, row in enumerate(program.ranks):
+        nodes = []
+        for step, action in enumerate(row):
+            if action.op == FREE_F:
+                continue  # memory bookkeeping: no dependency to see
+            node = f"r{rank}_{step}"
+            is_compute = action.op in COMPUTE_OPS
+            if is_compute:
+                where[(action.op, action.stage, action.mb)] = node
+            text = "\n".join(part.text() for part in action.parts) if action.op == BATCH else action.text()
+            waits = members.get((rank, step))
+            tooltip = f"rank {rank}, step {step}: {action.text()}" + (f"; {waits}" if waits else "")
+            fill = style.fill_of(action.op, action.mb) if is_compute else ("#ffffff" if waits is None else style.CYCLE_FILL)
+            nodes.append((node, _NODE_STYLES["compute" if is_compute else "comm"], text, tooltip, fill, waits is not None))
+        clusters.append({"rank": rank, "nodes": nodes})
+    edges = _order_edges(clusters) + _data_edges(program, where) + _wait_edges(cycle)
+    heading = f"{program.name} ({format_params(program.params)}): task graph"
+    if cycle:
+        heading += " - deadlock: the wait-for cycle is in red"
+    return render("taskgraph.dot.j2", name=program.name, heading=heading, clusters=clusters, edges=edges,
+                  edge_styles=_EDGE_STYLES, cycle_node=_CYCLE_NODE)
+
+
+def task_graph_png(program: Program, cycle: Sequence[tuple[int, int, str]] = ()) -> bytes:
+    """``task_graph_dot`` laid out by Graphviz's ``dot`` program.
+
+    Returns:
+        the PNG bytes.
+    Raises:
+        UsageError: the graph is too large, or ``dot`` is not installed or fails.
+    """
+    import graphviz
+
+    nodes = sum(1 for row in program.ranks for action in row if action.op != FREE_F)
+    if nodes > MAX_PNG_NODES:
+        raise UsageError(f"the task graph has {nodes} nodes, too many for a PNG (at most {MAX_PNG_NODES}); "
+                         f"write .dot and open it in a viewer, or draw a timeline (.html)")
+    try:
+        return graphviz.Source(task_graph_dot(program, cycle), engine="dot").pipe(format="png")
+    except graphviz.ExecutableNotFound:
+        raise UsageError("a .png task graph needs Graphviz's `dot` program (Debian: apt-get install graphviz); "
+                         "write .dot instead") from None
+    except graphviz.CalledProcessError as error:
+        detail = (error.stderr or b"").decode(errors="replace").strip()
+        raise UsageError(f"Graphviz's dot failed: {detail or error}") from None
+
+
+def _order_edges(clusters: list[dict]) -> list[tuple]:
+    """Each rank's instructions in list order."""
+    edges = []
+    for cluster in clusters:
+        ids = [node[0] for node in cluster["nodes"]]
+        edges += [(a, b, "order", "", "") for a, b in zip(ids, ids[1:])]
+    return edges
+
+
+def _data_edges(program: Program, where: dict) -> list[tuple]:
+    """Producer -> consumer for every input a compute reads (``_READS``)."""
+    neighbour = {"self": lambda s: s, "prev": program.prev_stage, "next": program.next_stage}
+    rank_of = lambda node: node.split("_", 1)[0]  # noqa: E731 - "r3" of "r3_17"
+    edges = []
+    for (op, stage, mb), node in where.items():
+        for producer_ops, whose in _READS.get(op, ()):
+            source_stage = neighbour[whose](stage)
+            if source_stage < 0:
+                continue
+            source = next((where[key] for key in ((p, source_stage, mb) for p in producer_ops) if key in where), None)
+            if source is not None:
+                kind = "local data" if rank_of(source) == rank_of(node) else "data"
+                edges.append((source, node, kind, "", ""))
+    return edges
+
+
+def _wait_edges(cycle: Sequence[tuple[int, int, str]]) -> list[tuple]:
+    """Each cycle member to the member it waits for: the next one (``DeadlockError.cycle`` follows the waits)."""
+    if len(cycle) < 2:
+        return []
+    nodes = [f"r{rank}_{step}" for rank, step, _ in cycle]
+    return [(nodes[i], nodes[(i + 1) % len(nodes)], "wait", "waits", cycle[i][2]) for i in range(len(nodes))]

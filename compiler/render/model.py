@@ -1,0 +1,227 @@
+"""What a timeline drawing shows, whatever its file format.
+
+A ``Drawing`` is a heading and one or more ``Timeline`` panels: the prediction
+alone, or a measured run above the prediction. A panel keeps the simulator's
+own ``Slot`` tuples as its boxes, without a copy per box (a 64-rank,
+512-microbatch interleaved schedule has 131k of them): per rank, the compute
+slots in start order, and apart from them the communication slots. A measured
+panel builds the same ``Slot`` tuples from the Chrome trace that
+``pipec run --trace`` writes (``pipec.runtime.trace``), so every format draws
+prediction and measurement with the same code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from pipec.compiler.gc_pause import paused_gc
+from pipec.compiler.ir import Program
+from pipec.compiler.simulate import Number, SimResult, Slot
+from pipec.errors import UsageError
+
+# A fraction with a larger denominator is shown as a decimal only.
+_EXACT_DENOMINATOR_LIMIT = 10_000
+# The measured panel's time unit: trace events are in microseconds.
+_MEASURED_UNIT, _US_PER_MEASURED_UNIT = "ms", 1000.0
+
+
+@dataclass
+class Timeline:
+    """One panel of a timeline drawing.
+
+    Attributes:
+        title: e.g. "predicted: makespan 33, bubble ratio 3/11 = 0.2727".
+        makespan: time from 0 to the last box's end.
+        bubble_ratio: 1 - mean busy time / makespan.
+        boxes: per rank, its compute slots in start order (they do not overlap).
+        comms: per rank, its communication slots (messages in flight, all-reduces).
+        notes: per rank, a short summary shown at the lane's end.
+        unit: the time unit of the axis ("" for the simulator's cost units).
+        kind: "predicted" or "measured".
+    """
+
+    title: str
+    makespan: Number
+    bubble_ratio: float
+    boxes: list[list[Slot]]
+    comms: list[list[Slot]]
+    notes: list[str]
+    unit: str = ""
+    kind: str = "predicted"
+
+
+@dataclass
+class Drawing:
+    """Everything a timeline file shows.
+
+    Attributes:
+        heading: schedule, parameters, makespan and bubble ratio.
+        panels: measured first (when there is one), then the prediction.
+        stage_chunk: stage id -> model chunk, for labels and tips.
+        show_chunk: whether labels name the chunk (a rank holds several stages).
+    """
+
+    heading: str
+    panels: list[Timeline]
+    stage_chunk: list[int]
+    show_chunk: bool
+
+    def ops_present(self) -> set[str]:
+        """The compute ops drawn (for the legend)."""
+        return {slot[2][1] for panel in self.panels for lane in panel.boxes for slot in lane}
+
+
+def make_drawing(result: SimResult, program: Program, measured: Timeline | None = None) -> Drawing:
+    """The drawing of a simulated program, with a measured run above it when given.
+
+    Args:
+        result: ``simulate(program)``.
+        program: the program simulated.
+        measured: ``timeline_from_trace`` of a run of the same program, or None.
+    Returns:
+        the ``Drawing``; its heading carries the predicted makespan and bubble ratio.
+    """
+    predicted = timeline_from_simulation(result)
+    heading = f"{program.name} ({format_params(program.params)}): makespan {format_time(result.makespan)}, " \
+              f"bubble ratio {format_bubble(result)}"
+    panels = [measured, predicted] if measured is not None else [predicted]
+    stage_chunk = [stage.chunk for stage in program.stages]
+    return Drawing(heading, panels, stage_chunk, len(program.stages) > program.num_ranks)
+
+
+def timeline_from_simulation(result: SimResult) -> Timeline:
+    """The predicted panel.
+
+    Args:
+        result: a simulation.
+    Returns:
+        a ``Timeline`` whose boxes are ``result``'s compute slots themselves.
+    """
+    boxes, comms = [], []
+    for lane in result.timeline:
+        has_comms = any(slot[3] for slot in lane)
+        # without communication slots the simulator's list is the compute list: no copy
+        boxes.append([slot for slot in lane if not slot[3]] if has_comms else lane)
+        comms.append([slot for slot in lane if slot[3]] if has_comms else [])
+    notes = [_note(stats.busy, result.makespan, stats.peak_activations) for stats in result.ranks]
+    title = f"predicted (simulator): makespan {format_time(result.makespan)}, bubble ratio {format_bubble(result)}"
+    return Timeline(title, result.makespan, result.bubble_ratio, boxes, comms, notes)
+
+
+def timeline_from_trace(document: Any, program: Program, step: int | None = None, name: str = "trace") -> Timeline:
+    """The measured panel: one training step of a Chrome trace of a run of ``program``.
+
+    Reads the complete events of category "compute" (``pipec.runtime.trace``):
+    ``pid`` is the rank, ``args.index`` the instruction's place in its list,
+    ``args.step`` the training step (1 when absent), ``args.wait_us`` the time
+    the instruction waited for its inputs before computing. A box spans the
+    compute itself, from ``ts + wait_us`` to ``ts + dur``, so a wait shows as
+    idle time. Times are shifted so that the step's first box starts at 0, in ms.
+
+    Args:
+        document: the parsed JSON file.
+        program: the program that ran (to name and place each event).
+        step: the training step to draw; the last one when None.
+        name: how to call the trace in the panel's title.
+    Returns:
+        the measured ``Timeline``.
+    Raises:
+        UsageError: not a Chrome trace, no such step, or an event that does not
+            match ``program`` (a trace of another schedule or other parameters).
+    """
+    with paused_gc():  # one tuple per event, no cycles
+        return _measured_timeline(_compute_events(document), program, step, name)
+
+
+def _measured_timeline(events: list[dict], program: Program, step: int | None, name: str) -> Timeline:
+    steps = sorted({_event_step(event) for event in events})
+    if not steps:
+        raise UsageError(f"{name} holds no compute events (is it a `pipec run --trace` file?)")
+    chosen = steps[-1] if step is None else step
+    if chosen not in steps:
+        raise UsageError(f"{name} has no step {chosen} (it has steps {steps[0]}..{steps[-1]})")
+    lanes: list[list[tuple]] = [[] for _ in range(program.num_ranks)]
+    for event in events:
+        if _event_step(event) == chosen:
+            rank, action = _event_action(event, program, name)
+            args = event.get("args") or {}
+            start = float(event["ts"])
+            lanes[rank].append((start + float(args.get("wait_us", 0)), start + float(event["dur"]), action))
+    origin = min(start for lane in lanes for start, _, _ in lane)
+    scale = 1.0 / _US_PER_MEASURED_UNIT
+    boxes = [
+        sorted((Slot((start - origin) * scale, (end - origin) * scale, action, False) for start, end, action in lane),
+               key=lambda slot: slot[0])
+        for lane in lanes
+    ]
+    makespan = max((lane[-1][1] for lane in boxes if lane), default=0.0)
+    busy = [sum(end - start for start, end, _, _ in lane) for lane in boxes]
+    bubble = 1 - sum(busy) / (makespan * len(boxes)) if makespan else 0.0
+    notes = [_note(rank_busy, makespan, None) for rank_busy in busy]
+    title = (f"measured ({name}, step {chosen}): makespan {format_time(makespan, _MEASURED_UNIT)}, "
+             f"bubble ratio {bubble:.4f}")
+    return Timeline(title, makespan, bubble, boxes, [[] for _ in boxes], notes, _MEASURED_UNIT, "measured")
+
+
+# ------------------------------------------------------------------ trace parsing
+
+
+def _compute_events(document: Any) -> list[dict]:
+    """The complete "compute" events of a Chrome trace (a dict with traceEvents, or a bare list)."""
+    events = document.get("traceEvents") if isinstance(document, dict) else document
+    if not isinstance(events, list):
+        raise UsageError("not a Chrome trace: expected {\"traceEvents\": [...]} or a list of events")
+    out = []
+    for event in events:
+        if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") == "compute":
+            if not all(isinstance(event.get(key), (int, float)) for key in ("ts", "dur")):
+                raise UsageError(f"trace event {event.get('name')!r} has no numeric ts and dur")
+            out.append(event)
+    return out
+
+
+def _event_step(event: dict) -> int:
+    step = (event.get("args") or {}).get("step", 1)
+    return step if isinstance(step, int) else 1
+
+
+def _event_action(event: dict, program: Program, name: str):
+    """(rank, action) of a compute event, checked against ``program``."""
+    rank, index = event.get("pid"), (event.get("args") or {}).get("index")
+    if not isinstance(rank, int) or not 0 <= rank < program.num_ranks:
+        raise UsageError(f"{name}: event {event.get('name')!r} is on rank {rank!r}, "
+                         f"but the program has {program.num_ranks} ranks (another schedule or other -D values?)")
+    row = program.ranks[rank]
+    if not isinstance(index, int) or not 0 <= index < len(row) or row[index].text() != event.get("name"):
+        found = row[index].text() if isinstance(index, int) and 0 <= index < len(row) else "nothing"
+        raise UsageError(f"{name}: rank {rank}'s event {event.get('name')!r} (instruction {index!r}) does not match "
+                         f"the program, which has {found} there (another schedule or other -D values?)")
+    return rank, row[index]
+
+
+# --------------------------------------------------------------------- wording
+
+
+def format_params(params: dict) -> str:
+    """Returns: ``P=4, N=8``."""
+    return ", ".join(f"{key}={value}" for key, value in params.items())
+
+
+def format_time(value: Number, unit: str = "") -> str:
+    """Returns: an integer as it is, any other number with 4 significant digits; then the unit."""
+    text = str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+    return f"{text} {unit}" if unit else text
+
+
+def format_bubble(result: SimResult) -> str:
+    """Returns: ``3/11 = 0.2727`` when the ratio is a small exact fraction, else ``0.2727``."""
+    fraction = result.bubble_fraction()
+    if isinstance(fraction, Fraction) and fraction.denominator <= _EXACT_DENOMINATOR_LIMIT and fraction != int(fraction):
+        return f"{fraction} = {float(fraction):.4f}"
+    return f"{result.bubble_ratio:.4f}"
+
+
+def _note(busy: Number, makespan: Number, peak: int | None) -> str:
+    share = f"busy {busy / makespan:.0%}" if makespan else "busy 0%"
+    return share if peak is None else f"{share}, peak {peak} act."
