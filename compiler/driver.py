@@ -97,13 +97,21 @@ def resolve_target(target: str) -> ResolvedSchedule:
     return resolve(schedule, path, source)
 
 
+def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Program, Program]:
+    """Order and lower an evaluated schedule, unchecked.
+
+    Returns:
+        (compute-only program, program with communication). Evaluation already
+        proved every task present once, in range and at home; an order whose
+        dependencies cannot be met is kept as it is for the checks to name.
+    """
+    compute = compute_program(spec, costs)
+    return compute, insert_communication(compute)
+
+
 def compile_spec(spec: ScheduleSpec, *, costs: CostModel | None = None, memory_budget: int | None = None) -> Compiled:
     """Order, lower and check an evaluated schedule."""
-    compute = compute_program(spec, costs)
-    # Evaluation already proved every task present once, in range and at home;
-    # an order whose dependencies cannot be met is named by the checks below
-    # (the lowering keeps such an order as it is).
-    program = insert_communication(compute)
+    compute, program = lower_spec(spec, costs)
     check_all(program, semantics="rendezvous", memory_budget=memory_budget)
     program = insert_frees(program)
     return Compiled(spec, compute, program)

@@ -141,17 +141,14 @@ def _program_for_graph(target: str, defines: dict[str, str], costs, budget):
     The driver's phases up to the checks, then the checks with a deadlock kept
     for drawing: every other failure is raised as usual.
     """
-    from pipec.compiler.build import compute_program
     from pipec.compiler.checks import check_all
-    from pipec.compiler.driver import resolve_target
-    from pipec.compiler.lower_comms import insert_communication
+    from pipec.compiler.driver import lower_spec, resolve_target
     from pipec.errors import DeadlockError
 
     if _is_program_file(target):
         program = _load_program(target, defines)
     else:
-        spec = resolve_target(target).evaluate(defines)
-        program = insert_communication(compute_program(spec, costs))
+        _, program = lower_spec(resolve_target(target).evaluate(defines), costs)
     try:
         check_all(program, memory_budget=budget)
     except DeadlockError as deadlock:
