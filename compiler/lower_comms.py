@@ -135,7 +135,10 @@ def insert_communication(program: Program) -> Program:
         plan = _plan(program, tables)
         near_use = _near_use(program, plan)
         for make in (lambda: near_use, lambda: _paired(program, plan, near_use)):  # the second only if needed
-            layout = _layout(program, plan, make())
+            placed = make()
+            if placed is near_use and _deadlocks_early(program, plan, placed):
+                continue  # interleaved schedules: skip near use's whole simulation
+            layout = _layout(program, plan, placed)
             if not blocked_ranks(_wait_graph(program, plan, layout)):
                 return replace(program, ranks=_materialize(program, plan, layout))
         ordered = _place_in_global_order(program, plan)
@@ -361,8 +364,12 @@ def _layout(program: Program, plan: _Plan, placed: list[list[int]]) -> _Layout:
     return layout._replace(longest=longest)
 
 
-def _wait_graph(program: Program, plan: _Plan, layout: _Layout) -> WaitGraph:
+def _wait_graph(program: Program, plan: _Plan, layout: _Layout, beyond: list[int] | None = None) -> WaitGraph:
     """The rendezvous ``WaitGraph`` of a laid-out placement.
+
+    With ``beyond`` (per rank, a step past its laid-out instructions) the
+    layout may be a prefix: a counterpart missing from it is taken to be at
+    its rank's ``beyond`` step.
 
     Built without a code -> step map: a rank's sends, in placement order, are
     its messages in id order; its receives, sorted by code, are grouped by
@@ -372,11 +379,13 @@ def _wait_graph(program: Program, plan: _Plan, layout: _Layout) -> WaitGraph:
     """
     num_ranks = program.num_ranks
     graph = empty_graph(num_ranks, layout.longest)
-    send_step = [0] * len(plan.sources)
+    send_step = [0] * len(plan.sources) if beyond is None else list(map(beyond.__getitem__, plan.sources))
     is_receive = [list(map(operator.and_, codes, repeat(1))) for codes in layout.codes]
     for rank, (steps, receives) in enumerate(zip(layout.steps, is_receive)):
         sent = list(compress(steps, map(operator.not_, receives)))
         send_step[plan.first[rank]:plan.first[rank] + len(sent)] = sent
+    if beyond is not None:
+        _wait_for_missing_receives(graph, plan, layout, is_receive, beyond)
     scale = layout.longest + 1
     for rank, (codes, steps, receives) in enumerate(zip(layout.codes, layout.steps, is_receive)):
         received = sorted(map(operator.add, map(operator.mul, compress(codes, receives), repeat(scale)),
@@ -395,6 +404,70 @@ def _wait_graph(program: Program, plan: _Plan, layout: _Layout) -> WaitGraph:
             groups.setdefault(chunk, []).append((rank, at))
     add_collectives(graph, groups.values())
     return graph
+
+
+# ------------------------------------------------------------- early deadlock
+
+_PROBE_COMPUTES_PER_RANK = 4  # the probe covers this many computes per rank of the program
+_PROBE_FRACTION = 8           # ... and is tried only on programs whose rows are this many times longer
+
+
+def _deadlocks_early(program: Program, plan: _Plan, placed: list[list[int]]) -> bool:
+    """Whether a placement surely deadlocks, judged from a prefix of every rank's list.
+
+    The prefix is each rank's instructions before input compute ``horizon``;
+    a rank that has more stops at a barrier (a wait that is never met) just
+    after it. Every step the prefix simulation takes is one the full
+    simulation takes too (it has every wait of those steps; a counterpart
+    outside the prefix is taken to lie beyond its rank's barrier, which only
+    holds ranks back). So when ranks end up waiting, at real waits, only on
+    each other, no later instruction can free them: the full simulation
+    blocks as well. Otherwise nothing is concluded (False) and the caller
+    simulates the whole placement, so the chosen tier never depends on this.
+
+    Args:
+        program, plan: as for ``_layout``.
+        placed: a placement (per rank, sorted entries).
+    Returns:
+        True only if ``blocked_ranks`` of the whole placement is non-empty.
+    """
+    horizon = _PROBE_COMPUTES_PER_RANK * program.num_ranks
+    if any(plan.collectives) or _PROBE_FRACTION * horizon > max(map(len, program.ranks), default=0):
+        return False  # all-reduces shift steps beyond the prefix; a probe must stay small next to the whole
+    cut = horizon * 2 * _stride(plan)
+    prefix = [entries[:bisect_left(entries, cut)] for entries in placed]
+    layout = _layout(program, plan, prefix)
+    never = layout.longest + 2
+    # the barrier step: just after the prefix; a rank whose whole placement is in it has none (never)
+    barrier = [never if len(part) == len(entries) else horizon + len(starts)
+               for part, entries, starts in zip(prefix, placed, layout.starts)]
+    graph = _wait_graph(program, plan, layout, [min(step + 1, never) for step in barrier])
+    for rank, step in enumerate(barrier):
+        if step != never:
+            add_waits(graph, rank, (step,), (0,), (graph.never,))
+    stuck = {rank: other for rank, (step, other, _) in blocked_ranks(graph).items() if step != barrier[rank]}
+    # drop, until none changes, every rank that waits on a rank that may still move
+    changed = True
+    while changed and stuck:
+        freed = [rank for rank, other in stuck.items() if other not in stuck]
+        changed = bool(freed)
+        for rank in freed:
+            del stuck[rank]
+    return bool(stuck)
+
+
+def _wait_for_missing_receives(graph: WaitGraph, plan: _Plan, layout: _Layout, is_receive: list[list[int]],
+                               beyond: list[int]) -> None:
+    """Each laid-out send whose receive is not laid out waits for the receiver's ``beyond`` step."""
+    received = bytearray(len(plan.sources))
+    for codes, receives in zip(layout.codes, is_receive):
+        for code in compress(codes, receives):
+            received[code >> 1] = 1
+    for rank, (codes, steps, receives) in enumerate(zip(layout.codes, layout.steps, is_receive)):
+        missing = [(step, plan.targets[code >> 1]) for code, step, receive in zip(codes, steps, receives)
+                   if not receive and not received[code >> 1]]
+        add_waits(graph, rank, (step for step, _ in missing), (dst for _, dst in missing),
+                  (beyond[dst] for _, dst in missing))
 
 
 # ------------------------------------------------------------------ building

@@ -147,6 +147,8 @@ _COMPUTE_RULES = {
     "I": (_BWD, -1, ("own F", "gradient")),
     "W": (_WGT, 0, ("own B or I",)),
 }
+# Marks an op that is not a SEND/RECV where only those may stand.
+_NOT_A_MESSAGE = object()
 # Message kinds, indexed in a channel's transfer times.
 _KINDS = ("act", "grad")
 _ACT, _GRAD = range(2)
@@ -206,19 +208,21 @@ class _Simulation:
         self.parked_on = [-1] * self.num_ranks
         self.slots: list[list[Slot]] = [[] for _ in range(self.num_ranks)]
         self.comm_slots: list[list[Slot]] = [[] for _ in range(self.num_ranks)]
-        self.channels: dict[int, tuple[deque, deque, tuple]] = {}
+        # channels[src][dst]: the FIFO channel from src to dst, opened on first use
+        self.channels: list[list[tuple | None]] = [[None] * self.num_ranks for _ in range(self.num_ranks)]
         self.allreduce_joined: dict[int, list[tuple[Number, int, Action]]] = {}
         self.allreduce_stages: set[int] = set()
         self.compute_plan = self._plan_compute()
         self.comm_plan = self._plan_comms()
+        # what the first pass of posting needs: send op -> per stage the key base
+        # of the tensor it sends (None: no neighbour); receive op -> None
+        self.sent_tensors = {
+            op: [None if message is None else message[1] for message in row] if _COMM_RULES[op][0] else None
+            for op, row in self.comm_plan.items()
+        }
+        # the rare ops drain does not handle inline:
         # op -> handler(rank, step, action, clock) -> new clock, or None when parked
-        self.handlers = {op: self.post_message for op in COMM_OPS}
-        self.handlers.update({
-            BATCH: self.post_batch,
-            FREE_F: self.free,
-            ALLREDUCE_GRAD: self.join_allreduce,
-            ALLREDUCE_WAIT: self.wait_allreduce,
-        })
+        self.handlers = {ALLREDUCE_GRAD: self.join_allreduce, ALLREDUCE_WAIT: self.wait_allreduce}
 
     # -- plans -------------------------------------------------------------------
 
@@ -273,9 +277,7 @@ class _Simulation:
     # -- driver ------------------------------------------------------------------
 
     def run(self) -> SimResult:
-        work, run_rank = self.work, self.run_rank
-        while work:
-            run_rank(work.pop())
+        self.drain()
         stuck = [r for r in range(self.num_ranks) if self.pc[r] < len(self.program.ranks[r])]
         if stuck:
             self._report_stuck(stuck)
@@ -297,138 +299,176 @@ class _Simulation:
         if waiting:
             self.work.extend(waiting)
 
-    def run_rank(self, r: int) -> None:
-        """Run rank ``r`` from where it stopped until it parks or finishes."""
-        row = self.program.ranks[r]
-        end_of_row = len(row)
-        pc, clock, busy, live, peak = self.pc[r], self.clock[r], self.busy[r], self.live[r], self.peak[r]
-        ready, waiters, work = self.ready, self.waiters, self.work
-        compute_plan, handlers = self.compute_plan, self.handlers
-        slots_append = self.slots[r].append
-        new_tuple = tuple.__new__
-        num_stages, num_mbs = self.num_stages, self.num_mbs
-        parked_on = -1
-        while pc < end_of_row:
-            action = row[pc]
-            stage, op, mb, _, _ = action
-            plan = compute_plan.get(op)
-            if plan is None:
-                handler = handlers.get(op)
-                if handler is None:
-                    raise self._error(WellFormedError, f"unknown instruction {action.text()}", r, pc)
-                next_clock = handler(r, pc, action, clock)
-                if next_clock is None:  # the handler parked the rank
-                    break
-                clock = next_clock
-                pc += 1
-                continue
-            if not (0 <= stage < num_stages and 0 <= mb < num_mbs):
-                raise self._error(WellFormedError, f"{action.text()}: stage or microbatch out of range", r, pc)
-            duration, inputs, out, delta = plan[stage]
-            start = clock
-            for base, delay in inputs:
-                arrival = ready[base + mb]
-                if arrival is None:
-                    parked_on = base + mb
-                    break
-                arrival += delay
-                if arrival > start:
-                    start = arrival
-            if parked_on >= 0:
-                self.park(r, parked_on)
-                break
-            clock = start + duration
-            key = out + mb
-            ready[key] = clock
-            if key in waiters:
-                work.extend(waiters.pop(key))
-            slots_append(new_tuple(Slot, (start, clock, action, False)))
-            busy += duration
-            live += delta
-            if live > peak:
-                peak = live
-            pc += 1
-        self.pc[r], self.clock[r], self.busy[r], self.live[r], self.peak[r] = pc, clock, busy, live, peak
+    def drain(self) -> None:
+        """Run ranks off the worklist, each from where it stopped until it parks
+        or finishes, until no rank can move.
 
-    # -- non-compute handlers ------------------------------------------------------
-
-    def free(self, rank: int, step: int, action: Action, clock: Number) -> Number:
-        """FREE_F: memory bookkeeping only; it takes no time."""
-        return clock
-
-    def post_message(self, rank: int, step: int, action: Action, clock: Number) -> Number | None:
-        """SEND_F/SEND_B/RECV_F/RECV_B: post it at ``clock``; the rank goes on.
-
-        A send waits only for its own tensor, which its rank produced earlier in
-        its list; if that tensor does not exist yet, the rank parks.
+        One loop serves every rank: a rank parks and resumes every few
+        instructions, so resuming must cost little. Compute tasks, messages and
+        FREE_F (nearly every instruction) are handled inline; the rare
+        all-reduce ops go through ``handlers``.
         """
-        stage, op, mb, peer, _ = action
-        if not (0 <= stage < self.num_stages and 0 <= mb < self.num_mbs and 0 <= peer < self.num_ranks) or peer == rank:
-            raise self._error(WellFormedError, f"{action.text()}: stage, microbatch or peer out of range", rank, step)
-        plan = self.comm_plan[op][stage]
-        if plan is None:
-            raise self._error(WellFormedError, f"{action.text()}: stage {stage} has no neighbour to exchange with", rank, step)
-        is_send, tensor_base, arrival_base, kind = plan
-        tensor = tensor_base + mb
-        if is_send:
-            produced = self.ready[tensor]
-            if produced is None:
-                self.park(rank, tensor)
-                return None
-            sends, receives, transfer = self.channels.get(rank * self.num_ranks + peer) or self._channel(rank, peer)
-            sent = (tensor, produced if produced > clock else clock, rank, step)
-            if receives:
-                self._deliver(sent, receives.popleft(), transfer[kind])
-            else:
-                sends.append(sent)
-        else:
-            sends, receives, transfer = self.channels.get(peer * self.num_ranks + rank) or self._channel(peer, rank)
-            posted = (tensor, arrival_base + mb, rank, step, action)
-            if sends:
-                self._deliver(sends.popleft(), posted, transfer[kind])
-            else:
-                receives.append(posted)
-        return clock
+        ready, waiters, work = self.ready, self.waiters, self.work
+        compute_plan, comm_plan, handlers = self.compute_plan, self.comm_plan, self.handlers
+        sent_tensors = self.sent_tensors
+        channels, ranks, all_slots = self.channels, self.program.ranks, self.slots
+        # per rank: what a resume needs that never changes, and its progress
+        fixed = [(row, len(row), channels[r], all_slots[r].append) for r, row in enumerate(ranks)]
+        progress = list(zip(self.pc, self.clock, self.busy, self.live, self.peak))
+        parked_ons = self.parked_on
+        comm_slots = self.comm_slots
+        new_tuple = tuple.__new__
+        num_stages, num_mbs, num_ranks = self.num_stages, self.num_mbs, self.num_ranks
+        while work:
+            r = work.pop()
+            row, end_of_row, outgoing, slots_append = fixed[r]
+            pc, clock, busy, live, peak = progress[r]
+            parked_on = -1
+            while pc < end_of_row:
+                action = row[pc]
+                stage, op, mb, _, parts = action
+                plan = compute_plan.get(op)
+                if plan is not None:
+                    if not (0 <= stage < num_stages and 0 <= mb < num_mbs):
+                        raise self._error(WellFormedError, f"{action.text()}: stage or microbatch out of range", r, pc)
+                    duration, inputs, out, delta = plan[stage]
+                    start = clock
+                    for base, delay in inputs:
+                        arrival = ready[base + mb]
+                        if arrival is None:
+                            parked_on = base + mb
+                            break
+                        arrival += delay
+                        if arrival > start:
+                            start = arrival
+                    if parked_on >= 0:
+                        break
+                    clock = start + duration
+                    key = out + mb
+                    ready[key] = clock
+                    if key in waiters:
+                        work.extend(waiters.pop(key))
+                    slots_append(new_tuple(Slot, (start, clock, action, False)))
+                    busy += duration
+                    live += delta
+                    if live > peak:
+                        peak = live
+                    pc += 1
+                    continue
+                # A single SEND/RECV posts exactly like a one-part BATCH: all
+                # parts or none, each at ``clock``; the rank goes on.
+                if op == BATCH:
+                    group = parts
+                elif op == FREE_F:  # memory bookkeeping only; it takes no time
+                    pc += 1
+                    continue
+                elif op in comm_plan:
+                    group = (action,)
+                else:
+                    handler = handlers.get(op)
+                    if handler is None:
+                        raise self._error(WellFormedError, f"unknown instruction {action.text()}", r, pc)
+                    next_clock = handler(r, pc, action, clock)
+                    if next_clock is None:  # the handler parked the rank
+                        break
+                    clock = next_clock
+                    pc += 1
+                    continue
+                # Posting is all or none, in two passes (the order of checks
+                # decides which error a program with several faults gets).
+                # First pass: every part is a message, and every tensor sent is
+                # produced (by this rank, earlier in its list) or the rank parks.
+                if not group:
+                    raise self._error(WellFormedError, f"{action.text()} posts nothing", r, pc)
+                for part in group:
+                    bases = sent_tensors.get(part[1], _NOT_A_MESSAGE)
+                    if bases is None:  # a receive: it never waits
+                        continue
+                    if bases is _NOT_A_MESSAGE:
+                        raise self._malformed(part, r, pc)
+                    p_stage, _, p_mb, p_peer, _ = part
+                    if 0 <= p_stage < num_stages and 0 <= p_mb < num_mbs:
+                        base = bases[p_stage]
+                        if base is not None and ready[base + p_mb] is None:
+                            if op != BATCH and (not 0 <= p_peer < num_ranks or p_peer == r):
+                                raise self._malformed(part, r, pc)  # a lone send is checked in full first
+                            parked_on = base + p_mb
+                            break
+                if parked_on >= 0:
+                    break
+                # Second pass: check each part in full, then post it; a part
+                # that finds its counterpart waiting in the channel delivers.
+                for part in group:
+                    p_stage, p_op, p_mb, p_peer, _ = part
+                    if not (0 <= p_stage < num_stages and 0 <= p_mb < num_mbs and 0 <= p_peer < num_ranks) or p_peer == r:
+                        raise self._malformed(part, r, pc)
+                    message = comm_plan[p_op][p_stage]
+                    if message is None:
+                        raise self._malformed(part, r, pc)
+                    is_send, tensor_base, arrival_base, kind = message
+                    if is_send:
+                        sends, receives, transfer = outgoing[p_peer] or self._channel(r, p_peer)
+                        produced = ready[tensor_base + p_mb]
+                        sent = (tensor_base + p_mb, produced if produced > clock else clock, r, pc)
+                        if not receives:
+                            sends.append(sent)
+                            continue
+                        posted = receives.popleft()
+                    else:
+                        sends, receives, transfer = channels[p_peer][r] or self._channel(p_peer, r)
+                        posted = (tensor_base + p_mb, arrival_base + p_mb, r, pc, part)
+                        if not sends:
+                            receives.append(posted)
+                            continue
+                        sent = sends.popleft()
+                    # sent: (tensor, time, rank, step); posted: (tensor, arrival key, rank, step, part)
+                    if sent[0] != posted[0]:
+                        raise self._mismatch(sent, posted)
+                    sent_at, delay = sent[1], transfer[kind]
+                    arrival = sent_at + delay
+                    if delay:
+                        comm_slots[posted[2]].append(new_tuple(Slot, (sent_at, arrival, posted[4], True)))
+                    key = posted[1]
+                    ready[key] = arrival
+                    if key in waiters:
+                        work.extend(waiters.pop(key))
+                pc += 1
+            if parked_on >= 0:  # wait until parked_on is published
+                parked_ons[r] = parked_on
+                waiters.setdefault(parked_on, []).append(r)
+            progress[r] = (pc, clock, busy, live, peak)
+        # hand the progress back to the per-rank lists that results and reports read
+        for r, state in enumerate(progress):
+            self.pc[r], self.clock[r], self.busy[r], self.live[r], self.peak[r] = state
 
-    def post_batch(self, rank: int, step: int, action: Action, clock: Number) -> Number | None:
-        """BATCH: post every part at ``clock``, all or none (a part never posts twice)."""
-        if not action.parts:
-            raise self._error(WellFormedError, f"{action.text()} posts nothing", rank, step)
-        for part in action.parts:
-            stage, op, mb, _, _ = part
-            if op not in _COMM_RULES:
-                raise self._error(WellFormedError, f"{part.text()} cannot be part of a batch", rank, step)
-            plan = self.comm_plan[op][stage] if 0 <= stage < self.num_stages else None
-            # an invalid part is reported by post_message below
-            if plan is not None and plan[0] and 0 <= mb < self.num_mbs and self.ready[plan[1] + mb] is None:
-                self.park(rank, plan[1] + mb)
-                return None
-        for part in action.parts:
-            self.post_message(rank, step, part, clock)
-        return clock
+    def _malformed(self, part: Action, rank: int, step: int) -> WellFormedError:
+        """The error for a message (or batch part) of ``rank`` that cannot be posted."""
+        stage, op, mb, peer, _ = part
+        if op not in self.comm_plan:
+            problem = " cannot be part of a batch"
+        elif not (0 <= stage < self.num_stages and 0 <= mb < self.num_mbs and 0 <= peer < self.num_ranks) or peer == rank:
+            problem = ": stage, microbatch or peer out of range"
+        else:
+            problem = f": stage {stage} has no neighbour to exchange with"
+        return self._error(WellFormedError, part.text() + problem, rank, step)
 
     def _channel(self, src: int, dst: int) -> tuple[deque, deque, tuple]:
         """Open the channel from ``src`` to ``dst``: (unmatched sends, unmatched receives,
-        transfer time by kind). Channels live in ``self.channels`` under src * ranks + dst."""
+        transfer time by kind). Channels live in ``self.channels[src][dst]``."""
         a, b = self.devices[src], self.devices[dst]
         channel = (deque(), deque(), tuple(self.costs.transfer(a, b, kind) for kind in _KINDS))
-        self.channels[src * self.num_ranks + dst] = channel
+        self.channels[src][dst] = channel
         return channel
 
-    def _deliver(self, sent: tuple, posted: tuple, transfer: Number) -> None:
-        """Match a send with a receive (FIFO) and publish the data's arrival."""
-        tensor, time, src, src_step = sent
-        expected, arrival_key, dst, dst_step, part = posted
-        if tensor != expected:
-            raise MatchError(
-                f"{part.text()} expects {self._describe_tensor(expected)} but the matching send "
-                f"(rank {src}, step {src_step}) carries {self._describe_tensor(tensor)}",
-                rank=dst, step=dst_step, grid=self.program.grid(), marks=[(src, src_step)],
-            )
-        arrival = time + transfer
-        if transfer:
-            self.comm_slots[dst].append(tuple.__new__(Slot, (time, arrival, part, True)))
-        self.publish(arrival_key, arrival)
+    def _mismatch(self, sent: tuple, posted: tuple) -> MatchError:
+        """The error for a receive matched (FIFO) with a send of another tensor."""
+        tensor, _, src, src_step = sent
+        expected, _, dst, dst_step, part = posted
+        return MatchError(
+            f"{part.text()} expects {self._describe_tensor(expected)} but the matching send "
+            f"(rank {src}, step {src_step}) carries {self._describe_tensor(tensor)}",
+            rank=dst, step=dst_step, grid=self.program.grid(), marks=[(src, src_step)],
+        )
 
     def join_allreduce(self, rank: int, step: int, action: Action, clock: Number) -> Number:
         """ALLREDUCE_GRAD: join the all-reduce of this stage's chunk; it ends once every replica joined."""

@@ -371,3 +371,26 @@ def test_a_rank_without_stages_gets_an_empty_list():
     lowered = insert_frees(insert_communication(program))
     check_all(lowered)
     assert lowered.ranks[2] == [] and peak_activations(lowered) == [2, 1, 0]
+
+
+@pytest.mark.parametrize("name, params", [
+    ("interleaved_1f1b", {"P": 4, "N": 32, "v": 2}),
+    ("interleaved_1f1b", {"P": 4, "N": 64, "v": 4}),
+    ("1f1b", {"P": 4, "N": 32}),
+    ("zb_h1", {"P": 4, "N": 32}),
+])
+def test_early_deadlock_probe_agrees_with_the_whole_simulation(name, params):
+    """The prefix probe never claims a deadlock that the whole simulation does not find."""
+    from pipec.compiler.build import compute_program
+    from pipec.compiler.checks.deadlock import blocked_ranks
+    from pipec.compiler.checks.wellformed import stage_tables
+    from pipec.compiler.driver import resolve_target
+    program = compute_program(resolve_target(name).evaluate(params))
+    plan = lower_comms._plan(program, stage_tables(program))
+    near_use = lower_comms._near_use(program, plan)
+    for placed in (near_use, lower_comms._paired(program, plan, near_use)):
+        early = lower_comms._deadlocks_early(program, plan, placed)
+        whole = bool(blocked_ranks(lower_comms._wait_graph(program, plan, lower_comms._layout(program, plan, placed))))
+        assert whole or not early
+    if name == "interleaved_1f1b" and params["v"] == 2:  # near use deadlocks early here: the probe sees it
+        assert lower_comms._deadlocks_early(program, plan, near_use)

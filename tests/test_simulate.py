@@ -425,3 +425,62 @@ def test_missing_cost_file(tmp_path):
     path = str(tmp_path / "absent.json")
     with pytest.raises(CostFileError, match="absent.json"):
         load_costs(path)
+
+
+# ----------------------------------------------------------------- messages: batches, checks and their order
+
+
+def test_batched_messages_that_take_time_give_the_same_comm_slots_as_single_ones():
+    program = one_f_one_b(3, 4)
+    costs = CostModel(link=Link(latency=2))
+    single, batched = simulate(with_comms(program), costs), simulate(with_comms(program, batched=True), costs)
+    assert any(row != unbatched for row, unbatched in zip(with_comms(program, True).ranks, with_comms(program).ranks))
+
+    def comm_slots(result):
+        return sorted((r, s.start, s.end, s.action.text()) for r, row in enumerate(result.timeline) for s in row if s.is_comm)
+
+    assert comm_slots(batched) == comm_slots(single) and len(comm_slots(single)) == 2 * 2 * 4
+    assert batched.makespan == single.makespan == simulate(program, costs).makespan
+
+
+@pytest.mark.parametrize("parts, problem", [
+    ((), "posts nothing"),
+    ((Action(0, "F", 1),), "cannot be part of a batch"),
+    ((Action(0, SEND_F, 0, 1), Action(0, RECV_B, 0, 0)), "out of range"),
+    ((Action(0, SEND_F, 0, 1), Action(0, RECV_F, 0, 1)), "no neighbour"),
+])
+def test_malformed_batches_are_well_formed_errors_at_the_batch(parts, problem):
+    rank0 = [Action(0, "F", 0), Action(-1, "BATCH", -1, -1, parts), Action(0, RECV_B, 0, 1), Action(0, "B", 0)]
+    rank1 = [Action(1, RECV_F, 0, 0), Action(1, "F", 0), Action(1, "B", 0), Action(1, SEND_B, 0, 0)]
+    with pytest.raises(WellFormedError, match=problem) as caught:
+        simulate(two_rank_program([rank0, rank1], 1))
+    assert (caught.value.rank, caught.value.step) == (0, 1)
+
+
+def test_a_send_before_its_tensor_parks_the_rank_and_posts_nothing_of_its_batch():
+    # rank 0 sends 0F0 before computing it: it stalls at the batch, so the
+    # batch's receive is not posted either and rank 1's SEND_B stays unmatched
+    rank0 = [Action(-1, "BATCH", -1, -1, (Action(0, RECV_B, 0, 1), Action(0, SEND_F, 0, 1))), Action(0, "F", 0), Action(0, "B", 0)]
+    rank1 = [Action(1, RECV_F, 0, 0), Action(1, "F", 0), Action(1, "B", 0), Action(1, SEND_B, 0, 0)]
+    with pytest.raises(DeadlockError) as caught:
+        simulate(two_rank_program([rank0, rank1], 1))
+    stuck = {(r, s): waits for r, s, waits in caught.value.cycle}
+    assert set(stuck) == {(0, 0), (1, 1)}
+    assert "0F0" in stuck[(0, 0)] and "activation for 1F0" in stuck[(1, 1)]
+
+
+def test_a_lone_send_is_checked_in_full_before_it_waits_for_its_tensor():
+    rank0 = [Action(0, SEND_F, 0, 7), Action(0, "F", 0), Action(0, RECV_B, 0, 1), Action(0, "B", 0)]
+    rank1 = [Action(1, RECV_F, 0, 0), Action(1, "F", 0), Action(1, "B", 0), Action(1, SEND_B, 0, 0)]
+    with pytest.raises(WellFormedError, match="out of range") as caught:
+        simulate(two_rank_program([rank0, rank1], 1))
+    assert (caught.value.rank, caught.value.step) == (0, 0)
+
+
+def test_a_swapped_batch_is_a_match_error_naming_both_ends():
+    rank0 = [Action(0, "F", 0), Action(0, "F", 1), batch([Action(0, SEND_F, 1, 1), Action(0, SEND_F, 0, 1)])]
+    rank1 = [batch([Action(1, RECV_F, 0, 0), Action(1, RECV_F, 1, 0)]), Action(1, "F", 0), Action(1, "F", 1)]
+    with pytest.raises(MatchError, match="expects the activation of 0F0") as caught:
+        simulate(two_rank_program([rank0, rank1], 2))
+    assert (caught.value.rank, caught.value.step) == (1, 0)
+    assert "(rank 0, step 2)" in caught.value.message
