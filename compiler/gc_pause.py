@@ -5,6 +5,10 @@ timeline slots, JSON objects) and no reference cycles. Each burst of
 allocations triggers a full collection over the whole growing heap, which finds
 nothing and costs as much as the pass itself; reference counting still frees
 memory. Every bulk pass runs inside ``paused_gc()``.
+
+On the way out the surviving objects are frozen (``gc.freeze``): the next
+collections would otherwise walk all of them once more, for nothing. Frozen
+objects are still freed by reference counting when they are dropped.
 """
 from __future__ import annotations
 
@@ -20,4 +24,5 @@ def paused_gc():
         yield
     finally:
         if was_enabled:
+            gc.freeze()
             gc.enable()
