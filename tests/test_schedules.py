@@ -59,9 +59,16 @@ def test_interleaved_follows_megatron_order(P, N, v):
 
 @pytest.mark.parametrize("P,N", [(2, 5), (4, 4), (4, 8), (8, 8), (8, 16)])
 def test_zb_h1_bubble_and_memory(P, N):
-    _, result = run("zb_h1", P=P, N=N)
+    compiled, result = run("zb_h1", P=P, N=N)
     assert result.bubble_fraction() == Fraction(P - 1, 3 * N + P - 1)
     assert [r.peak_activations for r in result.ranks] == [P - r for r in range(P)]
+    # W is delayed, not hoarded: rank r owes at most r + 1 weight gradients at once.
+    for r, row in enumerate(compiled.compute.ranks):
+        owed = peak = 0
+        for action in row:
+            owed += {"I": 1, "W": -1}.get(action.op, 0)
+            peak = max(peak, owed)
+        assert peak == min(r + 1, N)
 
 
 @pytest.mark.parametrize("P,N", [(4, 8), (8, 16)])
