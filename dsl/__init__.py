@@ -1,6 +1,7 @@
 """The front end: parse ``.pipe`` text, resolve names and types, evaluate with parameters."""
 from pipec.dsl.parser import parse
-from pipec.dsl.schedule import ResolvedSchedule, resolve
+from pipec.dsl.resolve import resolve
+from pipec.dsl.schedule import ResolvedSchedule
 from pipec.dsl.spec import GreedyPolicy, ScheduleSpec
 
 __all__ = ["parse", "resolve", "ResolvedSchedule", "ScheduleSpec", "GreedyPolicy"]

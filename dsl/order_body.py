@@ -1,0 +1,154 @@
+"""The run-time side of explicit order bodies (``order rank r { ... }``).
+
+Resolution (``pipec.dsl.resolve``) turns each statement into a closure over the
+schedule's flat ``env``; these are the closures for loops, branches, lets and
+tasks. ``OrderState`` collects the tasks a body emits and checks each one
+where it is written (range, home rank, duplicates) and, at the end, that none
+is missing, so every mistake is reported at the statement responsible.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from pipec.dsl import ast
+from pipec.dsl.evaluate import Fn, Resolver
+from pipec.dsl.schedule import KIND_INDEX, MAX_LOOP_ITERATIONS, TASK_KINDS, Budget, of_pipeline
+from pipec.dsl.spec import ScheduleSpec
+from pipec.errors import EvalError, ScheduleError
+
+
+class OrderState:
+    """Collects the tasks an explicit order emits and checks each where written."""
+
+    def __init__(self, resolver: Resolver):
+        self.source = resolver.source
+
+    def start(self, spec: ScheduleSpec) -> None:
+        self.spec = spec
+        self.N = spec.num_microbatches
+        self.S = spec.num_stages
+        self.stage_rank = [r for row in spec.placement for r in row]
+        self.mb_offset = [p * self.S for p in spec.mb_pipeline]
+        self.seen = bytearray(len(TASK_KINDS) * len(self.stage_rank) * self.N)
+        self.orders: list[list[tuple[str, int, int]]] = []
+        self.rank = 0
+        self.out: list = []
+
+    def begin_rank(self, rank: int) -> None:
+        self.rank = rank
+        self.out = []
+        self.orders.append(self.out)
+
+    def emitter(self, node: ast.Task, stage_fn: Fn, mb_fn: Fn) -> Callable[[list], None]:
+        kind = node.kind
+        kind_base = KIND_INDEX[kind]
+        state = self
+
+        def emit(env):
+            s = stage_fn(env)
+            m = mb_fn(env)
+            if not 0 <= m < state.N:
+                raise EvalError(
+                    f"{kind}({s}, {m}): microbatch {m} is outside 0..{state.N - 1}", node.mb.span, state.source
+                )
+            if not 0 <= s < state.S:
+                raise EvalError(
+                    f"{kind}({s}, {m}): stage {s} is outside 0..{state.S - 1}", node.stage.span, state.source
+                )
+            sid = state.mb_offset[m] + s
+            if state.stage_rank[sid] != state.rank:
+                raise ScheduleError(
+                    f"{kind}({s}, {m}) runs on rank {state.rank}, but stage {s}"
+                    f"{of_pipeline(sid // state.S, state.spec.num_pipelines)} is placed on rank {state.stage_rank[sid]}",
+                    node.span,
+                    state.source,
+                )
+            key = (kind_base * len(state.stage_rank) + sid) * state.N + m
+            if state.seen[key]:
+                raise ScheduleError(
+                    f"{kind}({s}, {m}) is scheduled twice (first at {state._where(kind, sid, m)})",
+                    node.span,
+                    state.source,
+                )
+            state.seen[key] = 1
+            state.out.append((kind, sid, m))
+
+        return emit
+
+    def _where(self, kind: str, sid: int, m: int) -> str:
+        for rank, row in enumerate(self.orders):
+            for step, task in enumerate(row):
+                if task == (kind, sid, m):
+                    return f"rank {rank}, step {step}"
+        return "an earlier step"
+
+    def finish(self, node: ast.ExplicitOrder) -> None:
+        """Every task of the family must appear: report the first one missing."""
+        spec = self.spec
+        kinds = ("F",) + spec.backward_kinds
+        expected = len(kinds) * len(spec.mb_pipeline) * self.S
+        emitted = sum(len(row) for row in self.orders)
+        if emitted == expected:
+            return
+        stages_total = len(self.stage_rank)
+        for kind in kinds:
+            base = KIND_INDEX[kind] * stages_total
+            for m, p in enumerate(spec.mb_pipeline):
+                for s in range(self.S):
+                    sid = p * self.S + s
+                    if not self.seen[(base + sid) * self.N + m]:
+                        raise ScheduleError(
+                            f"{kind}({s}, {m}) is never scheduled: rank {self.stage_rank[sid]} runs stage {s}"
+                            f"{of_pipeline(p, spec.num_pipelines)} and must run it",
+                            node.span,
+                            self.source,
+                        )
+
+
+def assign_statement(slot: int, fn: Fn) -> Callable:
+    def run(env):
+        env[slot] = fn(env)
+
+    return run
+
+
+def loop_statement(
+    node: ast.For, slot: int, start: Fn, stop: Fn, step: Fn | None, body: list[Callable], source: str, budget: Budget
+) -> Callable:
+    def values(env) -> range:
+        stride = 1 if step is None else step(env)
+        if stride == 0:
+            raise EvalError("a range step cannot be 0", node.step.span, source)
+        span = range(start(env), stop(env), stride)
+        budget.left -= len(span)
+        if budget.left < 0:
+            raise EvalError(
+                f"the loops run more than {MAX_LOOP_ITERATIONS} iterations in all; is a bound wrong?", node.span, source
+            )
+        return span
+
+    if len(body) == 1:
+        (only,) = body
+
+        def run_one(env):
+            for value in values(env):
+                env[slot] = value
+                only(env)
+
+        return run_one
+
+    def run(env):
+        for value in values(env):
+            env[slot] = value
+            for stmt in body:
+                stmt(env)
+
+    return run
+
+
+def branch_statement(cond: Fn, then: list[Callable], otherwise: list[Callable]) -> Callable:
+    def run(env):
+        for stmt in then if cond(env) else otherwise:
+            stmt(env)
+
+    return run

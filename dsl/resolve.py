@@ -1,0 +1,228 @@
+"""Resolve a parsed schedule: names, types and its shape, before any parameter.
+
+Contract: ``resolve(schedule, path, source)`` returns a ``ResolvedSchedule``
+whose expressions and statements are compiled into closures
+(``pipec.dsl.evaluate``), or raises every error it found at once: unknown
+names, type mismatches, a missing ``stages``, a missing or second order,
+parameters without the ``ranks``/``microbatches`` roles, tasks of the wrong
+backward mode, keys or priorities given twice.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from pipec.dsl import ast
+from pipec.dsl.evaluate import BOOL, INT, KEY, Resolver, Scope
+from pipec.dsl.order_body import assign_statement, branch_statement, loop_statement, OrderState
+from pipec.dsl.schedule import DEFAULT_PREFER, ResolvedSchedule
+from pipec.errors import ResolveError, SourceErrors
+
+
+def resolve(schedule: ast.Schedule, path: str, source: str) -> ResolvedSchedule:
+    """Resolve names and types of one schedule.
+
+    Args:
+        schedule: the parsed schedule.
+        path, source: for messages.
+    Returns:
+        a ``ResolvedSchedule`` ready to ``evaluate``.
+    Raises:
+        SourceErrors: every resolution error found, at once.
+    """
+    resolver = Resolver(path, source)
+    out = ResolvedSchedule(schedule, path, source, resolver)
+    scope = Scope()
+    _resolve_params(out, schedule, scope)
+
+    backward_nodes = [d for d in schedule.decls if isinstance(d, ast.Backward)]
+    out.split_backward = bool(backward_nodes) and backward_nodes[-1].mode == "split"
+    orders = [d for d in schedule.decls if isinstance(d, (ast.ExplicitOrder, ast.GreedyOrder, ast.SortedOrder))]
+
+    for decl in schedule.decls:
+        _resolve_decl(out, decl, scope)
+
+    if out.stages.node is None:
+        resolver.error("a schedule needs `stages EXPR` (how many stages each pipeline has)", schedule.span)
+    if not out.places:
+        resolver.error("a schedule needs at least one `place stage s on rank EXPR`", schedule.span)
+    if not orders:
+        resolver.error(
+            "a schedule needs an order: `order rank r { ... }`, `order greedy { ... }` or `order sorted { ... }`",
+            schedule.span,
+        )
+    for extra in orders[1:]:
+        resolver.error(f"a schedule has one order; another is at line {orders[0].span.line}", extra.span)
+    for extra in backward_nodes[1:]:
+        resolver.error(f"`backward` is already declared at line {backward_nodes[0].span.line}", extra.span)
+    if resolver.errors:
+        _raise_all(resolver.errors)
+    return out
+
+
+def _resolve_params(out: ResolvedSchedule, schedule: ast.Schedule, scope: Scope) -> None:
+    resolver = out.resolver
+    for param in schedule.params:
+        default = None
+        want = BOOL if param.type == "bool" else INT
+        if param.default is not None:
+            default = resolver.expect(param.default, scope, want, f"the default of {param.name}")
+        binding = resolver.bind(scope, param.name, want, param.span)
+        out.params.append((param, binding.slot, default))
+    for role, attr in (("ranks", "ranks_param"), ("microbatches", "microbatches_param")):
+        holders = [p for p in schedule.params if p.type == role]
+        if len(holders) == 1:
+            setattr(out, attr, holders[0].name)
+        elif not holders:
+            resolver.error(f"a schedule needs one parameter of type `{role}`", schedule.span)
+        else:
+            resolver.error(f"only one parameter may have type `{role}`", holders[1].span)
+
+
+def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
+    resolver = out.resolver
+    if isinstance(decl, ast.FuncDef):
+        resolver.define_function(scope, decl)
+    elif isinstance(decl, ast.Let):
+        fn, type_ = resolver.expr(decl.value, scope)
+        if type_ == KEY:
+            resolver.error("a `let` holds an integer or a boolean, not a priority key", decl.value.span)
+        binding = resolver.bind(scope, decl.name, type_, decl.name_span)
+        out.scalar_steps.append((decl, binding.slot, fn))
+    elif isinstance(decl, ast.Require):
+        fn = resolver.expect(decl.cond, scope, BOOL, "a requirement")
+        out.scalar_steps.append((decl, None, fn))
+    elif isinstance(decl, (ast.Stages, ast.Pipelines)):
+        single = out.stages if isinstance(decl, ast.Stages) else out.pipelines
+        word = "stages" if isinstance(decl, ast.Stages) else "pipelines"
+        if single.node is not None:
+            resolver.error(f"`{word}` is already declared at line {single.node.span.line}", decl.span)
+        single.node = decl
+        single.fn = resolver.expect(decl.count, scope, INT, f"the number of {word}")
+    elif isinstance(decl, ast.Route):
+        if out.route is not None:
+            resolver.error(f"`route` is already declared at line {out.route[0].span.line}", decl.span)
+        inner = scope.child()
+        binding = resolver.bind(inner, decl.var, INT, decl.var_span)
+        out.route = (decl, binding.slot, resolver.expect(decl.pipeline, inner, INT, "a pipeline"))
+    elif isinstance(decl, ast.Place):
+        inner = scope.child()
+        s_slot = resolver.bind(inner, decl.stage_var, INT, decl.var_spans[0]).slot
+        p_slot = None
+        if decl.pipeline_var is not None:
+            p_slot = resolver.bind(inner, decl.pipeline_var, INT, decl.var_spans[1]).slot
+        rank_fn = resolver.expect(decl.rank, inner, INT, "a rank")
+        when_fn = None if decl.when is None else resolver.expect(decl.when, inner, BOOL, "a `when` condition")
+        out.places.append((decl, s_slot, p_slot, rank_fn, when_fn))
+    elif isinstance(decl, ast.DeviceMap):
+        if out.device_map is not None:
+            resolver.error(f"a device map is already declared at line {out.device_map[0].span.line}", decl.span)
+        inner = scope.child()
+        slot = resolver.bind(inner, decl.var, INT, decl.var_span).slot
+        out.device_map = (decl, slot, resolver.expect(decl.device, inner, INT, "a device"))
+    elif isinstance(decl, ast.Backward):
+        pass  # read before the walk: tasks need to know it
+    elif isinstance(decl, ast.ExplicitOrder):
+        if out.explicit is None and out.greedy is None and out.sorted is None:
+            inner = scope.child()
+            slot = resolver.bind(inner, decl.rank_var, INT, decl.rank_span).slot
+            out._state = OrderState(resolver)
+            body = _resolve_body(out, decl.body, inner)
+            out.explicit = (decl, slot, body)
+    elif isinstance(decl, ast.GreedyOrder):
+        if out.explicit is None and out.greedy is None and out.sorted is None:
+            out.greedy = decl
+            _resolve_greedy(out, decl, scope)
+    elif isinstance(decl, ast.SortedOrder):
+        if out.explicit is None and out.greedy is None and out.sorted is None:
+            out.sorted = decl
+            inner = _resolve_order_lets(out, decl.lets, scope)
+            _resolve_keys(out, decl.keys, inner, "key")
+            family = ("F", "I", "W") if out.split_backward else ("F", "B")
+            missing = [k for k in family if k not in out.priorities]
+            if missing:
+                resolver.error(f"`order sorted` needs a key for every kind of task; add `key {missing[0]}(s, m) = ...`", decl.span)
+
+
+def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope) -> list[Callable]:
+    resolver = out.resolver
+    compiled: list[Callable] = []
+    for stmt in body:
+        if isinstance(stmt, ast.Let):
+            fn, type_ = resolver.expr(stmt.value, scope)
+            slot = resolver.bind(scope, stmt.name, type_, stmt.name_span).slot
+            compiled.append(assign_statement(slot, fn))
+        elif isinstance(stmt, ast.Task):
+            _check_kind(out, stmt)
+            stage_fn = resolver.expect(stmt.stage, scope, INT, "a task's stage")
+            mb_fn = resolver.expect(stmt.mb, scope, INT, "a task's microbatch")
+            compiled.append(out._state.emitter(stmt, stage_fn, mb_fn))
+        elif isinstance(stmt, ast.For):
+            start = resolver.expect(stmt.start, scope, INT, "a range start")
+            stop = resolver.expect(stmt.stop, scope, INT, "a range end")
+            step = None if stmt.step is None else resolver.expect(stmt.step, scope, INT, "a range step")
+            inner = scope.child()
+            slot = resolver.bind(inner, stmt.var, INT, stmt.var_span).slot
+            body_fns = _resolve_body(out, stmt.body, inner)
+            compiled.append(loop_statement(stmt, slot, start, stop, step, body_fns, out.source, out.budget))
+        elif isinstance(stmt, ast.If):
+            cond = resolver.expect(stmt.cond, scope, BOOL, "an `if` condition")
+            then = _resolve_body(out, stmt.then, scope.child())
+            otherwise = _resolve_body(out, stmt.otherwise, scope.child())
+            compiled.append(branch_statement(cond, then, otherwise))
+    return compiled
+
+
+def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
+    if out.split_backward and stmt.kind == "B":
+        out.resolver.error("this schedule declares `backward split`: write I(...) then W(...) instead of B(...)", stmt.span)
+    if not out.split_backward and stmt.kind in ("I", "W"):
+        out.resolver.error(f"{stmt.kind}(...) needs `backward split` in the schedule (the default is `backward full`, task B)", stmt.span)
+
+
+def _resolve_order_lets(out: ResolvedSchedule, lets: tuple, scope: Scope) -> Scope:
+    inner = scope.child()
+    for let in lets:
+        fn, type_ = out.resolver.expr(let.value, inner)
+        out.order_lets.append((out.resolver.bind(inner, let.name, type_, let.name_span).slot, fn))
+    return inner
+
+
+def _resolve_keys(out: ResolvedSchedule, nodes: tuple, scope: Scope, word: str) -> None:
+    """``priority``/``key`` KIND(s, m) = KEY, at most one per kind."""
+    resolver = out.resolver
+    for node in nodes:
+        if node.kind in out.priorities:
+            resolver.error(f"the {word} of {node.kind} is already given", node.span)
+        if node.kind not in (("F", "I", "W") if out.split_backward else ("F", "B")):
+            resolver.error(f"this schedule has no {node.kind} tasks (backward {'split' if out.split_backward else 'full'})", node.span)
+        key_scope = scope.child()
+        s_slot = resolver.bind(key_scope, node.stage_var, INT, node.var_spans[0]).slot
+        m_slot = resolver.bind(key_scope, node.mb_var, INT, node.var_spans[1]).slot
+        out.priorities[node.kind] = (s_slot, m_slot, resolver.expect(node.key, key_scope, KEY, f"a {word}"))
+
+
+def _resolve_greedy(out: ResolvedSchedule, decl: ast.GreedyOrder, scope: Scope) -> None:
+    resolver = out.resolver
+    inner = _resolve_order_lets(out, decl.lets, scope)
+    for node in decl.rules:
+        if node.what in out.rank_rules:
+            first = out.rank_rules[node.what][0]
+            resolver.error(f"`{node.what}` is already given at line {first.span.line}", node.span)
+            continue
+        rule_scope = inner.child()
+        slot = resolver.bind(rule_scope, node.rank_var, INT, node.rank_span).slot
+        out.rank_rules[node.what] = (node, slot, resolver.expect(node.value, rule_scope, INT, f"a {node.what} count"))
+    _resolve_keys(out, decl.priorities, inner, "priority")
+    for extra in decl.prefer[1:]:
+        resolver.error(f"`prefer` is already given at line {decl.prefer[0].span.line}", extra.span)
+    if decl.prefer:
+        kinds = decl.prefer[0].kinds
+        if len(set(kinds)) != len(kinds):
+            resolver.error("`prefer` lists a kind twice", decl.prefer[0].span)
+        out.prefer = tuple(kinds) + tuple(k for k in DEFAULT_PREFER if k not in kinds)
+
+
+def _raise_all(errors: list[ResolveError]):
+    if len(errors) == 1:
+        raise errors[0]
+    raise SourceErrors(errors)
