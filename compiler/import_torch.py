@@ -96,7 +96,7 @@ def read_torch_csv(text: str, source: str = "<csv>") -> tuple[Program, bool]:
         for rank, row in enumerate(grid):
             reader.read_row(rank, row)
         ranks, home, num_microbatches, had_comms = reader.finish()
-    stages, pipelines, mb_pipeline = single_pipeline(len(grid), home, num_microbatches)
+    stages, pipelines, mb_pipeline = single_pipeline(home, num_microbatches)
     program = Program(
         name=_name_of(source),
         num_ranks=len(grid),

@@ -212,11 +212,10 @@ def tensor_of(action: Action, program: Program) -> tuple[str, int, int]:
     raise ValueError(f"{action.text()} carries no tensor")
 
 
-def single_pipeline(num_ranks: int, stage_ranks: list[int], num_microbatches: int) -> tuple[list[StageInfo], list[list[int]], list[int]]:
+def single_pipeline(stage_ranks: list[int], num_microbatches: int) -> tuple[list[StageInfo], list[list[int]], list[int]]:
     """Stages, pipelines and microbatch routing for one straight pipeline.
 
     Args:
-        num_ranks: unused except for validation by callers; kept for symmetry.
         stage_ranks: the home rank of stage s, for s = 0..S-1.
         num_microbatches: N.
     Returns:

@@ -67,11 +67,10 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
     ready = [{k: [] for k in kinds} for _ in range(P)]  # per rank, per kind: heap of (key, ready at, mb, sid)
     pending = [[] for _ in range(P)]  # per rank: heap of (ready time, kind, sid, mb)
     left = [{k: 0 for k in kinds} for _ in range(P)]  # tasks of each kind not yet started
+    riders = [spec.mb_pipeline.count(p) for p in range(spec.num_pipelines)]
     for sid, rank in enumerate(stage_rank):
-        if sid // S < spec.num_pipelines:
-            count = spec.mb_pipeline.count(sid // S)
-            for k in kinds:
-                left[rank][k] += count
+        for k in kinds:
+            left[rank][k] += riders[sid // S]
     priority = policy.priority
     limit = policy.inflight
     warmup = policy.warmup

@@ -216,11 +216,10 @@ def format_grid(
         if abs(s - focus_step) <= 3 * (before + after):
             lo = min(lo, max(s - 1, 0))
             hi = max(hi, s + 2)
-    ranks_to_show = sorted({r for r, _ in marks} | set(range(len(grid))))
-    if len(ranks_to_show) > max_ranks:
-        keep = {r for r, _ in marks}
-        near = [r for r in range(len(grid)) if abs(r - focus_rank) <= 2]
-        ranks_to_show = sorted(keep | set(near))
+    ranks_to_show = list(range(len(grid)))
+    if len(ranks_to_show) > max_ranks:  # many ranks: the marked ones and the focus's neighbours
+        near = {r for r in ranks_to_show if abs(r - focus_rank) <= 2}
+        ranks_to_show = sorted(near | {r for r, _ in marks})
     def cell(r: int, s: int) -> str:
         row = grid[r]
         if s >= len(row):

@@ -11,7 +11,7 @@ from pipec.compiler.ir import Action, Program, single_pipeline
 
 def compute_program(name: str, stage_ranks: list[int], num_microbatches: int, orders: list[list[tuple[str, int, int]]]) -> Program:
     """A compute-only single-pipeline Program from per-rank (op, stage, mb) lists."""
-    stages, pipelines, mb_pipeline = single_pipeline(len(orders), stage_ranks, num_microbatches)
+    stages, pipelines, mb_pipeline = single_pipeline(stage_ranks, num_microbatches)
     ranks = [[Action(s, op, m) for op, s, m in row] for row in orders]
     return Program(name, len(orders), num_microbatches, stages, pipelines, mb_pipeline, ranks)
 
