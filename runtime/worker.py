@@ -13,13 +13,15 @@ its microbatch losses). ``--save`` gathers the chunks' parameters to rank 0
 A fault (a wait past ``--timeout``, a peer that died) prints
 ``rank R, step S (INSTR): waited T s for rank Q ...`` to stderr and ends the
 process at once with status 1: ``os._exit``, because tearing down a process
-group whose peer is gone can itself hang.
+group whose peer is gone can itself hang. A run that succeeds also ends with
+``os._exit`` (see ``__main__``), once the group is left and the output flushed.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import gc
 import os
 import signal
 import socket
@@ -78,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     with fatal_errors(rank):
         device = join_group(args.backend, rank, world, local_rank, args.timeout)
         train(args, plan, rank, world, device)
+        # The run's cyclic garbage (autograd graphs, communication works that
+        # hold the group) is freed now, while the group and the interpreter are
+        # alive, not by whatever collection happens to come later.
+        gc.collect()
         leave_group()
     return 0
 
