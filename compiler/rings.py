@@ -62,7 +62,9 @@ are K arc-disjoint Hamiltonian paths covering K*_K, and a ring entering at
 device x leaves at omega_a(x) (the node's start -> end map). The rings close
 iff omega_{M-1} o ... o omega_0 is the identity. Nodes alternate a path
 decomposition and its reverse (omega, omega^-1); an odd M first uses three
-nodes whose maps compose to the identity (see ``_closing_triple``).
+nodes whose maps compose to the identity (see ``_closing_triple``). An odd M
+needs an even map; for K % 4 == 2 the closed forms give odd ones, so tabled
+decompositions (K = 6 .. 42, every shape of up to 128 devices) are used.
 """
 from __future__ import annotations
 
@@ -470,7 +472,7 @@ def rail_rings(nodes: int, per_node: int) -> RingSet:
     Returns:
         A ``RingSet`` of K rings, verified by ``verify_rail_rings``. Raises
         ``UsageError`` with the reason when the shape admits no such rings
-        (or, for odd M with K % 4 == 2, K >= 6, when no construction is known here).
+        (or, for odd M with K % 4 == 2 beyond the tables below, when no construction is known here).
     """
     M, K = nodes, per_node
     if not isinstance(M, int) or not isinstance(K, int) or M < 1 or K < 1:
@@ -480,7 +482,8 @@ def rail_rings(nodes: int, per_node: int) -> RingSet:
     for refuses, reason in _RAIL_REFUSALS:
         if refuses(M, K):
             raise UsageError(f"{M} node{'s' * (M != 1)} x {K} device{'s' * (K != 1)}: {reason(M, K)}")
-    paths = path_decomposition(K)
+    tabled = M % 2 == 1 and K % 4 == 2
+    paths = _odd_cycle_path_decomposition(K) if tabled else path_decomposition(K)
     omega = _start_to_end(paths)
     node_paths = _node_paths(M, paths, omega)
     rings = []
@@ -496,7 +499,8 @@ def rail_rings(nodes: int, per_node: int) -> RingSet:
     verify_rail_rings(M, K, rings)
     links = M * K * (K - 1) + M * (M - 1) * K
     how = "one ring over the rails" if K == 1 else (
-        f"every node a Hamiltonian path decomposition of K*_{K}, consecutive nodes' start -> end maps cancelling"
+        f"every node a Hamiltonian path decomposition of K*_{K}{' (tabled, its map has only odd cycles)' * tabled}, "
+        f"consecutive nodes' start -> end maps cancelling"
     )
     return RingSet(M * K, tuple(rings), links, how)
 
@@ -535,15 +539,74 @@ _RAIL_REFUSALS: tuple[tuple[Callable[[int, int], bool], Callable[[int, int], str
         ),
     ),
     (
-        lambda M, K: M % 2 == 1 and K % 4 == 2 and K >= 6,
+        lambda M, K: M % 2 == 1 and K % 4 == 2 and K > _LARGEST_TABLED,
         lambda M, K: (
-            f"no construction is implemented for an odd number of nodes ({M}) with K % 4 == 2 (K = {K}): the "
-            f"nodes' start -> end maps must compose to the identity, and the path decompositions of K*_{K} built "
-            f"here all have fixed-point-free involutions, odd permutations, as maps; such rings may exist "
-            f"(an even number of nodes always works)"
+            f"no construction is implemented for an odd number of nodes ({M}) with K % 4 == 2 and K > "
+            f"{_LARGEST_TABLED} (K = {K}): the nodes' start -> end maps must compose to the identity, which needs a "
+            f"path decomposition of K*_{K} with an even map; the closed forms here all map by a fixed-point-free "
+            f"involution of K/2 (odd) transpositions, and the tabled ones stop at K = {_LARGEST_TABLED}; such rings "
+            f"may exist (an even number of nodes always works)"
         ),
     ),
 )
+
+
+# --------------------------------------- odd node counts with K % 4 == 2: tables
+
+# For an odd number of nodes the K start -> end maps must compose to the
+# identity, so some map must be even. The closed-form paths of ``path_decomposition``
+# map by translation by K/2, and for K % 4 == 2 that is K/2 transpositions, an
+# odd permutation. These tables give path decompositions whose map has only odd
+# cycles (what ``_closing_triple`` needs); they were found once, offline, by a
+# depth-first search over the constraints stated below, and every ring built
+# from them goes through ``verify_rail_rings`` like any other.
+
+# K = 6: six paths found whole; their map 0 -> 4 -> 3 -> 0, 1 -> 2 -> 5 -> 1 is two 3-cycles.
+_ODD_CYCLE_PATHS_6: tuple[Ring, ...] = (
+    (0, 3, 1, 2, 5, 4), (1, 4, 3, 0, 5, 2), (2, 4, 0, 1, 3, 5),
+    (3, 4, 2, 1, 5, 0), (4, 5, 1, 0, 2, 3), (5, 3, 2, 0, 4, 1),
+)
+
+# K = 2m, m odd >= 5: two base paths P and Q over two columns of Z_m (device
+# c*m + x is x in column c). An arc (x, c) -> (y, d) has the class (c, d, y - x);
+# P and Q together hold each of the 2K - 2 classes once, so their m translates
+# each (x -> x + i inside a column) cover every arc of K*_K once. P starts and
+# ends in column 0 and Q in column 1, so the map translates each column, and
+# on Z_m with m odd a translation has only odd cycles.
+_TWO_COLUMN_BASE_PATHS: dict[int, tuple[Ring, Ring]] = {
+    10: ((0, 8, 7, 2, 3, 1, 6, 9, 5, 4),
+         (5, 1, 3, 7, 9, 2, 8, 0, 4, 6)),
+    14: ((0, 2, 3, 12, 1, 7, 13, 8, 6, 11, 9, 10, 5, 4),
+         (7, 4, 8, 11, 3, 0, 5, 1, 9, 2, 12, 6, 13, 10)),
+    18: ((0, 3, 5, 2, 16, 9, 13, 7, 8, 12, 1, 6, 17, 15, 14, 10, 11, 4),
+         (9, 5, 12, 4, 3, 13, 10, 0, 17, 11, 8, 6, 15, 1, 16, 7, 2, 14)),
+    22: ((0, 11, 15, 12, 1, 14, 13, 10, 3, 6, 5, 7, 19, 4, 9, 16, 21, 17, 18, 20, 2, 8),
+         (11, 5, 21, 0, 7, 17, 4, 2, 3, 20, 1, 9, 12, 18, 6, 15, 13, 8, 16, 19, 10, 14)),
+    26: ((0, 15, 18, 19, 3, 17, 25, 6, 10, 22, 24, 23, 12, 2, 1, 7, 5, 14, 4, 9, 20, 13, 11, 16, 21, 8),
+         (13, 9, 19, 12, 15, 10, 7, 1, 20, 14, 5, 6, 8, 16, 4, 0, 17, 3, 11, 24, 21, 25, 23, 2, 22, 18)),
+    30: ((0, 27, 3, 28, 22, 2, 4, 23, 29, 11, 14, 19, 20, 18, 21, 25, 17, 6, 7, 5, 12, 8, 26, 10, 1, 16, 15, 13, 24, 9),
+         (15, 3, 17, 7, 6, 0, 5, 29, 26, 13, 2, 18, 12, 19, 24, 10, 23, 25, 20, 16, 9, 4, 27, 8, 1, 22, 14, 11, 28, 21)),
+    34: ((0, 8, 28, 2, 17, 20, 6, 13, 18, 3, 21, 30, 10, 12, 15, 27, 22, 32, 19, 33, 29, 5, 31, 9, 23, 7, 11, 4, 16, 24, 14, 25, 26, 1),
+         (17, 0, 5, 32, 23, 11, 28, 22, 24, 6, 25, 4, 10, 8, 21, 27, 14, 20, 19, 13, 7, 3, 12, 9, 30, 18, 16, 15, 31, 29, 1, 2, 26, 33)),
+    38: ((0, 35, 33, 19, 25, 24, 21, 22, 6, 29, 12, 30, 37, 3, 17, 16, 10, 23, 5, 9, 7, 8, 32, 34, 2, 14, 20, 11, 28, 1, 31, 27, 15, 36, 26, 4, 13, 18),
+         (19, 18, 2, 4, 32, 3, 30, 24, 17, 13, 10, 25, 28, 23, 35, 27, 16, 26, 7, 14, 5, 36, 15, 34, 11, 37, 12, 1, 21, 29, 33, 9, 31, 22, 8, 0, 6, 20)),
+    42: ((0, 29, 11, 18, 41, 10, 1, 36, 28, 30, 8, 35, 6, 37, 14, 31, 17, 38, 22, 15, 24, 39, 13, 12, 32, 40, 25, 16, 27, 7, 33, 23, 4, 19, 20, 3, 9, 34, 2, 26, 21, 5),
+         (21, 9, 11, 6, 40, 26, 2, 24, 38, 29, 12, 8, 18, 34, 19, 16, 4, 7, 0, 5, 13, 41, 23, 17, 15, 27, 28, 3, 22, 1, 14, 32, 36, 33, 20, 10, 25, 35, 31, 30, 39, 37)),
+}
+
+_LARGEST_TABLED = max(_TWO_COLUMN_BASE_PATHS)
+
+
+def _odd_cycle_path_decomposition(k: int) -> tuple[Ring, ...]:
+    """K*_k (k % 4 == 2, 6 <= k <= _LARGEST_TABLED) as k Hamiltonian paths whose start -> end map has only odd cycles."""
+    if k == 6:
+        return _ODD_CYCLE_PATHS_6
+    m = k // 2
+    return tuple(
+        tuple(v - v % m + (v % m + i) % m for v in base)
+        for base in _TWO_COLUMN_BASE_PATHS[k]
+        for i in range(m)
+    )
 
 
 def _node_paths(M: int, paths: Sequence[Ring], omega: list[int]) -> list[dict[int, Ring]]:

@@ -188,9 +188,38 @@ def test_rail_rings_use_every_intra_node_arc_once_and_each_device_exits_once(sha
     assert rings.links == M * K * (K - 1) + M * (M - 1) * K
 
 
-def test_odd_node_count_with_k_2_mod_4_is_refused_as_not_implemented_not_impossible():
-    with pytest.raises(UsageError, match="no construction is implemented.*may exist"):
-        R.rail_rings(3, 6)
+@pytest.mark.parametrize("K", range(6, 43, 4))
+def test_odd_node_counts_with_k_2_mod_4_use_a_tabled_decomposition_with_an_even_map(K):
+    # The closed-form paths map by K/2 transpositions (odd for K % 4 == 2), and an odd
+    # number of odd maps cannot compose to the identity: check that, then the tables.
+    assert sum(length - 1 for length in cycle_lengths(R._start_to_end(R.path_decomposition(K)))) % 2 == 1
+    paths = R._odd_cycle_path_decomposition(K)
+    assert len(paths) == K and all(sorted(p) == list(range(K)) for p in paths)
+    arcs = [arc for p in paths for arc in zip(p, p[1:])]
+    assert len(arcs) == len(set(arcs)) == K * (K - 1)
+    assert sorted(p[0] for p in paths) == list(range(K))
+    assert all(length % 2 == 1 for length in cycle_lengths(R._start_to_end(paths)))
+    for M in (3, 5):
+        if M * K <= 128:
+            assert rail_report(M, K, R.rail_rings(M, K).cycles) == []
+
+
+def cycle_lengths(perm):
+    seen, lengths = set(), []
+    for start in range(len(perm)):
+        length, v = 0, start
+        while v not in seen:
+            seen.add(v)
+            v, length = perm[v], length + 1
+        if length:
+            lengths.append(length)
+    return lengths
+
+
+def test_odd_node_count_beyond_the_tables_is_refused_as_not_implemented_not_impossible():
+    with pytest.raises(UsageError, match="no construction is implemented.*K > 42.*may exist"):
+        R.rail_rings(3, 46)
+    assert R.rail_rings(4, 46).n == 184  # an even number of nodes always works
 
 
 def test_rail_checker_rejects_broken_rings():
