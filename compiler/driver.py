@@ -79,6 +79,17 @@ def load_target(target: str) -> tuple[str, str, str | None]:
     return _display_path(path), source, name
 
 
+def lasting_target(target: str) -> str:
+    """``target`` as it still names the same schedule from another folder: a
+    file's path made absolute (``:NAME`` kept); a shipped name as it is."""
+    if os.path.exists(target):
+        return os.path.abspath(target)
+    path, sep, name = target.rpartition(":")
+    if sep and os.path.exists(path):
+        return f"{os.path.abspath(path)}:{name}"
+    return target
+
+
 def _display_path(path: str) -> str:
     relative = os.path.relpath(path)
     return relative if not relative.startswith("..") else path

@@ -298,7 +298,7 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
             losses.append(total.item())
             print(f"step {iteration} loss {losses[-1]:.6f}", flush=True)
     if args.trace:
-        _write_trace(args.trace, context, recorded, t0, world)
+        _write_trace(args, context, recorded, t0, world)
     if args.save:
         _save(args.save, stages, rank, world)
     return losses
@@ -313,15 +313,22 @@ def _gather(obj, rank: int, world: int):
     return out
 
 
-def _write_trace(path: str, context, recorded, t0: float, world: int) -> None:
+def _write_trace(args, context, recorded, t0: float, world: int) -> None:
+    """Gather every rank's events to rank 0 and write them, with what ran: the
+    target and cost file (so that ``pipec render --trace`` compiles the same
+    program again), the schedule's name and parameters."""
+    from pipec.compiler.driver import lasting_target
     from pipec.runtime.trace import chrome_events, write_chrome_trace
 
     events = chrome_events(context.rank, context.row, recorded, t0)
     gathered = _gather(events, context.rank, world)
     if context.rank == 0:
         program = context.program
-        write_chrome_trace(path, gathered, {"schedule": program.name, "params": dict(program.params)})
-        print(f"trace: {path}", flush=True)
+        metadata = {"schedule": program.name, "params": dict(program.params), "target": lasting_target(args.target)}
+        if args.costs:
+            metadata["costs"] = os.path.abspath(args.costs)
+        write_chrome_trace(args.trace, gathered, metadata)
+        print(f"trace: {args.trace}", flush=True)
 
 
 def _save(path: str, stages, rank: int, world: int) -> None:

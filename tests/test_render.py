@@ -237,7 +237,7 @@ def test_json_is_a_chrome_trace_of_the_simulation_that_reads_back_the_same(tmp_p
 # ------------------------------------------------------------- measured traces
 
 
-def fake_run_trace(program: Program, result, path: Path, steps: int = 2) -> list[list[tuple]]:
+def fake_run_trace(program: Program, result, path: Path, steps: int = 2, **ran) -> list[list[tuple]]:
     """Write a trace as ``pipec run --trace`` does (runtime.trace), where step k runs the prediction
     stretched k-fold (1 unit = 2k ms), offset by k s, and each compute waited 0.5 ms first.
 
@@ -253,7 +253,7 @@ def fake_run_trace(program: Program, result, path: Path, steps: int = 2) -> list
                             for index, slot in zip(indices, lane)])
         per_rank.append(chrome_events(rank, program.ranks[rank], records, t0=0.0))
         expected.append([(slot.action, slot.start * 2 * steps, slot.end * 2 * steps) for slot in lane])
-    write_chrome_trace(str(path), per_rank, {"schedule": program.name, "params": dict(program.params)})
+    write_chrome_trace(str(path), per_rank, {"schedule": program.name, "params": dict(program.params), **ran})
     return expected
 
 
@@ -404,6 +404,30 @@ def test_render_trace_finds_the_schedule_the_trace_names(capsys, tmp_path):
     status, _, err = run_cli(capsys, "render", "1f1b", "--trace", str(tmp_path / "run.json"), "-o",
                              str(tmp_path / "cmp.html"))  # defaults P=4, N=8: not the program that ran
     assert status == 1 and "does not match the program" in err
+
+
+def test_render_trace_compiles_the_file_and_costs_the_run_recorded_from_any_folder(capsys, tmp_path, monkeypatch):
+    source = tmp_path / "mine.pipe"
+    shipped = Path(__file__).resolve().parents[1] / "schedules" / "gpipe.pipe"
+    source.write_text(shipped.read_text().replace("schedule gpipe(", "schedule my_gpipe("))
+    costs = tmp_path / "slow_backward.json"
+    costs.write_text(json.dumps({"compute": {"B": 3}}))
+    program = compile_target(str(source), {"P": "2", "N": "3"}).program
+    result = simulate(program, costs_from_json({"compute": {"B": 3}}))
+    fake_run_trace(program, result, tmp_path / "run.json", target=str(source), costs=str(costs))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    status, _, err = run_cli(capsys, "render", "--trace", str(tmp_path / "run.json"), "-o", "cmp.svg")
+    assert (status, err) == (0, "")
+    [(_, measured, _), (_, predicted, _)] = svg_panels((elsewhere / "cmp.svg").read_text())
+    # the prediction priced with the run's costs: gpipe P=2 N=3, F=1, B=3 -> makespan (N + P - 1) * 4 = 16
+    assert max(box[4] for lane in predicted for box in lane) == pytest.approx(16)
+    assert len(measured) == 2
+    # a recorded file that is gone is named, not guessed
+    source.unlink()
+    status, _, err = run_cli(capsys, "render", "--trace", str(tmp_path / "run.json"), "-o", "cmp.svg")
+    assert status == 1 and f"ran '{source}', which cannot be read now" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -211,6 +211,7 @@ def test_pipec_run_trains_exactly_and_torchrun_runs_the_same(tmp_path):
 
     # one trace, every rank, every instruction of every step
     trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["otherData"]["target"] == "1f1b"  # what `pipec render --trace` compiles again
     spans = [event for event in trace["traceEvents"] if event["ph"] == "X"]
     for rank in (0, 1):
         names = [event["name"] for event in spans if event["pid"] == rank]

@@ -10,7 +10,8 @@
 
 TARGET is a ``.pipe`` file, a shipped schedule, or a program ``.json`` from
 ``pipec compile`` (edited or not). With ``--trace`` it may be left out: the
-trace names its schedule and parameters.
+trace records what ran (the target, a file's path made absolute, its
+parameters and its cost file, which is also the default ``--costs``).
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def run(args) -> int:
     if args.step is not None and trace is None:
         raise UsageError("--step picks a step of --trace; give --trace RUN.json")
     target, defines = _target_and_defines(args, trace)
+    if trace is not None and args.costs is None:
+        args.costs = _recorded(trace, "costs")  # the run's own costs, when its order depended on them
     costs = load_costs(args)
     if form in GRAPH_FORMS:
         program, cycle = _program_for_graph(target, defines, costs, args.budget)
@@ -85,14 +88,29 @@ def _target_and_defines(args, trace) -> tuple[str, dict[str, str]]:
         return args.target, defines
     if trace is None:
         raise UsageError("render needs TARGET (a .pipe file, a shipped schedule or a program .json)")
-    other = trace.get("otherData") if isinstance(trace, dict) else None
-    name = other.get("schedule") if isinstance(other, dict) else None
-    if not isinstance(name, str):
+    name = _recorded(trace, "schedule")
+    if name is None:
         raise UsageError(f"'{args.trace}' does not name its schedule; give TARGET")
-    params = other.get("params") if isinstance(other.get("params"), dict) else {}
+    params = _recorded(trace, "params", dict) or {}
     merged = {str(key): str(value) for key, value in params.items()}
     merged.update(defines)
-    return _shipped_target_named(name, args.trace), merged
+    ran = _recorded(trace, "target")  # written since traces record it; older ones name the schedule only
+    if ran is None:
+        return _shipped_target_named(name, args.trace), merged
+    from pipec.compiler.driver import load_target
+
+    try:
+        load_target(ran)
+    except UsageError as error:
+        raise UsageError(f"'{args.trace}' ran '{ran}', which cannot be read now ({error}); give TARGET") from None
+    return ran, merged
+
+
+def _recorded(trace, key: str, kind: type = str):
+    """The trace's ``otherData[key]`` when it is a ``kind``, else None."""
+    other = trace.get("otherData") if isinstance(trace, dict) else None
+    value = other.get(key) if isinstance(other, dict) else None
+    return value if isinstance(value, kind) else None
 
 
 def _shipped_target_named(name: str, trace_path: str) -> str:
