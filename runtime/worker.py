@@ -29,15 +29,22 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from pipec.errors import PipecError, RuntimeFault, UsageError
 
 DEFAULT_STEPS = 5
 DEFAULT_SEED = 0
 DEFAULT_TIMEOUT_S = 60.0
-# Test-only faults planted with --inject KIND:RANK:INDEX.
+# How long joining the group may take. Workers start at different moments
+# (importing torch, compiling the schedule, on other nodes), which has nothing
+# to do with --timeout, the deadline of a training step's waits: the group's own
+# timeout is this, or --timeout when that is longer.
+JOIN_ALLOWANCE_S = 300.0
+# Test-only faults planted with --inject KIND:RANK:INDEX: hang, kill or exit at
+# instruction INDEX of RANK, or start RANK late by INDEX seconds.
 _INJECT_OPS = {"hang": "INJECT_HANG", "kill": "INJECT_KILL", "exit": "INJECT_EXIT"}
+_LATE = "late"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(error.render() + "\n")
         return 1
     signal.signal(signal.SIGTERM, lambda *_: _die(f"rank {rank}: stopped by the launcher (another worker failed)"))
+    if plan.inject and plan.inject.kind == _LATE and plan.inject.rank == rank:
+        time.sleep(plan.inject.index)
     with fatal_errors(rank):
         device = join_group(args.backend, rank, world, local_rank, args.timeout)
         train(args, plan, rank, world, device)
@@ -152,6 +161,7 @@ class Plan:
     spec: object
     config: object
     activation_shape: tuple[int, ...]
+    inject: Injection | None = None
 
 
 def make_plan(args, world: int) -> Plan:
@@ -182,7 +192,8 @@ def make_plan(args, world: int) -> Plan:
             chunk_layers(config, 0, program.num_chunks)
         except UsageError as error:
             raise UsageError(f"{error} (--config layers=N sets the model's layer count)") from None
-    return Plan(program, spec, config, _activation_shape(spec, config))
+    inject = parse_injection(args.inject) if args.inject else None
+    return Plan(program, spec, config, _activation_shape(spec, config), inject)
 
 
 def override_config(config, items: list[str]):
@@ -237,10 +248,11 @@ def join_group(backend: str, rank: int, world: int, local_rank: int, timeout: fl
     import torch.distributed as dist
 
     device = _device(backend, local_rank)
-    # The group's own timeout covers the collectives outside the instruction
-    # list (barrier, loss, gathers); NCCL's watchdog gets a margin so that the
-    # interpreter's deadline speaks first.
-    group_timeout = timedelta(seconds=timeout + (30 if backend == "nccl" else 0))
+    # The group's own timeout bounds joining and the collectives that have no
+    # deadline of their own (the barriers, the closing gathers); the waits of a
+    # step, the loss reduce included, have --timeout. NCCL's watchdog gets a
+    # margin so that those deadlines speak first.
+    group_timeout = timedelta(seconds=max(timeout, JOIN_ALLOWANCE_S) + (30 if backend == "nccl" else 0))
     extra = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=group_timeout, **extra)
     return device
@@ -265,6 +277,7 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     import torch
     import torch.distributed as dist
 
+    from pipec.runtime import comm
     from pipec.runtime.interpreter import make_context, run_step, stage_modules
     from pipec.runtime.model import split_microbatches
 
@@ -277,8 +290,8 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
         loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, activation_shape=plan.activation_shape,
         device=device, backend=args.backend, timeout=args.timeout, synchronize=synchronize,
     )
-    if args.inject:
-        _inject(context, args.inject)
+    if plan.inject and plan.inject.kind != _LATE:
+        _inject(context, plan.inject)
     num_mb = program.num_microbatches
     dist.barrier()
     t0 = time.perf_counter()
@@ -293,7 +306,11 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
         if args.trace:
             recorded.append(events)
         total = (loss.detach().reshape(1).float() if loss is not None else torch.zeros(1, device=device))
-        dist.reduce(total, dst=0, op=dist.ReduceOp.SUM)
+        # waited like an instruction: a peer that hangs after its last one ends the run at --timeout
+        reduced = dist.reduce(total, dst=0, op=dist.ReduceOp.SUM, async_op=True)
+        others = tuple(r for r in range(world) if r != rank) if rank == 0 else (0,)
+        site = comm.Site(rank, len(context.row), "the step's loss reduce", others, iteration)
+        comm.settle([reduced], args.timeout, site)
         if rank == 0:
             losses.append(total.item())
             print(f"step {iteration} loss {losses[-1]:.6f}", flush=True)
@@ -349,18 +366,34 @@ def _save(path: str, stages, rank: int, world: int) -> None:
         print(f"saved: {path}", flush=True)
 
 
-def _inject(context, text: str) -> None:
-    """Plant a fault for tests: ``hang``, ``kill`` (SIGKILL itself) or ``exit`` at instruction INDEX of RANK."""
-    from pipec.compiler.ir import Action
+class Injection(NamedTuple):
+    """A test-only fault (``--inject KIND:RANK:INDEX``)."""
 
+    kind: str
+    rank: int
+    index: int
+
+
+def parse_injection(text: str) -> Injection:
+    kinds = (*_INJECT_OPS, _LATE)
     try:
         kind, rank_text, index_text = text.split(":")
-        op, rank, index = _INJECT_OPS[kind], int(rank_text), int(index_text)
-    except (ValueError, KeyError):
-        raise UsageError(f"--inject expects KIND:RANK:INDEX with KIND one of {', '.join(_INJECT_OPS)}; got {text!r}") from None
-    if rank != context.rank:
+        injection = Injection(kind, int(rank_text), int(index_text))
+    except ValueError:
+        injection = None
+    if injection is None or injection.kind not in kinds:
+        raise UsageError(f"--inject expects KIND:RANK:INDEX with KIND one of {', '.join(kinds)}; got {text!r}")
+    return injection
+
+
+def _inject(context, injection: Injection) -> None:
+    """Plant ``hang``, ``kill`` (SIGKILL itself) or ``exit`` at instruction INDEX of RANK."""
+    from pipec.compiler.ir import Action
+
+    if injection.rank != context.rank:
         return
-    context.row.insert(min(index, len(context.row)), Action(-1, op))
+    op = _INJECT_OPS[injection.kind]
+    context.row.insert(min(injection.index, len(context.row)), Action(-1, op))
     context.handlers[op] = _INJECTED[op]
 
 

@@ -2,7 +2,8 @@
 
 A fault is planted with the worker's test-only ``--inject KIND:RANK:INDEX``
 (runtime.worker): ``kill`` makes rank RANK SIGKILL itself before instruction
-INDEX of its list, ``hang`` makes it sleep forever there. Either way the run
+INDEX of its list, ``hang`` makes it sleep forever there (``late`` starts it
+INDEX seconds late, which is not a fault). Either way the run
 must end with exit status 1 and a one-line message naming the rank that
 waited, the instruction index and text, and the rank it waited for; no
 Python traceback; and no process of the run left alive.
@@ -59,3 +60,23 @@ def test_a_hung_worker_ends_the_run_at_the_timeout_with_the_waiters_message():
     # the hung rank did not end by itself: the launcher stopped it once rank 0 failed
     # the hung rank is stopped by the launcher and says so
     assert re.search(r"^\s*rank 1: stopped by the launcher", done.stderr, re.M), done.describe()
+
+
+def test_a_worker_hung_after_its_last_instruction_ends_the_run_at_the_loss_reduce():
+    timeout = 1.5
+    # rank 1 hangs after its whole list: rank 0 finishes the step (9 instructions, indices 0-8)
+    # and waits in the loss reduce, "step 9" of its list
+    done = run_pipec("run", *GPIPE_2, "--timeout", str(timeout), "--inject", "hang:1:99", deadline_s=DEADLINE_S)
+    assert done.status == 1, done.describe()
+    match = re.search(r"^rank 0, step 9 \(the step's loss reduce\): waited (\d+\.\d) s for rank 1: "
+                      r"no answer within the timeout.*training step 1$", done.stderr, re.M)
+    assert match, done.describe()
+    assert timeout <= float(match.group(1)) < timeout + 1.0, done.describe()
+    assert "Traceback" not in done.stderr and not done.survivors, done.describe()
+
+
+def test_a_worker_that_starts_later_than_the_timeout_is_waited_for():
+    # --timeout is the deadline of a step's waits; joining the group has its own allowance
+    done = run_pipec("run", *GPIPE_2, "--timeout", "1", "--inject", "late:1:4", deadline_s=DEADLINE_S)
+    assert done.status == 0, done.describe()
+    assert len(re.findall(r"^step \d loss", done.stdout, re.M)) == 2, done.describe()
