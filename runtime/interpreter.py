@@ -18,9 +18,10 @@ Autograd. Each stage is its own graph: a stage's input is a leaf (the received
 or handed-off tensor, detached), so B or I yields the gradient to send back as
 that leaf's gradient. The last stage of a pipeline turns logits into
 ``loss_fn / N`` right after its forward, so microbatch gradients sum to the
-one-process gradient of the mean loss. I computes the input gradient with
-``retain_graph`` and keeps the output gradient; W later runs the backward again
-for the stage's parameters only. Weight gradients accumulate into ``.grad``,
+one-process gradient of the mean loss. I computes the input gradient and
+records the gradients where the paths to the parameters branch off; W later
+computes the parameters' gradients from those alone (``split_backward``), so
+I + W does the work of one B. Weight gradients accumulate into ``.grad``,
 which for every parameter is a view into its chunk's flat buffer, so a
 replicated chunk's all-reduce is one call on one tensor, and zeroing is one fill.
 """
@@ -51,7 +52,7 @@ from pipec.compiler.ir import (
     Program,
 )
 from pipec.errors import ProgramError, RuntimeFault
-from pipec.runtime import comm
+from pipec.runtime import comm, split_backward
 
 # Kinds of a hand-off tensor: the low bit of its key.
 ACT, GRAD = 0, 1
@@ -243,7 +244,7 @@ class _Step:
         saved: stage * N + mb -> (input leaf or None, output or scaled loss).
         produced: tensor key -> tensor made here, not yet consumed or sent.
         pending: tensor key -> (buffer, works, index of its RECV, peer).
-        output_grads: stage * N + mb -> the output gradient I used, for W.
+        weight_grads: stage * N + mb -> what its I left for its W (``split_backward``).
         sends: (works, tensor, index of its SEND, peer): waited when the step ends.
         reduces: chunk -> (works, index of its ALLREDUCE_GRAD).
         streamed: (works, site) of every wait that only ordered the stream
@@ -259,7 +260,7 @@ class _Step:
     saved: dict = field(default_factory=dict)
     produced: dict = field(default_factory=dict)
     pending: dict = field(default_factory=dict)
-    output_grads: dict = field(default_factory=dict)
+    weight_grads: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     reduces: dict = field(default_factory=dict)
     streamed: list = field(default_factory=list)
@@ -339,17 +340,14 @@ def _input_grad(step: _Step, action: Action, index: int) -> None:
     stage, mb = action[0], action[2]
     slot = stage * step.num_microbatches + mb
     leaf, out = step.saved[slot]
-    grad = _output_grad(step, stage, mb, index)
-    step.output_grads[slot] = grad
-    if leaf is not None:  # a first stage has no input gradient: W does all its backward
-        (step.produced[step.key(GRAD, stage, mb)],) = torch.autograd.grad(out, leaf, grad, retain_graph=True)
+    grad, step.weight_grads[slot] = split_backward.input_grad(
+        out, _output_grad(step, stage, mb, index), leaf, step.ctx.stage_params[stage])
+    if leaf is not None:  # a first stage has no input gradient: its W does all its backward
+        step.produced[step.key(GRAD, stage, mb)] = grad
 
 
 def _weight_grad(step: _Step, action: Action, index: int) -> None:
-    stage, mb = action[0], action[2]
-    slot = stage * step.num_microbatches + mb
-    _, out = step.saved[slot]
-    torch.autograd.backward(out, step.output_grads.pop(slot), inputs=step.ctx.stage_params[stage])
+    split_backward.weight_grad(step.weight_grads.pop(action[0] * step.num_microbatches + action[2]))
 
 
 def _free(step: _Step, action: Action, index: int) -> None:
