@@ -14,7 +14,7 @@ A fault (a wait past ``--timeout``, a peer that died) prints
 ``rank R, step S (INSTR): waited T s for rank Q ...`` to stderr and ends the
 process at once with status 1: ``os._exit``, because tearing down a process
 group whose peer is gone can itself hang. A run that succeeds also ends with
-``os._exit`` (see ``__main__``), once the group is left and the output flushed.
+``os._exit`` (``end_process``), once the group is left and the output flushed.
 """
 from __future__ import annotations
 
@@ -122,6 +122,20 @@ def _die_with_launcher() -> None:
         libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the launcher's own shutdown still stops the workers
+
+
+def end_process(status: int) -> None:
+    """Flush the output and end the process now, skipping the interpreter's teardown.
+
+    A worker has left its group and written its files by then; what Python's
+    finalization would still destroy (tensors, gloo's works and threads) it
+    destroys in no set order with the interpreter half torn down, which now and
+    then aborts a run that succeeded (``terminate called without an active
+    exception``, status -6).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _die(message: str, status: int = 1) -> None:

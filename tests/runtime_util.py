@@ -8,6 +8,7 @@ hang fails a test instead of stalling the suite; no worker outlives ``launch_wor
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -161,8 +162,12 @@ def _batch_main(jobs: list[list[str]]) -> None:
             worker.train(args, worker.make_plan(args, world), rank, world, device)
             if rank == 0:
                 print(f"job {index} done", flush=True)
+        gc.collect()
         worker.leave_group()
 
 
 if __name__ == "__main__":
+    from pipec.runtime.worker import end_process
+
     _batch_main(json.loads(sys.argv[1]))
+    end_process(0)  # as a worker ends: no interpreter teardown after the group is left
