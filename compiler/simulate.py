@@ -57,6 +57,9 @@ from pipec.compiler.ir import (
 from pipec.errors import DeadlockError, MatchError, WellFormedError
 
 Number = Union[int, float]
+# A bubble fraction with a larger denominator is shown as a decimal only (float
+# costs give exact but meaningless ones, like 7130774469997077/21935682705033476).
+_EXACT_DENOMINATOR_LIMIT = 10_000
 
 
 class Slot(NamedTuple):
@@ -114,6 +117,13 @@ class SimResult:
             return Fraction(0)
         busy = sum((Fraction(rank.busy) for rank in self.ranks), Fraction(0))
         return 1 - busy / total
+
+    def bubble_text(self) -> str:
+        """The bubble ratio for people: ``3/11 = 0.2727`` when it is a small exact fraction, else ``0.2727``."""
+        fraction = self.bubble_fraction()
+        if fraction.denominator <= _EXACT_DENOMINATOR_LIMIT and fraction != int(fraction):
+            return f"{fraction} = {float(fraction):.4f}"
+        return f"{self.bubble_ratio:.4f}"
 
     def to_json(self) -> dict:
         """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations"}]} as plain numbers."""

@@ -23,6 +23,7 @@ COMMANDS = (
     "simulate",
     "render",
     "run",
+    "costs",
     "import_torch",
     "rings",
 )

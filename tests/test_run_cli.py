@@ -218,6 +218,11 @@ def test_pipec_run_trains_exactly_and_torchrun_runs_the_same(tmp_path):
         assert sum(name == f"{rank}F0" for name in names) == 3  # one forward of microbatch 0 per step
         assert all(event["dur"] >= 0 for event in spans)
 
+    # the run's own cost file: every chunk's F and B, measured
+    assert main(["costs", "--trace", str(tmp_path / "trace.json"), "-o", str(tmp_path / "costs.json")]) == 0
+    measured = json.loads((tmp_path / "costs.json").read_text())["compute"]["per_chunk"]
+    assert set(measured) == {"0", "1"} and all(times["F"] > 0 and times["B"] > 0 for times in measured.values())
+
 
 def test_the_demo_trains_on_four_ranks_and_its_loss_falls(tmp_path):
     trace = tmp_path / "demo.json"

@@ -12,16 +12,14 @@ prediction and measurement with the same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Program
 from pipec.compiler.simulate import Number, SimResult, Slot
+from pipec.compiler.trace_events import compute_events, event_action, event_step
 from pipec.errors import UsageError
 
-# A fraction with a larger denominator is shown as a decimal only.
-_EXACT_DENOMINATOR_LIMIT = 10_000
 # The measured panel's time unit: trace events are in microseconds.
 _MEASURED_UNIT, _US_PER_MEASURED_UNIT = "ms", 1000.0
 
@@ -84,7 +82,7 @@ def make_drawing(result: SimResult, program: Program, measured: Timeline | None 
     """
     predicted = timeline_from_simulation(result)
     heading = f"{program.name} ({format_params(program.params)}): makespan {format_time(result.makespan)}, " \
-              f"bubble ratio {format_bubble(result)}"
+              f"bubble ratio {result.bubble_text()}"
     panels = [measured, predicted] if measured is not None else [predicted]
     stage_chunk = [stage.chunk for stage in program.stages]
     return Drawing(heading, panels, stage_chunk, len(program.stages) > program.num_ranks)
@@ -105,7 +103,7 @@ def timeline_from_simulation(result: SimResult) -> Timeline:
         boxes.append([slot for slot in lane if not slot[3]] if has_comms else lane)
         comms.append([slot for slot in lane if slot[3]] if has_comms else [])
     notes = [_note(stats.busy, result.makespan, stats.peak_activations) for stats in result.ranks]
-    title = f"predicted (simulator): makespan {format_time(result.makespan)}, bubble ratio {format_bubble(result)}"
+    title = f"predicted (simulator): makespan {format_time(result.makespan)}, bubble ratio {result.bubble_text()}"
     return Timeline(title, result.makespan, result.bubble_ratio, boxes, comms, notes)
 
 
@@ -131,11 +129,11 @@ def timeline_from_trace(document: Any, program: Program, step: int | None = None
             match ``program`` (a trace of another schedule or other parameters).
     """
     with paused_gc():  # one tuple per event, no cycles
-        return _measured_timeline(_compute_events(document), program, step, name)
+        return _measured_timeline(compute_events(document), program, step, name)
 
 
 def _measured_timeline(events: list[dict], program: Program, step: int | None, name: str) -> Timeline:
-    steps = sorted({_event_step(event) for event in events})
+    steps = sorted({event_step(event) for event in events})
     if not steps:
         raise UsageError(f"{name} holds no compute events (is it a `pipec run --trace` file?)")
     chosen = steps[-1] if step is None else step
@@ -143,8 +141,8 @@ def _measured_timeline(events: list[dict], program: Program, step: int | None, n
         raise UsageError(f"{name} has no step {chosen} (it has steps {steps[0]}..{steps[-1]})")
     lanes: list[list[tuple]] = [[] for _ in range(program.num_ranks)]
     for event in events:
-        if _event_step(event) == chosen:
-            rank, action = _event_action(event, program, name)
+        if event_step(event) == chosen:
+            rank, action = event_action(event, program, name)
             args = event.get("args") or {}
             start = float(event["ts"])
             lanes[rank].append((start + float(args.get("wait_us", 0)), start + float(event["dur"]), action))
@@ -164,42 +162,6 @@ def _measured_timeline(events: list[dict], program: Program, step: int | None, n
     return Timeline(title, makespan, bubble, boxes, [[] for _ in boxes], notes, _MEASURED_UNIT, "measured")
 
 
-# ------------------------------------------------------------------ trace parsing
-
-
-def _compute_events(document: Any) -> list[dict]:
-    """The complete "compute" events of a Chrome trace (a dict with traceEvents, or a bare list)."""
-    events = document.get("traceEvents") if isinstance(document, dict) else document
-    if not isinstance(events, list):
-        raise UsageError("not a Chrome trace: expected {\"traceEvents\": [...]} or a list of events")
-    out = []
-    for event in events:
-        if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") == "compute":
-            if not all(isinstance(event.get(key), (int, float)) for key in ("ts", "dur")):
-                raise UsageError(f"trace event {event.get('name')!r} has no numeric ts and dur")
-            out.append(event)
-    return out
-
-
-def _event_step(event: dict) -> int:
-    step = (event.get("args") or {}).get("step", 1)
-    return step if isinstance(step, int) else 1
-
-
-def _event_action(event: dict, program: Program, name: str):
-    """(rank, action) of a compute event, checked against ``program``."""
-    rank, index = event.get("pid"), (event.get("args") or {}).get("index")
-    if not isinstance(rank, int) or not 0 <= rank < program.num_ranks:
-        raise UsageError(f"{name}: event {event.get('name')!r} is on rank {rank!r}, "
-                         f"but the program has {program.num_ranks} ranks (another schedule or other -D values?)")
-    row = program.ranks[rank]
-    if not isinstance(index, int) or not 0 <= index < len(row) or row[index].text() != event.get("name"):
-        found = row[index].text() if isinstance(index, int) and 0 <= index < len(row) else "nothing"
-        raise UsageError(f"{name}: rank {rank}'s event {event.get('name')!r} (instruction {index!r}) does not match "
-                         f"the program, which has {found} there (another schedule or other -D values?)")
-    return rank, row[index]
-
-
 # --------------------------------------------------------------------- wording
 
 
@@ -212,14 +174,6 @@ def format_time(value: Number, unit: str = "") -> str:
     """Returns: an integer as it is, any other number with 4 significant digits; then the unit."""
     text = str(int(value)) if float(value).is_integer() else f"{value:.4g}"
     return f"{text} {unit}" if unit else text
-
-
-def format_bubble(result: SimResult) -> str:
-    """Returns: ``3/11 = 0.2727`` when the ratio is a small exact fraction, else ``0.2727``."""
-    fraction = result.bubble_fraction()
-    if isinstance(fraction, Fraction) and fraction.denominator <= _EXACT_DENOMINATOR_LIMIT and fraction != int(fraction):
-        return f"{fraction} = {float(fraction):.4f}"
-    return f"{result.bubble_ratio:.4f}"
 
 
 def _note(busy: Number, makespan: Number, peak: int | None) -> str:

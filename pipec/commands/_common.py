@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from pipec.compiler.trace_events import recorded
 from pipec.errors import UsageError
 
 
@@ -65,3 +66,55 @@ def dump_json(data) -> str:
 
 def describe_params(params: dict) -> str:
     return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
+
+
+def target_of_run(args, trace, command: str) -> tuple[str, dict[str, str]]:
+    """TARGET and the -D values; without TARGET, what the trace of a run (``pipec run --trace``) records:
+    its target (a file's absolute path, or a shipped name) and parameters, -D values on top."""
+    defines = parse_defines(args.defines)
+    if args.target is not None:
+        return args.target, defines
+    if trace is None:
+        raise UsageError(f"{command} needs TARGET (a .pipe file, a shipped schedule or a program .json)")
+    name = recorded(trace, "schedule")
+    if name is None:
+        raise UsageError(f"'{args.trace}' does not name its schedule; give TARGET")
+    params = recorded(trace, "params", dict) or {}
+    merged = {str(key): str(value) for key, value in params.items()}
+    merged.update(defines)
+    ran = recorded(trace, "target")  # written since traces record it; older ones name the schedule only
+    if ran is None:
+        return _shipped_target_named(name, args.trace), merged
+    from pipec.compiler.driver import load_target
+
+    try:
+        load_target(ran)
+    except UsageError as error:
+        raise UsageError(f"'{args.trace}' ran '{ran}', which cannot be read now ({error}); give TARGET") from None
+    return ran, merged
+
+
+def _shipped_target_named(name: str, trace_path: str) -> str:
+    """The shipped target that defines schedule ``name`` (a file stem, or ``path:name``)."""
+    from pipec.compiler.driver import load_target, shipped_schedules
+    from pipec.dsl import parse
+
+    shipped = shipped_schedules()
+    if name in shipped:
+        return name
+    for stem, file in shipped.items():
+        path, source, _ = load_target(stem)
+        if parse(source, path).schedule(name) is not None:
+            return f"{file}:{name}"
+    raise UsageError(f"'{trace_path}' ran schedule '{name}', which no shipped file defines; give TARGET")
+
+
+def read_json(path: str, what: str):
+    """The parsed JSON file ``path``; a UsageError naming it as ``what`` when it cannot be read or parsed."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except OSError as error:
+        raise UsageError(f"cannot read {what} '{path}': {error}") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UsageError(f"{what} '{path}' is not JSON: {error}") from None

@@ -53,8 +53,7 @@ def run(args) -> int:
 
     timeline = args.timeline or os.path.join(tempfile.gettempdir(), "pipec-demo-timeline.html")
     write_timeline(result, program, timeline)
-    fraction = result.bubble_fraction()
-    bubble = f"{fraction} = {float(fraction):.4f}" if fraction is not None else f"{result.bubble_ratio:.4f}"
+    bubble = result.bubble_text()
     lines = [
         f"== {compiled.spec.name} ({describe_params(program.params)}) from {compiled.spec.path}",
         f"compiled: {program.num_ranks} ranks, {len(program.stages)} stages, "

@@ -15,11 +15,11 @@ parameters and its cost file, which is also the default ``--costs``).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from pipec.commands._common import load_costs, parse_defines, write_output
+from pipec.commands._common import load_costs, read_json, target_of_run, write_output
+from pipec.compiler.trace_events import recorded
 from pipec.errors import UsageError
 
 
@@ -52,14 +52,14 @@ def run(args) -> int:
     from pipec.compiler.render import GRAPH_FORMS, TIMELINE_FORMS, form_of, write_graph, write_timeline
 
     form = form_of(args.output)
-    trace = _read_json(args.trace, "trace") if args.trace else None
+    trace = read_json(args.trace, "trace") if args.trace else None
     if trace is not None and form not in TIMELINE_FORMS:
         raise UsageError("--trace draws the measured timeline above the predicted one: write .svg or .html")
     if args.step is not None and trace is None:
         raise UsageError("--step picks a step of --trace; give --trace RUN.json")
-    target, defines = _target_and_defines(args, trace)
+    target, defines = target_of_run(args, trace, "render")
     if trace is not None and args.costs is None:
-        args.costs = _recorded(trace, "costs")  # the run's own costs, when its order depended on them
+        args.costs = recorded(trace, "costs")  # the run's own costs, when its order depended on them
     costs = load_costs(args)
     if form in GRAPH_FORMS:
         program, cycle = _program_for_graph(target, defines, costs, args.budget)
@@ -81,53 +81,6 @@ def run(args) -> int:
     return 0
 
 
-def _target_and_defines(args, trace) -> tuple[str, dict[str, str]]:
-    """TARGET and the -D values; without TARGET, the schedule and parameters the trace names."""
-    defines = parse_defines(args.defines)
-    if args.target is not None:
-        return args.target, defines
-    if trace is None:
-        raise UsageError("render needs TARGET (a .pipe file, a shipped schedule or a program .json)")
-    name = _recorded(trace, "schedule")
-    if name is None:
-        raise UsageError(f"'{args.trace}' does not name its schedule; give TARGET")
-    params = _recorded(trace, "params", dict) or {}
-    merged = {str(key): str(value) for key, value in params.items()}
-    merged.update(defines)
-    ran = _recorded(trace, "target")  # written since traces record it; older ones name the schedule only
-    if ran is None:
-        return _shipped_target_named(name, args.trace), merged
-    from pipec.compiler.driver import load_target
-
-    try:
-        load_target(ran)
-    except UsageError as error:
-        raise UsageError(f"'{args.trace}' ran '{ran}', which cannot be read now ({error}); give TARGET") from None
-    return ran, merged
-
-
-def _recorded(trace, key: str, kind: type = str):
-    """The trace's ``otherData[key]`` when it is a ``kind``, else None."""
-    other = trace.get("otherData") if isinstance(trace, dict) else None
-    value = other.get(key) if isinstance(other, dict) else None
-    return value if isinstance(value, kind) else None
-
-
-def _shipped_target_named(name: str, trace_path: str) -> str:
-    """The shipped target that defines schedule ``name`` (a file stem, or ``path:name``)."""
-    from pipec.compiler.driver import load_target, shipped_schedules
-    from pipec.dsl import parse
-
-    shipped = shipped_schedules()
-    if name in shipped:
-        return name
-    for stem, file in shipped.items():
-        path, source, _ = load_target(stem)
-        if parse(source, path).schedule(name) is not None:
-            return f"{file}:{name}"
-    raise UsageError(f"'{trace_path}' ran schedule '{name}', which no shipped file defines; give TARGET")
-
-
 def _is_program_file(target: str) -> bool:
     return target.lower().endswith(".json") and os.path.isfile(target)
 
@@ -138,7 +91,7 @@ def _load_program(target: str, defines: dict[str, str]):
 
     if defines:
         raise UsageError("-D sets parameters of a .pipe schedule; a compiled program .json already has its own")
-    return program_from_json(_read_json(target, "program"))
+    return program_from_json(read_json(target, "program"))
 
 
 def _checked_program(target: str, defines: dict[str, str], costs, budget):
@@ -172,13 +125,3 @@ def _program_for_graph(target: str, defines: dict[str, str], costs, budget):
     except DeadlockError as deadlock:
         return program, deadlock.cycle
     return program, []
-
-
-def _read_json(path: str, what: str):
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except OSError as error:
-        raise UsageError(f"cannot read {what} '{path}': {error}") from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise UsageError(f"{what} '{path}' is not JSON: {error}") from None

@@ -21,7 +21,7 @@ def run(args) -> int:
         return 0
     lines = [
         f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {_num(result.makespan)}, "
-        f"bubble ratio {_ratio(result)}"
+        f"bubble ratio {result.bubble_text()}"
     ]
     for rank, stats in enumerate(result.ranks):
         lines.append(
@@ -33,10 +33,3 @@ def run(args) -> int:
 
 def _num(value) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
-
-
-def _ratio(result) -> str:
-    fraction = result.bubble_fraction()
-    if fraction is not None:
-        return f"{fraction} ({float(fraction):.4f})"
-    return f"{result.bubble_ratio:.4f}"

@@ -1,0 +1,104 @@
+"""A cost file measured by a run: per model chunk, the median time of each compute op.
+
+``pipec run --trace`` records, for every instruction of every step, how long
+it computed (``args.compute_us``, its time after waiting for its inputs). The
+cost file the simulator reads (``costs``) prices each compute op per model
+chunk, so the measured times give one directly: the median of each (chunk, op)
+over the run's steps, leaving out the first step when there are more (it pays
+for warming up: allocator, autograd, first messages). The file's default for
+an op is its median over all chunks, so another schedule with the same chunks
+is priced by this run too. A run with split backward measures I and W; its B
+is then I + W (what a whole backward does, see ``runtime.split_backward``), so
+that a schedule without the split is priced too. (The other way round the cost
+file's own rule applies: I and W default to half of B.)
+
+Times are milliseconds. Links are not measured: on a machine where ranks share
+cores, the time a message takes cannot be told apart from the time its reader
+spent waiting for a slower rank; the file leaves them free (the unit model's
+zero), to be added by hand.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import median
+from typing import Any, NamedTuple
+
+from pipec.compiler.ir import Program
+from pipec.compiler.trace_events import compute_events, event_action, event_step
+from pipec.errors import UsageError
+
+OPS = ("F", "B", "I", "W")
+UNIT = "ms"
+_US_PER_UNIT = 1000.0
+_DIGITS = 4  # decimals kept, in ms: 0.1 microsecond
+
+
+class MeasuredCosts(NamedTuple):
+    """What ``measure_costs`` found.
+
+    Attributes:
+        data: the cost file (a JSON value ``costs.costs_from_json`` accepts).
+        samples: (chunk, op) -> how many tasks the median is over; a B made
+            of I + W has none.
+        steps: the training steps measured.
+    """
+
+    data: dict[str, Any]
+    samples: dict[tuple[int, str], int]
+    steps: list[int]
+
+
+def measure_costs(document: Any, program: Program, name: str = "trace") -> MeasuredCosts:
+    """The cost file of a run of ``program``.
+
+    Args:
+        document: the parsed trace (``pipec run --trace``).
+        program: the program that ran (each event is checked against it).
+        name: how to call the trace in errors.
+    Raises:
+        UsageError: no compute events, or events of another program.
+    """
+    events = compute_events(document)
+    steps = sorted({event_step(event) for event in events})
+    if not steps:
+        raise UsageError(f"{name} holds no compute events (is it a `pipec run --trace` file?)")
+    measured = steps[1:] or steps
+    times: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for event in events:
+        if event_step(event) not in measured:
+            continue
+        _, action = event_action(event, program, name)
+        times[program.stages[action.stage].chunk, action.op].append(_compute_us(event))
+    by_op: dict[str, list[float]] = defaultdict(list)
+    for (_, op), values in times.items():
+        by_op[op] += values
+    compute: dict[str, Any] = _with_whole_backward({op: _ms(median(by_op[op])) for op in OPS if op in by_op})
+    per_chunk: dict[str, dict[str, float]] = {}
+    for chunk, op in sorted(times):
+        per_chunk.setdefault(str(chunk), {})[op] = _ms(median(times[chunk, op]))
+    compute["per_chunk"] = {chunk: _with_whole_backward(ops) for chunk, ops in per_chunk.items()}
+    samples = {key: len(values) for key, values in sorted(times.items())}
+    return MeasuredCosts({"compute": compute}, samples, measured)
+
+
+def _with_whole_backward(ops: dict[str, float]) -> dict[str, float]:
+    """``ops`` with B = I + W when it has I and W but no B, in F B I W order."""
+    if "B" not in ops and "I" in ops and "W" in ops:
+        ops = {**ops, "B": round(ops["I"] + ops["W"], _DIGITS)}
+    return {op: ops[op] for op in OPS if op in ops}
+
+
+def _compute_us(event: dict) -> float:
+    """The event's own compute time: ``compute_us``, or its duration less its wait for traces without it."""
+    args = event.get("args") or {}
+    value = args.get("compute_us")
+    if isinstance(value, (int, float)):
+        return max(float(value), 0.0)
+    return max(float(event["dur"]) - float(args.get("wait_us", 0) or 0), 0.0)
+
+
+def _ms(microseconds: float) -> float:
+    return round(microseconds / _US_PER_UNIT, _DIGITS)
+
+
+__all__ = ["OPS", "UNIT", "MeasuredCosts", "measure_costs"]

@@ -1,0 +1,65 @@
+"""Reading the Chrome trace of a run (``pipec run --trace``, written by ``pipec.runtime.trace``).
+
+Every instruction of every step is a complete event (``"ph": "X"``): ``pid``
+is the rank, ``name`` the instruction's text, ``ts`` and ``dur`` microseconds,
+``args`` holds ``step`` (from 1), ``index`` (the instruction's place in its
+rank's list), ``wait_us`` (time it waited for its inputs first) and
+``compute_us`` (the rest). ``otherData`` records what ran. The timeline
+drawing (``render``) and the measured cost file (``measured_costs``) read
+traces through these functions, so both accept and reject the same files.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pipec.compiler.ir import Action, Program
+from pipec.errors import UsageError
+
+
+def compute_events(document: Any) -> list[dict]:
+    """The complete "compute" events of a Chrome trace (a dict with traceEvents, or a bare list)."""
+    events = document.get("traceEvents") if isinstance(document, dict) else document
+    if not isinstance(events, list):
+        raise UsageError("not a Chrome trace: expected {\"traceEvents\": [...]} or a list of events")
+    out = []
+    for event in events:
+        if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") == "compute":
+            if not all(isinstance(event.get(key), (int, float)) for key in ("ts", "dur")):
+                raise UsageError(f"trace event {event.get('name')!r} has no numeric ts and dur")
+            out.append(event)
+    return out
+
+
+def event_step(event: dict) -> int:
+    """The training step of an event (1 when it does not say)."""
+    step = (event.get("args") or {}).get("step", 1)
+    return step if isinstance(step, int) else 1
+
+
+def event_action(event: dict, program: Program, name: str) -> tuple[int, Action]:
+    """(rank, action) of a compute event, checked against ``program``.
+
+    Raises:
+        UsageError: the event's rank or instruction is not the program's
+            (a trace of another schedule or other parameters).
+    """
+    rank, index = event.get("pid"), (event.get("args") or {}).get("index")
+    if not isinstance(rank, int) or not 0 <= rank < program.num_ranks:
+        raise UsageError(f"{name}: event {event.get('name')!r} is on rank {rank!r}, "
+                         f"but the program has {program.num_ranks} ranks (another schedule or other -D values?)")
+    row = program.ranks[rank]
+    if not isinstance(index, int) or not 0 <= index < len(row) or row[index].text() != event.get("name"):
+        found = row[index].text() if isinstance(index, int) and 0 <= index < len(row) else "nothing"
+        raise UsageError(f"{name}: rank {rank}'s event {event.get('name')!r} (instruction {index!r}) does not match "
+                         f"the program, which has {found} there (another schedule or other -D values?)")
+    return rank, row[index]
+
+
+def recorded(document: Any, key: str, kind: type = str):
+    """The trace's ``otherData[key]`` (what ran) when it is a ``kind``, else None."""
+    other = document.get("otherData") if isinstance(document, dict) else None
+    value = other.get(key) if isinstance(other, dict) else None
+    return value if isinstance(value, kind) else None
+
+
+__all__ = ["compute_events", "event_action", "event_step", "recorded"]
