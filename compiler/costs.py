@@ -18,6 +18,7 @@ typo never silently falls back to a default)::
       "links": {
         "latency": 0.01,
         "bandwidth": 100.0,
+        "post": 0.002,
         "bytes": {"act": 4.0, "grad": 4.0},
         "node_size": 8,
         "inter_node": {"latency": 0.05, "bandwidth": 25.0},
@@ -35,6 +36,10 @@ typo never silently falls back to a default)::
 * ``links``: a message of kind ``act`` (activation, forward) or ``grad``
   (gradient, backward) takes ``latency + bytes[kind] / bandwidth``. Omitted
   bandwidth means infinite (only latency counts); omitted bytes are 0.
+  ``post`` is the time a rank spends posting one message (isend / irecv; a
+  batch posts each of its parts): it holds the sending or receiving rank, like
+  compute but not counted as busy, and a send leaves when it is posted.
+  Default 0: posting is free, as on a GPU whose CPU runs ahead.
   ``node_size`` groups ranks ``0..node_size-1``, ``node_size..`` into nodes;
   messages between nodes use ``inter_node`` (fields it omits come from the
   default link). ``pairs`` overrides the link of one pair of ranks in both
@@ -109,6 +114,7 @@ class CostModel:
         pairs: per-pair links as sorted (low rank, high rank, Link) triples.
         allreduce_link: the link a ring all-reduce runs over.
         allreduce_bytes: the gradient bytes of one model chunk.
+        post: the time a rank spends posting one message.
 
     Fields are tuples so that the model is hashable; lookup tables are built
     once in ``__post_init__``.
@@ -123,6 +129,7 @@ class CostModel:
     pairs: tuple[tuple[int, int, Link], ...] = ()
     allreduce_link: Link = Link()
     allreduce_bytes: Number = 0
+    post: Number = 0
     _compute_table: dict = field(init=False, repr=False, compare=False, hash=False)
     _pair_table: dict = field(init=False, repr=False, compare=False, hash=False)
     _bytes_table: dict = field(init=False, repr=False, compare=False, hash=False)
@@ -268,7 +275,7 @@ class _Reader:
         return {"ops": tuple(sorted(defaults.items())), "per_chunk": tuple(sorted(per_chunk))}
 
     def links_section(self, value: Any) -> dict[str, Any]:
-        latency, bandwidth, given = self.link(value, "links", extra=("bytes", "node_size", "inter_node", "pairs"))
+        latency, bandwidth, given = self.link(value, "links", extra=("bytes", "node_size", "inter_node", "pairs", "post"))
         default = Link().overridden(latency, bandwidth)
         sizes = self.table(given.get("bytes", {}), "links.bytes", MESSAGE_KINDS)
         message_bytes = tuple((kind, self.number(sizes[kind], _join("links.bytes", kind)) if kind in sizes else 0) for kind in MESSAGE_KINDS)
@@ -292,6 +299,7 @@ class _Reader:
             raise self.fail("links.pairs", "the same pair of ranks is given twice")
         return {
             "link": default,
+            "post": self.number(given["post"], "links.post") if "post" in given else 0,
             "message_bytes": message_bytes,
             "node_size": node_size,
             "inter_node": inter_node,

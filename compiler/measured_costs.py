@@ -12,10 +12,13 @@ is then I + W (what a whole backward does, see ``runtime.split_backward``), so
 that a schedule without the split is priced too. (The other way round the cost
 file's own rule applies: I and W default to half of B.)
 
-Times are milliseconds. Links are not measured: on a machine where ranks share
-cores, the time a message takes cannot be told apart from the time its reader
-spent waiting for a slower rank; the file leaves them free (the unit model's
-zero), to be added by hand.
+Posting a message (an isend or irecv, each part of a batch) holds the rank;
+its median time per message is the file's ``links.post``. How long a message
+then travels is not measured: on a machine where ranks share cores it cannot
+be told apart from the time its reader spent waiting for a slower rank, so
+latency and bandwidth stay free (the unit model's zero), to be added by hand.
+
+Times are milliseconds.
 """
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ from collections import defaultdict
 from statistics import median
 from typing import Any, NamedTuple
 
-from pipec.compiler.ir import Program
-from pipec.compiler.trace_events import compute_events, event_action, event_step
+from pipec.compiler.ir import BATCH, RECV_B, RECV_F, SEND_B, SEND_F, Program
+from pipec.compiler.trace_events import compute_events, event_action, event_step, events_of
 from pipec.errors import UsageError
 
 OPS = ("F", "B", "I", "W")
+# Instructions that post messages (all-reduces are not priced per message).
+_POSTING = (SEND_F, SEND_B, RECV_F, RECV_B, BATCH)
 UNIT = "ms"
 _US_PER_UNIT = 1000.0
 _DIGITS = 4  # decimals kept, in ms: 0.1 microsecond
@@ -40,11 +45,13 @@ class MeasuredCosts(NamedTuple):
         data: the cost file (a JSON value ``costs.costs_from_json`` accepts).
         samples: (chunk, op) -> how many tasks the median is over; a B made
             of I + W has none.
+        messages: how many posted messages ``links.post`` is the median over (0: none, no links section).
         steps: the training steps measured.
     """
 
     data: dict[str, Any]
     samples: dict[tuple[int, str], int]
+    messages: int
     steps: list[int]
 
 
@@ -78,7 +85,23 @@ def measure_costs(document: Any, program: Program, name: str = "trace") -> Measu
         per_chunk.setdefault(str(chunk), {})[op] = _ms(median(times[chunk, op]))
     compute["per_chunk"] = {chunk: _with_whole_backward(ops) for chunk, ops in per_chunk.items()}
     samples = {key: len(values) for key, values in sorted(times.items())}
-    return MeasuredCosts({"compute": compute}, samples, measured)
+    data: dict[str, Any] = {"compute": compute}
+    posts = _posting_times(document, program, name, measured)
+    if posts:
+        data["links"] = {"post": _ms(median(posts))}
+    return MeasuredCosts(data, samples, len(posts), measured)
+
+
+def _posting_times(document: Any, program: Program, name: str, measured: list[int]) -> list[float]:
+    """Microseconds per message posted, one entry per message (a batch's time split over its parts)."""
+    out = []
+    for event in events_of(document, "comm"):
+        if event_step(event) in measured:
+            _, action = event_action(event, program, name)
+            if action.op in _POSTING:
+                parts = len(action.parts) if action.op == BATCH else 1
+                out += [float(event["dur"]) / parts] * parts
+    return out
 
 
 def _with_whole_backward(ops: dict[str, float]) -> dict[str, float]:

@@ -13,9 +13,11 @@ Semantics (what the runtime does, priced by a ``CostModel``):
   producer end + ``costs.transfer``. A program with them gets it from the RECV
   that carries it: the k-th SEND from rank a to rank b matches the k-th RECV on
   b from a (messages are untagged, FIFO per ordered pair), and the data is on b
-  at the time the sender reached its SEND plus the transfer time. Sends and
-  receives are posted asynchronously (isend/irecv): neither stalls its rank; the
-  compute that uses the data waits for it. A BATCH posts all its parts at once.
+  at the time the sender posted its SEND plus the transfer time. Sends and
+  receives are posted asynchronously (isend/irecv): neither waits for its peer;
+  the compute that uses the data waits for it. A BATCH posts all its parts at
+  once. Posting holds the rank ``costs.post`` per message (0 by default), not
+  counted as busy; a send leaves when its batch is posted.
 * ALLREDUCE_GRAD joins the gradient all-reduce of its stage's model chunk
   without stalling; the all-reduce ends ``costs.allreduce`` after the last
   replica joined. ALLREDUCE_WAIT stalls the rank until it ends. FREE_F is free.
@@ -321,6 +323,7 @@ class _Simulation:
         ready, waiters, work = self.ready, self.waiters, self.work
         compute_plan, comm_plan, handlers = self.compute_plan, self.comm_plan, self.handlers
         sent_tensors = self.sent_tensors
+        post = self.costs.post
         channels, ranks, all_slots = self.channels, self.program.ranks, self.slots
         # per rank: what a resume needs that never changes, and its progress
         fixed = [(row, len(row), channels[r], all_slots[r].append) for r, row in enumerate(ranks)]
@@ -406,6 +409,8 @@ class _Simulation:
                             break
                 if parked_on >= 0:
                     break
+                if post:  # the rank posts every part; the sends leave when it is done
+                    clock += post * len(group)
                 # Second pass: check each part in full, then post it; a part
                 # that finds its counterpart waiting in the channel delivers.
                 for part in group:

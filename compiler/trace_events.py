@@ -18,12 +18,17 @@ from pipec.errors import UsageError
 
 def compute_events(document: Any) -> list[dict]:
     """The complete "compute" events of a Chrome trace (a dict with traceEvents, or a bare list)."""
+    return events_of(document, "compute")
+
+
+def events_of(document: Any, category: str) -> list[dict]:
+    """The complete events of ``category`` ("compute", "comm", ...) of a Chrome trace."""
     events = document.get("traceEvents") if isinstance(document, dict) else document
     if not isinstance(events, list):
         raise UsageError("not a Chrome trace: expected {\"traceEvents\": [...]} or a list of events")
     out = []
     for event in events:
-        if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") == "compute":
+        if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") == category:
             if not all(isinstance(event.get(key), (int, float)) for key in ("ts", "dur")):
                 raise UsageError(f"trace event {event.get('name')!r} has no numeric ts and dur")
             out.append(event)
@@ -37,7 +42,7 @@ def event_step(event: dict) -> int:
 
 
 def event_action(event: dict, program: Program, name: str) -> tuple[int, Action]:
-    """(rank, action) of a compute event, checked against ``program``.
+    """(rank, action) of an instruction's event, checked against ``program``.
 
     Raises:
         UsageError: the event's rank or instruction is not the program's
@@ -62,4 +67,4 @@ def recorded(document: Any, key: str, kind: type = str):
     return value if isinstance(value, kind) else None
 
 
-__all__ = ["compute_events", "event_action", "event_step", "recorded"]
+__all__ = ["compute_events", "event_action", "event_step", "events_of", "recorded"]

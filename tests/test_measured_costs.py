@@ -17,6 +17,7 @@ from pipec.runtime.trace import chrome_events, write_chrome_trace
 # Planted compute times, ms, per (chunk, op); step 1 (warm-up) takes 50 times as long and must not count.
 PLANTED = {(0, "F"): 1.5, (1, "F"): 2.5, (0, "I"): 0.25, (1, "I"): 2.0, (0, "W"): 3.0, (1, "W"): 2.5}
 WARM_UP = 50
+POST_MS = 0.125
 
 
 def planted_trace(program, steps=3, jitter=True, **ran) -> dict:
@@ -27,7 +28,11 @@ def planted_trace(program, steps=3, jitter=True, **ran) -> dict:
         records = []
         for step in range(1, steps + 1):
             clock, step_records, seen = float(step * 10), [], {}
-            for index, action in ((i, a) for i, a in enumerate(row) if a.op in COMPUTE_OPS):
+            for index, action in enumerate(row):
+                if action.op not in COMPUTE_OPS:  # posting takes POST_MS per message, at every step
+                    start, clock = clock, clock + POST_MS / 1000 * max(len(action.parts), 1)
+                    step_records.append((index, start, clock, 0.0))
+                    continue
                 key = (program.stages[action.stage].chunk, action.op)
                 k = seen[key] = seen.get(key, -1) + 1
                 ms = PLANTED[key] * (WARM_UP if step == 1 else 1)
@@ -58,6 +63,9 @@ def test_medians_per_chunk_and_op_skip_the_first_step_and_waits(zb_h1):
     top = measured.data["compute"]
     assert top["B"] == pytest.approx(top["I"] + top["W"])
     assert measured.steps == [2, 3]
+    assert measured.data["links"] == {"post": POST_MS}  # a batch's time split over its parts
+    assert measured.messages == 2 * sum(max(len(a.parts), 1) for row in zb_h1.ranks for a in row
+                                        if a.op in ("SEND_F", "SEND_B", "RECV_F", "RECV_B", "BATCH"))
     assert measured.samples[0, "F"] == 2 * 6 and (0, "B") not in measured.samples  # 6 microbatches x 2 steps
 
 
@@ -69,7 +77,7 @@ def test_a_one_step_trace_is_measured_from_that_step(zb_h1):
 
 def test_the_measured_file_prices_another_schedule(zb_h1):
     data = measure_costs(planted_trace(zb_h1, jitter=False), zb_h1).data
-    costs = costs_from_json(json.loads(json.dumps(data)))
+    costs = costs_from_json(json.loads(json.dumps({"compute": data["compute"]})))  # posting aside
     gpipe = compile_target("gpipe", {"P": "2", "N": "2"}).program
     result = simulate(gpipe, costs)
     # gpipe P=2 N=2: F0 F1 on chunk 0 then chunk 1, backward the other way, all on the critical path

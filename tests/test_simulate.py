@@ -232,6 +232,23 @@ def test_integer_latency_keeps_exact_fractions(tmp_path):
     assert [(r.busy, r.idle) for r in result.ranks] == [(6, 5), (6, 5)]
 
 
+def test_posting_a_message_holds_the_rank_and_the_send_leaves_when_posted():
+    # 1F1B P=2 N=2 with its messages, post = 1 per message (a BATCH posts 2):
+    #   rank 0 | 0F0 0SEND_F0 0F1 (0SEND_F1;0RECV_B0)BATCH 0B0 0FREE_F0 0RECV_B1 0B1 0FREE_F1
+    #   rank 1 | 1RECV_F0 1F0 1B0 1FREE_F0 (1SEND_B0;1RECV_F1)BATCH 1F1 1B1 1FREE_F1 1SEND_B1
+    # rank 0: F0 [0,1], post [1,2] (act 0 leaves at 2), F1 [2,3], batch [3,5] (act 1 leaves at 5);
+    # rank 1: post [0,1], F0 [2,3], B0 [3,5], batch [5,7] (grad 0 leaves at 7), F1 [7,8], B1 [8,10],
+    #         post [10,11] (grad 1 leaves at 11); rank 0: B0 [7,9], post [9,10], B1 [11,13].
+    from pipec.compiler.driver import compile_target
+
+    program = compile_target("1f1b", {"P": "2", "N": "2"}).program
+    result = simulate(program, costs_from_json({"links": {"post": 1}}))
+    assert result.makespan == 13
+    assert [rank.busy for rank in result.ranks] == [6, 6]  # posting is not compute
+    assert [(s.start, s.end) for s in result.timeline[0] if not s.is_comm] == [(0, 1), (2, 3), (7, 9), (11, 13)]
+    assert simulate(program).makespan == 9  # free posting, the unit model: (N + P - 1) * 3
+
+
 def test_comm_slots_mark_messages_that_take_time():
     program = with_comms(one_f_one_b(2, 1))
     result = simulate(program, CostModel(link=Link(latency=2)))
@@ -403,6 +420,7 @@ BAD_FILES = [
     ('{"links": {"latency": null}}', "links.latency"),
     ('{"links": {"bytes": {"weights": 1}}}', "links.bytes.weights"),
     ('{"links": {"node_size": 2.5}}', "links.node_size"),
+    ('{"links": {"post": -1}}', "links.post"),
     ('{"links": {"pairs": {"0_1": {}}}}', "links.pairs.0_1"),
     ('{"links": {"pairs": {"1-1": {}}}}', "links.pairs.1-1"),
     ('{"links": {"pairs": {"0-1": {"latency": -2}}}}', "links.pairs.0-1.latency"),

@@ -1,7 +1,8 @@
 """``pipec costs --trace RUN.json``: the cost file a run measured, for ``--costs``.
 
 Per model chunk, the median time of each compute op over the run's steps (the
-first left out when there are more), in milliseconds (``compiler.measured_costs``).
+first left out when there are more), and the median time a rank spends posting
+one message, in milliseconds (``compiler.measured_costs``).
 With ``-o FILE`` it writes the JSON file and prints a table of what it found;
 without, it prints the JSON. Then ``pipec simulate OTHER --costs FILE``
 predicts another schedule on the same chunks with the times of this machine.
@@ -58,7 +59,9 @@ def run(args) -> int:
     for chunk, times in per_chunk.items():
         cells = "".join(_cell(times.get(op), measured.samples.get((int(chunk), op))) for op in ops)
         lines.append(f"  {chunk:>5} {cells}")
-    lines.append(f"wrote {args.output} (links not measured: messages cost 0 unless you add a \"links\" section)")
+    if measured.messages:
+        lines.append(f"  posting one message: {measured.data['links']['post']:.4g} {UNIT} (median of {measured.messages})")
+    lines.append(f"wrote {args.output} (message travel not measured: add latency and bandwidth to \"links\" by hand)")
     write_output("\n".join(lines), None)
     return 0
 
