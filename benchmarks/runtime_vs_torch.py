@@ -1,11 +1,13 @@
 """Training-step time: pipec's runtime against torch.distributed.pipelining, on the same model and schedule.
 
-For GPipe, 1F1B and interleaved 1F1B (v = 2) at P = 2 and 4 ranks, N = 8
+For GPipe, 1F1B, interleaved 1F1B (v = 2) and ZB-V (split backward, two
+chunks per rank in a V) at P = 2 and 4 ranks, N = 8
 microbatches, one set of P worker processes (gloo, CPU, started through
 ``pipec run``'s launcher) holds two copies of the same model chunks
 (``runtime/model.py``, built from the same seed): one run by pipec's
 interpreter over the compiled program, one wrapped in ``PipelineStage`` and
-run by torch's ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``.
+run by torch's ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` /
+``ScheduleZBVZeroBubble``.
 Both train on the same batches with the same optimizer. Steps alternate,
 pipec then torch, then torch then pipec (so that neither always goes first),
 each between two barriers; a step is forward, backward and the optimizer step.
@@ -16,7 +18,7 @@ rank (compute, waiting for messages, posting them, frees, optimizer, and the
 interpreter's own loop between instructions), and pipec's efficiency: the
 simulator's makespan for the program under op costs measured in this run,
 divided by pipec's median step time (target: at least 0.9). The op costs are
-the mean duration of each F and B per model chunk in pipec's instruction
+the mean duration of each F, B, I and W per model chunk in pipec's instruction
 timings, less the time the instruction spent waiting for a message (a
 receive is waited at its first use, inside the F or B that reads it; the
 interpreter reports each instruction's wait), with communication free.
@@ -44,12 +46,20 @@ import time
 DEFAULT_CONFIG = {"dim": 128, "heads": 4, "hidden": 256, "seq_len": 64, "microbatch_size": 4, "layers": 8}
 NUM_MICROBATCHES = 8
 SEED = 0
-# Schedule name (shipped .pipe) -> (extra -D values, torch's schedule class, chunks per rank).
+# Schedule name (shipped .pipe) -> (extra -D values, torch's schedule class, chunks per rank, placement).
+# Placement of chunk c of C on P ranks: "loop" puts it on rank c % P (both sides' interleaving);
+# "v" on rank c for c < P, else 2P - 1 - c (ZB-V's V, both sides).
 CASES = {
-    "gpipe": ({}, "ScheduleGPipe", 1),
-    "1f1b": ({}, "Schedule1F1B", 1),
-    "interleaved_1f1b": ({"v": 2}, "ScheduleInterleaved1F1B", 2),
+    "gpipe": ({}, "ScheduleGPipe", 1, "loop"),
+    "1f1b": ({}, "Schedule1F1B", 1, "loop"),
+    "interleaved_1f1b": ({"v": 2}, "ScheduleInterleaved1F1B", 2, "loop"),
+    "zbv": ({}, "ScheduleZBVZeroBubble", 2, "v"),
 }
+PLACEMENTS = {
+    "loop": lambda c, world: c % world,
+    "v": lambda c, world: c if c < world else 2 * world - 1 - c,
+}
+OPS = ("F", "B", "I", "W")
 RESULT_PREFIX = "RESULT "
 
 
@@ -200,7 +210,7 @@ class _PipecSide:
         from pipec.runtime.interpreter import make_context, stage_modules
         from pipec.runtime.model import LLAMA
 
-        extra, _, _ = CASES[schedule]
+        extra = CASES[schedule][0]
         defines = {"P": str(world), "N": str(NUM_MICROBATCHES), **{k: str(v) for k, v in extra.items()}}
         self.program = compile_target(schedule, defines).program
         self.rank, self.config = rank, config
@@ -228,7 +238,7 @@ class _PipecSide:
         Returns:
             {"samples": [(op, chunk, seconds)], "breakdown": {category: mean seconds per step}}.
             An instruction's compute time is its duration less its wait (a
-            receive is waited inside the F or B that first reads it). Categories:
+            receive is waited inside the compute that first reads it). Categories:
             compute (F, B, I, W), waiting (for messages and all-reduces, and for the
             step's sends before the optimizer step),
             messaging (posting sends/receives/batches/all-reduces), freeing,
@@ -246,7 +256,7 @@ class _PipecSide:
                 busy += end - start
                 totals["waiting"] += waited
                 totals[_CATEGORY.get(op, "messaging")] += own
-                if op in ("F", "B"):
+                if op in OPS:
                     samples.append((op, stages[row[index].stage].position, own))
             # before the optimizer (the last event) the step waits for its sends: no event covers that
             settle = events[-1][1] - events[-2][2] if len(events) > 1 else 0.0
@@ -261,17 +271,37 @@ _CATEGORY = {"F": "compute", "B": "compute", "I": "compute", "W": "compute", "FR
 
 
 def _cost_file(summaries: list[dict]) -> dict:
-    """A cost file's JSON (compute only: mean F and B per chunk, seconds) from every rank's summary."""
+    """A cost file's JSON (compute only: mean F, B, I, W per chunk as measured, seconds) from every rank's summary."""
     samples: dict[tuple[str, int], list[float]] = {}
     for summary in summaries:
         for op, chunk, seconds in summary["samples"]:
             samples.setdefault((op, chunk), []).append(seconds)
     means = {key: statistics.fmean(values) for key, values in samples.items()}
-    overall = {op: statistics.fmean(v for (o, _), v in means.items() if o == op) for op in ("F", "B")}
+    overall = {op: statistics.fmean(v for (o, _), v in means.items() if o == op)
+               for op in OPS if any(o == op for o, _ in means)}
     per_chunk: dict[str, dict[str, float]] = {}
     for (op, chunk), mean in means.items():
         per_chunk.setdefault(str(chunk), {})[op] = mean
     return {"compute": {**overall, "per_chunk": per_chunk}}
+
+
+# torch schedules whose backward detaches each stage's output in place.
+_DETACHES_OUTPUT = ("ScheduleZBVZeroBubble",)
+
+
+def _OwnedOutput(chunk):
+    """``chunk`` wrapped so that its output owns its memory (not a view)."""
+    from torch import nn
+
+    class OwnedOutput(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.chunk = inner
+
+        def forward(self, x):
+            return self.chunk(x).clone()
+
+    return OwnedOutput(chunk)
 
 
 class _TorchSide:
@@ -283,12 +313,17 @@ class _TorchSide:
 
         from pipec.runtime.model import LLAMA
 
-        _, class_name, per_rank = CASES[schedule]
+        _, class_name, per_rank, placement = CASES[schedule]
         num_chunks = per_rank * world
         self.config, self.rank = config, rank
-        # stage s on rank s % world: torch's interleaved placement, and pipec's
-        self.chunks = {c: LLAMA.build_chunk(config, c, num_chunks, SEED) for c in range(rank, num_chunks, world)}
-        stages = [pipelining.PipelineStage(module, c, num_chunks, torch.device("cpu")) for c, module in self.chunks.items()]
+        on_rank = PLACEMENTS[placement]  # the placement torch's schedule expects, and pipec's program has
+        self.chunks = {c: LLAMA.build_chunk(config, c, num_chunks, SEED) for c in range(num_chunks)
+                       if on_rank(c, world) == rank}
+        # torch's split backward detaches a stage's output in place, which a view (the chunk's last
+        # reshape) refuses: there the output is copied first (one activation-sized copy per forward)
+        wrap = _OwnedOutput if class_name in _DETACHES_OUTPUT else (lambda module: module)
+        stages = [pipelining.PipelineStage(wrap(module), c, num_chunks, torch.device("cpu"))
+                  for c, module in self.chunks.items()]
         schedule_class = getattr(pipelining, class_name)
         self.schedule = schedule_class(stages if per_rank > 1 else stages[0], NUM_MICROBATCHES, loss_fn=LLAMA.loss_fn)
         self.optimizer = LLAMA.make_optimizer([p for m in self.chunks.values() for p in m.parameters()])

@@ -11,7 +11,9 @@ running the cost model would start them:
   (ties broken by microbatch, then stage);
 * a forward may start only while the rank holds fewer chunk activations than
   its in-flight limit (a forward started whose backward, B or I, has not
-  finished);
+  finished); an I only while fewer of its weight gradients wait than its
+  ``deferred`` limit (an I started whose W has not). A W depends on its own
+  rank's I alone, so that limit never stalls a policy;
 * with a ``warmup`` count, a rank follows 1F1B's discipline instead of taking
   whatever is ready: its first ``warmup`` tasks are forwards, then it strictly
   alternates one forward and one backward (waiting for the one it wants) and
@@ -74,6 +76,8 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
     priority = policy.priority
     limit = policy.inflight
     warmup = policy.warmup
+    deferral = policy.deferred or [None] * P
+    deferred = [0] * P  # per rank: I started whose W has not
     alive = [0] * P
     forwards_started = [0] * P
     backwards_started = [0] * P
@@ -119,7 +123,13 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
                 continue
             if kind == "F" and limit[rank] is not None and alive[rank] >= limit[rank]:
                 continue
+            if kind == "I" and deferral[rank] is not None and deferred[rank] >= deferral[rank]:
+                continue
             _, _, m, sid = heapq.heappop(queue)
+            if kind == "I":
+                deferred[rank] += 1
+            elif kind == "W":
+                deferred[rank] -= 1
             if kind == "F":
                 alive[rank] += 1
                 forwards_started[rank] += 1

@@ -209,10 +209,11 @@ class ExplicitOrder(Node):
 @dataclass(frozen=True)
 class RankRule(Node):
     """A per-rank number of a policy: ``inflight on rank r <= E`` (the most chunk
-    activations alive) or ``warmup on rank r = E`` (forwards before the rank
-    starts alternating backward and forward)."""
+    activations alive), ``deferred on rank r <= E`` (the most weight gradients
+    waiting: I done, W not started) or ``warmup on rank r = E`` (forwards before
+    the rank starts alternating backward and forward)."""
 
-    what: str  # inflight | warmup
+    what: str  # inflight | deferred | warmup
     rank_var: str
     rank_span: Span
     value: Expr

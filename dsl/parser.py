@@ -336,6 +336,10 @@ class _ToAst(Transformer):
         var, limit = children
         return ast.RankRule(self._span(meta), "inflight", str(var), _span_of(self.path, var), limit)
 
+    def deferred(self, meta, children):
+        var, limit = children
+        return ast.RankRule(self._span(meta), "deferred", str(var), _span_of(self.path, var), limit)
+
     def warmup(self, meta, children):
         var, count = children
         return ast.RankRule(self._span(meta), "warmup", str(var), _span_of(self.path, var), count)

@@ -209,6 +209,9 @@ def _resolve_greedy(out: ResolvedSchedule, decl: ast.GreedyOrder, scope: Scope) 
             first = out.rank_rules[node.what][0]
             resolver.error(f"`{node.what}` is already given at line {first.span.line}", node.span)
             continue
+        if node.what == "deferred" and not out.split_backward:
+            resolver.error("`deferred` bounds the W tasks that wait, and this schedule has none (backward full; "
+                           "write `backward split`)", node.span)
         rule_scope = inner.child()
         slot = resolver.bind(rule_scope, node.rank_var, INT, node.rank_span).slot
         out.rank_rules[node.what] = (node, slot, resolver.expect(node.value, rule_scope, INT, f"a {node.what} count"))

@@ -305,8 +305,9 @@ class ResolvedSchedule:
     def _policy(self, env: list, spec: ScheduleSpec) -> GreedyPolicy:
         priority = self._priority_function(env, spec)
         inflight = self._per_rank(env, spec, "inflight", 1, "no forward could run")
+        deferred = self._per_rank(env, spec, "deferred", 1, "no I could run")
         warmup = self._per_rank(env, spec, "warmup", 0, "a count of forwards is never negative")
-        return GreedyPolicy(inflight=inflight, warmup=warmup, prefer=self.prefer, priority=priority)
+        return GreedyPolicy(inflight=inflight, warmup=warmup, prefer=self.prefer, priority=priority, deferred=deferred)
 
     def _priority_function(self, env: list, spec: ScheduleSpec):
         """``(kind, stage id, mb) -> key tuple`` from the order's keys (after its lets)."""

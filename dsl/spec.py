@@ -29,12 +29,16 @@ class GreedyPolicy:
         priority: ``(kind, stage id, mb) -> key``; among ready tasks of one
             kind the smallest key runs first, then the one ready earliest, then
             the lowest microbatch. A kind without a priority has key ``()``.
+        deferred: per rank, the most weight gradients left waiting (split
+            backward: an I started whose W has not), or None for no limit;
+            None as a whole when the policy does not bound them.
     """
 
     inflight: list[int | None]
     warmup: list[int | None]
     prefer: tuple[str, ...]
     priority: Callable[[str, int, int], tuple]
+    deferred: list[int | None] | None = None
 
 
 @dataclass

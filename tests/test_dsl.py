@@ -279,6 +279,49 @@ def test_greedy_policy_values():
     assert policy.priority("W", 2, 1) == ()
 
 
+DEFERRED = """
+schedule g(P: ranks = 3, N: microbatches = 6) {
+  stages P
+  place stage s on rank s
+  backward BACKWARD
+  order greedy {
+    inflight on rank r <= P - r
+    deferred on rank r <= LIMIT
+    prefer I, F, W
+  }
+}
+"""
+
+
+def test_deferred_bounds_the_weight_gradients_a_rank_leaves_waiting():
+    from pipec.compiler.list_schedule import greedy_order
+
+    def most_waiting(limit: str) -> list[int]:
+        spec = spec_of(DEFERRED.replace("BACKWARD", "split").replace("LIMIT", limit))
+        out = []
+        for row in greedy_order(spec):
+            waiting = most = 0
+            for kind, _, _ in row:
+                waiting += {"I": 1, "W": -1}.get(kind, 0)
+                most = max(most, waiting)
+            out.append(most)
+        return out
+
+    assert spec_of(DEFERRED.replace("BACKWARD", "split").replace("LIMIT", "r + 1")).policy.deferred == [1, 2, 3]
+    assert most_waiting("1") == [1, 1, 1]
+    assert most_waiting("r + 1") == [min(r + 1, w) for r, w in enumerate(most_waiting("100"))]
+    assert max(most_waiting("100")) > 3  # without the limit W waits longer: the limit is what bounds it
+
+
+def test_deferred_needs_split_backward_and_a_positive_limit():
+    error = error_of(ResolveError, DEFERRED.replace("BACKWARD", "full").replace("LIMIT", "1"))
+    assert "`deferred` bounds the W tasks that wait" in error.message and "backward split" in error.message
+    error = error_of(EvalError, DEFERRED.replace("BACKWARD", "split").replace("LIMIT", "r - 1"))
+    assert "the deferred of rank 0 is -1; it must be at least 1 (no I could run)" in error.message
+    twice = DEFERRED.replace("BACKWARD", "split").replace("LIMIT", "1\n    deferred on rank q <= 2")
+    assert "`deferred` is already given at line 8" in error_of(ResolveError, twice).message
+
+
 def test_source_files_with_several_schedules_pick_by_name():
     text = ONE_F_ONE_B + "\nschedule other(P: ranks = 1, N: microbatches = 1) { stages 1 place stage s on rank 0 order rank r { F(0, 0) B(0, 0) } }\n"
     assert spec_of(text, name="other").name == "other"

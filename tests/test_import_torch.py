@@ -24,6 +24,7 @@ from pipec.compiler.emit import program_from_json, program_to_json, write_torch_
 from pipec.compiler.import_torch import import_and_check, prepare_imported, read_torch_csv  # noqa: E402
 from pipec.compiler.ir import COMPUTE_OPS  # noqa: E402
 from pipec.compiler.lower_comms import insert_communication  # noqa: E402
+from pipec.compiler.simulate import simulate  # noqa: E402
 from pipec.errors import ImportError_, MatchError, ProgramError, WellFormedError  # noqa: E402
 from reference_orders import gpipe, interleaved_1f1b, one_f_one_b  # noqa: E402
 
@@ -431,3 +432,11 @@ def test_cli_with_costs_file(tmp_path, capsys):
     assert doubled["makespan"] == 2 * unit["makespan"]
     assert main(["import-torch", str(path), "--costs", str(tmp_path / "missing.json")]) == 1
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pp, nmb", [(2, 4), (4, 8), (4, 4), (8, 16)])
+def test_torchs_zbv_makespans_are_the_ones_pipecs_zbv_is_held_to(pp, nmb):
+    from test_schedules import TORCH_ZBV_MAKESPAN
+
+    program = prepare_imported(_torch_compute_program(torch_schedules.ScheduleZBVZeroBubble, pp, nmb, "zbv.csv"), False)
+    assert simulate(program).makespan == TORCH_ZBV_MAKESPAN[pp, nmb]

@@ -81,6 +81,26 @@ def test_zbv_is_near_zero_bubble(P, N):
     assert compiled.program.stages[0].rank == compiled.program.stages[2 * P - 1].rank == 0
 
 
+# torch's ScheduleZBVZeroBubble under unit costs (pipec import-torch of its CSV): (P, N) -> makespan
+TORCH_ZBV_MAKESPAN = {(2, 4): 25, (2, 8): 49, (3, 6): 38, (4, 8): 51, (4, 16): 99, (6, 12): 77, (8, 16): 103,
+                      (4, 4): 30, (8, 8): 62}
+
+
+@pytest.mark.parametrize("P,N", sorted(TORCH_ZBV_MAKESPAN))
+def test_zbv_matches_torchs_makespan_and_bounds_waiting_weight_gradients(P, N):
+    compiled, result = run("zbv", P=P, N=N)
+    if N >= 2 * P:
+        assert result.makespan == TORCH_ZBV_MAKESPAN[P, N]
+        for r, row in enumerate(compiled.compute.ranks):  # at most r + 1 W wait on rank r
+            waiting = most = 0
+            for action in row:
+                waiting += {"I": 1, "W": -1}.get(action.op, 0)
+                most = max(most, waiting)
+            assert most <= r + 1
+    else:  # no limit with fewer microbatches: shorter than torch's
+        assert result.makespan < TORCH_ZBV_MAKESPAN[P, N]
+
+
 def test_chimera_two_pipelines_with_replicas_all_reduced():
     compiled, result = run("chimera", P=4, N=4)
     program = compiled.program
