@@ -232,5 +232,8 @@ def test_the_demo_trains_on_four_ranks_and_its_loss_falls(tmp_path):
     losses = losses_of(done.stdout)
     assert len(losses) == 6 and losses[-1] < losses[0], done.stdout
     assert "loss fell" in done.stdout and str(trace) in done.stdout
+    # the run's own costs priced into a prediction, beside the measured step
+    assert re.search(r"median step \d+\.\d ms; the simulator, priced with the times this run measured, "
+                     r"predicts \d+\.\d ms", done.stdout), done.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert {event["pid"] for event in events if event["ph"] == "X"} == {0, 1, 2, 3}

@@ -118,7 +118,30 @@ def _train(args, defines: dict[str, str], program) -> int:
         verdict = "fell" if losses[-1] < losses[0] else "did not fall"
         write_output(f"loss {verdict}: {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps", None)
     write_output(f"trace of every instruction on every rank: {run_args.trace} (open it in https://ui.perfetto.dev)", None)
+    if args.steps >= 2:
+        write_output(_prediction_from_trace(run_args.trace, program), None)
     return 0
+
+
+def _prediction_from_trace(path: str, program) -> str:
+    """The run's median step beside the simulator's makespan under the costs the run measured (``pipec costs``)."""
+    import statistics
+
+    from pipec.commands._common import read_json
+    from pipec.compiler.costs import costs_from_json
+    from pipec.compiler.measured_costs import measure_costs
+    from pipec.compiler.render import timeline_from_trace
+    from pipec.compiler.simulate import simulate
+
+    trace = read_json(path, "trace")
+    measured = measure_costs(trace, program, path)
+    predicted = simulate(program, costs_from_json(measured.data)).makespan
+    step_ms = statistics.median(timeline_from_trace(trace, program, step).makespan for step in measured.steps)
+    cores = os.cpu_count() or 1
+    shared = (f"; {program.num_ranks} ranks share {cores} cores here, and the prediction gives each rank a core of its own"
+              if cores < program.num_ranks else "")
+    return (f"this machine: median step {step_ms:.1f} ms; the simulator, priced with the times this run measured, "
+            f"predicts {predicted:.1f} ms{shared} (pipec costs --trace {path} -o costs.json, then --costs costs.json)")
 
 
 def _fitting_layers(layers: int, num_chunks: int) -> int:
