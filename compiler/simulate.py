@@ -31,7 +31,7 @@ input that is never produced is reported as a DeadlockError (a safety net; the
 deadlock check proves programs safe under stricter semantics).
 
 peak_activations counts, along a rank's list, the forwards whose B (or I) has
-not run yet.
+not run yet; peak_waiting_w the I whose W has not (split backward).
 """
 from __future__ import annotations
 
@@ -83,11 +83,14 @@ class Slot(NamedTuple):
 
 @dataclass
 class RankStats:
-    """Per-rank totals: compute time, time without compute, peak live activations."""
+    """Per-rank totals: compute time, time without compute, peak live activations,
+    and (split backward) the most weight gradients waiting at once: an I done
+    whose W is not, each holding what its W will read."""
 
     busy: Number
     idle: Number
     peak_activations: int
+    peak_waiting_w: int = 0
 
 
 @dataclass
@@ -128,12 +131,13 @@ class SimResult:
         return f"{self.bubble_ratio:.4f}"
 
     def to_json(self) -> dict:
-        """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations"}]} as plain numbers."""
+        """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations", "peak_waiting_w"}]} as plain numbers."""
         return {
             "makespan": _plain(self.makespan),
             "bubble_ratio": float(self.bubble_ratio),
             "ranks": [
-                {"busy": _plain(rank.busy), "idle": _plain(rank.idle), "peak_activations": int(rank.peak_activations)}
+                {"busy": _plain(rank.busy), "idle": _plain(rank.idle), "peak_activations": int(rank.peak_activations),
+                 "peak_waiting_w": int(rank.peak_waiting_w)}
                 for rank in self.ranks
             ],
         }
@@ -524,7 +528,8 @@ class _Simulation:
     def _result(self) -> SimResult:
         allreduce_ends = [t for t in self.ready[_ALLREDUCE * self.space:] if t is not None]
         makespan = max(self.clock + allreduce_ends, default=0)
-        ranks = [RankStats(busy, makespan - busy, peak) for busy, peak in zip(self.busy, self.peak)]
+        ranks = [RankStats(busy, makespan - busy, peak, _peak_waiting_w(row))
+                 for busy, peak, row in zip(self.busy, self.peak, self.program.ranks)]
         bubble = 1 - sum(self.busy) / (makespan * self.num_ranks) if makespan else 0.0
         timeline = []
         for compute, comms in zip(self.slots, self.comm_slots):
@@ -571,3 +576,17 @@ def _has_comms(program: Program) -> bool:
     comm_ops = set(COMM_OPS) | {BATCH}
     op_of = itemgetter(1)
     return any(not comm_ops.isdisjoint(map(op_of, row)) for row in program.ranks)
+
+
+def _peak_waiting_w(row) -> int:
+    """Along a rank's list, the most I whose W has not come yet."""
+    waiting = peak = 0
+    for action in row:
+        op = action[1]
+        if op == "I":
+            waiting += 1
+            if waiting > peak:
+                peak = waiting
+        elif op == "W":
+            waiting -= 1
+    return peak

@@ -97,6 +97,7 @@ def test_zbv_matches_torchs_makespan_and_bounds_waiting_weight_gradients(P, N):
                 waiting += {"I": 1, "W": -1}.get(action.op, 0)
                 most = max(most, waiting)
             assert most <= r + 1
+            assert result.ranks[r].peak_waiting_w == most  # what simulate reports
     else:  # no limit with fewer microbatches: shorter than torch's
         assert result.makespan < TORCH_ZBV_MAKESPAN[P, N]
 

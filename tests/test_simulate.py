@@ -318,7 +318,7 @@ def test_to_json_is_plain_numbers():
     data = simulate(one_f_one_b(4, 8)).to_json()
     assert data == json.loads(json.dumps(data))
     assert data["makespan"] == 33 and data["bubble_ratio"] == pytest.approx(3 / 11)
-    assert data["ranks"][0] == {"busy": 24, "idle": 9, "peak_activations": 4}
+    assert data["ranks"][0] == {"busy": 24, "idle": 9, "peak_activations": 4, "peak_waiting_w": 0}
     assert all(type(v) in (int, float) for rank in data["ranks"] for v in rank.values())
 
 

@@ -23,9 +23,11 @@ def run(args) -> int:
         f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {_num(result.makespan)}, "
         f"bubble ratio {result.bubble_text()}"
     ]
+    split = any(action.op == "I" for row in compiled.program.ranks for action in row)
     for rank, stats in enumerate(result.ranks):
         lines.append(
             f"  rank {rank}: busy {_num(stats.busy)}, idle {_num(stats.idle)}, peak activations {stats.peak_activations}"
+            + (f", W waiting at most {stats.peak_waiting_w}" if split else "")
         )
     write_output("\n".join(lines), None)
     return 0
