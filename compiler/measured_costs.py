@@ -27,7 +27,7 @@ from statistics import median
 from typing import Any, NamedTuple
 
 from pipec.compiler.ir import BATCH, RECV_B, RECV_F, SEND_B, SEND_F, Program
-from pipec.compiler.trace_events import compute_events, event_action, event_step, events_of
+from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step, events_of
 from pipec.errors import UsageError
 
 OPS = ("F", "B", "I", "W")
@@ -100,7 +100,7 @@ def _posting_times(document: Any, program: Program, name: str, measured: list[in
             _, action = event_action(event, program, name)
             if action.op in _POSTING:
                 parts = len(action.parts) if action.op == BATCH else 1
-                out += [float(event["dur"]) / parts] * parts
+                out += [max(float(event["dur"]), 0.0) / parts] * parts
     return out
 
 
@@ -113,11 +113,8 @@ def _with_whole_backward(ops: dict[str, float]) -> dict[str, float]:
 
 def _compute_us(event: dict) -> float:
     """The event's own compute time: ``compute_us``, or its duration less its wait for traces without it."""
-    args = event.get("args") or {}
-    value = args.get("compute_us")
-    if isinstance(value, (int, float)):
-        return max(float(value), 0.0)
-    return max(float(event["dur"]) - float(args.get("wait_us", 0) or 0), 0.0)
+    own = event_number(event, "compute_us", float(event["dur"]) - event_number(event, "wait_us"))
+    return max(own, 0.0)
 
 
 def _ms(microseconds: float) -> float:

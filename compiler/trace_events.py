@@ -10,6 +10,7 @@ traces through these functions, so both accept and reject the same files.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pipec.compiler.ir import Action, Program
@@ -29,16 +30,37 @@ def events_of(document: Any, category: str) -> list[dict]:
     out = []
     for event in events:
         if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") == category:
-            if not all(isinstance(event.get(key), (int, float)) for key in ("ts", "dur")):
-                raise UsageError(f"trace event {event.get('name')!r} has no numeric ts and dur")
+            if not all(_is_number(event.get(key)) for key in ("ts", "dur")):
+                raise UsageError(f"trace event {event.get('name')!r} has no finite numeric ts and dur")
             out.append(event)
     return out
 
 
+def _is_number(value: Any) -> bool:
+    """A finite JSON number (``true`` is not one, though Python's bool is an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def event_args(event: dict) -> dict:
+    """The event's ``args`` object ({} when it has none, or something else)."""
+    args = event.get("args")
+    return args if isinstance(args, dict) else {}
+
+
+def event_number(event: dict, key: str, default: float = 0.0) -> float:
+    """``args[key]`` as a finite number, ``default`` when absent or not one."""
+    value = event_args(event).get(key)
+    return float(value) if _is_number(value) else default
+
+
 def event_step(event: dict) -> int:
     """The training step of an event (1 when it does not say)."""
-    step = (event.get("args") or {}).get("step", 1)
-    return step if isinstance(step, int) else 1
+    step = event_args(event).get("step", 1)
+    return step if _is_index(step) else 1
 
 
 def event_action(event: dict, program: Program, name: str) -> tuple[int, Action]:
@@ -48,13 +70,13 @@ def event_action(event: dict, program: Program, name: str) -> tuple[int, Action]
         UsageError: the event's rank or instruction is not the program's
             (a trace of another schedule or other parameters).
     """
-    rank, index = event.get("pid"), (event.get("args") or {}).get("index")
-    if not isinstance(rank, int) or not 0 <= rank < program.num_ranks:
+    rank, index = event.get("pid"), event_args(event).get("index")
+    if not _is_index(rank) or not 0 <= rank < program.num_ranks:
         raise UsageError(f"{name}: event {event.get('name')!r} is on rank {rank!r}, "
                          f"but the program has {program.num_ranks} ranks (another schedule or other -D values?)")
     row = program.ranks[rank]
-    if not isinstance(index, int) or not 0 <= index < len(row) or row[index].text() != event.get("name"):
-        found = row[index].text() if isinstance(index, int) and 0 <= index < len(row) else "nothing"
+    if not _is_index(index) or not 0 <= index < len(row) or row[index].text() != event.get("name"):
+        found = row[index].text() if _is_index(index) and 0 <= index < len(row) else "nothing"
         raise UsageError(f"{name}: rank {rank}'s event {event.get('name')!r} (instruction {index!r}) does not match "
                          f"the program, which has {found} there (another schedule or other -D values?)")
     return rank, row[index]
@@ -67,4 +89,4 @@ def recorded(document: Any, key: str, kind: type = str):
     return value if isinstance(value, kind) else None
 
 
-__all__ = ["compute_events", "event_action", "event_step", "events_of", "recorded"]
+__all__ = ["compute_events", "event_action", "event_args", "event_number", "event_step", "events_of", "recorded"]

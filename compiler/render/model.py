@@ -17,7 +17,7 @@ from typing import Any
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Program
 from pipec.compiler.simulate import Number, SimResult, Slot
-from pipec.compiler.trace_events import compute_events, event_action, event_step
+from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step
 from pipec.errors import UsageError
 
 # The measured panel's time unit: trace events are in microseconds.
@@ -143,9 +143,9 @@ def _measured_timeline(events: list[dict], program: Program, step: int | None, n
     for event in events:
         if event_step(event) == chosen:
             rank, action = event_action(event, program, name)
-            args = event.get("args") or {}
             start = float(event["ts"])
-            lanes[rank].append((start + float(args.get("wait_us", 0)), start + float(event["dur"]), action))
+            end = start + max(float(event["dur"]), 0.0)
+            lanes[rank].append((min(start + max(event_number(event, "wait_us"), 0.0), end), end, action))
     origin = min(start for lane in lanes for start, _, _ in lane)
     scale = 1.0 / _US_PER_MEASURED_UNIT
     boxes = [
