@@ -406,7 +406,7 @@ def test_render_trace_finds_the_schedule_the_trace_names(capsys, tmp_path):
     assert status == 1 and "does not match the program" in err
 
 
-def test_render_trace_compiles_the_file_and_costs_the_run_recorded_from_any_folder(capsys, tmp_path, monkeypatch):
+def test_render_trace_redraws_the_file_the_run_recorded_from_any_folder_priced_by_the_run(capsys, tmp_path, monkeypatch):
     source = tmp_path / "mine.pipe"
     shipped = Path(__file__).resolve().parents[1] / "schedules" / "gpipe.pipe"
     source.write_text(shipped.read_text().replace("schedule gpipe(", "schedule my_gpipe("))
@@ -420,10 +420,18 @@ def test_render_trace_compiles_the_file_and_costs_the_run_recorded_from_any_fold
     monkeypatch.chdir(elsewhere)
     status, _, err = run_cli(capsys, "render", "--trace", str(tmp_path / "run.json"), "-o", "cmp.svg")
     assert (status, err) == (0, "")
-    [(_, measured, _), (_, predicted, _)] = svg_panels((elsewhere / "cmp.svg").read_text())
-    # the prediction priced with the run's costs: gpipe P=2 N=3, F=1, B=3 -> makespan (N + P - 1) * 4 = 16
+    text = (elsewhere / "cmp.svg").read_text()
+    [(_, measured, _), (_, predicted, _)] = svg_panels(text)
+    # without --costs the prediction is priced with the times the run measured, in ms: this run went exactly
+    # as planned (the plan stretched to 4 ms per unit in its last step), so both panels end together
+    end = max(box[4] for lane in measured for box in lane)
+    assert end == pytest.approx(16 * 4) and max(box[4] for lane in predicted for box in lane) == pytest.approx(end)
+    assert "predicted (simulator): makespan 64 ms" in text
+    # with --costs, that file prices it: gpipe P=2 N=3, F=1, B=3 -> makespan (N + P - 1) * 4 = 16 units
+    status, _, err = run_cli(capsys, "render", "--trace", str(tmp_path / "run.json"), "-o", "cmp.svg", "--costs", str(costs))
+    assert (status, err) == (0, "")
+    [_, (_, predicted, _)] = svg_panels((elsewhere / "cmp.svg").read_text())
     assert max(box[4] for lane in predicted for box in lane) == pytest.approx(16)
-    assert len(measured) == 2
     # a recorded file that is gone is named, not guessed
     source.unlink()
     status, _, err = run_cli(capsys, "render", "--trace", str(tmp_path / "run.json"), "-o", "cmp.svg")

@@ -51,7 +51,9 @@ def form_of(path: str) -> str:
     return suffix
 
 
-def write_timeline(result: SimResult, program: Program, path: str, *, measured: Timeline | None = None) -> None:
+def write_timeline(
+    result: SimResult, program: Program, path: str, *, measured: Timeline | None = None, unit: str = ""
+) -> None:
     """Write the timeline of a simulated program; the suffix of ``path`` picks SVG, HTML or Chrome trace JSON.
 
     Args:
@@ -60,6 +62,7 @@ def write_timeline(result: SimResult, program: Program, path: str, *, measured: 
         path: where to write; ends in .svg, .html or .json.
         measured: a measured run of ``program`` to draw above the prediction
             (``timeline_from_trace``); SVG and HTML only.
+        unit: the cost model's time unit ("" for abstract units), for the axis.
     Raises:
         UsageError: another suffix, a measured run with .json, or a file that cannot be written.
     """
@@ -72,7 +75,7 @@ def write_timeline(result: SimResult, program: Program, path: str, *, measured: 
         if form == TRACE_FORM:
             text = json.dumps(chrome_trace(result, program), separators=(",", ":"))
         else:
-            text = TIMELINE_FORMS[form](make_drawing(result, program, measured))
+            text = TIMELINE_FORMS[form](make_drawing(result, program, measured, unit))
     _write(path, text)
 
 

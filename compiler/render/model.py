@@ -70,29 +70,31 @@ class Drawing:
         return {slot[2][1] for panel in self.panels for lane in panel.boxes for slot in lane}
 
 
-def make_drawing(result: SimResult, program: Program, measured: Timeline | None = None) -> Drawing:
+def make_drawing(result: SimResult, program: Program, measured: Timeline | None = None, unit: str = "") -> Drawing:
     """The drawing of a simulated program, with a measured run above it when given.
 
     Args:
         result: ``simulate(program)``.
         program: the program simulated.
         measured: ``timeline_from_trace`` of a run of the same program, or None.
+        unit: the time unit of ``result``'s costs ("" for abstract units).
     Returns:
         the ``Drawing``; its heading carries the predicted makespan and bubble ratio.
     """
-    predicted = timeline_from_simulation(result)
-    heading = f"{program.name} ({format_params(program.params)}): makespan {format_time(result.makespan)}, " \
+    predicted = timeline_from_simulation(result, unit)
+    heading = f"{program.name} ({format_params(program.params)}): makespan {format_time(result.makespan, unit)}, " \
               f"bubble ratio {result.bubble_text()}"
     panels = [measured, predicted] if measured is not None else [predicted]
     stage_chunk = [stage.chunk for stage in program.stages]
     return Drawing(heading, panels, stage_chunk, len(program.stages) > program.num_ranks)
 
 
-def timeline_from_simulation(result: SimResult) -> Timeline:
+def timeline_from_simulation(result: SimResult, unit: str = "") -> Timeline:
     """The predicted panel.
 
     Args:
         result: a simulation.
+        unit: the time unit of its costs ("" for abstract units).
     Returns:
         a ``Timeline`` whose boxes are ``result``'s compute slots themselves.
     """
@@ -103,8 +105,8 @@ def timeline_from_simulation(result: SimResult) -> Timeline:
         boxes.append([slot for slot in lane if not slot[3]] if has_comms else lane)
         comms.append([slot for slot in lane if slot[3]] if has_comms else [])
     notes = [_note(stats.busy, result.makespan, stats.peak_activations) for stats in result.ranks]
-    title = f"predicted (simulator): makespan {format_time(result.makespan)}, bubble ratio {result.bubble_text()}"
-    return Timeline(title, result.makespan, result.bubble_ratio, boxes, comms, notes)
+    title = f"predicted (simulator): makespan {format_time(result.makespan, unit)}, bubble ratio {result.bubble_text()}"
+    return Timeline(title, result.makespan, result.bubble_ratio, boxes, comms, notes, unit)
 
 
 def timeline_from_trace(document: Any, program: Program, step: int | None = None, name: str = "trace") -> Timeline:

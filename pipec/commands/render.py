@@ -2,7 +2,9 @@
 
 * ``.svg`` / ``.html``: the simulated timeline (HTML: hover tips, zoom, legend);
   with ``--trace RUN.json`` (written by ``pipec run --trace``), the measured
-  timeline of one training step above the predicted one;
+  timeline of one training step above the predicted one, which, without
+  ``--costs``, is priced with the times the run measured (``pipec costs``), so
+  both panels are in milliseconds;
 * ``.json``: the simulated timeline as a Chrome / Perfetto trace;
 * ``.dot`` / ``.png``: the task dependency graph, ranks as clusters. A program
   that fails the deadlock check is still drawn, its wait-for cycle in red (a
@@ -58,8 +60,9 @@ def run(args) -> int:
     if args.step is not None and trace is None:
         raise UsageError("--step picks a step of --trace; give --trace RUN.json")
     target, defines = target_of_run(args, trace, "render")
-    if trace is not None and args.costs is None:
-        args.costs = recorded(trace, "costs")  # the run's own costs, when its order depended on them
+    priced_by_run = trace is not None and args.costs is None
+    if priced_by_run:
+        args.costs = recorded(trace, "costs")  # compile what ran: its order may have depended on these
     costs = load_costs(args)
     if form in GRAPH_FORMS:
         program, cycle = _program_for_graph(target, defines, costs, args.budget)
@@ -72,11 +75,15 @@ def run(args) -> int:
         from pipec.compiler.simulate import simulate
 
         program = _checked_program(target, defines, costs, args.budget)
-        result = simulate(program, costs)
-        measured = None
+        measured, pricing, unit = None, costs, ""
         if trace is not None:
             measured = timeline_from_trace(trace, program, args.step, name=os.path.basename(args.trace))
-        write_timeline(result, program, args.output, measured=measured)
+        if priced_by_run:  # no --costs: the prediction is priced with the times the run measured, in its ms
+            from pipec.compiler.costs import costs_from_json
+            from pipec.compiler.measured_costs import UNIT, measure_costs
+
+            pricing, unit = costs_from_json(measure_costs(trace, program, args.trace).data), UNIT
+        write_timeline(simulate(program, pricing), program, args.output, measured=measured, unit=unit)
     write_output(f"wrote {args.output}", None)
     return 0
 
