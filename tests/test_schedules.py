@@ -170,3 +170,29 @@ def test_every_shipped_schedule_compiles_checks_and_simulates(name, P, N):
     assert 0 <= result.bubble_ratio < 1
     has_comms = any(a.op in COMM_OPS or a.op == BATCH for row in program.ranks for a in row)
     assert has_comms
+
+
+ZB_GREEDY = """
+schedule zb_greedy(P: ranks = 4, N: microbatches = 2 * P) {
+  stages P
+  place stage s on rank s
+  backward split
+  order greedy {
+    inflight on rank r <= P - r
+    deferred on rank r <= r + 1
+    prefer I, F, W
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("P,N", [(2, 5), (4, 4), (4, 8), (8, 16)])
+def test_a_greedy_zero_bubble_policy_meets_zb_h1_with_bounded_weight_gradients(tmp_path, P, N):
+    # docs/language.md's policy: no Python written for it, ZB-H1's bubble and memory, W bounded like zb_h1's
+    path = tmp_path / "zb_greedy.pipe"
+    path.write_text(ZB_GREEDY)
+    compiled = compile_target(str(path), {"P": str(P), "N": str(N)})
+    result = simulate(compiled.program)
+    assert result.bubble_fraction() == Fraction(P - 1, 3 * N + P - 1)
+    assert [r.peak_activations for r in result.ranks] == [P - r for r in range(P)]
+    assert [r.peak_waiting_w for r in result.ranks] == [min(r + 1, N) for r in range(P)]
