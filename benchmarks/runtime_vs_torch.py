@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", metavar="SCHEDULE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config = dict(DEFAULT_CONFIG, **_int_pairs(args.config))
-    if args.worker:
-        return _worker(args.worker, config, args.pairs, args.warmup)
+    if args.worker:  # ends as pipec's workers end: no interpreter teardown after the group is left
+        from pipec.runtime.worker import end_process
+
+        end_process(_worker(args.worker, config, args.pairs, args.warmup))
     return _compare(args, config)
 
 
