@@ -26,13 +26,12 @@ from collections import defaultdict
 from statistics import median
 from typing import Any, NamedTuple
 
-from pipec.compiler.ir import BATCH, RECV_B, RECV_F, SEND_B, SEND_F, Program
+from pipec.compiler.ir import BATCH, COMM_OPS, COMPUTE_OPS, Program
 from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step, events_of
 from pipec.errors import UsageError
 
-OPS = ("F", "B", "I", "W")
 # Instructions that post messages (all-reduces are not priced per message).
-_POSTING = (SEND_F, SEND_B, RECV_F, RECV_B, BATCH)
+_POSTING = COMM_OPS + (BATCH,)
 UNIT = "ms"
 _US_PER_UNIT = 1000.0
 _DIGITS = 4  # decimals kept, in ms: 0.1 microsecond
@@ -79,7 +78,7 @@ def measure_costs(document: Any, program: Program, name: str = "trace") -> Measu
     by_op: dict[str, list[float]] = defaultdict(list)
     for (_, op), values in times.items():
         by_op[op] += values
-    compute: dict[str, Any] = _with_whole_backward({op: _ms(median(by_op[op])) for op in OPS if op in by_op})
+    compute: dict[str, Any] = _with_whole_backward({op: _ms(median(by_op[op])) for op in COMPUTE_OPS if op in by_op})
     per_chunk: dict[str, dict[str, float]] = {}
     for chunk, op in sorted(times):
         per_chunk.setdefault(str(chunk), {})[op] = _ms(median(times[chunk, op]))
@@ -108,7 +107,7 @@ def _with_whole_backward(ops: dict[str, float]) -> dict[str, float]:
     """``ops`` with B = I + W when it has I and W but no B, in F B I W order."""
     if "B" not in ops and "I" in ops and "W" in ops:
         ops = {**ops, "B": round(ops["I"] + ops["W"], _DIGITS)}
-    return {op: ops[op] for op in OPS if op in ops}
+    return {op: ops[op] for op in COMPUTE_OPS if op in ops}
 
 
 def _compute_us(event: dict) -> float:
@@ -121,4 +120,4 @@ def _ms(microseconds: float) -> float:
     return round(microseconds / _US_PER_UNIT, _DIGITS)
 
 
-__all__ = ["OPS", "UNIT", "MeasuredCosts", "measure_costs"]
+__all__ = ["UNIT", "MeasuredCosts", "measure_costs"]

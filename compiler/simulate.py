@@ -41,6 +41,7 @@ from fractions import Fraction
 from operator import itemgetter
 from typing import NamedTuple, Union
 
+from pipec.compiler.checks.memory import peak_waiting_w
 from pipec.compiler.costs import CostModel
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import (
@@ -528,7 +529,7 @@ class _Simulation:
     def _result(self) -> SimResult:
         allreduce_ends = [t for t in self.ready[_ALLREDUCE * self.space:] if t is not None]
         makespan = max(self.clock + allreduce_ends, default=0)
-        ranks = [RankStats(busy, makespan - busy, peak, _peak_waiting_w(row))
+        ranks = [RankStats(busy, makespan - busy, peak, peak_waiting_w(row))
                  for busy, peak, row in zip(self.busy, self.peak, self.program.ranks)]
         bubble = 1 - sum(self.busy) / (makespan * self.num_ranks) if makespan else 0.0
         timeline = []
@@ -577,16 +578,3 @@ def _has_comms(program: Program) -> bool:
     op_of = itemgetter(1)
     return any(not comm_ops.isdisjoint(map(op_of, row)) for row in program.ranks)
 
-
-def _peak_waiting_w(row) -> int:
-    """Along a rank's list, the most I whose W has not come yet."""
-    waiting = peak = 0
-    for action in row:
-        op = action[1]
-        if op == "I":
-            waiting += 1
-            if waiting > peak:
-                peak = waiting
-        elif op == "W":
-            waiting -= 1
-    return peak

@@ -36,7 +36,8 @@ def register(sub) -> None:
 def run(args) -> int:
     from pipec.compiler.costs import load_costs
     from pipec.compiler.driver import compile_target
-    from pipec.compiler.measured_costs import OPS, UNIT, measure_costs
+    from pipec.compiler.ir import COMPUTE_OPS
+    from pipec.compiler.measured_costs import UNIT, measure_costs
     from pipec.compiler.trace_events import recorded
 
     trace = read_json(args.trace, "trace")
@@ -49,7 +50,7 @@ def run(args) -> int:
         return 0
     write_output(dump_json(measured.data), args.output)
     per_chunk = measured.data["compute"]["per_chunk"]
-    ops = [op for op in OPS if any(op in times for times in per_chunk.values())]
+    ops = [op for op in COMPUTE_OPS if any(op in times for times in per_chunk.values())]
     steps = measured.steps
     lines = [
         f"{program.name} ({describe_params(program.params)}), steps {steps[0]}..{steps[-1]} of {args.trace}: "
