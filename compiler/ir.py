@@ -14,38 +14,46 @@ the emitters and the runtime read. It is deliberately plain data:
   their weight gradients are all-reduced.
 * ``Program``: stages, pipelines, the pipeline each microbatch rides, and one
   instruction list per rank.
+* ``Communicator``: a group of ranks that meets in collectives. Groups are
+  explicit in the program (``Program.communicators``), created once on every
+  rank in list order; a collective instruction meets on the communicator its
+  rule names (``ops.OpRule.communicator``).
 
-Messages are untagged: a message is identified by the tensor it carries,
-``tensor_of(action)``, and matched FIFO per ordered pair of ranks.
+Messages are untagged: a message is identified by the value it carries,
+``tensor_of(action)`` (from the op's rule), and matched FIFO per ordered pair
+of ranks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
-# Compute ops of the activation-passing family. F: forward; B: full backward;
-# I: backward for the input gradient; W: backward for the weight gradient.
-F, B, I, W = "F", "B", "I", "W"
-COMPUTE_OPS = (F, B, I, W)
-
-# Point-to-point communication. SEND_F/RECV_F carry an activation forward,
-# SEND_B/RECV_B a gradient backward. On a SEND the stage is the producer's; on a
-# RECV it is the consumer's (torch's convention).
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-SEND_OPS = (SEND_F, SEND_B)
-RECV_OPS = (RECV_F, RECV_B)
-COMM_OPS = SEND_OPS + RECV_OPS
-
-# A group of communications posted together and waited together.
-BATCH = "BATCH"
-# Drop a stored tensor: FREE_F drops the saved activation of (stage, mb) once no
-# backward needs it; emitted by liveness, ignored by torch's CSV.
-FREE_F = "FREE_F"
-# All-reduce of a replicated stage's weight gradients between its replicas
-# (stage = this rank's replica, mb = -1); ALLREDUCE_WAIT waits for it before the
-# optimizer step.
-ALLREDUCE_GRAD = "ALLREDUCE_GRAD"
-ALLREDUCE_WAIT = "ALLREDUCE_WAIT"
+# The op names and what each op does live in the rule table (``ops.py``);
+# they are re-exported here because every pass speaks of them.
+from pipec.compiler.ops import (  # noqa: F401  (re-exported)
+    ALLREDUCE_GRAD,
+    ALLREDUCE_WAIT,
+    B,
+    BATCH,
+    COLLECTIVE_OPS,
+    COMM_OPS,
+    COMPUTE_OPS,
+    F,
+    FREE_F,
+    I,
+    NEXT,
+    PART_RULES,
+    PREV,
+    RECV_B,
+    RECV_F,
+    RECV_OPS,
+    REPLICAS_OF_CHUNK,
+    RULES,
+    SEND_B,
+    SEND_F,
+    SEND_OPS,
+    W,
+)
 
 NO_PEER = -1
 
@@ -86,6 +94,11 @@ class Action(NamedTuple):
     def is_comm(self) -> bool:
         return self.op in COMM_OPS or self.op == BATCH
 
+    @property
+    def rule(self):
+        """This op's ``ops.OpRule`` (KeyError for an op the table does not know)."""
+        return RULES[self.op]
+
     def comms(self) -> tuple["Action", ...]:
         """The point-to-point operations this instruction posts (itself, or a batch's parts)."""
         if self.op == BATCH:
@@ -124,6 +137,41 @@ class StageInfo:
         return self.position
 
 
+@dataclass(frozen=True)
+class Communicator:
+    """A group of ranks that meets in collectives.
+
+    Attributes:
+        id: index into ``Program.communicators``; every rank creates the
+            groups in this order (torch.distributed requires one order).
+        ranks: its members, ascending.
+        purpose: which collectives meet on it (an ``ops`` communicator name,
+            e.g. ``REPLICAS_OF_CHUNK``).
+        key: what the purpose is about (for the replicas: the model chunk).
+    """
+
+    id: int
+    ranks: tuple[int, ...]
+    purpose: str
+    key: int
+
+
+def replica_communicators(stages: list[StageInfo], pipelines: list[list[int]]) -> list[Communicator]:
+    """One communicator per replicated model chunk, in chunk order: the ranks holding its replicas.
+
+    A chunk whose replicas all sit on one rank gets one too (a single
+    member; the runtime has nothing to reduce there), so that every
+    collective instruction names a communicator.
+    """
+    out: list[Communicator] = []
+    if len(pipelines) < 2:
+        return out
+    for position in range(len(pipelines[0])):
+        ranks = tuple(sorted({stages[line[position]].rank for line in pipelines if position < len(line)}))
+        out.append(Communicator(len(out), ranks, REPLICAS_OF_CHUNK, position))
+    return out
+
+
 @dataclass
 class Program:
     """A compiled (or imported) schedule: one instruction list per rank.
@@ -140,6 +188,8 @@ class Program:
         devices: optional rank -> device mapping (BitPipe keeps replicas on
             adjacent devices); the identity when None.
         source: where it came from (a path, "torch-csv", ...), for messages.
+        communicators: the groups its collectives meet on; derived from the
+            pipelines (``replica_communicators``) when not given.
     """
 
     name: str
@@ -152,6 +202,11 @@ class Program:
     params: dict[str, int] = field(default_factory=dict)
     devices: list[int] | None = None
     source: str = ""
+    communicators: list[Communicator] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.communicators:
+            self.communicators = replica_communicators(self.stages, self.pipelines)
 
     # -- stage graph -------------------------------------------------------------
 
@@ -185,6 +240,14 @@ class Program:
         pipeline = self.stages[stage].pipeline
         return [m for m, p in enumerate(self.mb_pipeline) if p == pipeline]
 
+    def communicator_of(self, action: Action) -> Communicator | None:
+        """The communicator a collective instruction meets on, or None when it names none that exists."""
+        purpose = RULES[action.op].communicator
+        if purpose == REPLICAS_OF_CHUNK and 0 <= action.stage < len(self.stages):
+            key = self.stages[action.stage].position
+            return next((c for c in self.communicators if c.purpose == purpose and c.key == key), None)
+        return None
+
     def grid(self) -> list[list[str]]:
         """The program as text tokens, one list per rank (for error windows)."""
         return [[a.text() for a in row] for row in self.ranks]
@@ -194,22 +257,68 @@ class Program:
 
 
 def tensor_of(action: Action, program: Program) -> tuple[str, int, int]:
-    """The tensor a send or receive carries, as (kind, producer stage, mb).
+    """The value a send or receive carries, as (value kind, producer stage, mb).
 
-    An activation is named by the stage that produced it; a gradient by the
-    stage whose backward produced it. A RECV names its consumer stage (torch's
-    convention), so its producer is the neighbour along the pipeline.
+    From the op's rule: a send carries its own stage's value, a receive (which
+    names its consumer stage, torch's convention) its neighbour's.
     """
-    op = action.op
-    if op == SEND_F:
-        return ("act", action.stage, action.mb)
-    if op == SEND_B:
-        return ("grad", action.stage, action.mb)
-    if op == RECV_F:
-        return ("act", program.prev_stage(action.stage), action.mb)
-    if op == RECV_B:
-        return ("grad", program.next_stage(action.stage), action.mb)
-    raise ValueError(f"{action.text()} carries no tensor")
+    rule = PART_RULES.get(action.op)
+    if rule is None:
+        raise ValueError(f"{action.text()} carries no tensor")
+    if rule.where == PREV:
+        return (rule.kind, program.prev_stage(action.stage), action.mb)
+    if rule.where == NEXT:
+        return (rule.kind, program.next_stage(action.stage), action.mb)
+    return (rule.kind, action.stage, action.mb)
+
+
+class StageTables(NamedTuple):
+    """Per-stage facts as flat lists indexed by stage id (cheap inner loops).
+
+    Attributes:
+        home: the rank that runs the stage.
+        prev: the stage before it in its pipeline, or -1.
+        next: the stage after it in its pipeline, or -1.
+        pipeline: the pipeline it belongs to.
+        chunk: the model chunk it computes (its position; replicas share it).
+    """
+
+    home: list[int]
+    prev: list[int]
+    next: list[int]
+    pipeline: list[int]
+    chunk: list[int]
+
+    def neighbour(self, where: str) -> list[int]:
+        """The stage at ``where`` (ops.SELF, PREV or NEXT) of each stage, -1 where there is none."""
+        if where == PREV:
+            return self.prev
+        if where == NEXT:
+            return self.next
+        return list(range(len(self.home)))
+
+
+def stage_tables(program: Program) -> StageTables:
+    """The stage graph of ``program`` as flat lists (every pass that walks stages uses these).
+
+    Args:
+        program: any program.
+    Returns:
+        ``StageTables`` with one entry per stage id.
+    """
+    count = len(program.stages)
+    prev, nxt = [-1] * count, [-1] * count
+    for line in program.pipelines:
+        for before, after in zip(line, line[1:]):
+            nxt[before] = after
+            prev[after] = before
+    return StageTables(
+        [s.rank for s in program.stages],
+        prev,
+        nxt,
+        [s.pipeline for s in program.stages],
+        [s.position for s in program.stages],
+    )
 
 
 def single_pipeline(stage_ranks: list[int], num_microbatches: int) -> tuple[list[StageInfo], list[list[int]], list[int]]:

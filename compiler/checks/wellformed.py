@@ -25,72 +25,14 @@ from __future__ import annotations
 import operator
 from typing import NamedTuple
 
-from pipec.compiler.ir import (
-    ALLREDUCE_GRAD,
-    ALLREDUCE_WAIT,
-    BATCH,
-    FREE_F,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    B,
-    F,
-    I,
-    W,
-    Action,
-    Program,
-)
+from pipec.compiler.ir import Action, Program, StageTables, stage_tables
+from pipec.compiler.ops import OP_OF_CODE, OPS, TASK_CODE
 from pipec.errors import WellFormedError
 
-# Task codes: the low two bits of a task key.
-TASK_CODE = {F: 0, B: 1, I: 2, W: 3}
-OP_OF_CODE = (F, B, I, W)
 NOWHERE = -1
 
 _op_of = operator.itemgetter(1)
 _present = NOWHERE.__lt__  # where[key] > -1: the task appears
-
-
-class StageTables(NamedTuple):
-    """Per-stage facts as flat lists indexed by stage id (cheap inner loops).
-
-    Attributes:
-        home: the rank that runs the stage.
-        prev: the stage before it in its pipeline, or -1.
-        next: the stage after it in its pipeline, or -1.
-        pipeline: the pipeline it belongs to.
-        chunk: the model chunk it computes (its position; replicas share it).
-    """
-
-    home: list[int]
-    prev: list[int]
-    next: list[int]
-    pipeline: list[int]
-    chunk: list[int]
-
-
-def stage_tables(program: Program) -> StageTables:
-    """The stage graph of ``program`` as flat lists.
-
-    Args:
-        program: any program.
-    Returns:
-        ``StageTables`` with one entry per stage id.
-    """
-    count = len(program.stages)
-    prev, nxt = [-1] * count, [-1] * count
-    for line in program.pipelines:
-        for before, after in zip(line, line[1:]):
-            nxt[before] = after
-            prev[after] = before
-    return StageTables(
-        [s.rank for s in program.stages],
-        prev,
-        nxt,
-        [s.pipeline for s in program.stages],
-        [s.position for s in program.stages],
-    )
 
 
 def task_key(stage: int, op: str, mb: int, num_microbatches: int) -> int:
@@ -192,8 +134,8 @@ def check_well_formed(program: Program, *, tasks: TaskIndex | None = None, table
     _check_dependencies(program, tables, tasks)
 
 
-# What an activation-passing program may hold besides its compute tasks.
-KNOWN_OPS = frozenset((F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, BATCH, FREE_F, ALLREDUCE_GRAD, ALLREDUCE_WAIT))
+# Every op the rule table knows.
+KNOWN_OPS = frozenset(OPS)
 
 
 def _check_known_ops(program: Program) -> None:

@@ -1,0 +1,394 @@
+"""The rule table: every instruction kind of the IR, written down once.
+
+Every pass after evaluation (lowering, the checks, liveness, the simulator,
+the task-graph renderer, the emitters, the trace and the runtime's
+interpreter) reads what an instruction does from here, as JAX keeps one rule
+per primitive. A pass may turn the rules into flat integer tables for speed;
+those encodings are derived at the bottom of this module, in one place, from
+the rules above them.
+
+Values. A program names every tensor it moves or keeps. A value is of a
+``ValueKind`` (an activation, a gradient, what a forward saves for its
+backward, a weight, a KV piece, ...), identified by an index (for the
+activation-passing family: the stage that made it and the microbatch), and
+has a size class and a dtype class, so memory can be counted in bytes per
+class. ``Value`` is one such tensor; ``describe`` names it for people.
+
+Rules. An ``OpRule`` says, for one op: its category (compute, send, receive,
+batch, free, collective), its family, the values it reads and writes (each
+relative to the instruction's stage: its own, the previous or the next stage
+of its pipeline), the values whose life ends there, the value a send or
+receive carries, where it runs, the Action fields it uses, how torch's CSV
+writes it and its trace category.
+
+Adding a task kind is one entry in ``RULES`` plus its handler in the runtime's
+interpreter; ``docs/ir.md`` walks through an example, and
+``tests/test_ops_table.py`` fails when a pass has no rule for an op.
+"""
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+# ------------------------------------------------------------------ families
+
+ACTIVATION_PASSING = "activation passing"
+WEIGHT_PASSING = "weight passing"
+SEQUENCE_RING = "sequence ring"
+FAMILIES = (ACTIVATION_PASSING, WEIGHT_PASSING, SEQUENCE_RING)
+
+# --------------------------------------------------------------------- values
+
+# Size classes: what a value's byte size scales with.
+SIZE_ACTIVATION = "activation"  # microbatch x sequence x hidden: one stage boundary's tensor
+SIZE_WEIGHT = "weight"          # a chunk's (or layer's) parameters
+SIZE_SHARD = "shard"            # a 1/n slice of a weight
+SIZE_KV = "kv"                  # one key/value piece of a sequence chunk
+SIZE_STATS = "stats"            # per-row softmax statistics (out's log-sum-exp)
+SIZE_CLASSES = (SIZE_ACTIVATION, SIZE_WEIGHT, SIZE_SHARD, SIZE_KV, SIZE_STATS)
+
+# Dtype classes: the run's compute dtype (bf16 under mixed precision) or fp32
+# (master weights, gradient reductions, softmax statistics).
+DTYPE_COMPUTE = "compute"
+DTYPE_FP32 = "fp32"
+
+
+class ValueKind(NamedTuple):
+    """A kind of tensor a program moves or keeps.
+
+    Attributes:
+        name: short id used in the rules (``"act"``).
+        words: what people call it (``"activation"``).
+        family: the workload family that uses it.
+        index: what identifies one value of the kind, in order.
+        size_class, dtype_class: see the constants above.
+        counter: the memory count it is reported in (``"activations"`` is
+            today's ``peak_activations``), or None when it is counted only in bytes.
+    """
+
+    name: str
+    words: str
+    family: str
+    index: tuple[str, ...]
+    size_class: str
+    dtype_class: str
+    counter: str | None = None
+
+
+_STAGE_MB = ("stage", "mb")
+
+VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
+    # activation passing
+    ValueKind("act", "activation", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE),
+    ValueKind("grad", "gradient", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE),
+    ValueKind("saved", "saved activation", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE,
+              "activations"),
+    ValueKind("wstash", "weight-gradient inputs", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE,
+              "waiting_w"),
+    ValueKind("wgrad", "weight gradient", ACTIVATION_PASSING, ("chunk",), SIZE_WEIGHT, DTYPE_FP32),
+    # weight passing (the weight-passing issue adds its ops)
+    ValueKind("weight", "weight", WEIGHT_PASSING, ("layer", "pass", "round"), SIZE_WEIGHT, DTYPE_COMPUTE),
+    ValueKind("wgrad_partial", "weight-gradient partial", WEIGHT_PASSING, ("layer", "round"), SIZE_WEIGHT, DTYPE_FP32),
+    ValueKind("shard", "weight shard", WEIGHT_PASSING, ("layer", "shard"), SIZE_SHARD, DTYPE_FP32),
+    # sequence rings (the ring-attention issue adds its ops)
+    ValueKind("kv", "KV piece", SEQUENCE_RING, ("holder", "piece", "pass"), SIZE_KV, DTYPE_COMPUTE),
+    ValueKind("dkv", "dKV partial", SEQUENCE_RING, ("holder", "piece", "hop"), SIZE_KV, DTYPE_FP32),
+    ValueKind("stats", "softmax statistics", SEQUENCE_RING, ("chunk",), SIZE_STATS, DTYPE_FP32),
+)}
+
+
+class Value(NamedTuple):
+    """One tensor of a program: its kind and its index (for ``act``: producer stage, microbatch)."""
+
+    kind: str
+    index: tuple[int, ...]
+
+
+# ---------------------------------------------------------------------- rules
+
+# Categories: how an instruction takes part in a program.
+COMPUTE = "compute"          # a task of the family's dataflow
+SEND = "send"                # point-to-point, this rank to ``peer``
+RECV = "recv"                # point-to-point, ``peer`` to this rank
+BATCH_OF = "batch"           # several sends/receives posted and waited together
+FREE = "free"                # drops a stored value
+COLLECTIVE = "collective"    # starts a meeting of every member of a communicator
+COLLECTIVE_WAIT = "collective wait"  # waits for this rank's collective to end
+CATEGORIES = (COMPUTE, SEND, RECV, BATCH_OF, FREE, COLLECTIVE, COLLECTIVE_WAIT)
+
+# Where a value sits relative to an instruction's stage (its pipeline neighbours).
+SELF, PREV, NEXT = "self", "prev", "next"
+
+# Where an instruction runs.
+ON_STAGE_HOME = "the home rank of its stage"
+ON_ANY = "any rank"  # a batch: its parts say
+
+# How torch.distributed.pipelining's CSV writes an op: as a token, not at all,
+# or (a batch) as its parts.
+KEEP, DROP, EXPAND = "keep", "drop", "expand"
+
+
+class Use(NamedTuple):
+    """A value an instruction touches: its kind, and whose (relative to the instruction's stage)."""
+
+    kind: str
+    where: str = SELF
+
+
+class OpRule(NamedTuple):
+    """What one op does.
+
+    Attributes:
+        op: the op name, as in the text form (``F``, ``SEND_F``).
+        category: one of ``CATEGORIES``.
+        family: the workload family.
+        reads: values it reads. For a compute, the dataflow: each read value is
+            made by a compute that writes it (its producer).
+        writes: values it makes.
+        ends: value kinds (at its own stage) whose life ends here, for memory
+            counts: the last reader of a stored value.
+        carries: for a send or receive, the value it moves; a receive names its
+            consumer stage (torch's convention), so its value is a neighbour's.
+        runs_on: where it runs.
+        fields: the Action fields it uses besides ``op`` (the JSON program's keys).
+        torch: (compute-only CSV, CSV with communication): KEEP, DROP or EXPAND.
+        trace: its category in a run's trace (``compute``, ``comm``, ``memory``).
+        communicator: for a collective, which communicator it meets on.
+        doc: one line for people.
+    """
+
+    op: str
+    category: str
+    family: str
+    reads: tuple[Use, ...] = ()
+    writes: tuple[Use, ...] = ()
+    ends: tuple[str, ...] = ()
+    carries: Use | None = None
+    runs_on: str = ON_STAGE_HOME
+    fields: tuple[str, ...] = ("stage", "mb")
+    torch: tuple[str, str] = (DROP, DROP)
+    trace: str = "comm"
+    communicator: str | None = None
+    doc: str = ""
+
+
+# The communicator of the replica all-reduce: the ranks holding a replica of
+# the instruction's stage's model chunk (BitPipe, Chimera).
+REPLICAS_OF_CHUNK = "replicas of the stage's chunk"
+
+# Op names (the text form's tokens, torch's where torch has them).
+F, B, I, W = "F", "B", "I", "W"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+BATCH = "BATCH"
+FREE_F = "FREE_F"
+ALLREDUCE_GRAD, ALLREDUCE_WAIT = "ALLREDUCE_GRAD", "ALLREDUCE_WAIT"
+
+_AP = ACTIVATION_PASSING
+_COMPUTE_CSV = (KEEP, KEEP)
+_COMM_CSV = (DROP, KEEP)
+_PEER_FIELDS = ("stage", "mb", "peer")
+
+RULES: dict[str, OpRule] = {rule.op: rule for rule in (
+    # -- activation passing: compute. F(s, m) reads the activation prev(s) made
+    # and makes its own, keeping what its backward needs; B reads that and the
+    # gradient next(s) made; I is B's input-gradient half, W its weight half.
+    OpRule(F, COMPUTE, _AP, reads=(Use("act", PREV),), writes=(Use("act"), Use("saved")),
+           torch=_COMPUTE_CSV, trace="compute", doc="forward of (stage, mb)"),
+    OpRule(B, COMPUTE, _AP, reads=(Use("saved"), Use("grad", NEXT)), writes=(Use("grad"), Use("wgrad")),
+           ends=("saved",), torch=_COMPUTE_CSV, trace="compute", doc="backward of (stage, mb)"),
+    OpRule(I, COMPUTE, _AP, reads=(Use("saved"), Use("grad", NEXT)), writes=(Use("grad"), Use("wstash")),
+           ends=("saved",), torch=_COMPUTE_CSV, trace="compute",
+           doc="backward for the input gradient; leaves what W needs"),
+    OpRule(W, COMPUTE, _AP, reads=(Use("wstash"),), writes=(Use("wgrad"),), ends=("wstash",),
+           torch=_COMPUTE_CSV, trace="compute", doc="backward for the weight gradient"),
+    # -- point to point. On a send the stage is the producer's, on a receive the consumer's.
+    OpRule(SEND_F, SEND, _AP, carries=Use("act"), fields=_PEER_FIELDS, torch=_COMM_CSV,
+           doc="send the activation forward"),
+    OpRule(RECV_F, RECV, _AP, carries=Use("act", PREV), fields=_PEER_FIELDS, torch=_COMM_CSV,
+           doc="receive the previous stage's activation"),
+    OpRule(SEND_B, SEND, _AP, carries=Use("grad"), fields=_PEER_FIELDS, torch=_COMM_CSV,
+           doc="send the gradient backward"),
+    OpRule(RECV_B, RECV, _AP, carries=Use("grad", NEXT), fields=_PEER_FIELDS, torch=_COMM_CSV,
+           doc="receive the next stage's gradient"),
+    OpRule(BATCH, BATCH_OF, _AP, runs_on=ON_ANY, fields=("parts",), torch=(DROP, EXPAND),
+           doc="sends and receives posted together (batch_isend_irecv)"),
+    # -- memory: drops what F saved (and I left for W) once the backward is done.
+    OpRule(FREE_F, FREE, _AP, reads=(Use("saved"),), ends=("saved", "wstash"), trace="memory",
+           doc="drop the saved activation of (stage, mb)"),
+    # -- collectives: the replica all-reduce of a chunk's weight gradient.
+    OpRule(ALLREDUCE_GRAD, COLLECTIVE, _AP, reads=(Use("wgrad"),), writes=(Use("wgrad"),), fields=("stage",),
+           communicator=REPLICAS_OF_CHUNK, doc="start the all-reduce of the chunk's weight gradient"),
+    OpRule(ALLREDUCE_WAIT, COLLECTIVE_WAIT, _AP, fields=("stage",), communicator=REPLICAS_OF_CHUNK,
+           doc="wait for this rank's all-reduce of the chunk"),
+)}
+
+OPS: tuple[str, ...] = tuple(RULES)
+
+
+# ----------------------------------------------------------- derived encodings
+#
+# Everything below is computed from RULES and VALUE_KINDS; passes import these
+# instead of spelling the rules again.
+
+def ops_of(*categories: str) -> tuple[str, ...]:
+    """The ops of the given categories, in table order."""
+    return tuple(op for op, rule in RULES.items() if rule.category in categories)
+
+
+COMPUTE_OPS = ops_of(COMPUTE)
+SEND_OPS = ops_of(SEND)
+RECV_OPS = ops_of(RECV)
+COMM_OPS = ops_of(SEND, RECV)          # what a BATCH may hold
+POSTING_OPS = ops_of(SEND, RECV, BATCH_OF)
+COLLECTIVE_OPS = ops_of(COLLECTIVE)
+COLLECTIVE_WAIT_OPS = ops_of(COLLECTIVE_WAIT)
+FREE_OPS = ops_of(FREE)
+
+# Task codes of compute ops: the low bits of the checks' integer task keys.
+TASK_CODE: dict[str, int] = {op: code for code, op in enumerate(COMPUTE_OPS)}
+OP_OF_CODE: tuple[str, ...] = COMPUTE_OPS
+NUM_TASK_CODES = len(COMPUTE_OPS)
+
+
+def producers(kind: str) -> tuple[str, ...]:
+    """The compute ops that make values of ``kind`` at their own stage, in table order."""
+    return tuple(op for op in COMPUTE_OPS if Use(kind) in RULES[op].writes)
+
+
+class Dependency(NamedTuple):
+    """A compute's input: the value, whose it is, and the compute ops that make it (the first present wins)."""
+
+    kind: str
+    where: str
+    made_by: tuple[str, ...]
+
+
+def _dependencies(op: str) -> tuple[Dependency, ...]:
+    return tuple(Dependency(use.kind, use.where, producers(use.kind))
+                 for use in RULES[op].reads if producers(use.kind))
+
+
+# compute op -> its dataflow inputs, in rule order
+DEPENDENCIES: dict[str, tuple[Dependency, ...]] = {op: _dependencies(op) for op in COMPUTE_OPS}
+
+
+def consumers(kind: str, where: str) -> tuple[str, ...]:
+    """The compute ops that read ``kind`` made by the stage at ``where`` from them, in table order."""
+    return tuple(op for op in COMPUTE_OPS if Use(kind, where) in RULES[op].reads)
+
+
+# The two directions a message travels between stages, derived from the
+# compute rules: a value made at SELF and read at a neighbour. Each entry:
+# (value kind, the neighbour that reads it, relative to the producer).
+_OPPOSITE = {PREV: NEXT, NEXT: PREV}
+HANDOFFS: tuple[tuple[str, str], ...] = tuple(dict.fromkeys(
+    (use.kind, _OPPOSITE[use.where])
+    for op in COMPUTE_OPS for use in RULES[op].reads
+    if use.where in _OPPOSITE and producers(use.kind)))
+
+# Message kinds: the values that cross stages, numbered (act 0, grad 1).
+MESSAGE_KINDS: tuple[str, ...] = tuple(kind for kind, _ in HANDOFFS)
+MESSAGE_KIND_CODE: dict[str, int] = {kind: code for code, kind in enumerate(MESSAGE_KINDS)}
+# message kind -> the neighbour (relative to its producer) that reads it
+READER_OF: dict[str, str] = dict(HANDOFFS)
+
+
+class PartRule(NamedTuple):
+    """A send or receive as the integer passes use it."""
+
+    is_send: bool
+    kind: str       # the value kind it carries
+    where: str      # whose value, relative to the action's stage
+    code: int       # MESSAGE_KIND_CODE[kind]
+
+
+PART_RULES: dict[str, PartRule] = {
+    op: PartRule(RULES[op].category == SEND, RULES[op].carries.kind, RULES[op].carries.where,
+                 MESSAGE_KIND_CODE[RULES[op].carries.kind])
+    for op in COMM_OPS
+}
+# message kind -> (its send op, its receive op)
+COMM_OP_OF_KIND: dict[str, tuple[str, str]] = {
+    kind: (next(op for op in SEND_OPS if PART_RULES[op].kind == kind),
+           next(op for op in RECV_OPS if PART_RULES[op].kind == kind))
+    for kind in MESSAGE_KINDS
+}
+
+
+def memory_deltas(counter: str) -> dict[str, int]:
+    """op -> change of the memory count ``counter`` (+1 where a counted value is made, -1 where it ends).
+
+    Only computes count: a FREE drops storage, it does not end a value's use.
+    """
+    kinds = {name for name, kind in VALUE_KINDS.items() if kind.counter == counter}
+    deltas = {}
+    for op in COMPUTE_OPS:
+        rule = RULES[op]
+        delta = sum(1 for use in rule.writes if use.where == SELF and use.kind in kinds) \
+            - sum(1 for kind in rule.ends if kind in kinds)
+        if delta:
+            deltas[op] = delta
+    return deltas
+
+
+def last_uses(free_op: str) -> tuple[str, ...]:
+    """The compute ops after which ``free_op``'s storage is dead: they end a value it drops and make none."""
+    dropped = set(RULES[free_op].ends)
+    return tuple(op for op in COMPUTE_OPS
+                 if dropped & set(RULES[op].ends) and not dropped & {use.kind for use in RULES[op].writes})
+
+
+def stored_by(free_op: str) -> tuple[str, ...]:
+    """The compute ops that make what ``free_op`` drops (the store it frees is theirs)."""
+    dropped = set(RULES[free_op].ends)
+    return tuple(op for op in COMPUTE_OPS if dropped & {use.kind for use in RULES[op].writes if use.where == SELF})
+
+
+def describe(value: Value) -> str:
+    """Words for a value: ``activation of 0F1``, ``gradient of 2B0`` (the producer's task when it has one)."""
+    kind = VALUE_KINDS[value.kind]
+    made_by = producers(value.kind)
+    if made_by and kind.index == _STAGE_MB:
+        stage, mb = value.index
+        return f"{kind.words} of {stage}{made_by[0]}{mb}"
+    return f"{kind.words} " + ", ".join(f"{name} {i}" for name, i in zip(kind.index, value.index))
+
+
+# ------------------------------------------------------------ pass coverage
+
+_PASS_RULES: dict[str, frozenset[str]] = {}
+
+
+def declare_pass(name: str, handled: Iterable[str]) -> None:
+    """Record which ops a pass has a rule for; ``tests/test_ops_table.py`` requires every op of ``OPS``.
+
+    Args:
+        name: the pass, for the test's message.
+        handled: the ops it knows (its dispatch table's keys, or the ops its
+            derived tables cover).
+    """
+    _PASS_RULES[name] = frozenset(handled)
+
+
+def passes_missing_rules() -> dict[str, list[str]]:
+    """pass -> the ops of ``OPS`` it has no rule for (only passes missing some)."""
+    return {name: [op for op in OPS if op not in handled]
+            for name, handled in sorted(_PASS_RULES.items()) if not handled.issuperset(OPS)}
+
+
+def declared_passes() -> list[str]:
+    return sorted(_PASS_RULES)
+
+
+def _check_table() -> None:
+    """The table's own consistency, checked once at import (a broken table is a programming error)."""
+    for op, rule in RULES.items():
+        assert rule.category in CATEGORIES, op
+        for use in rule.reads + rule.writes + ((rule.carries,) if rule.carries else ()):
+            assert use.kind in VALUE_KINDS and use.where in (SELF, PREV, NEXT), (op, use)
+        assert all(kind in VALUE_KINDS for kind in rule.ends), op
+        assert (rule.carries is not None) == (rule.category in (SEND, RECV)), op
+    for kind, direction in HANDOFFS:
+        assert kind in COMM_OP_OF_KIND, kind
+
+
+_check_table()
