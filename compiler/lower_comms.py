@@ -1,10 +1,13 @@
 """Insert the communication of an activation-passing program.
 
 ``insert_communication`` turns per-rank compute orders into complete per-rank
-instruction lists. It derives every message from placement and dataflow: the
-activation F(s, m) makes goes to the home rank of next(s), the gradient B or
-I(s, m) makes goes to the home rank of prev(s), and nothing is sent when
-producer and consumer live on the same rank (the hand-off is local).
+instruction lists. It derives every message from placement and the rule
+table's dataflow (``ops.py``): a value a task makes that a neighbouring stage
+reads (the activation F(s, m) makes, read by next(s); the gradient B or
+I(s, m) makes, read by prev(s)) travels by its kind's route policy
+(``routes.py``; ``direct`` for both: one hop to the consumer's home rank), and
+nothing is sent when producer and consumer live on the same rank (the
+hand-off is local).
 
 Placement is tried in three ways, in order; the first one that runs to the end
 under rendezvous semantics (``check_deadlock``'s simulation, run on integer
@@ -35,8 +38,10 @@ codes before any instruction is built) is kept:
    cycle. Mirrored pipelines (Chimera, BitPipe) end up here: their first
    sends face each other.
 
-Replicated stages (the same chunk in several pipelines) get an ALLREDUCE_GRAD
-on each replica rank after that rank's last B or W of the chunk (in tiers 1
+Replicated stages (the same chunk in several pipelines) get the collective
+of their communicator (``Program.communicators``: ALLREDUCE_GRAD of the
+chunk's weight gradient) on each replica rank after that rank's last task
+that writes the chunk's weight gradient (B or W) (in tiers 1
 and 2 right after the run of communication that follows it; all-reduces at the
 same place in chunk order), and an ALLREDUCE_WAIT for each at the end of the
 list; the simulation treats each all-reduce as a collective of its ranks. A
@@ -56,33 +61,53 @@ from itertools import accumulate, chain, compress, groupby, repeat
 from typing import NamedTuple
 
 from pipec.compiler.gc_pause import paused_gc
-from pipec.compiler.ir import (
-    ALLREDUCE_GRAD,
-    ALLREDUCE_WAIT,
-    B,
-    BATCH,
-    F,
-    I,
-    NO_PEER,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    W,
-    Action,
-    Program,
+from pipec.compiler.ir import BATCH, NO_PEER, Action, Program, StageTables, stage_tables
+from pipec.compiler.ops import (
+    COLLECTIVE_OPS,
+    COLLECTIVE_WAIT_OPS,
+    COMM_OP_OF_KIND,
+    COMPUTE_OPS,
+    MESSAGE_KIND_CODE,
+    MESSAGE_KINDS,
+    MESSAGE_READERS,
+    NEXT,
+    NUM_TASK_CODES,
+    OP_OF_CODE,
+    READER_OF,
+    RULES,
+    SELF,
+    TASK_CODE,
+    VALUE_KINDS,
+    consumers,
+    declare_pass,
+    producers,
 )
-from pipec.compiler.checks.deadlock import WaitGraph, add_collectives, add_waits, blocked_ranks, empty_graph
-from pipec.compiler.checks.wellformed import TASK_CODE, StageTables, stage_tables
+from pipec.compiler.routes import ROUTES, Hop
+from pipec.compiler.waitgraph import WaitGraph, add_collectives, add_waits, blocked_ranks, empty_graph
 
 _new_action = tuple.__new__  # Action(...) without the NamedTuple constructor's overhead
 _stage_of = operator.itemgetter(0)
 _op_of = operator.itemgetter(1)
 _mb_of = operator.itemgetter(2)
 
-_BACKWARD_WEIGHT_OPS = (B, W)  # the last of these on a rank finishes a chunk's weight gradient
-_PAIRED_AFTER_F = (B, I)       # a paired placement brackets an F followed by one of these
 _NOWHERE = -1
+_CODES = NUM_TASK_CODES
+# From the rule table: the ops that write the value a collective reduces (the
+# last of them on a rank finishes a chunk's weight gradient: B or W) ...
+_COLLECTIVE_OF_PURPOSE = {RULES[op].communicator: op for op in COLLECTIVE_OPS}
+_WAIT_OF_PURPOSE = {RULES[op].communicator: op for op in COLLECTIVE_WAIT_OPS}
+_REDUCED_BY = {op: producers(RULES[op].reads[0].kind) for op in COLLECTIVE_OPS}
+# ... a forward (a task whose message the next stage reads: F) and the tasks
+# that read back what it stored (B, I): a paired placement brackets such pairs
+_FORWARD_OPS = tuple(op for op in COMPUTE_OPS
+                     if any(READER_OF.get(use.kind) == NEXT for use in RULES[op].writes))
+_PAIRED_AFTER = {op: tuple(reader for use in RULES[op].writes if use.where == SELF and use.kind not in MESSAGE_KIND_CODE
+                           for reader in consumers(use.kind, SELF)) for op in _FORWARD_OPS}
+# ... and, per message kind code, its send and receive ops and the codes of the
+# ops that read it (the first present wins: B, else I when split).
+_SEND_OF_KIND = [COMM_OP_OF_KIND[kind][0] for kind in MESSAGE_KINDS]
+_RECV_OF_KIND = [COMM_OP_OF_KIND[kind][1] for kind in MESSAGE_KINDS]
+_READER_CODES = [tuple(TASK_CODE[op] for op in MESSAGE_READERS[kind]) for kind in MESSAGE_KINDS]
 
 
 class _Plan(NamedTuple):
@@ -96,7 +121,7 @@ class _Plan(NamedTuple):
         senders: per rank, the input indices whose compute sends a message, ascending.
         first: per rank, the id of its first message (then consecutive).
         stage, mb: message -> producer stage, microbatch.
-        forward: message -> 1 for an activation (to the next stage), 0 for a gradient.
+        kind: message -> its value kind's code (``ops.MESSAGE_KIND_CODE``: 0 activation, 1 gradient).
         consumer: message -> consumer stage.
         sources, targets: message -> sending rank, receiving rank.
         reader: message -> index of the compute that reads it in the receiver's
@@ -110,7 +135,7 @@ class _Plan(NamedTuple):
     first: list[int]
     stage: list[int]
     mb: list[int]
-    forward: list[int]
+    kind: list[int]
     consumer: list[int]
     sources: list[int]
     targets: list[int]
@@ -155,10 +180,10 @@ def insert_communication(program: Program) -> Program:
 def _plan(program: Program, tables: StageTables) -> _Plan:
     """Number every message and find where each is read; place the all-reduces."""
     num_stages, num_mb, num_ranks = len(program.stages), program.num_microbatches, program.num_ranks
-    target_of, consumer_of, forward_of = _routes(tables)
+    target_of, consumer_of, kind_of = _routes(tables)
     where: dict[int, int] = {}
     senders, first = [], []
-    stage, mb, forward, consumer, sources, targets = [], [], [], [], [], []
+    stage, mb, kinds_sent, consumer, sources, targets = [], [], [], [], [], []
     for rank in range(num_ranks - 1, -1, -1):  # backwards, so that where keeps first occurrences
         row = program.ranks[rank]
         kinds, keys = _task_codes(row, num_stages, num_mb)
@@ -170,40 +195,47 @@ def _plan(program: Program, tables: StageTables) -> _Plan:
         kind = [kinds[index] for index in picked]
         stage.append(list(map(_stage_of, sent)))
         mb.append(list(map(_mb_of, sent)))
-        forward.append(list(map(forward_of.__getitem__, kind)))
+        kinds_sent.append(list(map(kind_of.__getitem__, kind)))
         consumer.append(list(map(consumer_of.__getitem__, kind)))
         targets.append(list(map(dsts.__getitem__, picked)))
         sources.append([rank] * len(picked))
     senders.reverse()
-    flat = [list(chain.from_iterable(reversed(part))) for part in (stage, mb, forward, consumer, sources, targets)]
-    stage, mb, forward, consumer, sources, targets = flat
+    flat = [list(chain.from_iterable(reversed(part))) for part in (stage, mb, kinds_sent, consumer, sources, targets)]
+    stage, mb, kinds_sent, consumer, sources, targets = flat
     first = list(accumulate(map(len, senders), initial=0))[:-1]
-    reader = _readers(program, where, mb, forward, consumer, targets)
-    return _Plan(senders, first, stage, mb, forward, consumer, sources, targets, reader,
+    reader = _readers(program, where, mb, kinds_sent, consumer, targets)
+    return _Plan(senders, first, stage, mb, kinds_sent, consumer, sources, targets, reader,
                  _pairs(sources, targets, num_ranks), _collectives(program, tables))
 
 
 def _routes(tables: StageTables) -> tuple[list[int], list[int], list[int]]:
-    """Tables indexed by ``stage * 4 + task code`` (and -1, the last entry, for no task).
+    """Tables indexed by ``stage * C + task code`` (and -1, the last entry, for no task).
+
+    From the rule table: the value a task makes that a neighbouring stage
+    reads, and its kind's route policy from the producer's home to the
+    reader's. Activation passing hands each such value to one rank (``direct``).
 
     Returns:
         (rank the task's output is sent to or -1, the stage that reads it,
-        1 if it is an activation else 0).
+        the message kind's code).
     """
     home = tables.home
-    target, consumer, forward = [], [], []
+    target, consumer, kind_code = [], [], []
     for stage in range(len(home)):
-        for op in (F, B, I, W):
-            reader = tables.next[stage] if op == F else tables.prev[stage] if op in (B, I) else -1
-            remote = reader >= 0 and home[reader] != home[stage]
-            target.append(home[reader] if remote else -1)
+        for op in OP_OF_CODE:
+            sent = [use.kind for use in RULES[op].writes if use.kind in MESSAGE_KIND_CODE]
+            kind = sent[0] if sent else None
+            reader = tables.neighbour(READER_OF[kind])[stage] if kind else -1
+            legs = ROUTES[VALUE_KINDS[kind].route](home[stage], (home[reader],)) if reader >= 0 else ()
+            hops = [leg for leg in legs if isinstance(leg, Hop)]
+            target.append(hops[0].dst if hops else -1)
             consumer.append(reader)
-            forward.append(1 if op == F else 0)
-    return target + [-1], consumer + [-1], forward + [0]
+            kind_code.append(MESSAGE_KIND_CODE[kind] if kind else 0)
+    return target + [-1], consumer + [-1], kind_code + [0]
 
 
 def _task_codes(row: list[Action], num_stages: int, num_mb: int) -> tuple[list[int], list[int]]:
-    """Per action: ``stage * 4 + code`` and its task key; -1 for anything but a valid compute task."""
+    """Per action: ``stage * C + code`` and its task key; -1 for anything but a valid compute task."""
     try:
         codes = list(map(TASK_CODE.__getitem__, map(_op_of, row)))
         stages, mbs = list(map(_stage_of, row)), list(map(_mb_of, row))
@@ -211,21 +243,24 @@ def _task_codes(row: list[Action], num_stages: int, num_mb: int) -> tuple[list[i
             raise KeyError("out of range")
     except KeyError:  # something other than valid compute: sort it out action by action
         valid = [TASK_CODE.get(a.op, -1) if 0 <= a.stage < num_stages and 0 <= a.mb < num_mb else -1 for a in row]
-        kinds = [a.stage * 4 + code if code >= 0 else -1 for a, code in zip(row, valid)]
-        keys = [(a.stage * num_mb + a.mb) * 4 + code if code >= 0 else -1 for a, code in zip(row, valid)]
+        kinds = [a.stage * _CODES + code if code >= 0 else -1 for a, code in zip(row, valid)]
+        keys = [(a.stage * num_mb + a.mb) * _CODES + code if code >= 0 else -1 for a, code in zip(row, valid)]
         return kinds, keys
-    kinds = [s * 4 + c for s, c in zip(stages, codes)]
-    keys = [(s * num_mb + m) * 4 + c for s, m, c in zip(stages, mbs, codes)]
+    kinds = [s * _CODES + c for s, c in zip(stages, codes)]
+    keys = [(s * num_mb + m) * _CODES + c for s, m, c in zip(stages, mbs, codes)]
     return kinds, keys
 
 
-def _readers(program: Program, where, mb, forward, consumer, targets) -> list[int]:
-    """Per message: the index of its reader on the receiving rank (B, else I, for a gradient)."""
+def _readers(program: Program, where, mb, kind, consumer, targets) -> list[int]:
+    """Per message: the index of its reader on the receiving rank (the first of its kind's readers present)."""
     num_mb, num_ranks = program.num_microbatches, program.num_ranks
-    wanted = [(c * num_mb + m) * 4 + 1 - f for c, m, f in zip(consumer, mb, forward)]
-    found = list(map(where.get, wanted, repeat(_NOWHERE)))
-    for message in [m for m, place in enumerate(found) if place < 0 and not forward[m]]:
-        found[message] = where.get(wanted[message] + 1, _NOWHERE)  # a split backward: read by I
+    bases = [(c * num_mb + m) * _CODES for c, m in zip(consumer, mb)]
+    found = [where.get(base + _READER_CODES[k][0], _NOWHERE) for base, k in zip(bases, kind)]
+    for message in [m for m, place in enumerate(found) if place < 0 and len(_READER_CODES[kind[m]]) > 1]:
+        for code in _READER_CODES[kind[message]][1:]:  # e.g. a split backward: read by I
+            found[message] = where.get(bases[message] + code, _NOWHERE)
+            if found[message] >= 0:
+                break
     ends = [len(row) for row in program.ranks]
     # nobody reads it on the receiver: receive it at the end, the checks report the missing task
     return [place // num_ranks if place >= 0 and place % num_ranks == dst else ends[dst]
@@ -239,29 +274,33 @@ def _pairs(sources: list[int], targets: list[int], num_ranks: int) -> dict[int, 
 
 
 def _collectives(program: Program, tables: StageTables) -> list[list[tuple[int, Action]]]:
-    """Per rank: one ALLREDUCE_GRAD per replicated chunk it holds, after its last B/W of that chunk.
+    """Per rank: the collective of each communicator it is in, after its last task writing the reduced value.
 
-    A rank holding a replica that no microbatch rides still joins the
-    all-reduce (its weights must follow the other replicas), after its last compute.
+    For the replica communicators: one ALLREDUCE_GRAD per replicated chunk a
+    rank holds, after its last B or W of that chunk. A rank holding a replica
+    that no microbatch rides still joins (its weights must follow the other
+    replicas), after its last compute.
     """
-    held: list[dict[int, int]] = [{} for _ in program.ranks]  # rank -> chunk -> a replica stage it holds
-    for stage in range(len(program.stages)):
-        if len(program.replicas(stage)) > 1:
-            held[tables.home[stage]].setdefault(tables.chunk[stage], stage)
+    held: list[dict[int, tuple[int, str]]] = [{} for _ in program.ranks]  # rank -> chunk -> (a stage, op)
+    for communicator in program.communicators:
+        op = _COLLECTIVE_OF_PURPOSE[communicator.purpose]
+        for stage in range(len(program.stages)):
+            if tables.chunk[stage] == communicator.key:
+                held[tables.home[stage]].setdefault(communicator.key, (stage, op))
     placed = []
     for rank, row in enumerate(program.ranks):
-        last: dict[int, tuple[int, int]] = {}  # chunk -> (index, stage) of its last B/W here
+        last: dict[int, tuple[int, int]] = {}  # chunk -> (index, stage) of its last writer here
         if held[rank]:
+            writers = {op for _, op in held[rank].values() for op in _REDUCED_BY[op]}
             for index, action in enumerate(row):
                 stage = action.stage
-                if action.op in _BACKWARD_WEIGHT_OPS and 0 <= stage < len(tables.chunk) \
-                        and tables.chunk[stage] in held[rank]:
+                if action.op in writers and 0 <= stage < len(tables.chunk) and tables.chunk[stage] in held[rank]:
                     last[tables.chunk[stage]] = (index, stage)
-        for chunk, stage in held[rank].items():
+        for chunk, (stage, _) in held[rank].items():
             last.setdefault(chunk, (len(row) - 1, stage))
-        # all-reduces at the same place go in chunk order, the same on every rank
-        placed.append([(index, Action(stage, ALLREDUCE_GRAD))
-                       for index, _, stage in sorted((index, chunk, stage) for chunk, (index, stage) in last.items())])
+        # collectives at the same place go in chunk order, the same on every rank
+        placed.append([(index, Action(stage, held[rank][chunk][1]))
+                       for index, chunk, stage in sorted((index, chunk, stage) for chunk, (index, stage) in last.items())])
     return placed
 
 
@@ -305,7 +344,7 @@ def _paired(program: Program, plan: _Plan, near_use: list[list[int]]) -> list[li
         ops = list(map(_op_of, row))
         # shift[gap * 2 + side]: sends of a bracketed gap move one gap later, receives one earlier
         shift = [0] * (2 * len(row) + 2)
-        for gap in [g for g in range(1, len(row)) if ops[g - 1] == F and ops[g] in _PAIRED_AFTER_F]:
+        for gap in [g for g in range(1, len(row)) if ops[g] in _PAIRED_AFTER.get(ops[g - 1], ())]:
             shift[2 * gap] = 2 * stride
             shift[2 * gap + 1] = -2 * stride
         moved = list(map(operator.add, entries, map(shift.__getitem__, map(operator.floordiv, entries, repeat(stride)))))
@@ -477,9 +516,9 @@ def _parts(plan: _Plan) -> list[Action]:
     """Every communication's instruction, indexed by its code."""
     count = len(plan.sources)
     sends = map(_new_action, repeat(Action, count), zip(
-        plan.stage, map((SEND_B, SEND_F).__getitem__, plan.forward), plan.mb, plan.targets, repeat((), count)))
+        plan.stage, map(_SEND_OF_KIND.__getitem__, plan.kind), plan.mb, plan.targets, repeat((), count)))
     recvs = map(_new_action, repeat(Action, count), zip(
-        plan.consumer, map((RECV_B, RECV_F).__getitem__, plan.forward), plan.mb, plan.sources, repeat((), count)))
+        plan.consumer, map(_RECV_OF_KIND.__getitem__, plan.kind), plan.mb, plan.sources, repeat((), count)))
     parts: list[Action] = [None] * (2 * count)  # type: ignore[list-item]
     parts[0::2] = list(sends)
     parts[1::2] = list(recvs)
@@ -521,7 +560,7 @@ _gap_of = operator.itemgetter(0)
 
 def _finish(out: list[Action], collectives: list[tuple[int, Action]]) -> None:
     """Wait for this rank's all-reduces, in the order it started them."""
-    out.extend(Action(started.stage, ALLREDUCE_WAIT) for _, started in collectives)
+    out.extend(_wait_for(started) for _, started in collectives)
 
 
 # ---------------------------------------------------------------- global order
@@ -599,13 +638,21 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
     for rank in range(num_ranks):
         if run[rank]:
             out[rank].append(_run_instruction(parts, sorted(run[rank], key=_is_receive)))
-        out[rank].extend(Action(started.stage, ALLREDUCE_WAIT) for started in
-                         (a for a in out[rank] if a.op == ALLREDUCE_GRAD))
+        out[rank].extend(_wait_for(started) for started in [a for a in out[rank] if a.op in COLLECTIVE_OPS])
     return out
+
+
+def _wait_for(started: Action) -> Action:
+    """The instruction that waits for the collective ``started`` began (ALLREDUCE_WAIT)."""
+    return Action(started.stage, _WAIT_OF_PURPOSE[RULES[started.op].communicator])
 
 
 def _is_receive(code: int) -> int:
     return code & 1
 
+
+declare_pass("lower_comms", set(COMPUTE_OPS) | set(_SEND_OF_KIND) | set(_RECV_OF_KIND) | {BATCH}
+             | set(_COLLECTIVE_OF_PURPOSE.values()) | set(_WAIT_OF_PURPOSE.values())
+             | {op for op in RULES if RULES[op].category == "free"})  # frees: kept where they stand
 
 __all__ = ["insert_communication"]

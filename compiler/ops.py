@@ -63,6 +63,8 @@ class ValueKind(NamedTuple):
         size_class, dtype_class: see the constants above.
         counter: the memory count it is reported in (``"activations"`` is
             today's ``peak_activations``), or None when it is counted only in bytes.
+        route: the default route policy that moves it (``routes.ROUTES``);
+            a program may choose another.
     """
 
     name: str
@@ -72,6 +74,7 @@ class ValueKind(NamedTuple):
     size_class: str
     dtype_class: str
     counter: str | None = None
+    route: str = "direct"
 
 
 _STAGE_MB = ("stage", "mb")
@@ -84,7 +87,7 @@ VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
               "activations"),
     ValueKind("wstash", "weight-gradient inputs", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE,
               "waiting_w"),
-    ValueKind("wgrad", "weight gradient", ACTIVATION_PASSING, ("chunk",), SIZE_WEIGHT, DTYPE_FP32),
+    ValueKind("wgrad", "weight gradient", ACTIVATION_PASSING, ("chunk",), SIZE_WEIGHT, DTYPE_FP32, route="all_reduce"),
     # weight passing (the weight-passing issue adds its ops)
     ValueKind("weight", "weight", WEIGHT_PASSING, ("layer", "pass", "round"), SIZE_WEIGHT, DTYPE_COMPUTE),
     ValueKind("wgrad_partial", "weight-gradient partial", WEIGHT_PASSING, ("layer", "round"), SIZE_WEIGHT, DTYPE_FP32),
@@ -223,6 +226,19 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
 
 OPS: tuple[str, ...] = tuple(RULES)
 
+# What "every task of the family appears exactly once" means. For each (stage,
+# microbatch riding it), per entry (named for messages) exactly one of its
+# alternatives appears, each op of it once: F; and a backward that is B, or
+# is split into I and W.
+class TaskSet(NamedTuple):
+    name: str
+    alternatives: tuple[tuple[str, ...], ...]
+
+
+FAMILY_TASKS: dict[str, tuple[TaskSet, ...]] = {
+    ACTIVATION_PASSING: (TaskSet("forward", ((F,),)), TaskSet("backward", ((B,), (I, W)))),
+}
+
 
 # ----------------------------------------------------------- derived encodings
 #
@@ -290,6 +306,10 @@ MESSAGE_KINDS: tuple[str, ...] = tuple(kind for kind, _ in HANDOFFS)
 MESSAGE_KIND_CODE: dict[str, int] = {kind: code for code, kind in enumerate(MESSAGE_KINDS)}
 # message kind -> the neighbour (relative to its producer) that reads it
 READER_OF: dict[str, str] = dict(HANDOFFS)
+# message kind -> the compute ops that read it at that neighbour, in table
+# order (a gradient: B, or I when the backward is split)
+MESSAGE_READERS: dict[str, tuple[str, ...]] = {
+    kind: consumers(kind, _OPPOSITE[direction]) for kind, direction in HANDOFFS}
 
 
 class PartRule(NamedTuple):

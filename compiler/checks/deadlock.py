@@ -15,142 +15,50 @@ semantics are modelled:
     if its receive comes later on its own rank). ``check_conflict`` proves each
     such tensor has a receive.
 
-Under both, ALLREDUCE_GRAD is a collective: a rank reaching the k-th
-all-reduce of a chunk waits until every rank holding a replica of that chunk
-has reached its own k-th all-reduce of that chunk.
+Under both, a collective (ALLREDUCE_GRAD) is a meeting: a rank reaching its
+k-th collective on a communicator waits until every member of that
+communicator has reached its own k-th collective there. Meetings on several
+communicators in inconsistent orders are caught this way (NCCL's warning).
 
 Counterparts are paired the way the runtime pairs them: FIFO per ordered pair
 of ranks (``check_matching`` proves the tensors agree).
 
-The simulation runs on a ``WaitGraph``: per rank, the sorted list of its waits,
-each one int ``step * stride + other_step * R + other_rank`` ("at ``step`` this
-rank needs ``other_rank`` to have reached ``other_step``"). It is a worklist
-over ranks: a rank runs until a wait is unmet, parks on the one position it
-waits for, and is woken when that rank gets there, so each wait is examined
-O(1) times. If ranks remain parked, the wait-for graph (each parked rank points
-to the rank it waits on) has a cycle, or a chain ending in an instruction that
-never comes; ``DeadlockError`` names every member, marks them in the grid and
-lists them in ``cycle`` as (rank, step, what it waits on).
+The simulation runs on the wait-for engine of ``compiler/waitgraph.py``:
+each rank parks on the one position it waits for. If ranks remain parked,
+the wait-for graph (each parked rank points to the rank it waits on) has a
+cycle, or a chain ending in an instruction that never comes; ``DeadlockError``
+names every member, marks them in the grid and lists them in ``cycle`` as
+(rank, step, what it waits on).
 """
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Iterable, NamedTuple, Sequence
 
-from pipec.compiler.ir import ALLREDUCE_GRAD, COMPUTE_OPS, F, Program
+from pipec.compiler.ir import Program, StageTables, stage_tables
+from pipec.compiler.ops import (
+    COLLECTIVE_OPS,
+    COMPUTE_OPS,
+    DEPENDENCIES,
+    MESSAGE_KIND_CODE,
+    NUM_TASK_CODES,
+    PART_RULES,
+    MESSAGE_READERS,
+    TASK_CODE,
+)
 from pipec.compiler.checks.matching import (
-    ACT,
-    GRAD,
     MessageLog,
     consumer_stage,
     describe_tensor,
     part_tensor,
-    replica_ranks,
     scan_messages,
     tensor_id,
 )
-from pipec.compiler.checks.wellformed import StageTables, TaskIndex, locate_tasks, stage_tables
+from pipec.compiler.checks.wellformed import TaskIndex, locate_tasks
+from pipec.compiler.waitgraph import WaitGraph, add_collectives, add_meetings, add_waits, blocked_ranks, empty_graph
 from pipec.errors import DeadlockError
 
 RENDEZVOUS, ASYNC = "rendezvous", "async"
 SEMANTICS = (RENDEZVOUS, ASYNC)
-
-
-class WaitGraph(NamedTuple):
-    """Every wait of a program, encoded as ints (module docstring).
-
-    Attributes:
-        num_ranks: R.
-        done: the step value of a rank that finished (beyond every list).
-        never: a step no rank ever reaches (waits for something that does not exist).
-        stride: ``(never + 1) * R``; a wait is ``step * stride + other_step * R + other_rank``.
-        waits: per rank, its waits sorted by step. A step that others wait for
-            but that waits for nothing itself carries a wait that is always met.
-    """
-
-    num_ranks: int
-    done: int
-    never: int
-    stride: int
-    waits: list[list[int]]
-
-
-def empty_graph(num_ranks: int, longest: int) -> WaitGraph:
-    """A ``WaitGraph`` with no waits yet, for ranks whose lists have at most ``longest`` steps.
-
-    Fill it with ``add_waits``, ``add_meetings`` and ``add_collectives``.
-    """
-    return WaitGraph(num_ranks, longest + 1, longest + 2, (longest + 3) * num_ranks, [[] for _ in range(num_ranks)])
-
-
-def add_waits(graph: WaitGraph, rank: int, steps: Iterable[int], others: Iterable[int],
-              other_steps: Iterable[int]) -> None:
-    """At ``steps[i]``, ``rank`` waits until rank ``others[i]`` has reached ``other_steps[i]``."""
-    stride, num_ranks = graph.stride, graph.num_ranks
-    graph.waits[rank].extend([step * stride + at * num_ranks + other
-                              for step, other, at in zip(steps, others, other_steps)])
-
-
-def add_meetings(graph: WaitGraph, src: int, dst: int, send_steps: Sequence[int], recv_steps: Sequence[int]) -> None:
-    """Rendezvous messages src -> dst: the i-th send and the i-th receive wait for each other.
-
-    When one side has more operations, its extra ones wait for a step that never comes.
-    """
-    never = graph.never
-    sends = list(send_steps) + [never] * (len(recv_steps) - len(send_steps))
-    recvs = list(recv_steps) + [never] * (len(send_steps) - len(recv_steps))
-    add_waits(graph, src, send_steps, repeat(dst), recvs)
-    add_waits(graph, dst, recv_steps, repeat(src), sends)
-
-
-def add_collectives(graph: WaitGraph, groups: Iterable[Sequence[tuple[int, int]]]) -> None:
-    """Each group's (rank, step) members wait for every other member to arrive (``never``: a member that does not)."""
-    for group in groups:
-        for rank, step in group:
-            if step != graph.never:
-                others = [(other, at) for other, at in group if other != rank]
-                add_waits(graph, rank, repeat(step, len(others)), (o for o, _ in others), (a for _, a in others))
-
-
-def blocked_ranks(graph: WaitGraph) -> dict[int, tuple[int, int, int]]:
-    """Advance every rank as far as it can go.
-
-    Returns:
-        rank -> (step it is stuck at, rank it waits for, step it waits for),
-        for the ranks that never finish; empty when the program runs to the end.
-    """
-    num_ranks, stride, done = graph.num_ranks, graph.stride, graph.done
-    waits = graph.waits
-    for row in waits:
-        row.sort()
-    cursor = [0] * num_ranks
-    reached = [row[0] // stride if row else done for row in waits]
-    parked: dict[int, list[int]] = {}  # a position other_step * R + other_rank -> ranks waiting for it
-    ready = list(range(num_ranks))
-    while ready:
-        rank = ready.pop()
-        row = waits[rank]
-        index, count = cursor[rank], len(row)
-        while index < count:
-            need = row[index] % stride
-            if reached[need % num_ranks] < need // num_ranks:
-                parked.setdefault(need, []).append(rank)
-                break
-            index += 1
-            step = row[index] // stride if index < count else done
-            if step != reached[rank]:  # moved on to a new instruction: it is posted now
-                reached[rank] = step
-                woken = parked.pop(step * num_ranks + rank, None)
-                if woken:
-                    ready.extend(woken)
-        cursor[rank] = index
-    stuck = {}
-    for rank, row in enumerate(waits):
-        if cursor[rank] < len(row):
-            step, need = divmod(row[cursor[rank]], stride)
-            other_step, other = divmod(need, num_ranks)
-            stuck[rank] = (step, other, other_step)
-    return stuck
 
 
 # ------------------------------------------------------------------ the check
@@ -188,7 +96,7 @@ def check_deadlock(
             add_meetings(graph, src, dst, sent[0::2], received[0::2])
     else:
         _add_async_waits(graph, program, log, tasks or locate_tasks(program, tables), tables)
-    add_collectives(graph, _collective_groups(program, tables, log, graph.never))
+    add_collectives(graph, _collective_groups(program, log, graph.never))
     blocked = blocked_ranks(graph)
     if blocked:
         raise _deadlock_error(program, tables, graph, blocked)
@@ -220,23 +128,26 @@ def _add_async_waits(graph: WaitGraph, program: Program, log: MessageLog, tasks:
             add_waits(graph, dst, repeat(use_step), (o for o, _ in waits_for), (a for _, a in waits_for))
 
 
+# message kind code -> the compute ops that read it at its consumer stage, in
+# table order (a gradient: B, or I when the backward is split)
+_READERS = [tuple(TASK_CODE[op] for op in MESSAGE_READERS[kind]) for kind in MESSAGE_KIND_CODE]
+
+
 def _reader_key(tensor: int, program: Program, tables: StageTables, where: list[int]) -> int:
-    """The task key of the compute that reads ``tensor``, or -1."""
+    """The task key of the compute that reads ``tensor`` (the first of its readers present), or -1."""
     num_mb = program.num_microbatches
     stage = consumer_stage(tensor, program, tables)
     if stage < 0:
         return -1
-    base = (stage * num_mb + tensor % num_mb) * 4
-    if tensor // num_mb < len(program.stages):  # an activation: read by F
-        return base
-    return base + 1 if where[base + 1] >= 0 else base + 2  # a gradient: read by B, or by I when split
+    base = (stage * num_mb + tensor % num_mb) * NUM_TASK_CODES
+    codes = _READERS[tensor // num_mb // len(program.stages)]
+    return next((base + code for code in codes if where[base + code] >= 0), base + codes[-1])
 
 
-def _collective_groups(program: Program, tables: StageTables, log: MessageLog, never: int):
-    """The k-th all-reduce of each chunk: (rank, step) per replica rank (``never`` if it has none)."""
-    members_of = replica_ranks(program, tables)
-    for chunk, by_rank in log.collectives.items():
-        members = sorted(members_of.get(chunk, set()) | set(by_rank))
+def _collective_groups(program: Program, log: MessageLog, never: int):
+    """The k-th collective of each communicator: (rank, step) per member (``never`` if it has none)."""
+    for comm_id, by_rank in log.collectives.items():
+        members = sorted(set(program.communicators[comm_id].ranks) | set(by_rank))
         for k in range(max(len(steps) for steps in by_rank.values())):
             yield [(rank, by_rank[rank][k] if k < len(by_rank.get(rank, ())) else never) for rank in members]
 
@@ -288,8 +199,8 @@ def _wait_text(program: Program, tables: StageTables, graph: WaitGraph, rank: in
     action = program.ranks[rank][step]
     never = other_step == graph.never
     describe = lambda t: describe_tensor(t, len(program.stages), program.num_microbatches)  # noqa: E731
-    if action.op == ALLREDUCE_GRAD:
-        chunk = tables.chunk[action.stage]
+    if action.op in COLLECTIVE_OPS:
+        chunk = program.communicator_of(action).key
         tail = ", which it never does" if never else f" (its step {other_step})"
         return f"waits for rank {other} to join the all-reduce of chunk {chunk}{tail}"
     if action.op in COMPUTE_OPS:  # async: a reader waits for the send of its input
@@ -306,7 +217,7 @@ def _wait_text(program: Program, tables: StageTables, graph: WaitGraph, rank: in
     part = next((p for p in mine if part_tensor(p, program, tables) in common), mine[-1] if mine else None)
     if part is None:
         return f"waits for rank {other} to reach step {other_step}"
-    verb = "receive" if part.op.startswith("SEND") else "send"
+    verb = "receive" if PART_RULES[part.op].is_send else "send"
     what = describe(part_tensor(part, program, tables))
     if never:
         return f"waits for rank {other} to {verb} the {what}, which it never does"
@@ -314,11 +225,13 @@ def _wait_text(program: Program, tables: StageTables, graph: WaitGraph, rank: in
 
 
 def _input_of(program: Program, tables: StageTables, action) -> int:
-    """The tensor a compute reads from another rank: F its input activation, a backward its output gradient."""
+    """The tensor a compute reads from another rank (its dataflow input that crosses stages)."""
     num_stages, num_mb = len(program.stages), program.num_microbatches
-    if action.op == F:
-        return tensor_id(ACT, tables.prev[action.stage], action.mb, num_stages, num_mb)
-    return tensor_id(GRAD, tables.next[action.stage], action.mb, num_stages, num_mb)
+    for dependency in DEPENDENCIES[action.op]:
+        if dependency.kind in MESSAGE_KIND_CODE:
+            producer = tables.neighbour(dependency.where)[action.stage]
+            return tensor_id(MESSAGE_KIND_CODE[dependency.kind], producer, action.mb, num_stages, num_mb)
+    raise AssertionError(f"{action.text()} reads nothing from another stage")
 
 
 __all__ = [

@@ -11,15 +11,19 @@ the parts of each BATCH):
 * per ordered pair (src, dst), the tensors src sends and the tensors dst
   receives are the same sequence: no send without a receive, no receive without
   a send, no tensor twice, no two messages swapped;
-* all-reduce instructions sit on replicas of their chunk, and each rank waits
-  (ALLREDUCE_WAIT) exactly for the all-reduces it started. Whether every member
-  reaches its all-reduce, and in a consistent order, is a question of progress:
-  ``check_deadlock`` answers it.
+* every collective meets on a communicator of the program, and its rank is a
+  member; per communicator, every member issues the same sequence of
+  collectives (op, root, value, size class) as far as each goes; each rank
+  waits exactly for the collectives it started. Whether every member reaches
+  its collective, and whether members meet several communicators in a
+  consistent order, is a question of progress: ``check_deadlock`` answers it.
 
-Tensors are integer ids ``kind * S * N + producer_stage * N + mb`` (kind 0: the
-activation F(producer) made, 1: the gradient its B or I made); ``MessageLog``
-holds, per ordered pair, the steps and tensor ids of its sends and of its
-receives, and is shared with ``check_deadlock`` and ``check_conflict``.
+What a send or receive carries comes from its rule (``ops.PART_RULES``).
+Tensors are integer ids ``kind * S * N + producer_stage * N + mb`` (kind:
+``ops.MESSAGE_KIND_CODE``, 0 for the activation F(producer) made, 1 for the
+gradient its B or I made); ``MessageLog`` holds, per ordered pair, the steps
+and tensor ids of its sends and of its receives, and is shared with
+``check_deadlock`` and ``check_conflict``.
 """
 from __future__ import annotations
 
@@ -28,31 +32,22 @@ from collections import Counter
 from itertools import chain, repeat
 from typing import NamedTuple
 
-from pipec.compiler.ir import (
-    ALLREDUCE_GRAD,
-    ALLREDUCE_WAIT,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    Program,
+from pipec.compiler.ir import Action, Program, StageTables, stage_tables
+from pipec.compiler.ops import (
+    COLLECTIVE_OPS,
+    COLLECTIVE_WAIT_OPS,
+    MESSAGE_KIND_CODE,
+    MESSAGE_KINDS,
+    PART_RULES,
+    READER_OF,
+    RULES,
+    VALUE_KINDS,
+    Value,
+    describe,
 )
-from pipec.compiler.checks.wellformed import StageTables, stage_tables
 from pipec.errors import MatchError
 
-ACT, GRAD = 0, 1
-_KIND_NAME = ("activation", "gradient")
-_PRODUCER_OP = ("F", "B")
-
-# part op -> (is a send, tensor kind, which neighbour of the action's stage produced it)
-_SELF, _PREV, _NEXT = 0, 1, 2
-_PART_RULES = {
-    SEND_F: (True, ACT, _SELF),
-    SEND_B: (True, GRAD, _SELF),
-    RECV_F: (False, ACT, _PREV),
-    RECV_B: (False, GRAD, _NEXT),
-}
-_COLLECTIVE_OPS = (ALLREDUCE_GRAD, ALLREDUCE_WAIT)
+ACT, GRAD = MESSAGE_KIND_CODE["act"], MESSAGE_KIND_CODE["grad"]
 
 
 class MessageLog(NamedTuple):
@@ -63,8 +58,8 @@ class MessageLog(NamedTuple):
             tensor, ...]`` of src's sends to dst in list order (slice [0::2] for
             steps, [1::2] for tensors).
         recvs: pair key ``src * R + dst`` -> the same for dst's receives from src.
-        collectives: chunk -> rank -> steps of its ALLREDUCE_GRAD of that chunk.
-        collective_waits: chunk -> rank -> steps of its ALLREDUCE_WAIT.
+        collectives: communicator id -> rank -> steps of its collectives on it.
+        collective_waits: communicator id -> rank -> steps of its waits for them.
     """
 
     sends: dict[int, list[int]]
@@ -82,31 +77,34 @@ def describe_tensor(tensor: int, num_stages: int, num_microbatches: int) -> str:
     """Words for a tensor id: ``activation of 0F1`` / ``gradient of 2B0``."""
     kind_stage, mb = divmod(tensor, num_microbatches)
     kind, stage = divmod(kind_stage, num_stages)
-    return f"{_KIND_NAME[kind]} of {stage}{_PRODUCER_OP[kind]}{mb}"
+    return describe(Value(MESSAGE_KINDS[kind], (stage, mb)))
 
 
 def consumer_stage(tensor: int, program: Program, tables: StageTables) -> int:
-    """The stage that reads ``tensor``: next(producer) for an activation, prev for a gradient (-1: none)."""
+    """The stage that reads ``tensor`` (its kind's reader next to the producer; -1: none)."""
     kind, stage = divmod(tensor // program.num_microbatches, len(program.stages))
-    return (tables.next if kind == ACT else tables.prev)[stage]
+    return tables.neighbour(READER_OF[MESSAGE_KINDS[kind]])[stage]
 
 
 def part_tensor(part, program: Program, tables: StageTables) -> int:
     """The tensor id a SEND/RECV part carries (-1 when no stage produces it)."""
-    _is_send, kind, side = _PART_RULES[part.op]
-    producer = (part.stage, tables.prev[part.stage], tables.next[part.stage])[side]
+    rule = PART_RULES[part.op]
+    producer = tables.neighbour(rule.where)[part.stage]
     if producer < 0:
         return -1
-    return tensor_id(kind, producer, part.mb, len(program.stages), program.num_microbatches)
+    return tensor_id(rule.code, producer, part.mb, len(program.stages), program.num_microbatches)
 
 
-def replica_ranks(program: Program, tables: StageTables) -> dict[int, set[int]]:
-    """chunk -> the ranks holding a replica of it (the members of its all-reduce)."""
-    members: dict[int, set[int]] = {}
-    for line in program.pipelines:
-        for position, stage in enumerate(line):
-            members.setdefault(position, set()).add(tables.home[stage])
-    return members
+def collective_signature(action: Action, program: Program, tables: StageTables) -> tuple:
+    """What members of a communicator must agree on for one collective: (op, root, value, size class).
+
+    The replica all-reduce has no root; its value is the weight gradient of
+    the stage's chunk.
+    """
+    rule = RULES[action.op]
+    value = rule.reads[0].kind if rule.reads else None
+    index = (tables.chunk[action.stage],) if value is not None else ()
+    return (action.op, -1, Value(value, index) if value else None, VALUE_KINDS[value].size_class if value else None)
 
 
 def scan_messages(program: Program, tables: StageTables | None = None) -> MessageLog:
@@ -134,14 +132,14 @@ def scan_messages(program: Program, tables: StageTables | None = None) -> Messag
         # here), reached from a part's op: its sends, or its receives.
         to_peer: dict[int, list[int]] = {}
         from_peer: dict[int, list[int]] = {}
-        lists_of = {SEND_F: to_peer, SEND_B: to_peer, RECV_F: from_peer, RECV_B: from_peer}
+        lists_of = {op: to_peer if rule.is_send else from_peer for op, rule in PART_RULES.items()}
         for step, action in enumerate(row):
             parts = action[4]
             if not parts:  # not a batch: a single send/receive, a collective, or nothing to log
                 op = action[1]
                 if op not in lists_of:
-                    if op in _COLLECTIVE_OPS:
-                        _log_collective(program, tables, rank, step, collectives if op == ALLREDUCE_GRAD else waits)
+                    if op in COLLECTIVE_OPS or op in COLLECTIVE_WAIT_OPS:
+                        _log_collective(program, rank, step, collectives if op in COLLECTIVE_OPS else waits)
                     continue
                 parts = (action,)
             for part in parts:
@@ -169,16 +167,20 @@ def scan_messages(program: Program, tables: StageTables | None = None) -> Messag
 def _first_tensors(program: Program, tables: StageTables) -> dict[str, list[int]]:
     """part op -> per stage: the id of the tensor it carries for microbatch 0 (-1: none), so id = that + mb."""
     num_stages, num_mb = len(program.stages), program.num_microbatches
-    producers = (list(range(num_stages)), tables.prev, tables.next)
-    return {op: [tensor_id(kind, producer, 0, num_stages, num_mb) if producer >= 0 else -1 for producer in producers[side]]
-            for op, (_is_send, kind, side) in _PART_RULES.items()}
+    return {op: [tensor_id(rule.code, producer, 0, num_stages, num_mb) if producer >= 0 else -1
+                 for producer in tables.neighbour(rule.where)]
+            for op, rule in PART_RULES.items()}
 
 
-def _log_collective(program, tables, rank, step, into) -> None:
+def _log_collective(program, rank, step, into) -> None:
     action = program.ranks[rank][step]
     if not 0 <= action.stage < len(program.stages):
         raise _error(program, f"{action.text()}: there is no stage {action.stage}", rank, step)
-    into.setdefault(tables.chunk[action.stage], {}).setdefault(rank, []).append(step)
+    communicator = program.communicator_of(action)
+    if communicator is None:
+        raise _error(program, f"{action.text()}: no communicator of the program serves it "
+                              f"(it meets on the {RULES[action.op].communicator})", rank, step)
+    into.setdefault(communicator.id, {}).setdefault(rank, []).append(step)
 
 
 def check_matching(program: Program, *, log: MessageLog | None = None, tables: StageTables | None = None) -> None:
@@ -336,20 +338,46 @@ def _check_unique(program: Program, log: MessageLog) -> None:
 
 
 def _check_collectives(program: Program, tables: StageTables, log: MessageLog) -> None:
-    """All-reduces sit on replicas of their chunk; each rank waits once for each it starts."""
-    members = replica_ranks(program, tables)
-    for chunk, by_rank in sorted(log.collectives.items()):
+    """Collectives meet on their communicator, by members, in one sequence; each is waited once."""
+    for comm_id, by_rank in sorted(log.collectives.items()):
+        communicator = program.communicators[comm_id]
         for rank, steps in sorted(by_rank.items()):
-            if rank not in members.get(chunk, ()):
-                raise _error(program, f"rank {rank} joins the all-reduce of chunk {chunk}, but holds no replica "
-                                      f"of it (replicas on ranks {sorted(members.get(chunk, ()))})", rank, steps[0])
-    for chunk in sorted(set(log.collectives) | set(log.collective_waits)):
-        started, waited = log.collectives.get(chunk, {}), log.collective_waits.get(chunk, {})
+            if rank not in communicator.ranks:
+                raise _error(program, f"rank {rank} joins the {_meeting(program, communicator)}, but holds no replica "
+                                      f"of it (replicas on ranks {list(communicator.ranks)})", rank, steps[0])
+        _check_same_sequence(program, tables, communicator, by_rank)
+    for comm_id in sorted(set(log.collectives) | set(log.collective_waits)):
+        started, waited = log.collectives.get(comm_id, {}), log.collective_waits.get(comm_id, {})
         for rank in sorted(set(started) | set(waited)):
-            _check_waits(program, chunk, rank, started.get(rank, []), waited.get(rank, []))
+            _check_waits(program, program.communicators[comm_id], rank, started.get(rank, []), waited.get(rank, []))
 
 
-def _check_waits(program, chunk, rank, starts: list[int], waits: list[int]) -> None:
+def _meeting(program: Program, communicator) -> str:
+    """Words for what meets on a communicator (``all-reduce of chunk 0``)."""
+    return f"all-reduce of chunk {communicator.key}"
+
+
+def _check_same_sequence(program: Program, tables: StageTables, communicator, by_rank: dict[int, list[int]]) -> None:
+    """Every member issues the same (op, root, value, size) at each position both reach.
+
+    A member that issues fewer is not an error here: whether it ever arrives
+    is a question of progress, which ``check_deadlock`` answers.
+    """
+    sequences = {rank: [collective_signature(program.ranks[rank][step], program, tables) for step in steps]
+                 for rank, steps in by_rank.items()}
+    first = min(sequences)
+    for rank, sequence in sorted(sequences.items()):
+        for k, (mine, theirs) in enumerate(zip(sequence, sequences[first])):
+            if mine != theirs:
+                raise _error(program, f"collective {k} on communicator {communicator.id} (ranks "
+                                      f"{list(communicator.ranks)}) differs between members: rank {first} issues "
+                                      f"{program.ranks[first][by_rank[first][k]].text()}, rank {rank} issues "
+                                      f"{program.ranks[rank][by_rank[rank][k]].text()}",
+                             rank, by_rank[rank][k], [(first, by_rank[first][k])])
+
+
+def _check_waits(program, communicator, rank, starts: list[int], waits: list[int]) -> None:
+    chunk = communicator.key
     for index, wait in enumerate(waits):
         if index >= len(starts) or starts[index] > wait:
             raise _error(program, f"ALLREDUCE_WAIT of chunk {chunk} with no all-reduce started before it", rank, wait)
@@ -364,7 +392,7 @@ def _check_waits(program, chunk, rank, starts: list[int], waits: list[int]) -> N
 def _bad_part(program: Program, rank: int, step: int, part) -> MatchError:
     num_stages, num_mb = len(program.stages), program.num_microbatches
     checks = (
-        (part.op in _PART_RULES, f"{part.text()} in a batch is not a send or a receive"),
+        (part.op in PART_RULES, f"{part.text()} in a batch is not a send or a receive"),
         (0 <= part.stage < num_stages, f"{part.text()}: there is no stage {part.stage}"),
         (0 <= part.mb < num_mb, f"{part.text()}: there is no microbatch {part.mb}"),
     )

@@ -16,9 +16,12 @@ the other checks:
    or I of next(s); W after I) is acyclic. A failure names the task that can
    never run, its rank and step, and the cycle it sits on.
 
-Everything works on integer task keys, ``(stage * N + mb) * 4 + code`` with
-code F=0, B=1, I=2, W=3, and task positions ``step * R + rank``, so each pass
-touches each instruction a constant number of times.
+The task sets (2) and the dataflow (3) come from the rule table
+(``ops.FAMILY_TASKS``, ``ops.DEPENDENCIES``). Everything works on integer
+task keys, ``(stage * N + mb) * C + code`` with C = ``ops.NUM_TASK_CODES``
+and the code of ``ops.TASK_CODE`` (F=0, B=1, I=2, W=3), and task positions
+``step * R + rank``, so each pass touches each instruction a constant number
+of times.
 """
 from __future__ import annotations
 
@@ -26,10 +29,11 @@ import operator
 from typing import NamedTuple
 
 from pipec.compiler.ir import Action, Program, StageTables, stage_tables
-from pipec.compiler.ops import OP_OF_CODE, OPS, TASK_CODE
+from pipec.compiler.ops import ACTIVATION_PASSING, DEPENDENCIES, FAMILY_TASKS, NUM_TASK_CODES, OP_OF_CODE, OPS, TASK_CODE
 from pipec.errors import WellFormedError
 
 NOWHERE = -1
+_CODES = NUM_TASK_CODES
 
 _op_of = operator.itemgetter(1)
 _present = NOWHERE.__lt__  # where[key] > -1: the task appears
@@ -37,12 +41,12 @@ _present = NOWHERE.__lt__  # where[key] > -1: the task appears
 
 def task_key(stage: int, op: str, mb: int, num_microbatches: int) -> int:
     """The integer key of compute task ``op(stage, mb)``."""
-    return (stage * num_microbatches + mb) * 4 + TASK_CODE[op]
+    return (stage * num_microbatches + mb) * _CODES + TASK_CODE[op]
 
 
 def task_text(key: int, num_microbatches: int) -> str:
     """torch's token of the task with integer key ``key`` (``2B0``)."""
-    stage_mb, code = divmod(key, 4)
+    stage_mb, code = divmod(key, _CODES)
     stage, mb = divmod(stage_mb, num_microbatches)
     return f"{stage}{OP_OF_CODE[code]}{mb}"
 
@@ -75,7 +79,7 @@ def locate_tasks(program: Program, tables: StageTables | None = None) -> TaskInd
     tables = tables or stage_tables(program)
     home, pipeline, mb_pipeline = tables.home, tables.pipeline, program.mb_pipeline
     num_stages, num_mb, num_ranks = len(program.stages), program.num_microbatches, program.num_ranks
-    where = [NOWHERE] * (num_stages * num_mb * 4)
+    where = [NOWHERE] * (num_stages * num_mb * _CODES)
     rank_keys = []
     code_of = TASK_CODE.get
     for rank, row in enumerate(program.ranks):
@@ -88,7 +92,7 @@ def locate_tasks(program: Program, tables: StageTables | None = None) -> TaskInd
             if not (0 <= stage < num_stages and 0 <= mb < num_mb and home[stage] == rank
                     and pipeline[stage] == mb_pipeline[mb]):
                 raise _invalid_task(program, tables, rank, step)
-            key = (stage * num_mb + mb) * 4 + code
+            key = (stage * num_mb + mb) * _CODES + code
             if where[key] != NOWHERE:
                 first_step, first_rank = divmod(where[key], num_ranks)
                 raise _error(program, f"{row[step].text()} appears twice (first at rank {first_rank}, step {first_step})",
@@ -149,70 +153,100 @@ def _check_known_ops(program: Program) -> None:
 
 
 def _check_complete(program: Program, tables: StageTables, tasks: TaskIndex) -> None:
-    """Every (stage, riding mb) has F, and B xor (I and W); compared as whole lists."""
+    """Every (stage, riding mb) has exactly one alternative of each task set; compared as whole lists."""
     where = tasks.where
-    num_mb = program.num_microbatches
     mb_pipeline = program.mb_pipeline
     expected = [pipe == ride for pipe in tables.pipeline for ride in mb_pipeline]
-    has_f = list(map(_present, where[0::4]))
-    has_b = list(map(_present, where[1::4]))
-    has_i = list(map(_present, where[2::4]))
-    has_w = list(map(_present, where[3::4]))
+    has = {op: list(map(_present, where[code::_CODES])) for op, code in TASK_CODE.items()}
     # Invalid (stage, mb) pairs never get a key (locate_tasks), so "present"
-    # implies "expected"; only missing tasks and bad B/I/W mixes remain.
-    if (has_f == expected and list(map(operator.or_, has_b, has_i)) == expected
-            and not any(map(operator.and_, has_b, has_i)) and has_i == has_w):
+    # implies "expected"; only missing tasks and bad mixes remain.
+    task_sets = FAMILY_TASKS[ACTIVATION_PASSING]
+    if all(_complete_everywhere(task_set, has, expected) for task_set in task_sets):
         return
     for index, wanted in enumerate(expected):
         if not wanted:
             continue
-        stage, mb = divmod(index, num_mb)
-        text = _task_problem(has_f[index], has_b[index], has_i[index], has_w[index])
-        if text is None:
+        stage, mb = divmod(index, program.num_microbatches)
+        for task_set in task_sets:
+            text = _task_problem(task_set, {op: column[index] for op, column in has.items()}, stage, mb)
+            if text is None:
+                continue
+            base = index * _CODES
+            found = [where[base + code] for code in range(_CODES) if where[base + code] != NOWHERE]
+            rank, step = (found[0] % program.num_ranks, found[0] // program.num_ranks) if found else (tables.home[stage], None)
+            raise _error(program, text, rank, step)
+
+
+def _complete_everywhere(task_set, has: dict[str, list[bool]], expected: list[bool]) -> bool:
+    """Whether each alternative is all there or all absent, and exactly one is there where expected."""
+    alternatives = task_set.alternatives
+    if any(has[op] != has[alternative[0]] for alternative in alternatives for op in alternative[1:]):
+        return False
+    firsts = [has[alternative[0]] for alternative in alternatives]
+    if len(firsts) == 1:
+        return firsts[0] == expected
+    return list(map(any, zip(*firsts))) == expected and all(sum(row) <= 1 for row in zip(*firsts))
+
+
+def _task_problem(task_set, present: dict[str, bool], s: int, m: int) -> str | None:
+    """What is wrong with one (stage, mb)'s task set, in words; None when nothing is.
+
+    In order: two alternatives whose first ops both appear; an alternative
+    begun but not complete (a later op missing: the first one splits the
+    work; the first op missing: a later one needs it); none begun.
+    """
+    task = lambda op: f"{s}{op}{m}"  # noqa: E731
+    alternatives = task_set.alternatives
+    started = [alt for alt in alternatives if present[alt[0]]]
+    if len(started) > 1:
+        first, second = started[0], started[1]
+        return (f"{task(first[0])} and {task(second[0])} both appear: a {task_set.name} is either "
+                + " or split into ".join(" and ".join(alt) for alt in alternatives))
+    for alternative in alternatives:
+        if not any(present[op] for op in alternative) or all(present[op] for op in alternative):
             continue
-        base = index * 4
-        found = [where[base + code] for code in (0, 1, 2, 3) if where[base + code] != NOWHERE]
-        rank, step = (found[0] % program.num_ranks, found[0] // program.num_ranks) if found else (tables.home[stage], None)
-        raise _error(program, text.format(s=stage, m=mb), rank, step)
-
-
-# (has F, has B, has I, has W) -> problem text; the first rule that matches wins.
-_TASK_RULES = (
-    (lambda f, b, i, w: not f, "task {s}F{m} is missing"),
-    (lambda f, b, i, w: b and i, "{s}B{m} and {s}I{m} both appear: a backward is either B or split into I and W"),
-    (lambda f, b, i, w: i and not w, "task {s}W{m} is missing ({s}I{m} splits the backward)"),
-    (lambda f, b, i, w: w and not i, "task {s}I{m} is missing ({s}W{m} needs it)"),
-    (lambda f, b, i, w: not (b or i), "task {s}B{m} is missing (or {s}I{m} and {s}W{m})"),
-)
-
-
-def _task_problem(f: bool, b: bool, i: bool, w: bool) -> str | None:
-    for rule, text in _TASK_RULES:
-        if rule(f, b, i, w):
-            return text
-    return None
+        missing = next(op for op in alternative if not present[op])
+        if missing != alternative[0]:
+            return f"task {task(missing)} is missing ({task(alternative[0])} splits the {task_set.name})"
+        later = next(op for op in alternative if present[op])
+        return f"task {task(missing)} is missing ({task(later)} needs it)"
+    if started:
+        return None
+    if len(alternatives) == 1:
+        return f"task {task(alternatives[0][0])} is missing"
+    first, *others = alternatives
+    return (f"task {task(first[0])} is missing (or "
+            + " or ".join(" and ".join(task(op) for op in alt) for alt in others) + ")")
 
 
 # ---------------------------------------------------------------- dependencies
 
 
-def _dependency_deltas(program: Program, tables: StageTables) -> list[tuple[int, ...]]:
-    """For each (stage * 4 + code): key offsets of the task's dataflow inputs.
-
-    A backward's input from the next stage is named by that stage's B key; the
-    caller moves to the I key (+1) when that microbatch's backward is split.
+def _dependency_deltas(program: Program, tables: StageTables) -> list[tuple[tuple[int, ...], ...]]:
+    """For each (stage * C + code): per dataflow input (``ops.DEPENDENCIES``), the key
+    offsets of the ops that may make it, in table order (the first present wins:
+    a backward reads the next stage's B, or its I when that backward is split).
     """
-    span = program.num_microbatches * 4
-    deltas: list[tuple[int, ...]] = []
+    span = program.num_microbatches * _CODES
+    deltas: list[tuple[tuple[int, ...], ...]] = []
     for stage in range(len(program.stages)):
-        prev, nxt = tables.prev[stage], tables.next[stage]
-        from_prev = ((prev - stage) * span,) if prev >= 0 else ()
-        from_next = lambda code: ((nxt - stage) * span + 1 - code,) if nxt >= 0 else ()  # noqa: E731
-        deltas.append(from_prev)                      # F: F(prev)
-        deltas.append((-1,) + from_next(1))           # B: F(self), B|I(next)
-        deltas.append((-2,) + from_next(2))           # I: F(self), B|I(next)
-        deltas.append((-1,))                          # W: I(self)
+        for op in OP_OF_CODE:
+            code = TASK_CODE[op]
+            inputs = []
+            for dependency in DEPENDENCIES[op]:
+                other = tables.neighbour(dependency.where)[stage]
+                if other >= 0:
+                    inputs.append(tuple((other - stage) * span + TASK_CODE[made] - code for made in dependency.made_by))
+            deltas.append(tuple(inputs))
     return deltas
+
+
+def _input_key(key: int, alternatives: tuple[int, ...], where: list[int]) -> int:
+    """The key of the input made by the first of ``alternatives`` present (the first when none is)."""
+    for delta in alternatives:
+        if where[key + delta] != NOWHERE:
+            return key + delta
+    return key + alternatives[0]
 
 
 def _check_dependencies(program: Program, tables: StageTables, tasks: TaskIndex) -> None:
@@ -224,7 +258,7 @@ def _check_dependencies(program: Program, tables: StageTables, tasks: TaskIndex)
     """
     where, rank_keys = tasks.where, tasks.keys
     num_mb = program.num_microbatches
-    span = num_mb * 4
+    span = num_mb * _CODES
     deltas = _dependency_deltas(program, tables)
     done = bytearray(len(where))
     cursor = [0] * program.num_ranks
@@ -237,10 +271,10 @@ def _check_dependencies(program: Program, tables: StageTables, tasks: TaskIndex)
         while index < count:
             key = keys[index]
             blocked = -1
-            for delta in deltas[(key // span) * 4 + (key & 3)]:
-                need = key + delta
-                if where[need] == NOWHERE:  # B of the next stage absent: its backward is split
-                    need += 1
+            for alternatives in deltas[(key // span) * _CODES + key % _CODES]:
+                need = key + alternatives[0]
+                if where[need] == NOWHERE and len(alternatives) > 1:  # e.g. the next stage's backward is split
+                    need = _input_key(key, alternatives, where)
                 if not done[need]:
                     blocked = need
                     break
@@ -259,10 +293,8 @@ def _check_dependencies(program: Program, tables: StageTables, tasks: TaskIndex)
 
 
 def _blocking_input(key: int, tasks: TaskIndex, deltas, done, span: int) -> int:
-    for delta in deltas[(key // span) * 4 + (key & 3)]:
-        need = key + delta
-        if tasks.where[need] == NOWHERE:
-            need += 1
+    for alternatives in deltas[(key // span) * _CODES + key % _CODES]:
+        need = _input_key(key, alternatives, tasks.where)
         if not done[need]:
             return need
     raise AssertionError("a stuck task has all its inputs")
@@ -271,7 +303,7 @@ def _blocking_input(key: int, tasks: TaskIndex, deltas, done, span: int) -> int:
 def _dependency_error(program, tasks, deltas, done, cursor, stuck) -> WellFormedError:
     """Name a task that can never run: a later task on its own rank, or a cycle across ranks."""
     num_mb, num_ranks = program.num_microbatches, program.num_ranks
-    span = num_mb * 4
+    span = num_mb * _CODES
     waits = {}  # rank -> (its stuck key, the input key it waits for)
     for rank in stuck:
         key = tasks.keys[rank][cursor[rank]]
