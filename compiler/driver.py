@@ -2,7 +2,7 @@
 
 Contract: ``compile_target(target, defines)`` runs every phase in order,
 parse -> resolve -> evaluate -> order -> compute program -> communication ->
-checks -> liveness, and returns a ``Compiled`` with the intermediate results a
+liveness -> checks (on the final program, frees included), and returns a ``Compiled`` with the intermediate results a
 caller may want (spec, compute-only program, final program). Each phase is a
 pure function of the one before; a failure raises the ``PipecError`` of the
 phase that found it.
@@ -19,7 +19,9 @@ from pipec.compiler.costs import CostModel
 from pipec.compiler.ir import Program
 from pipec.compiler.liveness import insert_frees
 from pipec.compiler.lower_comms import insert_communication
+from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
+from pipec.dsl.spec import TaskKinds
 from pipec.errors import UsageError
 
 
@@ -95,6 +97,26 @@ def _display_path(path: str) -> str:
     return relative if not relative.startswith("..") else path
 
 
+def task_kinds(family: str = ACTIVATION_PASSING) -> TaskKinds:
+    """The task vocabulary the front end resolves schedules against, from the rule table.
+
+    A task set with one alternative is always run (F); one with modes is the
+    ``backward`` declaration's choice; one with an empty alternative is optional.
+    """
+    always: list[str] = []
+    backward: dict[str, tuple[str, ...]] = {}
+    optional: list[str] = []
+    for task_set in FAMILY_TASKS[family]:
+        if () in task_set.alternatives:
+            optional += [op for alternative in task_set.alternatives for op in alternative]
+        elif task_set.modes:
+            backward.update(zip(task_set.modes, task_set.alternatives))
+        else:
+            always += task_set.alternatives[0]
+    in_family = set(always) | set(optional) | {op for kinds in backward.values() for op in kinds}
+    return TaskKinds(tuple(op for op in COMPUTE_OPS if op in in_family), tuple(always), backward, tuple(optional))
+
+
 def resolve_target(target: str) -> ResolvedSchedule:
     """Parse and resolve the schedule a target names."""
     path, source, name = load_target(target)
@@ -105,7 +127,7 @@ def resolve_target(target: str) -> ResolvedSchedule:
             raise UsageError(f"'{path}' defines no schedule")
         names = ", ".join(s.name for s in module.schedules)
         raise UsageError(f"'{path}' has no schedule '{name}' (it has {names})")
-    return resolve(schedule, path, source)
+    return resolve(schedule, path, source, task_kinds())
 
 
 def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Program, Program]:
@@ -121,10 +143,10 @@ def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Prog
 
 
 def compile_spec(spec: ScheduleSpec, *, costs: CostModel | None = None, memory_budget: int | None = None) -> Compiled:
-    """Order, lower and check an evaluated schedule."""
+    """Order and lower an evaluated schedule, and check the final program (after the last pass)."""
     compute, program = lower_spec(spec, costs)
-    check_all(program, semantics="rendezvous", memory_budget=memory_budget)
     program = insert_frees(program)
+    check_all(program, semantics="rendezvous", memory_budget=memory_budget)
     return Compiled(spec, compute, program)
 
 

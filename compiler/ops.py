@@ -156,6 +156,10 @@ class OpRule(NamedTuple):
         torch: (compute-only CSV, CSV with communication): KEEP, DROP or EXPAND.
         trace: its category in a run's trace (``compute``, ``comm``, ``memory``).
         communicator: for a collective, which communicator it meets on.
+        unit_cost: for a compute, its time under unit costs (the simulator's
+            default cost model: F = 1, B = 2, I = W = 1).
+        optional: for a compute, whether it may be left out (at most once per
+            (stage, microbatch)) rather than being part of the family's task sets.
         doc: one line for people.
     """
 
@@ -171,6 +175,8 @@ class OpRule(NamedTuple):
     torch: tuple[str, str] = (DROP, DROP)
     trace: str = "comm"
     communicator: str | None = None
+    unit_cost: int | None = None
+    optional: bool = False
     doc: str = ""
 
 
@@ -195,14 +201,14 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
     # and makes its own, keeping what its backward needs; B reads that and the
     # gradient next(s) made; I is B's input-gradient half, W its weight half.
     OpRule(F, COMPUTE, _AP, reads=(Use("act", PREV),), writes=(Use("act"), Use("saved")),
-           torch=_COMPUTE_CSV, trace="compute", doc="forward of (stage, mb)"),
+           torch=_COMPUTE_CSV, trace="compute", unit_cost=1, doc="forward of (stage, mb)"),
     OpRule(B, COMPUTE, _AP, reads=(Use("saved"), Use("grad", NEXT)), writes=(Use("grad"), Use("wgrad")),
-           ends=("saved",), torch=_COMPUTE_CSV, trace="compute", doc="backward of (stage, mb)"),
+           ends=("saved",), torch=_COMPUTE_CSV, trace="compute", unit_cost=2, doc="backward of (stage, mb)"),
     OpRule(I, COMPUTE, _AP, reads=(Use("saved"), Use("grad", NEXT)), writes=(Use("grad"), Use("wstash")),
-           ends=("saved",), torch=_COMPUTE_CSV, trace="compute",
+           ends=("saved",), torch=_COMPUTE_CSV, trace="compute", unit_cost=1,
            doc="backward for the input gradient; leaves what W needs"),
     OpRule(W, COMPUTE, _AP, reads=(Use("wstash"),), writes=(Use("wgrad"),), ends=("wstash",),
-           torch=_COMPUTE_CSV, trace="compute", doc="backward for the weight gradient"),
+           torch=_COMPUTE_CSV, trace="compute", unit_cost=1, doc="backward for the weight gradient"),
     # -- point to point. On a send the stage is the producer's, on a receive the consumer's.
     OpRule(SEND_F, SEND, _AP, carries=Use("act"), fields=_PEER_FIELDS, torch=_COMM_CSV,
            doc="send the activation forward"),
@@ -226,17 +232,31 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
 
 OPS: tuple[str, ...] = tuple(RULES)
 
-# What "every task of the family appears exactly once" means. For each (stage,
-# microbatch riding it), per entry (named for messages) exactly one of its
-# alternatives appears, each op of it once: F; and a backward that is B, or
-# is split into I and W.
 class TaskSet(NamedTuple):
+    """What "every task of the family appears exactly once" means, for one part of the work.
+
+    For each (stage, microbatch riding it), exactly one of ``alternatives``
+    appears, each of its ops once; an empty alternative makes the set
+    optional (its ops may appear, at most once each).
+
+    Attributes:
+        name: for messages ("backward").
+        alternatives: the ways of doing it, each a tuple of ops.
+        modes: the language's name for each alternative (``backward full`` /
+            ``backward split``); empty when a program does not choose.
+    """
+
     name: str
     alternatives: tuple[tuple[str, ...], ...]
+    modes: tuple[str, ...] = ()
 
 
+# F; and a backward that is B (``backward full``) or split into I and W
+# (``backward split``); then each optional compute of the family on its own.
 FAMILY_TASKS: dict[str, tuple[TaskSet, ...]] = {
-    ACTIVATION_PASSING: (TaskSet("forward", ((F,),)), TaskSet("backward", ((B,), (I, W)))),
+    ACTIVATION_PASSING: (TaskSet("forward", ((F,),)), TaskSet("backward", ((B,), (I, W)), ("full", "split")))
+    + tuple(TaskSet(op, ((), (op,))) for op, rule in RULES.items()
+            if rule.category == COMPUTE and rule.optional and rule.family == ACTIVATION_PASSING),
 }
 
 
@@ -259,6 +279,9 @@ COLLECTIVE_OPS = ops_of(COLLECTIVE)
 COLLECTIVE_WAIT_OPS = ops_of(COLLECTIVE_WAIT)
 FREE_OPS = ops_of(FREE)
 
+# The simulator's unit costs (compute op -> time).
+UNIT_COSTS: dict[str, int] = {op: RULES[op].unit_cost for op in COMPUTE_OPS}
+
 # Task codes of compute ops: the low bits of the checks' integer task keys.
 TASK_CODE: dict[str, int] = {op: code for code, op in enumerate(COMPUTE_OPS)}
 OP_OF_CODE: tuple[str, ...] = COMPUTE_OPS
@@ -271,7 +294,12 @@ def producers(kind: str) -> tuple[str, ...]:
 
 
 class Dependency(NamedTuple):
-    """A compute's input: the value, whose it is, and the compute ops that make it (the first present wins)."""
+    """A compute's input: the value, whose it is, and the compute ops that make it (the first present wins).
+
+    A task that remakes a value (reads it and writes it again, as a
+    recompute does) comes before the tasks that make it first, so a reader
+    waits for the latest version; a task never depends on itself.
+    """
 
     kind: str
     where: str
@@ -279,8 +307,13 @@ class Dependency(NamedTuple):
 
 
 def _dependencies(op: str) -> tuple[Dependency, ...]:
-    return tuple(Dependency(use.kind, use.where, producers(use.kind))
-                 for use in RULES[op].reads if producers(use.kind))
+    out = []
+    for use in RULES[op].reads:
+        makers = [maker for maker in producers(use.kind) if maker != op or use.where != SELF]
+        remakers = [maker for maker in makers if Use(use.kind) in RULES[maker].reads]
+        if makers:
+            out.append(Dependency(use.kind, use.where, tuple(remakers + [m for m in makers if m not in remakers])))
+    return tuple(out)
 
 
 # compute op -> its dataflow inputs, in rule order
@@ -407,6 +440,7 @@ def _check_table() -> None:
             assert use.kind in VALUE_KINDS and use.where in (SELF, PREV, NEXT), (op, use)
         assert all(kind in VALUE_KINDS for kind in rule.ends), op
         assert (rule.carries is not None) == (rule.category in (SEND, RECV)), op
+        assert (rule.unit_cost is not None) == (rule.category == COMPUTE), op
     for kind, direction in HANDOFFS:
         assert kind in COMM_OP_OF_KIND, kind
 

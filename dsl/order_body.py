@@ -12,7 +12,7 @@ from typing import Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import Fn, Resolver
-from pipec.dsl.schedule import KIND_INDEX, MAX_LOOP_ITERATIONS, TASK_KINDS, Budget, of_pipeline
+from pipec.dsl.schedule import MAX_LOOP_ITERATIONS, Budget, of_pipeline
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import EvalError, ScheduleError
 
@@ -29,7 +29,7 @@ class OrderState:
         self.S = spec.num_stages
         self.stage_rank = [r for row in spec.placement for r in row]
         self.mb_offset = [p * self.S for p in spec.mb_pipeline]
-        self.seen = bytearray(len(TASK_KINDS) * len(self.stage_rank) * self.N)
+        self.seen = bytearray(len(spec.tasks.kinds) * len(self.stage_rank) * self.N)
         self.orders: list[list[tuple[str, int, int]]] = []
         self.rank = 0
         self.out: list = []
@@ -41,7 +41,6 @@ class OrderState:
 
     def emitter(self, node: ast.Task, stage_fn: Fn, mb_fn: Fn) -> Callable[[list], None]:
         kind = node.kind
-        kind_base = KIND_INDEX[kind]
         state = self
 
         def emit(env):
@@ -63,7 +62,7 @@ class OrderState:
                     node.span,
                     state.source,
                 )
-            key = (kind_base * len(state.stage_rank) + sid) * state.N + m
+            key = (state.spec.tasks.index(kind) * len(state.stage_rank) + sid) * state.N + m
             if state.seen[key]:
                 raise ScheduleError(
                     f"{kind}({s}, {m}) is scheduled twice (first at {state._where(kind, sid, m)})",
@@ -83,16 +82,16 @@ class OrderState:
         return "an earlier step"
 
     def finish(self, node: ast.ExplicitOrder) -> None:
-        """Every task of the family must appear: report the first one missing."""
+        """Every task of the family must appear (optional ones may): report the first one missing."""
         spec = self.spec
-        kinds = ("F",) + spec.backward_kinds
+        kinds = spec.required_kinds
         expected = len(kinds) * len(spec.mb_pipeline) * self.S
-        emitted = sum(len(row) for row in self.orders)
+        emitted = sum(1 for row in self.orders for task in row if task[0] in kinds)
         if emitted == expected:
             return
         stages_total = len(self.stage_rank)
         for kind in kinds:
-            base = KIND_INDEX[kind] * stages_total
+            base = spec.tasks.index(kind) * stages_total
             for m, p in enumerate(spec.mb_pipeline):
                 for s in range(self.S):
                     sid = p * self.S + s

@@ -144,7 +144,7 @@ _TERMINAL_TEXT = {
     "NAME": "a name", "INT": "a number", "STRING": "a \"message\"", "LBRACE": "'{'",
     "RBRACE": "'}'", "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "COLON": "':'",
     "SEMICOLON": "';'", "EQUAL": "'='", "COMPARE": "a comparison", "ADD": "'+' or '-'",
-    "MUL": "'*', '/' or '%'", "MINUS": "'-'", "QMARK": "'?'", "TASK_KIND": "F, B, I or W",
+    "MUL": "'*', '/' or '%'", "MINUS": "'-'", "QMARK": "'?'", "TASK_KIND": "a task (F, B, I, W, ...)",
     "PARAM_TYPE": "a type (ranks, microbatches, chunks, int, bool)", "BACKWARD_MODE": "full or split",
 "LESSTHAN": "'<'", "MORETHAN": "'>'",
 }

@@ -1,6 +1,6 @@
 """Resolve a parsed schedule: names, types and its shape, before any parameter.
 
-Contract: ``resolve(schedule, path, source)`` returns a ``ResolvedSchedule``
+Contract: ``resolve(schedule, path, source, tasks)`` returns a ``ResolvedSchedule``
 whose expressions and statements are compiled into closures
 (``pipec.dsl.evaluate``), or raises every error it found at once: unknown
 names, type mismatches, a missing ``stages``, a missing or second order,
@@ -15,27 +15,35 @@ from pipec.dsl import ast
 from pipec.dsl.evaluate import BOOL, INT, KEY, Resolver, Scope
 from pipec.dsl.order_body import assign_statement, branch_statement, loop_statement, OrderState
 from pipec.dsl.schedule import DEFAULT_PREFER, ResolvedSchedule
+from pipec.dsl.spec import TaskKinds
 from pipec.errors import ResolveError, SourceErrors
 
 
-def resolve(schedule: ast.Schedule, path: str, source: str) -> ResolvedSchedule:
+def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) -> ResolvedSchedule:
     """Resolve names and types of one schedule.
 
     Args:
         schedule: the parsed schedule.
         path, source: for messages.
+        tasks: the task kinds a schedule may order (the compiler's rule table:
+            ``pipec.compiler.driver.task_kinds()``).
     Returns:
         a ``ResolvedSchedule`` ready to ``evaluate``.
     Raises:
         SourceErrors: every resolution error found, at once.
     """
     resolver = Resolver(path, source)
-    out = ResolvedSchedule(schedule, path, source, resolver)
+    out = ResolvedSchedule(schedule, path, source, resolver, tasks=tasks)
     scope = Scope()
     _resolve_params(out, schedule, scope)
 
     backward_nodes = [d for d in schedule.decls if isinstance(d, ast.Backward)]
-    out.split_backward = bool(backward_nodes) and backward_nodes[-1].mode == "split"
+    out.backward_mode = backward_nodes[-1].mode if backward_nodes else tasks.default_mode
+    if out.backward_mode not in tasks.backward:
+        resolver.error(f"there is no `backward {out.backward_mode}` (modes: {', '.join(tasks.backward)})",
+                       backward_nodes[-1].span)
+        out.backward_mode = tasks.default_mode
+    out.split_backward = out.backward_mode != tasks.default_mode
     orders = [d for d in schedule.decls if isinstance(d, (ast.ExplicitOrder, ast.GreedyOrder, ast.SortedOrder))]
 
     for decl in schedule.decls:
@@ -137,7 +145,7 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
             out.sorted = decl
             inner = _resolve_order_lets(out, decl.lets, scope)
             _resolve_keys(out, decl.keys, inner, "key")
-            family = ("F", "I", "W") if out.split_backward else ("F", "B")
+            family = out.tasks.required(out.backward_mode)
             missing = [k for k in family if k not in out.priorities]
             if missing:
                 resolver.error(f"`order sorted` needs a key for every kind of task; add `key {missing[0]}(s, m) = ...`", decl.span)
@@ -173,10 +181,21 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope) -> list[Call
 
 
 def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
-    if out.split_backward and stmt.kind == "B":
-        out.resolver.error("this schedule declares `backward split`: write I(...) then W(...) instead of B(...)", stmt.span)
-    if not out.split_backward and stmt.kind in ("I", "W"):
-        out.resolver.error(f"{stmt.kind}(...) needs `backward split` in the schedule (the default is `backward full`, task B)", stmt.span)
+    """A task's kind must be one the schedule's backward mode orders (the rule table's kinds)."""
+    tasks, mode = out.tasks, out.backward_mode
+    if stmt.kind in tasks.allowed(mode):
+        return
+    if stmt.kind not in tasks.kinds:
+        out.resolver.error(f"there is no task {stmt.kind}(...) (tasks: {', '.join(tasks.kinds)})", stmt.span)
+    elif mode != tasks.default_mode:
+        mine = " then ".join(f"{kind}(...)" for kind in tasks.backward[mode])
+        out.resolver.error(f"this schedule declares `backward {mode}`: write {mine} instead of {stmt.kind}(...)",
+                           stmt.span)
+    else:
+        other = next(name for name, kinds in tasks.backward.items() if stmt.kind in kinds)
+        default = " ".join(tasks.backward[mode])
+        out.resolver.error(f"{stmt.kind}(...) needs `backward {other}` in the schedule (the default is "
+                           f"`backward {mode}`, task {default})", stmt.span)
 
 
 def _resolve_order_lets(out: ResolvedSchedule, lets: tuple, scope: Scope) -> Scope:
@@ -193,8 +212,11 @@ def _resolve_keys(out: ResolvedSchedule, nodes: tuple, scope: Scope, word: str) 
     for node in nodes:
         if node.kind in out.priorities:
             resolver.error(f"the {word} of {node.kind} is already given", node.span)
-        if node.kind not in (("F", "I", "W") if out.split_backward else ("F", "B")):
-            resolver.error(f"this schedule has no {node.kind} tasks (backward {'split' if out.split_backward else 'full'})", node.span)
+        if node.kind in out.tasks.optional:
+            resolver.error(f"{node.kind} tasks are ordered only by an explicit order (`order rank r {{ ... }}`)",
+                           node.span)
+        elif node.kind not in out.tasks.required(out.backward_mode):
+            resolver.error(f"this schedule has no {node.kind} tasks (backward {out.backward_mode})", node.span)
         key_scope = scope.child()
         s_slot = resolver.bind(key_scope, node.stage_var, INT, node.var_spans[0]).slot
         m_slot = resolver.bind(key_scope, node.mb_var, INT, node.var_spans[1]).slot

@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import Fn, Resolver
-from pipec.dsl.spec import GreedyPolicy, ScheduleSpec
+from pipec.dsl.spec import GreedyPolicy, ScheduleSpec, TaskKinds
 from pipec.errors import EvalError, RequireError, ScheduleError, Span, UsageError
 
 if TYPE_CHECKING:
     from pipec.dsl.order_body import OrderState
 
-TASK_KINDS = ("F", "B", "I", "W")
-KIND_INDEX = {k: i for i, k in enumerate(TASK_KINDS)}
+# The list scheduler's default preference among ready tasks (its policy's kinds).
 DEFAULT_PREFER = ("B", "I", "F", "W")
 
 # Bounds that keep a mistaken program from running for hours: the loop
@@ -66,6 +65,8 @@ class ResolvedSchedule:
     route: tuple[ast.Route, int, Fn] | None = None
     places: list[tuple[ast.Place, int, int | None, Fn, Fn | None]] = field(default_factory=list)
     device_map: tuple[ast.DeviceMap, int, Fn] | None = None
+    tasks: TaskKinds | None = None
+    backward_mode: str = ""
     split_backward: bool = False
     explicit: tuple[ast.ExplicitOrder, int, list[Callable]] | None = None
     greedy: ast.GreedyOrder | None = None
@@ -154,6 +155,7 @@ class ResolvedSchedule:
             placement=placement,
             devices=devices,
             split_backward=self.split_backward,
+            tasks=self.tasks,
         )
         if self.explicit is not None:
             spec.order_span = self.explicit[0].span
@@ -282,10 +284,10 @@ class ResolvedSchedule:
         return state.orders
 
     def _run_sorted(self, env: list, spec: ScheduleSpec) -> list[list[tuple[str, int, int]]]:
-        """Each rank's tasks sorted by (key, kind F B I W, microbatch, stage)."""
+        """Each rank's tasks sorted by (key, kind in table order, microbatch, stage)."""
         priority = self._priority_function(env, spec)
         S = spec.num_stages
-        kinds = ("F",) + spec.backward_kinds
+        kinds = spec.required_kinds
         by_pipeline: dict[int, list[int]] = {}
         for m, p in enumerate(spec.mb_pipeline):
             by_pipeline.setdefault(p, []).append(m)
@@ -295,7 +297,7 @@ class ResolvedSchedule:
                 sid = p * S + s
                 for m in by_pipeline.get(p, ()):
                     for kind in kinds:
-                        keyed[rank].append((priority(kind, sid, m), KIND_INDEX[kind], m, sid, kind))
+                        keyed[rank].append((priority(kind, sid, m), spec.tasks.index(kind), m, sid, kind))
         orders = []
         for tasks in keyed:
             tasks.sort()

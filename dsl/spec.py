@@ -11,8 +11,47 @@ from typing import Callable
 
 from pipec.errors import Span
 
-# A task: (kind, stage id, microbatch), kind in F B I W.
+# A task: (kind, stage id, microbatch), kind one of ``TaskKinds.kinds``.
 TaskTuple = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class TaskKinds:
+    """The compute tasks a schedule may order, as the compiler's rule table defines them.
+
+    The front end knows no task by name: the compiler hands it this
+    vocabulary (``pipec.compiler.driver.task_kinds``), so a task kind added
+    to the rule table is at once a task a ``.pipe`` file can order.
+
+    Attributes:
+        kinds: every kind, in the table's order (a kind's index is its code).
+        always: the kinds every (stage, microbatch) runs exactly once (F).
+        backward: ``backward`` mode -> the kinds its backward is made of
+            (``full``: B; ``split``: I then W); the first mode is the default.
+        optional: kinds that may run at most once per (stage, microbatch).
+    """
+
+    kinds: tuple[str, ...]
+    always: tuple[str, ...]
+    backward: dict[str, tuple[str, ...]]
+    optional: tuple[str, ...] = ()
+
+    @property
+    def default_mode(self) -> str:
+        return next(iter(self.backward))
+
+    def required(self, mode: str) -> tuple[str, ...]:
+        """The kinds every (stage, microbatch) runs once under ``mode``, in table order."""
+        wanted = set(self.always) | set(self.backward[mode])
+        return tuple(kind for kind in self.kinds if kind in wanted)
+
+    def allowed(self, mode: str) -> tuple[str, ...]:
+        """The kinds a schedule in ``mode`` may order, in table order."""
+        wanted = set(self.required(mode)) | set(self.optional)
+        return tuple(kind for kind in self.kinds if kind in wanted)
+
+    def index(self, kind: str) -> int:
+        return self.kinds.index(kind)
 
 
 @dataclass(frozen=True)
@@ -55,7 +94,9 @@ class ScheduleSpec:
         mb_pipeline: the pipeline microbatch m rides.
         placement: ``placement[p][s]`` is the rank of stage s of pipeline p.
         devices: rank -> device, or None for the identity.
-        split_backward: tasks are F, I, W (True) or F, B (False).
+        split_backward: the backward is split (``backward split``: I and W) or
+            whole (B).
+        tasks: the task vocabulary it was written against.
         order: explicit order: per rank its tasks; None under a policy.
         policy: the list-scheduling policy; None under an explicit order.
         order_span: where the order is written, for messages.
@@ -73,6 +114,7 @@ class ScheduleSpec:
     placement: list[list[int]]
     devices: list[int] | None
     split_backward: bool
+    tasks: TaskKinds | None = None
     order: list[list[TaskTuple]] | None = None
     policy: GreedyPolicy | None = None
     order_span: Span | None = None
@@ -82,5 +124,15 @@ class ScheduleSpec:
         return pipeline * self.num_stages + position
 
     @property
+    def backward_mode(self) -> str:
+        modes = list(self.tasks.backward)
+        return modes[1] if self.split_backward else modes[0]
+
+    @property
     def backward_kinds(self) -> tuple[str, ...]:
-        return ("I", "W") if self.split_backward else ("B",)
+        return self.tasks.backward[self.backward_mode]
+
+    @property
+    def required_kinds(self) -> tuple[str, ...]:
+        """The kinds every (stage, riding microbatch) runs once, in table order (F, B or F, I, W)."""
+        return self.tasks.required(self.backward_mode)

@@ -5,6 +5,7 @@ import textwrap
 
 import pytest
 
+from pipec.compiler.driver import task_kinds
 from pipec.dsl import parse, resolve
 from pipec.errors import (
     EvalError,
@@ -20,7 +21,7 @@ from pipec.errors import (
 def spec_of(text: str, name: str | None = None, **params):
     source = textwrap.dedent(text)
     module = parse(source, "t.pipe")
-    return resolve(module.schedule(name), "t.pipe", source).evaluate(params)
+    return resolve(module.schedule(name), "t.pipe", source, task_kinds()).evaluate(params)
 
 
 def error_of(exc_type, text: str, **params):

@@ -178,11 +178,14 @@ def _check_complete(program: Program, tables: StageTables, tasks: TaskIndex) -> 
 
 
 def _complete_everywhere(task_set, has: dict[str, list[bool]], expected: list[bool]) -> bool:
-    """Whether each alternative is all there or all absent, and exactly one is there where expected."""
-    alternatives = task_set.alternatives
+    """Whether each alternative is all there or all absent, and exactly one is there where expected
+    (at most one, for an optional set: one with an empty alternative)."""
+    alternatives = [alternative for alternative in task_set.alternatives if alternative]
     if any(has[op] != has[alternative[0]] for alternative in alternatives for op in alternative[1:]):
         return False
     firsts = [has[alternative[0]] for alternative in alternatives]
+    if len(alternatives) < len(task_set.alternatives):  # optional
+        return all(sum(row) <= 1 for row in zip(*firsts))
     if len(firsts) == 1:
         return firsts[0] == expected
     return list(map(any, zip(*firsts))) == expected and all(sum(row) <= 1 for row in zip(*firsts))
@@ -196,7 +199,8 @@ def _task_problem(task_set, present: dict[str, bool], s: int, m: int) -> str | N
     work; the first op missing: a later one needs it); none begun.
     """
     task = lambda op: f"{s}{op}{m}"  # noqa: E731
-    alternatives = task_set.alternatives
+    optional = () in task_set.alternatives
+    alternatives = tuple(alt for alt in task_set.alternatives if alt)
     started = [alt for alt in alternatives if present[alt[0]]]
     if len(started) > 1:
         first, second = started[0], started[1]
@@ -210,7 +214,7 @@ def _task_problem(task_set, present: dict[str, bool], s: int, m: int) -> str | N
             return f"task {task(missing)} is missing ({task(alternative[0])} splits the {task_set.name})"
         later = next(op for op in alternative if present[op])
         return f"task {task(missing)} is missing ({task(later)} needs it)"
-    if started:
+    if started or optional:
         return None
     if len(alternatives) == 1:
         return f"task {task(alternatives[0][0])} is missing"
