@@ -60,14 +60,37 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
+from pipec.compiler import ops as rules
 from pipec.errors import CostFileError
 
 Number = Union[int, float]
 
-UNIT_COMPUTE: dict[str, Number] = {"F": 1, "B": 2, "I": 1, "W": 1}
-MESSAGE_KINDS = ("act", "grad")
-# Ops whose default is derived from B when the file gives B but not them.
-_HALF_OF_B = ("I", "W")
+# The unit cost of every compute op (the design's facts are stated in these), from the rule table.
+UNIT_COMPUTE: dict[str, Number] = dict(rules.UNIT_COSTS)
+# The message kinds a link prices (``links.bytes``): the values that cross stages.
+MESSAGE_KINDS = rules.MESSAGE_KINDS
+
+
+# whole op -> the ops it splits into (B -> (I, W)); a cost file that gives the
+# whole but not a part prices the part at half the whole, and a measured run
+# with the parts prices the whole as their sum.
+SPLITS = rules.SPLITS
+
+# What prices each op's category: the compute table (``UNIT_COMPUTE`` and the
+# file's ``compute``), the links (messages; a batch per part), the all-reduce
+# section, or nothing (a free, a wait for a collective).
+_PRICED_BY = {
+    rules.COMPUTE: "compute",
+    rules.SEND: "links",
+    rules.RECV: "links",
+    rules.BATCH_OF: "links",
+    rules.COLLECTIVE: "allreduce",
+    rules.COLLECTIVE_WAIT: "free",
+    rules.FREE: "free",
+}
+rules.declare_pass("cost model", [
+    op for op, rule in rules.RULES.items()
+    if rule.category in _PRICED_BY and (rule.category != rules.COMPUTE or op in UNIT_COMPUTE)])
 
 
 def _ratio(numerator: Number, denominator: Number) -> Number:
@@ -238,9 +261,10 @@ class _Reader:
         """Compute costs completed from ``fallback`` (I and W default to B / 2 when B is given)."""
         given = self.table(value, key, tuple(UNIT_COMPUTE) + extra)
         costs = {op: self.number(given[op], _join(key, op)) for op in UNIT_COMPUTE if op in given}
-        for op in _HALF_OF_B:
-            if op not in costs and "B" in costs:
-                costs[op] = _ratio(costs["B"], 2)
+        for whole, parts in SPLITS.items():
+            for op in parts:
+                if op not in costs and whole in costs:
+                    costs[op] = _ratio(costs[whole], 2)
         return {op: costs.get(op, fallback[op]) for op in UNIT_COMPUTE}
 
     def link(self, value: Any, key: str, extra: tuple[str, ...] = ()) -> tuple[Number | None, Number | None, Mapping[str, Any]]:

@@ -2,10 +2,12 @@
 
 Contract: ``compile_target(target, defines)`` runs every phase in order,
 parse -> resolve -> evaluate -> order -> compute program -> communication ->
-liveness -> checks (on the final program, frees included), and returns a ``Compiled`` with the intermediate results a
-caller may want (spec, compute-only program, final program). Each phase is a
-pure function of the one before; a failure raises the ``PipecError`` of the
-phase that found it.
+liveness -> checks (on the final program, frees included), and returns a
+``Compiled`` with the intermediate results a caller may want (spec,
+compute-only program, final program). Each phase is a pure function of the one
+before; a failure raises the ``PipecError`` of the phase that found it. The
+front end resolves schedules against the rule table's task kinds
+(``task_kinds``), so it knows no task by name.
 """
 from __future__ import annotations
 

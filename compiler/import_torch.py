@@ -33,7 +33,8 @@ import re
 
 from pipec.compiler.checks import check_all
 from pipec.compiler.costs import CostModel
-from pipec.compiler.ir import COMM_OPS, COMPUTE_OPS, NO_PEER, RECV_B, RECV_F, SEND_B, SEND_F, Action, Program, single_pipeline
+from pipec.compiler import ops
+from pipec.compiler.ir import NO_PEER, Action, Program, single_pipeline
 from pipec.compiler.lower_comms import insert_communication
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; reading builds hundreds of thousands of acyclic ones.
@@ -41,28 +42,34 @@ from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.simulate import SimResult, simulate
 from pipec.errors import ImportError_, UsageError, WellFormedError
 
-# torch's action token (schedules.py's _action_regex), matched whole.
-_TOKEN = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
-# torch's sub-action form: (a;b;...)TYPE
-_GROUP = re.compile(r"\(([^()]*)\)([A-Z_]+)")
-
-# What each torch action type becomes.
+# What each torch action type becomes: pipec's compute and point-to-point ops
+# (the rule table's), and torch's FSDP / data-parallel tokens, skipped.
 _COMPUTE, _COMM, _SKIP = "compute", "comm", "skip"
 _KIND = {
-    **{op: _COMPUTE for op in COMPUTE_OPS},
-    **{op: _COMM for op in COMM_OPS},
+    **{op: _COMPUTE for op in ops.COMPUTE_OPS},
+    **{op: _COMM for op in ops.COMM_OPS},
     "UNSHARD": _SKIP,
     "RESHARD": _SKIP,
     "REDUCE_GRAD": _SKIP,
 }
+# torch's action token (schedules.py's _action_regex: F, I, B, W, UNSHARD,
+# RESHARD, REDUCE_GRAD, SEND_F, RECV_F, SEND_B, RECV_B), matched whole.
+_TOKEN = re.compile(r"(\d+)(" + "|".join(map(re.escape, _KIND)) + r")(\d*)")
+# torch's sub-action form: (a;b;...)TYPE
+_GROUP = re.compile(r"\(([^()]*)\)([A-Z_]+)")
 # Action._make skips NamedTuple's keyword handling: about 3x cheaper per instruction.
 _make_action = Action._make
 # Sub-action containers read as their parts in order. torch writes only
 # OVERLAP_F_B (a forward and a backward of two stages run together).
 _GROUPS = {"OVERLAP_F_B"}
 # The stage at the other end of a message, relative to the token's stage: a send
-# names its producer and a receive its consumer (torch's convention and pipec's).
-_NEIGHBOUR = {SEND_F: +1, RECV_F: -1, SEND_B: -1, RECV_B: +1}
+# names its producer and goes to the neighbour that reads its value
+# (ops.READER_OF), a receive names its consumer and comes from the neighbour
+# whose value it carries (its rule's ``where``); torch's convention and pipec's.
+# Stages form one chain, so the previous stage is s - 1 and the next s + 1.
+_STEP = {ops.PREV: -1, ops.NEXT: +1}
+_NEIGHBOUR = {op: _STEP[ops.READER_OF[rule.kind] if rule.is_send else rule.where]
+              for op, rule in ops.PART_RULES.items()}
 
 
 class _BadToken(Exception):

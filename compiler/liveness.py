@@ -7,6 +7,11 @@ I(s, m) and still needs the layer inputs. ``insert_frees`` places
 ``FREE_F(s, m)`` directly after that instruction, so the runtime drops the
 tensors as early as the order allows.
 
+Which instructions are last uses comes from the rule table: for each free op
+(``ops.FREE_OPS``), ``ops.last_uses`` gives the computes that end a value it
+drops and make none it drops (B ends the saved activation; I ends it too but
+leaves the weight-gradient inputs, which W ends).
+
 Contract (what ``check_conflict`` then proves about the frees):
 
 * every FREE_F(s, m) sits on the home rank of s, right after the B or W of
@@ -23,11 +28,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipec.compiler.ir import B, FREE_F, W, Action, Program
+from pipec.compiler import ops
 from pipec.compiler.gc_pause import paused_gc
+from pipec.compiler.ir import Action, Program
 
-# The instructions after which the saved activation of their (stage, mb) is dead.
-_LAST_USE_OPS = (B, W)
+# compute op -> the free op that follows it: after it, what that free drops
+# for its (stage, mb) is dead (B and W -> FREE_F).
+_FREE_AFTER: dict[str, str] = {op: free_op for free_op in ops.FREE_OPS for op in ops.last_uses(free_op)}
+_FREE_OPS = frozenset(ops.FREE_OPS)
+# Every other op stays where it is: liveness's rule for an op is one of these three.
+_KEPT = tuple(op for op in ops.OPS if op not in _FREE_AFTER and op not in _FREE_OPS)
+ops.declare_pass("liveness", [*_FREE_AFTER, *_FREE_OPS, *_KEPT])
 _new_action = tuple.__new__
 
 
@@ -37,22 +48,25 @@ def insert_frees(program: Program) -> Program:
     Args:
         program: any program (compute-only or lowered); it is not modified.
     Returns:
-        a new Program whose lists are the input's, without its FREE_F actions,
-        with FREE_F(s, m) directly after each B(s, m) and W(s, m).
+        a new Program whose lists are the input's, without its free actions,
+        with the free op directly after each of its last uses: FREE_F(s, m)
+        after each B(s, m) and W(s, m).
     """
     with paused_gc():
         return replace(program, ranks=[_with_frees(row) for row in program.ranks])
 
 
 def _with_frees(row: list[Action]) -> list[Action]:
+    """One rank's list without its frees, with a free right after each last use."""
     out: list[Action] = []
     append = out.append
+    free_after = _FREE_AFTER.get
     for action in row:
-        op = action[1]
-        if op in _LAST_USE_OPS:
+        free_op = free_after(action[1])
+        if free_op is not None:
             append(action)
-            append(_new_action(Action, (action[0], FREE_F, action[2], -1, ())))
-        elif op != FREE_F:
+            append(_new_action(Action, (action[0], free_op, action[2], -1, ())))
+        elif action[1] not in _FREE_OPS:
             append(action)
     return out
 

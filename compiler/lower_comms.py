@@ -63,6 +63,7 @@ from typing import NamedTuple
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import BATCH, NO_PEER, Action, Program, StageTables, stage_tables
 from pipec.compiler.ops import (
+    FREE,
     COLLECTIVE_OPS,
     COLLECTIVE_WAIT_OPS,
     COMM_OP_OF_KIND,
@@ -653,6 +654,6 @@ def _is_receive(code: int) -> int:
 
 declare_pass("lower_comms", set(COMPUTE_OPS) | set(_SEND_OF_KIND) | set(_RECV_OF_KIND) | {BATCH}
              | set(_COLLECTIVE_OF_PURPOSE.values()) | set(_WAIT_OF_PURPOSE.values())
-             | {op for op in RULES if RULES[op].category == "free"})  # frees: kept where they stand
+             | {op for op in RULES if RULES[op].category == FREE})  # frees: kept where they stand
 
 __all__ = ["insert_communication"]

@@ -26,12 +26,15 @@ from collections import defaultdict
 from statistics import median
 from typing import Any, NamedTuple
 
-from pipec.compiler.ir import BATCH, COMM_OPS, COMPUTE_OPS, Program
+from pipec.compiler.costs import SPLITS
+from pipec.compiler.ir import Program
+from pipec.compiler.ops import COMPUTE_OPS, POSTING_OPS
 from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step, events_of
 from pipec.errors import UsageError
 
-# Instructions that post messages (all-reduces are not priced per message).
-_POSTING = COMM_OPS + (BATCH,)
+# Instructions that post messages (all-reduces are not priced per message):
+# sends, receives and batches, whose parts (``Action.comms``) are the messages.
+_POSTING = frozenset(POSTING_OPS)
 UNIT = "ms"
 _US_PER_UNIT = 1000.0
 _DIGITS = 4  # decimals kept, in ms: 0.1 microsecond
@@ -98,15 +101,16 @@ def _posting_times(document: Any, program: Program, name: str, measured: list[in
         if event_step(event) in measured:
             _, action = event_action(event, program, name)
             if action.op in _POSTING:
-                parts = len(action.parts) if action.op == BATCH else 1
+                parts = len(action.comms())
                 out += [max(float(event["dur"]), 0.0) / parts] * parts
     return out
 
 
 def _with_whole_backward(ops: dict[str, float]) -> dict[str, float]:
-    """``ops`` with B = I + W when it has I and W but no B, in F B I W order."""
-    if "B" not in ops and "I" in ops and "W" in ops:
-        ops = {**ops, "B": round(ops["I"] + ops["W"], _DIGITS)}
+    """``ops`` with B = I + W (``costs.SPLITS``) when it has I and W but no B, in F B I W order."""
+    for whole, parts in SPLITS.items():
+        if whole not in ops and all(part in ops for part in parts):
+            ops = {**ops, whole: round(sum(ops[part] for part in parts), _DIGITS)}
     return {op: ops[op] for op in COMPUTE_OPS if op in ops}
 
 

@@ -78,15 +78,18 @@ class ValueKind(NamedTuple):
 
 
 _STAGE_MB = ("stage", "mb")
+# The memory counters of ``ValueKind.counter``: saved activations (today's
+# ``peak_activations``) and, under split backward, what an I leaves for its W.
+COUNT_ACTIVATIONS, COUNT_WAITING_W = "activations", "waiting_w"
 
 VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
     # activation passing
     ValueKind("act", "activation", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE),
     ValueKind("grad", "gradient", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE),
     ValueKind("saved", "saved activation", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE,
-              "activations"),
+              COUNT_ACTIVATIONS),
     ValueKind("wstash", "weight-gradient inputs", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE,
-              "waiting_w"),
+              COUNT_WAITING_W),
     ValueKind("wgrad", "weight gradient", ACTIVATION_PASSING, ("chunk",), SIZE_WEIGHT, DTYPE_FP32, route="all_reduce"),
     # weight passing (the weight-passing issue adds its ops)
     ValueKind("weight", "weight", WEIGHT_PASSING, ("layer", "pass", "round"), SIZE_WEIGHT, DTYPE_COMPUTE),
@@ -279,6 +282,16 @@ COLLECTIVE_OPS = ops_of(COLLECTIVE)
 COLLECTIVE_WAIT_OPS = ops_of(COLLECTIVE_WAIT)
 FREE_OPS = ops_of(FREE)
 
+# A whole compute op -> the ops that do its work between them (B -> (I, W)):
+# cost files default a split op to its whole's share, and measured costs
+# rebuild a whole from its parts.
+SPLITS: dict[str, tuple[str, ...]] = {
+    whole[0]: parts
+    for task_set in FAMILY_TASKS[ACTIVATION_PASSING]
+    for whole in task_set.alternatives if len(whole) == 1
+    for parts in task_set.alternatives if len(parts) > 1
+}
+
 # The simulator's unit costs (compute op -> time).
 UNIT_COSTS: dict[str, int] = {op: RULES[op].unit_cost for op in COMPUTE_OPS}
 
@@ -367,12 +380,11 @@ COMM_OP_OF_KIND: dict[str, tuple[str, str]] = {
 }
 
 
-def memory_deltas(counter: str) -> dict[str, int]:
-    """op -> change of the memory count ``counter`` (+1 where a counted value is made, -1 where it ends).
+def _count_deltas(kinds: set[str]) -> dict[str, int]:
+    """op -> change of the number of live values of ``kinds`` (+1 made at its stage, -1 ended).
 
     Only computes count: a FREE drops storage, it does not end a value's use.
     """
-    kinds = {name for name, kind in VALUE_KINDS.items() if kind.counter == counter}
     deltas = {}
     for op in COMPUTE_OPS:
         rule = RULES[op]
@@ -381,6 +393,17 @@ def memory_deltas(counter: str) -> dict[str, int]:
         if delta:
             deltas[op] = delta
     return deltas
+
+
+def memory_deltas(counter: str) -> dict[str, int]:
+    """op -> change of the memory count ``counter`` (+1 where a counted value is made, -1 where it ends)."""
+    return _count_deltas({name for name, kind in VALUE_KINDS.items() if kind.counter == counter})
+
+
+def size_class_deltas(size_class: str) -> dict[str, int]:
+    """op -> change of the number of live counted values (kinds with a counter) of ``size_class``."""
+    return _count_deltas({name for name, kind in VALUE_KINDS.items()
+                          if kind.counter is not None and kind.size_class == size_class})
 
 
 def last_uses(free_op: str) -> tuple[str, ...]:

@@ -5,22 +5,31 @@ Semantics (what the runtime does, priced by a ``CostModel``):
 * Each rank runs its list in order. A compute task (F, B, I, W) starts when
   the rank is free and its inputs are on the rank, and holds the rank for
   ``costs.compute(op, chunk)``.
-* Inputs follow the activation-passing dataflow of ``ir.py``: F(s, m) needs
-  the activation of F(prev(s), m); B(s, m) or I(s, m) needs F(s, m) and the
-  gradient of B or I of next(s) for m; W(s, m) needs I(s, m). A producer on the
-  same rank hands off locally, at its end time.
+* Inputs follow the dataflow of the rule table (``ops.DEPENDENCIES``): each
+  value a compute reads, at its own stage or a neighbour, is made by one of
+  the value's producers. For activation passing: F(s, m) needs the activation
+  of F(prev(s), m); B(s, m) or I(s, m) needs F(s, m) and the gradient of B or
+  I of next(s) for m; W(s, m) needs I(s, m). A producer on the same rank hands
+  off locally, at its end time.
 * Across ranks, a program without communication instructions gets the data at
-  producer end + ``costs.transfer``. A program with them gets it from the RECV
-  that carries it: the k-th SEND from rank a to rank b matches the k-th RECV on
-  b from a (messages are untagged, FIFO per ordered pair), and the data is on b
-  at the time the sender posted its SEND plus the transfer time. Sends and
-  receives are posted asynchronously (isend/irecv): neither waits for its peer;
-  the compute that uses the data waits for it. A BATCH posts all its parts at
-  once. Posting holds the rank ``costs.post`` per message (0 by default), not
-  counted as busy; a send leaves when its batch is posted.
-* ALLREDUCE_GRAD joins the gradient all-reduce of its stage's model chunk
-  without stalling; the all-reduce ends ``costs.allreduce`` after the last
-  replica joined. ALLREDUCE_WAIT stalls the rank until it ends. FREE_F is free.
+  producer end + ``costs.transfer``. A program with them gets it from the
+  receive that carries it (``ops.PART_RULES``): the k-th send from rank a to
+  rank b matches the k-th receive on b from a (messages are untagged, FIFO per
+  ordered pair), and the data is on b at the time the sender posted its send
+  plus the transfer time. Sends and receives are posted asynchronously
+  (isend/irecv): neither waits for its peer; the compute that uses the data
+  waits for it. A batch posts all its parts at once. Posting holds the rank
+  ``costs.post`` per message (0 by default), not counted as busy; a send leaves
+  when its batch is posted.
+* A collective (ALLREDUCE_GRAD) joins the gradient all-reduce of its stage's
+  model chunk without stalling; the all-reduce ends ``costs.allreduce`` after
+  the last replica joined. A collective wait (ALLREDUCE_WAIT) stalls the rank
+  until it ends. A free (FREE_F) takes no time.
+
+Instructions are dispatched by their rule's category, and every table the
+simulator uses (what each compute waits for, where it publishes its end, what
+a message carries, how memory counts change) is derived from ``ops.py`` when
+this module is imported.
 
 Because a rank never waits for anything but data and all-reduces, the timing is
 a longest-path computation over the program's dependency graph; the simulator
@@ -30,8 +39,10 @@ once, so the cost is linear in the number of instructions. A rank parked on an
 input that is never produced is reported as a DeadlockError (a safety net; the
 deadlock check proves programs safe under stricter semantics).
 
-peak_activations counts, along a rank's list, the forwards whose B (or I) has
-not run yet; peak_waiting_w the I whose W has not (split backward).
+Memory comes from ``memory_counts``: peak_activations counts, along a rank's
+list, the saved activations made and not yet ended (F done, B or I not);
+peak_waiting_w the I whose W has not run (split backward); given the bytes of
+one value per size class, peak_bytes the most bytes of live counted values.
 """
 from __future__ import annotations
 
@@ -39,27 +50,15 @@ from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 from operator import itemgetter
-from typing import NamedTuple, Union
+from typing import Mapping, NamedTuple
 
-from pipec.compiler.checks.memory import peak_waiting_w
+from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
 from pipec.compiler.gc_pause import paused_gc
-from pipec.compiler.ir import (
-    ALLREDUCE_GRAD,
-    ALLREDUCE_WAIT,
-    BATCH,
-    COMM_OPS,
-    FREE_F,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
-    Action,
-    Program,
-)
+from pipec.compiler.ir import Action, Program
+from pipec.compiler.memory_counts import ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_waiting_w
 from pipec.errors import DeadlockError, MatchError, WellFormedError
 
-Number = Union[int, float]
 # A bubble fraction with a larger denominator is shown as a decimal only (float
 # costs give exact but meaningless ones, like 7130774469997077/21935682705033476).
 _EXACT_DENOMINATOR_LIMIT = 10_000
@@ -85,13 +84,16 @@ class Slot(NamedTuple):
 @dataclass
 class RankStats:
     """Per-rank totals: compute time, time without compute, peak live activations,
-    and (split backward) the most weight gradients waiting at once: an I done
-    whose W is not, each holding what its W will read."""
+    (split backward) the most weight gradients waiting at once: an I done
+    whose W is not, each holding what its W will read, and, when ``simulate``
+    was given the bytes of each size class, the peak bytes of live values per
+    size class (None otherwise)."""
 
     busy: Number
     idle: Number
     peak_activations: int
     peak_waiting_w: int = 0
+    peak_bytes: dict[str, Number] | None = None
 
 
 @dataclass
@@ -132,79 +134,142 @@ class SimResult:
         return f"{self.bubble_ratio:.4f}"
 
     def to_json(self) -> dict:
-        """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations", "peak_waiting_w"}]} as plain numbers."""
+        """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations", "peak_waiting_w"}]} as plain
+        numbers; each rank also has "peak_bytes" (size class -> bytes) when the simulation was given sizes."""
         return {
             "makespan": _plain(self.makespan),
             "bubble_ratio": float(self.bubble_ratio),
-            "ranks": [
-                {"busy": _plain(rank.busy), "idle": _plain(rank.idle), "peak_activations": int(rank.peak_activations),
-                 "peak_waiting_w": int(rank.peak_waiting_w)}
-                for rank in self.ranks
-            ],
+            "ranks": [_rank_json(rank) for rank in self.ranks],
         }
+
+
+def _rank_json(rank: RankStats) -> dict:
+    out = {"busy": _plain(rank.busy), "idle": _plain(rank.idle), "peak_activations": int(rank.peak_activations),
+           "peak_waiting_w": int(rank.peak_waiting_w)}
+    if rank.peak_bytes is not None:
+        out["peak_bytes"] = {size_class: _plain(size) for size_class, size in rank.peak_bytes.items()}
+    return out
 
 
 def _plain(value: Number) -> Number:
     return value if isinstance(value, int) else float(value)
 
 
-# Key spaces of the simulator's ``ready`` table: the time a value is available,
-# indexed by space * (stages * microbatches) + stage * microbatches + mb.
-_FWD, _BWD, _WGT, _ACT_IN, _GRAD_IN = range(5)
-# After them: one key per model chunk for the end of its gradient all-reduce.
-_ALLREDUCE = 5
+# ----------------------------------------------------------------- key spaces
+#
+# The ``ready`` table holds the time each value is available, indexed by
+# space * (stages * microbatches) + stage * microbatches + mb. Its spaces come
+# from the rule table:
+#
+# * one space per group of alternative producers: computes that make the same
+#   input value (a gradient is made by B, or by I when the backward is split;
+#   a program runs one of them per (stage, mb)) publish their end time in one
+#   space, so that a reader waits on one key whichever runs (F: 0, B and I: 1,
+#   W: 2);
+# * one space per message kind (``ops.MESSAGE_KINDS``): its arrival at the
+#   reading stage, published by the receive that carries it (act: 3, grad: 4);
+# * after them, one key per model chunk for the end of its gradient all-reduce.
+
+
+def _producer_spaces() -> dict[str, int]:
+    """compute op -> the space it publishes its end time in (see above), numbered in table order."""
+    leader = {op: op for op in ops.COMPUTE_OPS}
+
+    def root(op: str) -> str:
+        while leader[op] != op:
+            op = leader[op]
+        return op
+
+    alternatives = [dep.made_by for deps in ops.DEPENDENCIES.values() for dep in deps]
+    alternatives += [ops.producers(kind) for kind in ops.MESSAGE_KINDS]
+    for made_by in alternatives:
+        for op in made_by[1:]:
+            leader[root(op)] = root(made_by[0])
+    roots = list(dict.fromkeys(root(op) for op in ops.COMPUTE_OPS))
+    return {op: roots.index(root(op)) for op in ops.COMPUTE_OPS}
+
+
+_SPACE_OF_OP = _producer_spaces()
+_NUM_PRODUCED = len(set(_SPACE_OF_OP.values()))
+# value kind -> the space of its producers, for the kinds the simulator waits
+# on: those a compute reads and those a message carries
+_SPACE_OF_KIND = {
+    kind: _SPACE_OF_OP[ops.producers(kind)[0]]
+    for kind in dict.fromkeys([dep.kind for deps in ops.DEPENDENCIES.values() for dep in deps] + list(ops.MESSAGE_KINDS))
+}
+# message kind -> the space its arrival at the reading stage is published in
+_ARRIVAL_SPACE = {kind: _NUM_PRODUCED + code for kind, code in ops.MESSAGE_KIND_CODE.items()}
+_ALLREDUCE = _NUM_PRODUCED + len(ops.MESSAGE_KINDS)
 
 # Compute op -> (space it publishes its end time in, change of the live
-# activation count, the inputs it waits for). "activation" comes from the
-# previous stage, "gradient" from the next one (none at a pipeline's ends);
-# "own F" / "own B or I" are this stage's earlier tasks for the same microbatch.
+# activation count, the inputs it waits for as (value kind, whose: ops.SELF,
+# PREV or NEXT of its stage)). A neighbour's value is missing at a pipeline's
+# ends; then the input is not waited for.
 _COMPUTE_RULES = {
-    "F": (_FWD, +1, ("activation",)),
-    "B": (_BWD, -1, ("own F", "gradient")),
-    "I": (_BWD, -1, ("own F", "gradient")),
-    "W": (_WGT, 0, ("own B or I",)),
+    op: (_SPACE_OF_OP[op], ACTIVATION_DELTA.get(op, 0), tuple((dep.kind, dep.where) for dep in ops.DEPENDENCIES[op]))
+    for op in ops.COMPUTE_OPS
 }
 # Marks an op that is not a SEND/RECV where only those may stand.
 _NOT_A_MESSAGE = object()
-# Message kinds, indexed in a channel's transfer times.
-_KINDS = ("act", "grad")
-_ACT, _GRAD = range(2)
 # Communication op -> (is a send, space of the tensor it carries, whose tensor
 # it is relative to the action's stage, space a receive publishes the arrival
-# in, message kind). A RECV names its consumer stage (torch's convention), so
-# the tensor it carries is its neighbour's.
+# in, message kind code: the index in a channel's transfer times). A receive
+# names its consumer stage (torch's convention), so the tensor it carries is
+# its neighbour's.
 _COMM_RULES = {
-    SEND_F: (True, _FWD, "self", None, _ACT),
-    SEND_B: (True, _BWD, "self", None, _GRAD),
-    RECV_F: (False, _FWD, "prev", _ACT_IN, _ACT),
-    RECV_B: (False, _BWD, "next", _GRAD_IN, _GRAD),
+    op: (rule.is_send, _SPACE_OF_KIND[rule.kind], rule.where, None if rule.is_send else _ARRIVAL_SPACE[rule.kind],
+         rule.code)
+    for op, rule in ops.PART_RULES.items()
 }
+_BATCH_OPS = frozenset(ops.ops_of(ops.BATCH_OF))
+_FREE_OPS = frozenset(ops.FREE_OPS)  # memory bookkeeping only: they take no time
+# The rare ops drain does not handle inline, by (category, communicator) ->
+# the ``_Simulation`` method that runs them.
+_COLLECTIVE_HANDLERS = {
+    (ops.COLLECTIVE, ops.REPLICAS_OF_CHUNK): "join_allreduce",
+    (ops.COLLECTIVE_WAIT, ops.REPLICAS_OF_CHUNK): "wait_allreduce",
+}
+_HANDLERS = {op: _COLLECTIVE_HANDLERS[rule.category, rule.communicator] for op, rule in ops.RULES.items()
+             if (rule.category, rule.communicator) in _COLLECTIVE_HANDLERS}
+ops.declare_pass("simulate", [*_COMPUTE_RULES, *_COMM_RULES, *_BATCH_OPS, *_FREE_OPS, *_HANDLERS])
+
+# For messages: space -> the computes publishing in it; space -> the message
+# kind its computes make (spaces of no message are absent).
+_OPS_OF_SPACE = [tuple(op for op in ops.COMPUTE_OPS if _SPACE_OF_OP[op] == space) for space in range(_NUM_PRODUCED)]
+_MESSAGE_OF_SPACE = {_SPACE_OF_KIND[kind]: kind for kind in reversed(ops.MESSAGE_KINDS)}
 
 
-def simulate(program: Program, costs: CostModel | None = None) -> SimResult:
+def simulate(program: Program, costs: CostModel | None = None, *,
+             sizes: Mapping[str, Number] | None = None) -> SimResult:
     """Simulate ``program`` under ``costs`` (unit costs when None).
 
     Args:
         program: a compute-only program, or one with communication instructions
             (SEND/RECV/BATCH, ALLREDUCE_GRAD/WAIT, FREE_F).
         costs: the cost model.
+        sizes: size class (``ops.SIZE_*``) -> bytes of one value of it; when
+            given, each rank's stats carry ``peak_bytes`` for those classes.
     Returns:
         makespan, bubble ratio, per-rank stats and the timeline.
     Raises:
         WellFormedError: an unknown op, or a stage/microbatch/peer out of range.
         MatchError: a RECV matched (FIFO) to a SEND of another tensor.
         DeadlockError: a rank waits for an input that never arrives.
+        ValueError: an unknown size class or a negative size.
     """
+    if sizes is not None:
+        check_sizes(sizes)  # before the run, not after it
     with paused_gc():
-        return _Simulation(program, costs or CostModel.unit()).run()
+        return _Simulation(program, costs or CostModel.unit(), sizes).run()
 
 
 class _Simulation:
     """State of one simulation; ``run`` drives the worklist."""
 
-    def __init__(self, program: Program, costs: CostModel):
+    def __init__(self, program: Program, costs: CostModel, sizes: Mapping[str, Number] | None = None):
         self.program = program
         self.costs = costs
+        self.sizes = sizes
         self.num_ranks = len(program.ranks)
         self.num_stages = len(program.stages)
         self.num_mbs = program.num_microbatches
@@ -239,7 +304,7 @@ class _Simulation:
         }
         # the rare ops drain does not handle inline:
         # op -> handler(rank, step, action, clock) -> new clock, or None when parked
-        self.handlers = {ALLREDUCE_GRAD: self.join_allreduce, ALLREDUCE_WAIT: self.wait_allreduce}
+        self.handlers = {op: getattr(self, method) for op, method in _HANDLERS.items()}
 
     # -- plans -------------------------------------------------------------------
 
@@ -249,47 +314,51 @@ class _Simulation:
         The key of an input or output for microbatch m is its base + m.
         """
         program, costs, n, space = self.program, self.costs, self.stride, self.space
+        neighbours = self._neighbours()
         plan: dict[str, list[tuple]] = {op: [] for op in _COMPUTE_RULES}
         for stage in program.stages:
             s = stage.id
-            inputs = {
-                "activation": self._input(s, program.prev_stage(s), _FWD, _ACT_IN, "act"),
-                "gradient": self._input(s, program.next_stage(s), _BWD, _GRAD_IN, "grad"),
-                "own F": ((_FWD * space + s * n, 0),),
-                "own B or I": ((_BWD * space + s * n, 0),),
-            }
             for op, (out_space, delta, needs) in _COMPUTE_RULES.items():
-                waits = sum((inputs[name] for name in needs), ())
+                waits = sum((self._input(s, neighbours[whose][s], kind) for kind, whose in needs), ())
                 plan[op].append((costs.compute(op, stage.chunk), waits, out_space * space + s * n, delta))
         return plan
 
     def _plan_comms(self) -> dict[str, list[tuple | None]]:
         """op -> per stage (is send, tensor key base, arrival key base, kind), or None where
         the stage has no neighbour to exchange with. Keys for microbatch m are base + m."""
-        program, n, space = self.program, self.stride, self.space
-        neighbours = {"self": lambda s: s, "prev": program.prev_stage, "next": program.next_stage}
+        n, space = self.stride, self.space
+        neighbours = self._neighbours()
         plan: dict[str, list[tuple | None]] = {}
         for op, (is_send, tensor_space, whose, arrival_space, kind) in _COMM_RULES.items():
             row: list[tuple | None] = []
             for stage in range(self.num_stages):
-                producer = neighbours[whose](stage)
+                producer = neighbours[whose][stage]
                 arrival = -1 if arrival_space is None else arrival_space * space + stage * n
                 row.append(None if producer < 0 else (is_send, tensor_space * space + producer * n, arrival, kind))
             plan[op] = row
         return plan
 
-    def _input(self, stage: int, producer: int, produced_in: int, arrives_in: int, kind: str) -> tuple:
-        """The (key base, delay) a task of ``stage`` waits on for data made by ``producer``'s stage."""
+    def _neighbours(self) -> dict[str, list[int]]:
+        """ops.SELF / PREV / NEXT -> per stage, that stage (-1: none), as the stages' own
+        (pipeline, position) say (``Program.prev_stage`` / ``next_stage``)."""
+        stages, program = range(self.num_stages), self.program
+        return {ops.SELF: list(stages), ops.PREV: list(map(program.prev_stage, stages)),
+                ops.NEXT: list(map(program.next_stage, stages))}
+
+    def _input(self, stage: int, producer: int, kind: str) -> tuple:
+        """The ((key base, delay),) a task of ``stage`` waits on for the ``kind`` value made by
+        ``producer``'s stage; () when there is no such stage."""
         program, n, space = self.program, self.stride, self.space
         if producer < 0:
             return ()
+        made = _SPACE_OF_KIND[kind] * space + producer * n
         source, target = program.rank_of(producer), program.rank_of(stage)
-        if source == target:
-            return ((produced_in * space + producer * n, 0),)
-        if self.has_comms:
-            return ((arrives_in * space + stage * n, 0),)
+        if source == target:  # a local hand-off, at the producer's end
+            return ((made, 0),)
+        if self.has_comms:  # only the receive that carries it brings it
+            return ((_ARRIVAL_SPACE[kind] * space + stage * n, 0),)
         delay = self.costs.transfer(self.devices[source], self.devices[target], kind)
-        return ((produced_in * space + producer * n, delay),)
+        return ((made, delay),)
 
     # -- driver ------------------------------------------------------------------
 
@@ -322,12 +391,13 @@ class _Simulation:
 
         One loop serves every rank: a rank parks and resumes every few
         instructions, so resuming must cost little. Compute tasks, messages and
-        FREE_F (nearly every instruction) are handled inline; the rare
-        all-reduce ops go through ``handlers``.
+        frees (nearly every instruction) are handled inline; the rare
+        collectives go through ``handlers``.
         """
         ready, waiters, work = self.ready, self.waiters, self.work
         compute_plan, comm_plan, handlers = self.compute_plan, self.comm_plan, self.handlers
         sent_tensors = self.sent_tensors
+        batch_ops, free_ops = _BATCH_OPS, _FREE_OPS
         post = self.costs.post
         channels, ranks, all_slots = self.channels, self.program.ranks, self.slots
         # per rank: what a resume needs that never changes, and its progress
@@ -375,9 +445,9 @@ class _Simulation:
                     continue
                 # A single SEND/RECV posts exactly like a one-part BATCH: all
                 # parts or none, each at ``clock``; the rank goes on.
-                if op == BATCH:
+                if op in batch_ops:
                     group = parts
-                elif op == FREE_F:  # memory bookkeeping only; it takes no time
+                elif op in free_ops:  # memory bookkeeping only; it takes no time
                     pc += 1
                     continue
                 elif op in comm_plan:
@@ -408,7 +478,7 @@ class _Simulation:
                     if 0 <= p_stage < num_stages and 0 <= p_mb < num_mbs:
                         base = bases[p_stage]
                         if base is not None and ready[base + p_mb] is None:
-                            if op != BATCH and (not 0 <= p_peer < num_ranks or p_peer == r):
+                            if op not in batch_ops and (not 0 <= p_peer < num_ranks or p_peer == r):
                                 raise self._malformed(part, r, pc)  # a lone send is checked in full first
                             parked_on = base + p_mb
                             break
@@ -476,7 +546,7 @@ class _Simulation:
         """Open the channel from ``src`` to ``dst``: (unmatched sends, unmatched receives,
         transfer time by kind). Channels live in ``self.channels[src][dst]``."""
         a, b = self.devices[src], self.devices[dst]
-        channel = (deque(), deque(), tuple(self.costs.transfer(a, b, kind) for kind in _KINDS))
+        channel = (deque(), deque(), tuple(self.costs.transfer(a, b, kind) for kind in ops.MESSAGE_KINDS))
         self.channels[src][dst] = channel
         return channel
 
@@ -529,8 +599,9 @@ class _Simulation:
     def _result(self) -> SimResult:
         allreduce_ends = [t for t in self.ready[_ALLREDUCE * self.space:] if t is not None]
         makespan = max(self.clock + allreduce_ends, default=0)
-        ranks = [RankStats(busy, makespan - busy, peak, peak_waiting_w(row))
-                 for busy, peak, row in zip(self.busy, self.peak, self.program.ranks)]
+        byte_peaks = peak_bytes(self.program, self.sizes) if self.sizes is not None else [None] * self.num_ranks
+        ranks = [RankStats(busy, makespan - busy, peak, peak_waiting_w(row), in_bytes)
+                 for busy, peak, row, in_bytes in zip(self.busy, self.peak, self.program.ranks, byte_peaks)]
         bubble = 1 - sum(self.busy) / (makespan * self.num_ranks) if makespan else 0.0
         timeline = []
         for compute, comms in zip(self.slots, self.comm_slots):
@@ -542,24 +613,26 @@ class _Simulation:
         return kind(message, rank=rank, step=step, grid=self.program.grid())
 
     def _describe_tensor(self, key: int) -> str:
+        """Words for a sent tensor's key: ``the gradient of 2B0 (or 2I0)``."""
         space, rest = divmod(key, self.space)
         stage, mb = divmod(rest, self.stride)
-        what = {_FWD: f"the activation of {stage}F{mb}", _BWD: f"the gradient of {stage}B{mb} (or {stage}I{mb})"}
-        return what.get(space, f"value {key}")
+        kind = _MESSAGE_OF_SPACE.get(space)
+        if kind is None:
+            return f"value {key}"
+        return f"the {ops.VALUE_KINDS[kind].words} of {_tasks_text(ops.producers(kind), stage, mb)}"
 
     def _describe_wait(self, key: int) -> str:
+        """Words for what a rank parked on ``key`` waits for."""
         if key >= _ALLREDUCE * self.space:
             return f"the gradient all-reduce of chunk {key - _ALLREDUCE * self.space}, which not every replica joins"
         space, rest = divmod(key, self.space)
         stage, mb = divmod(rest, self.stride)
-        waits = {
-            _FWD: f"the output of {stage}F{mb}, which never runs before it is needed",
-            _BWD: f"the output of {stage}B{mb} (or {stage}I{mb}), which never runs before it is needed",
-            _WGT: f"the output of {stage}W{mb}",
-            _ACT_IN: f"the activation for {stage}F{mb}, which no matched RECV_F/SEND_F pair delivers",
-            _GRAD_IN: f"the gradient for {stage}B{mb}, which no matched RECV_B/SEND_B pair delivers",
-        }
-        return waits[space]
+        if space < _NUM_PRODUCED:
+            return f"the output of {_tasks_text(_OPS_OF_SPACE[space], stage, mb)}, which never runs before it is needed"
+        kind = ops.MESSAGE_KINDS[space - _NUM_PRODUCED]
+        send, recv = ops.COMM_OP_OF_KIND[kind]
+        reader = ops.MESSAGE_READERS[kind][0]  # the arrival key is the reading stage's
+        return f"the {ops.VALUE_KINDS[kind].words} for {stage}{reader}{mb}, which no matched {recv}/{send} pair delivers"
 
     def _report_stuck(self, stuck: list[int]) -> None:
         first = stuck[0]
@@ -572,9 +645,15 @@ class _Simulation:
         )
 
 
+def _tasks_text(task_ops: tuple[str, ...], stage: int, mb: int) -> str:
+    """``2B0 (or 2I0)``: the task of the first op, then its alternatives."""
+    first, *others = task_ops
+    return f"{stage}{first}{mb}" + "".join(f" (or {stage}{op}{mb})" for op in others)
+
+
 def _has_comms(program: Program) -> bool:
     """Whether any rank's list holds a send, receive or batch (data then travels only by them)."""
-    comm_ops = set(COMM_OPS) | {BATCH}
+    comm_ops = set(ops.POSTING_OPS)
     op_of = itemgetter(1)
     return any(not comm_ops.isdisjoint(map(op_of, row)) for row in program.ranks)
 

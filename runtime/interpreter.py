@@ -7,11 +7,12 @@ ends with the optimizer step.
 
 Dataflow inside a step. Every tensor that crosses a stage boundary is named by
 ``(kind, producer stage, microbatch)`` (``compiler.ir.tensor_of``), coded as one
-int. A producer puts its output in ``produced`` under that key; the consumer
-takes it from there when producer and consumer share the rank (a local
-hand-off, no message), or a SEND takes it and ships it. A RECV posts its
-receive into a fresh buffer of the activation's shape and files it in
-``pending`` under the same key; the compute that reads it waits for it then
+int; a send or receive finds its kind and producer in its op's rule
+(``ops.PART_RULES``). A producer puts its output in ``produced`` under that
+key; the consumer takes it from there when producer and consumer share the
+rank (a local hand-off, no message), or a SEND takes it and ships it. A RECV
+posts its receive into a fresh buffer of the activation's shape and files it
+in ``pending`` under the same key; the compute that reads it waits for it then
 (receives are posted early, waited at first use).
 
 Autograd. Each stage is its own graph: a stage's input is a leaf (the received
@@ -34,6 +35,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from pipec.compiler import ops
 from pipec.compiler.ir import (
     ALLREDUCE_GRAD,
     ALLREDUCE_WAIT,
@@ -42,20 +44,22 @@ from pipec.compiler.ir import (
     F,
     FREE_F,
     I,
+    PART_RULES,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
-    SEND_OPS,
     W,
     Action,
     Program,
+    stage_tables,
 )
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.runtime import comm, split_backward
 
-# Kinds of a hand-off tensor: the low bit of its key.
-ACT, GRAD = 0, 1
+# Kinds of a hand-off tensor (``ops.MESSAGE_KIND_CODE``): the low bits of its key.
+ACT, GRAD = ops.MESSAGE_KIND_CODE["act"], ops.MESSAGE_KIND_CODE["grad"]
+_NUM_KINDS = len(ops.MESSAGE_KINDS)
 
 # A trace event: (instruction index, start, end, waited), perf_counter
 # seconds; waited is the time the instruction spent waiting for messages, at
@@ -78,7 +82,8 @@ class RankContext:
         optimizer: steps every parameter of this rank's chunks (None when it holds none).
         flat_grads: chunk -> the flat buffer its parameters' ``.grad`` views.
         stage_params: stage id -> its module's trainable parameters (for W).
-        replicas: chunk -> replica subgroup, for chunks all-reduced across ranks.
+        replicas: the replica subgroups this rank is in (``comm.replica_groups``),
+            keyed by their communicator's key (the chunk); see ``_group_of``.
         activation_shape: shape of every message (an activation or its gradient).
         dtype, device: of the messages.
         timeout: longest wait of one instruction, in seconds.
@@ -89,7 +94,7 @@ class RankContext:
             device time (CUDA), else None.
         prev, next: per stage id, its neighbour along its pipeline or -1.
         producer: per communication op, stage id -> the producer stage of the
-            tensor it carries.
+            tensor it carries (the stage its rule's ``where`` names).
         iteration: the current training step, counted from 1 (for messages).
     """
 
@@ -161,9 +166,7 @@ def make_context(
         chunk_modules.setdefault(program.stages[stage].position, module)
     flat_grads = {chunk: _bind_flat_grads(module) for chunk, module in chunk_modules.items()}
     parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
-    prev = [program.prev_stage(s) for s in range(len(program.stages))]
-    nxt = [program.next_stage(s) for s in range(len(program.stages))]
-    itself = list(range(len(program.stages)))
+    tables = stage_tables(program)
     wait, blocking = comm.wait_rule(backend)
     return RankContext(
         program=program,
@@ -183,9 +186,9 @@ def make_context(
         blocking=blocking,
         handlers=dict(HANDLERS),
         synchronize=synchronize,
-        prev=prev,
-        next=nxt,
-        producer={SEND_F: itself, SEND_B: itself, RECV_F: prev, RECV_B: nxt},
+        prev=tables.prev,
+        next=tables.next,
+        producer={op: tables.neighbour(rule.where) for op, rule in PART_RULES.items()},
     )
 
 
@@ -246,7 +249,7 @@ class _Step:
         pending: tensor key -> (buffer, works, index of its RECV, peer).
         weight_grads: stage * N + mb -> what its I left for its W (``split_backward``).
         sends: (works, tensor, index of its SEND, peer): waited when the step ends.
-        reduces: chunk -> (works, index of its ALLREDUCE_GRAD).
+        reduces: communicator id -> (works, index of its ALLREDUCE_GRAD, its ReplicaGroup).
         streamed: (works, site) of every wait that only ordered the stream
             (NCCL): their deadline is checked when the step ends.
         waited: seconds spent waiting for messages so far in this step.
@@ -268,7 +271,7 @@ class _Step:
     loss: torch.Tensor | None = None
 
     def key(self, kind: int, producer: int, mb: int) -> int:
-        return (producer * self.num_microbatches + mb) * 2 + kind
+        return (producer * self.num_microbatches + mb) * _NUM_KINDS + kind
 
     def site(self, index: int, text: str, peers: tuple[int, ...]) -> comm.Site:
         return comm.Site(self.ctx.rank, index, text, peers, self.ctx.iteration)
@@ -291,7 +294,7 @@ class _Step:
         ctx = self.ctx
         if entry is None:
             raise RuntimeFault(
-                f"its input ({'activation' if kind == ACT else 'gradient'} of stage {producer}, microbatch {mb}) "
+                f"its input ({ops.VALUE_KINDS[ops.MESSAGE_KINDS[kind]].words} of stage {producer}, microbatch {mb}) "
                 f"was neither made on this rank nor received (a program the checks did not pass?)",
                 ctx.rank, index, ctx.row[index].text())
         buffer, works, posted, peer = entry
@@ -355,10 +358,9 @@ def _free(step: _Step, action: Action, index: int) -> None:
 
 
 def _message_key(step: _Step, part: Action) -> int:
-    """The key of the tensor a SEND or RECV carries (its kind from the op, its producer from the table)."""
+    """The key of the tensor a SEND or RECV carries (its kind from the op's rule, its producer from the table)."""
     op = part[1]
-    kind = ACT if op in (SEND_F, RECV_F) else GRAD
-    return step.key(kind, step.ctx.producer[op][part[0]], part[2])
+    return step.key(PART_RULES[op].code, step.ctx.producer[op][part[0]], part[2])
 
 
 def _outgoing(step: _Step, part: Action, index: int) -> torch.Tensor:
@@ -381,31 +383,46 @@ def _recv(step: _Step, action: Action, index: int) -> None:
 
 def _batch(step: _Step, action: Action, index: int) -> None:
     parts = action[4]
-    tensors = [_outgoing(step, part, index) if part[1] in SEND_OPS else step.new_buffer() for part in parts]
-    works = comm.post_batch([(part[1] in SEND_OPS, tensor, part[3]) for part, tensor in zip(parts, tensors)])
-    for part, tensor, handles in zip(parts, tensors, works):
-        if part[1] in SEND_OPS:
+    sending = [PART_RULES[part[1]].is_send for part in parts]
+    tensors = [_outgoing(step, part, index) if is_send else step.new_buffer() for part, is_send in zip(parts, sending)]
+    works = comm.post_batch([(is_send, tensor, part[3]) for part, is_send, tensor in zip(parts, sending, tensors)])
+    for part, is_send, tensor, handles in zip(parts, sending, tensors, works):
+        if is_send:
             step.sends.append((handles, tensor, index, part[3]))
         else:
             step.pending[_message_key(step, part)] = (tensor, handles, index, part[3])
 
 
+def _group_of(ctx: RankContext, action: Action) -> tuple[int, comm.ReplicaGroup | None]:
+    """(communicator id, this rank's group of it) of a collective: ``Program.communicator_of``.
+
+    The group is None when the program names no communicator for it, or when
+    ``comm.replica_groups`` made none on this rank (replicas all on this rank
+    share one module: nothing to reduce). ``replica_groups`` keys its groups by
+    the communicator's key (the chunk).
+    """
+    communicator = ctx.program.communicator_of(action)
+    if communicator is None:
+        return -1, None
+    return communicator.id, ctx.replicas.get(communicator.key)
+
+
 def _allreduce_start(step: _Step, action: Action, index: int) -> None:
     ctx = step.ctx
-    chunk = ctx.program.stages[action[0]].position
-    replicas = ctx.replicas.get(chunk)
-    if replicas is not None:  # replicas all on this rank share one module: nothing to reduce
-        step.reduces[chunk] = (comm.start_allreduce(ctx.flat_grads[chunk], replicas), index)
+    communicator, replicas = _group_of(ctx, action)
+    if replicas is not None:
+        chunk = ctx.program.stages[action[0]].position
+        step.reduces[communicator] = (comm.start_allreduce(ctx.flat_grads[chunk], replicas), index, replicas)
 
 
 def _allreduce_wait(step: _Step, action: Action, index: int) -> None:
     ctx = step.ctx
-    chunk = ctx.program.stages[action[0]].position
-    entry = step.reduces.pop(chunk, None)
+    communicator, _ = _group_of(ctx, action)
+    entry = step.reduces.pop(communicator, None)
     if entry is not None:
-        works, started = entry
+        works, started, replicas = entry
         text = f"{ctx.row[index].text()}, for {ctx.row[started].text()} of step {started}"
-        step.wait(works, step.site(index, text, ctx.replicas[chunk].peers))
+        step.wait(works, step.site(index, text, replicas.peers))
 
 
 # The dispatch table: one handler per op, each (step, action, index) -> None.
@@ -423,6 +440,7 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     ALLREDUCE_GRAD: _allreduce_start,
     ALLREDUCE_WAIT: _allreduce_wait,
 }
+ops.declare_pass("runtime interpreter", HANDLERS)
 
 
 def run_step(
@@ -484,9 +502,9 @@ def _finish(step: _Step, end: int) -> None:
     settle = comm.await_blocking if ctx.blocking else comm.settle
     for works, _tensor, index, peer in step.sends:
         settle(works, ctx.timeout, step.site(index, f"{ctx.row[index].text()}, at the end of the list", (peer,)))
-    for chunk, (works, index) in step.reduces.items():
+    for works, index, replicas in step.reduces.values():
         settle(works, ctx.timeout, step.site(index, f"{ctx.row[index].text()}, at the end of the list",
-                                             ctx.replicas[chunk].peers))
+                                             replicas.peers))
     for works, site in step.streamed:  # NCCL: the waits that only ordered the stream
         settle(works, ctx.timeout, site)
     if step.pending:

@@ -14,23 +14,13 @@ from __future__ import annotations
 import json
 from typing import Iterable, Sequence
 
+from pipec.compiler import ops
 from pipec.compiler.ir import Action
 
-# Trace category of each op: the viewers colour and filter by it.
-_CATEGORY = {
-    "F": "compute",
-    "B": "compute",
-    "I": "compute",
-    "W": "compute",
-    "SEND_F": "comm",
-    "SEND_B": "comm",
-    "RECV_F": "comm",
-    "RECV_B": "comm",
-    "BATCH": "comm",
-    "ALLREDUCE_GRAD": "comm",
-    "ALLREDUCE_WAIT": "comm",
-    "FREE_F": "memory",
-}
+# Trace category of each op (its rule's ``trace``: compute, comm or memory):
+# the viewers colour and filter by it.
+_CATEGORY = {op: rule.trace for op, rule in ops.RULES.items()}
+ops.declare_pass("runtime trace", _CATEGORY)
 OPTIMIZER_NAME = "optimizer step"
 
 

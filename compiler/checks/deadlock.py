@@ -36,6 +36,10 @@ from itertools import repeat
 
 from pipec.compiler.ir import Program, StageTables, stage_tables
 from pipec.compiler.ops import (
+    BATCH_OF,
+    COMPUTE,
+    FREE,
+    COLLECTIVE_WAIT,
     COLLECTIVE_OPS,
     COMPUTE_OPS,
     DEPENDENCIES,
@@ -43,7 +47,9 @@ from pipec.compiler.ops import (
     NUM_TASK_CODES,
     PART_RULES,
     MESSAGE_READERS,
+    RULES,
     TASK_CODE,
+    declare_pass,
 )
 from pipec.compiler.checks.matching import (
     MessageLog,
@@ -233,6 +239,11 @@ def _input_of(program: Program, tables: StageTables, action) -> int:
             return tensor_id(MESSAGE_KIND_CODE[dependency.kind], producer, action.mb, num_stages, num_mb)
     raise AssertionError(f"{action.text()} reads nothing from another stage")
 
+
+# Messages meet by pair, collectives by communicator; a compute waits (async)
+# for its input's send; frees and collective waits never wait.
+declare_pass("deadlock", set(PART_RULES) | set(COLLECTIVE_OPS) | {op for op, rule in RULES.items()
+                                                               if rule.category in (BATCH_OF, COMPUTE, FREE, COLLECTIVE_WAIT)})
 
 __all__ = [
     "ASYNC",

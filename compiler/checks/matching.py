@@ -34,6 +34,9 @@ from typing import NamedTuple
 
 from pipec.compiler.ir import Action, Program, StageTables, stage_tables
 from pipec.compiler.ops import (
+    BATCH_OF,
+    COMPUTE,
+    FREE,
     COLLECTIVE_OPS,
     COLLECTIVE_WAIT_OPS,
     MESSAGE_KIND_CODE,
@@ -44,6 +47,7 @@ from pipec.compiler.ops import (
     VALUE_KINDS,
     Value,
     describe,
+    declare_pass,
 )
 from pipec.errors import MatchError
 
@@ -409,3 +413,10 @@ def _bad_peer(program: Program, rank: int, peer: int) -> MatchError:
 
 def _error(program: Program, message: str, rank: int, step: int | None, marks=()) -> MatchError:
     return MatchError(message, rank, step, program.grid(), marks)
+
+
+# Sends and receives by their part rules, batches by their parts, collectives
+# and their waits by communicator; computes and frees carry no message.
+declare_pass("matching", set(PART_RULES) | {op for op, rule in RULES.items()
+                                           if rule.category in (BATCH_OF, COMPUTE, FREE)}
+             | set(COLLECTIVE_OPS) | set(COLLECTIVE_WAIT_OPS))

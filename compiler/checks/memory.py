@@ -1,71 +1,108 @@
-"""Memory: how many microbatches' activations a rank holds at once.
+"""Memory: how many microbatches' activations a rank holds at once, and how many bytes.
 
-A chunk activation is alive on its stage's rank from its F until its B (or,
-when the backward is split, its I: the W that follows needs only the layer
-inputs, which the runtime keeps in a smaller stash). Walking a rank's list in
-order, the count goes up by one at each F and down by one at each B or I; its
-maximum is the rank's peak. The count is in activations of one chunk for one
+The counts come from ``compiler/memory_counts.py`` (shared with the
+simulator), which reads the rule table: a saved activation is alive on its
+stage's rank from the compute that makes it (F) to the one that ends it (B,
+or, when the backward is split, I: the W that follows needs only the layer
+inputs, which the runtime keeps in a smaller stash, counted apart as the
+weight gradients waiting). The count is in activations of one chunk for one
 microbatch; chunks of different sizes are the cost model's business.
 
-What an I leaves for its W (the gradients where the weights branch off, and
-the layer inputs) is counted apart, the same way: up at each I, down at each W.
+``check_memory`` proves a count budget (activations per rank) and, given the
+bytes of one value of each size class, a budget in bytes per size class; in
+bytes every counted value counts at its class's size (the stash an I leaves
+is activation-sized, like the saved activation).
 """
 from __future__ import annotations
 
-import operator
-from itertools import accumulate, repeat
+from typing import Mapping
 
-from pipec.compiler.ir import B, F, I, W, Program
+from pipec.compiler import ops
+from pipec.compiler.ir import Program
+from pipec.compiler.memory_counts import (
+    ACTIVATION_DELTA,
+    COUNTED_OPS,
+    SIZE_CLASS_DELTAS,
+    Number,
+    check_sizes,
+    first_step_over,
+    live_counts,
+    peak_activations,
+    peak_bytes,
+    peak_waiting_w,
+)
 from pipec.errors import BudgetError
 
-# op -> change in live activations
-_DELTA = {F: 1, B: -1, I: -1}
-# op -> change in weight gradients waiting (split backward)
-_WAITING_W_DELTA = {I: 1, W: -1}
-_op_of = operator.itemgetter(1)
+ops.declare_pass("memory", COUNTED_OPS)
 
 
-def _live_counts(row, delta=_DELTA):
-    """The count after each instruction of one rank's list (an iterator); ``delta``: op -> change."""
-    return accumulate(map(delta.get, map(_op_of, row), repeat(0)))
-
-
-def peak_activations(program: Program) -> list[int]:
-    """Peak live chunk activations per rank.
-
-    Args:
-        program: any program (only F, B and I count).
-    Returns:
-        one int per rank, 0 for a rank with no forward.
-    """
-    return [max(0, max(_live_counts(row), default=0)) for row in program.ranks]
-
-
-def peak_waiting_w(row) -> int:
-    """The most weight gradients waiting at once along one rank's list (I done, W not yet)."""
-    return max(0, max(_live_counts(row, _WAITING_W_DELTA), default=0))
-
-
-def check_memory(program: Program, budget: int | None) -> None:
-    """Prove no rank holds more than ``budget`` activations at once.
+def check_memory(
+    program: Program,
+    budget: int | None,
+    *,
+    byte_budget: Mapping[str, Number] | None = None,
+    sizes: Mapping[str, Number] | None = None,
+) -> None:
+    """Prove no rank holds more than ``budget`` activations, or more than ``byte_budget`` bytes, at once.
 
     Args:
         program: any program.
         budget: the most live activations a rank may hold; None checks nothing.
+        byte_budget: size class (``ops.SIZE_*``) -> the most bytes of live
+            values of that class a rank may hold; None checks nothing.
+        sizes: size class -> bytes of one value of it; required with
+            ``byte_budget`` for every class it names.
     Raises:
         BudgetError: at the rank (lowest first) and the step where its count
-            first goes above ``budget``.
+            first goes above ``budget``; then, for bytes, at the rank (lowest
+            first) and the first step where a class goes above its budget.
+        ValueError: a byte budget without the sizes of its classes, or an
+            unknown size class.
     """
-    if budget is None:
-        return
+    if budget is not None:
+        _check_count_budget(program, budget)
+    if byte_budget is not None:
+        _check_byte_budget(program, byte_budget, sizes or {})
+
+
+def _check_count_budget(program: Program, budget: int) -> None:
+    """Raise at the first rank, and its first step, where live activations exceed ``budget``."""
     for rank, peak in enumerate(peak_activations(program)):
         if peak <= budget:
             continue
-        step = next(step for step, live in enumerate(_live_counts(program.ranks[rank])) if live > budget)
+        step = first_step_over(program.ranks[rank], ACTIVATION_DELTA, budget)
         raise BudgetError(
             f"{budget + 1} activations alive here (forward done, backward pending), over the budget of "
             f"{budget}; this rank's peak is {peak}",
             rank, step, program.grid())
 
 
-__all__ = ["check_memory", "peak_activations", "peak_waiting_w"]
+def _check_byte_budget(program: Program, byte_budget: Mapping[str, Number], sizes: Mapping[str, Number]) -> None:
+    """Raise at the first rank, and its first step, where a class's live bytes exceed its budget."""
+    check_sizes(byte_budget)
+    missing = [size_class for size_class in byte_budget if size_class not in sizes]
+    if missing:
+        raise ValueError(f"a byte budget for {missing} needs the bytes of one value of each (sizes)")
+    sizes = {size_class: sizes[size_class] for size_class in byte_budget}
+    for rank, peaks in enumerate(peak_bytes(program, sizes)):
+        over = [size_class for size_class, peak in peaks.items() if peak > byte_budget[size_class]]
+        if not over:
+            continue
+        # the class that goes over first names the step
+        firsts = [_first_over(program.ranks[rank], size_class, sizes[size_class], byte_budget[size_class])
+                  for size_class in over]
+        step, size_class, live = min(firsts)
+        size, limit = sizes[size_class], byte_budget[size_class]
+        raise BudgetError(
+            f"{live * size} bytes of {size_class}-sized values alive here ({live} of {size} bytes), over the "
+            f"{size_class} budget of {limit} bytes; this rank's peak is {peaks[size_class]} bytes",
+            rank, step, program.grid())
+
+
+def _first_over(row, size_class: str, size: Number, limit: Number) -> tuple[int, str, int]:
+    """(step, size class, live values) where the class's live bytes first go above ``limit`` along ``row``."""
+    lives = live_counts(row, SIZE_CLASS_DELTAS[size_class])
+    return next((step, size_class, live) for step, live in enumerate(lives) if live * size > limit)
+
+
+__all__ = ["check_memory", "peak_activations", "peak_bytes", "peak_waiting_w"]

@@ -29,7 +29,16 @@ import operator
 from typing import NamedTuple
 
 from pipec.compiler.ir import Action, Program, StageTables, stage_tables
-from pipec.compiler.ops import ACTIVATION_PASSING, DEPENDENCIES, FAMILY_TASKS, NUM_TASK_CODES, OP_OF_CODE, OPS, TASK_CODE
+from pipec.compiler.ops import (
+    ACTIVATION_PASSING,
+    DEPENDENCIES,
+    FAMILY_TASKS,
+    NUM_TASK_CODES,
+    OP_OF_CODE,
+    OPS,
+    TASK_CODE,
+    declare_pass,
+)
 from pipec.errors import WellFormedError
 
 NOWHERE = -1
@@ -365,6 +374,9 @@ def _invalid_task(program: Program, tables: StageTables, rank: int, step: int) -
 def _error(program: Program, message: str, rank: int, step: int | None, marks=()) -> WellFormedError:
     return WellFormedError(message, rank, step, program.grid(), marks)
 
+
+# Compute ops by their task codes and dataflow; every other op is only known here (the other checks take it).
+declare_pass("well-formed", set(TASK_CODE) | KNOWN_OPS)
 
 __all__ = [
     "StageTables",

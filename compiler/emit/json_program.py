@@ -8,14 +8,18 @@ The format, version 1::
      "stages": [{"id", "rank", "pipeline", "position"}, ...],
      "pipelines": [[stage id, ...], ...], "mb_pipeline": [pipeline, ...],
      "devices": [device, ...] | null,
+     "communicators": [{"id", "ranks", "purpose", "key"}, ...],
      "ranks": [[instruction, ...], ...]}
 
 An instruction is ``{"op", "text", "stage", "mb", "peer", "parts"}``: ``op`` and
 ``text`` (torch's token, e.g. ``2F0``) always; ``stage``, ``mb`` and ``peer``
-only when set (an absent one reads back as -1, the IR's "none"); ``parts``, a
-list of instructions, only for a ``BATCH``. ``text`` is redundant and checked on
+only when set (an absent one reads back as -1, the IR's "none"), and those its
+op's rule lists (``ops.OpRule.fields``) are required; ``parts``, a list of
+sends and receives, only for a ``BATCH``. ``text`` is redundant and checked on
 load: it is there for people and tools that read the file, and a hand edit that
 changes one but not the other is caught instead of silently believed.
+``communicators`` (``Program.communicators``, in creation order) may be absent,
+as in files written before it existed: the program then derives them.
 
 ``program_from_json(program_to_json(p)) == p`` for every program. Loading
 validates structure and ranges and reports the first problem as an
@@ -26,15 +30,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipec.compiler import ops
 from pipec.compiler.ir import (
-    ALLREDUCE_GRAD,
-    ALLREDUCE_WAIT,
-    BATCH,
     COMM_OPS,
-    COMPUTE_OPS,
-    FREE_F,
     NO_PEER,
     Action,
+    Communicator,
     Program,
     StageInfo,
 )
@@ -49,16 +50,19 @@ _make_action = Action._make
 FORMAT = "pipec-program"
 VERSION = 1
 
-# Which instruction fields each op must carry (others are optional and default
-# to -1). A BATCH carries parts instead.
+# Which instruction fields each op must carry (its rule's ``fields``; others are
+# optional and default to -1). A BATCH carries parts instead. Listed by category
+# (compute, sends and receives, frees, collectives, batches), the order the
+# "unknown op" message names them in.
 _REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
-    **{op: ("stage", "mb") for op in COMPUTE_OPS},
-    **{op: ("stage", "mb", "peer") for op in COMM_OPS},
-    FREE_F: ("stage", "mb"),
-    ALLREDUCE_GRAD: ("stage",),
-    ALLREDUCE_WAIT: ("stage",),
-    BATCH: ("parts",),
+    op: ops.RULES[op].fields
+    for category in ((ops.COMPUTE,), (ops.SEND, ops.RECV), (ops.FREE,), (ops.COLLECTIVE,), (ops.COLLECTIVE_WAIT,),
+                     (ops.BATCH_OF,))
+    for op in ops.ops_of(*category)
 }
+ops.declare_pass("json program", _REQUIRED_FIELDS)
+# What collectives' communicators may be for (``ops.OpRule.communicator``).
+_PURPOSES = tuple(dict.fromkeys(rule.communicator for rule in ops.RULES.values() if rule.communicator))
 
 
 # ------------------------------------------------------------------------ write
@@ -90,6 +94,10 @@ def program_to_json(program: Program) -> dict:
         "pipelines": [list(line) for line in program.pipelines],
         "mb_pipeline": list(program.mb_pipeline),
         "devices": None if program.devices is None else list(program.devices),
+        "communicators": [
+            {"id": c.id, "ranks": list(c.ranks), "purpose": c.purpose, "key": c.key}
+            for c in program.communicators
+        ],
         "ranks": ranks,
     }
 
@@ -150,6 +158,9 @@ def program_from_json(data: dict) -> Program:
         devices = _read_int_list(devices, "devices", None)
         if len(devices) != num_ranks:
             raise ImportError_(f"\"devices\" has {len(devices)} entries for {num_ranks} ranks")
+    communicators = []
+    if "communicators" in data:
+        communicators = _read_communicators(_get(data, "communicators", list), num_ranks)
     raw_ranks = _get(data, "ranks", list)
     if len(raw_ranks) != num_ranks:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
@@ -171,6 +182,7 @@ def program_from_json(data: dict) -> Program:
         params=dict(params),
         devices=devices,
         source=source,
+        communicators=communicators,
     )
 
 
@@ -235,6 +247,31 @@ def _read_pipelines(raw: list, stages: list[StageInfo]) -> list[list[int]]:
     return pipelines
 
 
+def _read_communicators(raw: list, num_ranks: int) -> list[Communicator]:
+    communicators = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise ImportError_(f"communicators[{i}] must be an object")
+        for key in ("id", "key"):
+            value = entry.get(key)
+            if type(value) is not int or value < 0:
+                raise ImportError_(f"communicators[{i}].{key} must be a non-negative integer, got {value!r}")
+        if entry["id"] != i:
+            raise ImportError_(f"communicators[{i}] has id {entry['id']}; communicator ids must equal their index")
+        ranks = entry.get("ranks")
+        if not isinstance(ranks, list) or not ranks:
+            raise ImportError_(f"communicators[{i}].ranks must be a non-empty list of ranks")
+        ranks = _read_int_list(ranks, f"communicators[{i}].ranks", num_ranks)
+        if any(a >= b for a, b in zip(ranks, ranks[1:])):
+            raise ImportError_(f"communicators[{i}].ranks must be ascending without repeats, got {ranks}")
+        purpose = entry.get("purpose")
+        if purpose not in _PURPOSES:
+            raise ImportError_(f"communicators[{i}].purpose is {purpose!r}; known: "
+                               + ", ".join(repr(p) for p in _PURPOSES))
+        communicators.append(Communicator(i, tuple(ranks), purpose, entry["key"]))
+    return communicators
+
+
 def _read_row(row: list, rank: int, limits: tuple[int, int, int], raw_ranks: list) -> list[Action]:
     actions = []
     for step, obj in enumerate(row):
@@ -271,7 +308,7 @@ def _read_instruction(obj: Any, limits: tuple[int, int, int], inside_batch: bool
         if key not in obj:
             raise _BadInstruction(f"{op} instruction needs field \"{key}\"")
     parts: tuple[Action, ...] = ()
-    if op == BATCH:
+    if "parts" in required:
         raw_parts = obj["parts"]
         if not isinstance(raw_parts, list) or not raw_parts:
             raise _BadInstruction("a BATCH needs a non-empty list \"parts\"")

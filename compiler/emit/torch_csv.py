@@ -26,31 +26,15 @@ BitPipe, Chimera) raise ``UsageError``.
 """
 from __future__ import annotations
 
-from pipec.compiler.ir import (
-    ALLREDUCE_GRAD,
-    ALLREDUCE_WAIT,
-    BATCH,
-    COMM_OPS,
-    COMPUTE_OPS,
-    FREE_F,
-    Action,
-    Program,
-)
+from pipec.compiler import ops
+from pipec.compiler.ir import Action, Program
 from pipec.errors import UsageError
 
-# What each op becomes in each form: "keep" writes its token, "expand" writes
-# its parts' tokens, "drop" writes nothing.
-_COMPUTE_ONLY = {
-    **{op: "keep" for op in COMPUTE_OPS},
-    **{op: "drop" for op in COMM_OPS + (BATCH, FREE_F, ALLREDUCE_GRAD, ALLREDUCE_WAIT)},
-}
-_WITH_COMMS = {
-    **{op: "keep" for op in COMPUTE_OPS + COMM_OPS},
-    BATCH: "expand",
-    FREE_F: "drop",
-    ALLREDUCE_GRAD: "drop",
-    ALLREDUCE_WAIT: "drop",
-}
+# What each op becomes in each form (its rule's ``torch``): KEEP writes its
+# token, EXPAND writes its parts' tokens, DROP writes nothing.
+_COMPUTE_ONLY = {op: rule.torch[0] for op, rule in ops.RULES.items()}
+_WITH_COMMS = {op: rule.torch[1] for op, rule in ops.RULES.items()}
+ops.declare_pass("torch csv", _COMPUTE_ONLY.keys() & _WITH_COMMS.keys())
 
 
 def write_torch_csv(program: Program, with_comms: bool) -> str:
@@ -78,9 +62,9 @@ def write_torch_csv(program: Program, with_comms: bool) -> str:
         cells: list[str] = []
         for action in row:
             rule = rules.get(action.op)
-            if rule == "keep":
+            if rule == ops.KEEP:
                 cells.append(token(action))
-            elif rule == "expand":
+            elif rule == ops.EXPAND:
                 cells.extend(token(part) for part in action.parts)
             elif rule is None:
                 raise UsageError(f"rank {rank}: {action.text()} has no torch.distributed.pipelining token")

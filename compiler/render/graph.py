@@ -2,10 +2,11 @@
 
 One cluster per rank holds that rank's instructions in list order (dashed
 "order" edges), frees left out. Compute nodes are coloured like timeline boxes;
-"data" edges join each compute to the computes whose outputs it reads
-(activation from the previous stage, gradient from the next, its own forward,
-its input-gradient for a W), darker when they cross ranks. For a program that
-fails the deadlock check, the members of the wait-for cycle
+"data" edges join each compute to the computes whose outputs it reads (its
+dataflow inputs, ``ops.DEPENDENCIES``: activation from the previous stage,
+gradient from the next, its own forward, its input-gradient for a W), darker
+when they cross ranks; other instructions are drawn by their op's category.
+For a program that fails the deadlock check, the members of the wait-for cycle
 (``DeadlockError.cycle``: (rank, step, what it waits on)) are outlined in red and
 each one's wait is a red edge to the member it waits for (the next one in the
 cycle), labelled with the wait.
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pipec.compiler.ir import BATCH, COMPUTE_OPS, FREE_F, Program
+from pipec.compiler import ops
+from pipec.compiler.ir import Program, stage_tables
 from pipec.compiler.render import style
 from pipec.compiler.render._templates import render
 from pipec.compiler.render.model import format_params
@@ -26,13 +28,23 @@ from pipec.errors import UsageError
 # Graphviz lays out a few thousand nodes in seconds; far more takes minutes.
 MAX_PNG_NODES = 4000
 
-# consumer op -> what it reads: (producer ops, first that exists; whose: the stage relative to the consumer's)
-_READS = {
-    "F": ((("F",), "prev"),),
-    "B": ((("F",), "self"), (("B", "I"), "next")),
-    "I": ((("F",), "self"), (("B", "I"), "next")),
-    "W": ((("I",), "self"),),
+# Op category -> how its instruction is drawn: a node of a kind of _NODE_STYLES,
+# or None for memory bookkeeping (no dependency to see). A compute's data edges
+# come from ops.DEPENDENCIES.
+_NODE_OF_CATEGORY = {
+    ops.COMPUTE: "compute",
+    ops.SEND: "comm",
+    ops.RECV: "comm",
+    ops.BATCH_OF: "comm",
+    ops.COLLECTIVE: "comm",
+    ops.COLLECTIVE_WAIT: "comm",
+    ops.FREE: None,
 }
+# op -> its node kind (None: not drawn)
+_NODE_OF = {op: _NODE_OF_CATEGORY[rule.category] for op, rule in ops.RULES.items()
+            if rule.category in _NODE_OF_CATEGORY}
+ops.declare_pass("task graph", (op for op in _NODE_OF if ops.RULES[op].category != ops.COMPUTE
+                                or op in ops.DEPENDENCIES))
 # Node kind -> DOT attributes.
 _NODE_STYLES = {
     "compute": 'shape=box, style="rounded,filled"',
@@ -62,17 +74,18 @@ def task_graph_dot(program: Program, cycle: Sequence[tuple[int, int, str]] = ())
     for rank, row in enumerate(program.ranks):
         nodes = []
         for step, action in enumerate(row):
-            if action.op == FREE_F:
+            kind = _NODE_OF.get(action.op, "comm")  # an op the table does not know: drawn generically
+            if kind is None:
                 continue  # memory bookkeeping: no dependency to see
             node = f"r{rank}_{step}"
-            is_compute = action.op in COMPUTE_OPS
+            is_compute = kind == "compute"
             if is_compute:
                 where[(action.op, action.stage, action.mb)] = node
-            text = "\n".join(part.text() for part in action.parts) if action.op == BATCH else action.text()
+            text = "\n".join(part.text() for part in action.parts) if action.parts else action.text()
             waits = members.get((rank, step))
             tooltip = f"rank {rank}, step {step}: {action.text()}" + (f"; {waits}" if waits else "")
             fill = style.fill_of(action.op, action.mb) if is_compute else ("#ffffff" if waits is None else style.CYCLE_FILL)
-            nodes.append((node, _NODE_STYLES["compute" if is_compute else "comm"], text, tooltip, fill, waits is not None))
+            nodes.append((node, _NODE_STYLES[kind], text, tooltip, fill, waits is not None))
         clusters.append({"rank": rank, "nodes": nodes})
     edges = _order_edges(clusters) + _data_edges(program, where) + _wait_edges(cycle)
     heading = f"{program.name} ({format_params(program.params)}): task graph"
@@ -92,7 +105,7 @@ def task_graph_png(program: Program, cycle: Sequence[tuple[int, int, str]] = ())
     """
     import graphviz
 
-    nodes = sum(1 for row in program.ranks for action in row if action.op != FREE_F)
+    nodes = sum(1 for row in program.ranks for action in row if _NODE_OF.get(action.op, "comm") is not None)
     if nodes > MAX_PNG_NODES:
         raise UsageError(f"the task graph has {nodes} nodes, too many for a PNG (at most {MAX_PNG_NODES}); "
                          f"write .dot and open it in a viewer, or draw a timeline (.html)")
@@ -116,16 +129,18 @@ def _order_edges(clusters: list[dict]) -> list[tuple]:
 
 
 def _data_edges(program: Program, where: dict) -> list[tuple]:
-    """Producer -> consumer for every input a compute reads (``_READS``)."""
-    neighbour = {"self": lambda s: s, "prev": program.prev_stage, "next": program.next_stage}
+    """Producer -> consumer for every input a compute reads (``ops.DEPENDENCIES``: the first producer present)."""
+    tables = stage_tables(program)
+    neighbour = {side: tables.neighbour(side) for side in (ops.SELF, ops.PREV, ops.NEXT)}
     rank_of = lambda node: node.split("_", 1)[0]  # noqa: E731 - "r3" of "r3_17"
     edges = []
     for (op, stage, mb), node in where.items():
-        for producer_ops, whose in _READS.get(op, ()):
-            source_stage = neighbour[whose](stage)
+        for dependency in ops.DEPENDENCIES[op]:
+            source_stage = neighbour[dependency.where][stage]
             if source_stage < 0:
                 continue
-            source = next((where[key] for key in ((p, source_stage, mb) for p in producer_ops) if key in where), None)
+            source = next((where[key] for key in ((p, source_stage, mb) for p in dependency.made_by) if key in where),
+                          None)
             if source is not None:
                 kind = "local data" if rank_of(source) == rank_of(node) else "data"
                 edges.append((source, node, kind, "", ""))

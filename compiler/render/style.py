@@ -4,20 +4,28 @@ looks the same in each.
 A compute box is coloured by its kind (hue) and shaded by its microbatch
 (lightness, cycling every ``SHADES`` microbatches), so that one microbatch can
 be followed across ranks and neighbouring microbatches stay distinguishable.
-Every shade is light enough for black text.
+Every shade is light enough for black text. Other instructions are drawn by
+their op's category, alike (a message or all-reduce bar in ``COMM_FILL``, a
+free not at all), so only a compute op needs an entry here.
 """
 from __future__ import annotations
 
 import colorsys
 from functools import lru_cache
 
-# op -> (hue in degrees, words for the legend)
+from pipec.compiler import ops
+
+# compute op -> (hue in degrees, words for the legend); presentation, so kept
+# here, but every compute op of the rule table must have one (declared below).
 KINDS = {
-    "F": (214, "forward"),
-    "B": (135, "backward"),
-    "I": (30, "backward, input gradient"),
-    "W": (282, "backward, weight gradient"),
+    ops.F: (214, "forward"),
+    ops.B: (135, "backward"),
+    ops.I: (30, "backward, input gradient"),
+    ops.W: (282, "backward, weight gradient"),
 }
+# The compute ops with a colour, and every other op (drawn by its category).
+ops.declare_pass("drawing style", [op for op in ops.COMPUTE_OPS if op in KINDS]
+                 + [op for op in ops.OPS if op not in ops.COMPUTE_OPS])
 # Lightness of the shades; microbatch m gets shade m % SHADES.
 LIGHTNESS = (0.52, 0.60, 0.68, 0.76)
 SHADES = len(LIGHTNESS)

@@ -34,10 +34,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from pipec.compiler.costs import load_costs
+    from pipec.compiler.costs import SPLITS, load_costs
     from pipec.compiler.driver import compile_target
-    from pipec.compiler.ir import COMPUTE_OPS
     from pipec.compiler.measured_costs import UNIT, measure_costs
+    from pipec.compiler.ops import COMPUTE_OPS
     from pipec.compiler.trace_events import recorded
 
     trace = read_json(args.trace, "trace")
@@ -58,7 +58,7 @@ def run(args) -> int:
         "  chunk " + "".join(f"{op:>9}     " for op in ops),
     ]
     for chunk, times in per_chunk.items():
-        cells = "".join(_cell(times.get(op), measured.samples.get((int(chunk), op))) for op in ops)
+        cells = "".join(_cell(times.get(op), measured.samples.get((int(chunk), op)), SPLITS.get(op, ())) for op in ops)
         lines.append(f"  {chunk:>5} {cells}")
     if measured.messages:
         lines.append(f"  posting one message: {measured.data['links']['post']:.4g} {UNIT} (median of {measured.messages})")
@@ -67,8 +67,8 @@ def run(args) -> int:
     return 0
 
 
-def _cell(time, samples) -> str:
-    """``  1.541 x12``: the median and how many tasks it is over; ``= I+W`` for a derived B."""
+def _cell(time, samples, parts) -> str:
+    """``  1.541 x12``: the median and how many tasks it is over; ``=I+W`` for a B derived from its ``parts``."""
     if time is None:
         return " " * 14
-    return f"{time:>8.4g} {'x' + str(samples) if samples else '=I+W':<5}"
+    return f"{time:>8.4g} {'x' + str(samples) if samples else '=' + '+'.join(parts):<5}"

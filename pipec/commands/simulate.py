@@ -12,6 +12,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from pipec.compiler.ops import memory_deltas
     from pipec.compiler.simulate import simulate
 
     compiled = compile_from_args(args)
@@ -23,7 +24,9 @@ def run(args) -> int:
         f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {_num(result.makespan)}, "
         f"bubble ratio {result.bubble_text()}"
     ]
-    split = any(action.op == "I" for row in compiled.program.ranks for action in row)
+    # a split backward: some op leaves a weight gradient waiting (I), counted in peak_waiting_w
+    leaves_w_waiting = {op for op, delta in memory_deltas("waiting_w").items() if delta > 0}
+    split = any(action.op in leaves_w_waiting for row in compiled.program.ranks for action in row)
     for rank, stats in enumerate(result.ranks):
         lines.append(
             f"  rank {rank}: busy {_num(stats.busy)}, idle {_num(stats.idle)}, peak activations {stats.peak_activations}"

@@ -1,0 +1,147 @@
+"""Memory counts: how many counted values a rank holds at once, and how many bytes.
+
+A value of a kind with a counter (``ops.ValueKind.counter``: today the saved
+activation, counted as ``"activations"``, and what an I leaves for its W,
+counted as ``"waiting_w"``) is alive on its stage's rank from the compute that
+makes it (``ops.OpRule.writes``) to the compute that ends it
+(``ops.OpRule.ends``). Walking a rank's list in order, a count goes up and
+down by the rule table's ``ops.memory_deltas``; its maximum is the rank's
+peak. A FREE drops storage but ends no use, so it does not count.
+
+Bytes: given the bytes of one value of each size class (``ops.SIZE_CLASSES``),
+the live bytes of a class are its live counted values times that size; the
+peak per class is what ``peak_bytes`` reports.
+
+This module is neutral ground: the memory check (``checks/memory.py``) and the
+simulator both read it, so the simulator imports no check.
+"""
+from __future__ import annotations
+
+import operator
+from itertools import accumulate, repeat
+from typing import Iterable, Iterator, Mapping, Union
+
+from pipec.compiler import ops
+from pipec.compiler.ir import Action, Program
+
+Number = Union[int, float]
+
+# The counters of ``ops.VALUE_KINDS`` that have a count of their own.
+ACTIVATIONS = ops.COUNT_ACTIVATIONS  # today's peak_activations: saved activations
+WAITING_W = ops.COUNT_WAITING_W      # split backward: I done, W not yet
+
+# op -> change of the count, from the rule table
+ACTIVATION_DELTA: dict[str, int] = ops.memory_deltas(ACTIVATIONS)
+WAITING_W_DELTA: dict[str, int] = ops.memory_deltas(WAITING_W)
+
+_op_of = operator.itemgetter(1)
+
+
+size_class_deltas = ops.size_class_deltas
+
+# size class -> op -> change of its live counted values
+SIZE_CLASS_DELTAS: dict[str, dict[str, int]] = {size: size_class_deltas(size) for size in ops.SIZE_CLASSES}
+
+
+def _counted_right(op: str) -> bool:
+    """Whether the counts above model ``op``: a compute by its rule's writes and ends; any other op
+    only if it brings no counted value onto its rank (a free drops storage, it ends no use)."""
+    rule = ops.RULES[op]
+    if rule.category == ops.COMPUTE:
+        return True
+    brought = rule.writes + ((rule.carries,) if rule.category == ops.RECV and rule.carries else ())
+    return all(ops.VALUE_KINDS[use.kind].counter is None for use in brought)
+
+
+# The ops the memory counts have a rule for (what the memory pass declares).
+COUNTED_OPS: tuple[str, ...] = tuple(op for op in ops.OPS if _counted_right(op))
+
+
+def live_counts(row: Iterable[Action], delta: Mapping[str, int]) -> Iterator[int]:
+    """The count after each instruction of one rank's list.
+
+    Args:
+        row: one rank's instructions.
+        delta: op -> change of the count (ops absent: no change).
+    Returns:
+        an iterator of running counts, one per instruction.
+    """
+    return accumulate(map(delta.get, map(_op_of, row), repeat(0)))
+
+
+def peak_count(row: Iterable[Action], delta: Mapping[str, int]) -> int:
+    """The most values counted by ``delta`` alive at once along one rank's list (0 for none)."""
+    return max(0, max(live_counts(row, delta), default=0))
+
+
+def first_step_over(row: Iterable[Action], delta: Mapping[str, int], limit: Number) -> int | None:
+    """The first step after which the count goes above ``limit``, or None when it never does."""
+    return next((step for step, live in enumerate(live_counts(row, delta)) if live > limit), None)
+
+
+def peak_activations(program: Program) -> list[int]:
+    """Peak live saved activations per rank (the ``"activations"`` counter).
+
+    Args:
+        program: any program (only the computes that make or end a saved
+            activation count: F, B and I).
+    Returns:
+        one int per rank, 0 for a rank with no forward.
+    """
+    return [peak_count(row, ACTIVATION_DELTA) for row in program.ranks]
+
+
+def peak_waiting_w(row: Iterable[Action]) -> int:
+    """The most weight gradients waiting at once along one rank's list (I done, W not yet)."""
+    return peak_count(row, WAITING_W_DELTA)
+
+
+def check_sizes(sizes: Mapping[str, Number]) -> None:
+    """Reject a size table with an unknown class or a negative size.
+
+    Raises:
+        ValueError: naming the bad entry and the known classes.
+    """
+    for size_class, size in sizes.items():
+        if size_class not in ops.SIZE_CLASSES:
+            raise ValueError(f"unknown size class {size_class!r}; expected one of {ops.SIZE_CLASSES}")
+        if size < 0:
+            raise ValueError(f"size class {size_class!r}: {size} bytes per value is negative")
+
+
+def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, Number]]:
+    """Peak bytes of live counted values per rank, per size class.
+
+    All values of a class have one size, so a class's peak bytes are its size
+    times its peak count of live values.
+
+    Args:
+        program: any program.
+        sizes: size class (``ops.SIZE_*``) -> bytes of one value of it; the
+            classes given are the ones reported.
+    Returns:
+        per rank, size class -> peak bytes (0 where nothing of the class lives).
+    Raises:
+        ValueError: an unknown size class or a negative size.
+    """
+    check_sizes(sizes)
+    return [{size_class: size * peak_count(row, SIZE_CLASS_DELTAS[size_class]) for size_class, size in sizes.items()}
+            for row in program.ranks]
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "ACTIVATION_DELTA",
+    "COUNTED_OPS",
+    "SIZE_CLASS_DELTAS",
+    "WAITING_W",
+    "WAITING_W_DELTA",
+    "check_sizes",
+    "first_step_over",
+    "live_counts",
+    "peak_activations",
+    "peak_bytes",
+    "peak_count",
+    "peak_waiting_w",
+    "size_class_deltas",
+]

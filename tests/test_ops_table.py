@@ -1,0 +1,160 @@
+"""Every pass has a rule for every op of the rule table (``compiler/ops.py``).
+
+A pass registers the ops it handles with ``ops.declare_pass`` when it is
+imported, from its own dispatch or derived tables; adding an op to ``ops.RULES``
+without teaching every pass about it fails here, naming the passes that lack it.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from pipec.compiler import ops
+
+# Every module that declares a pass.
+PASS_MODULES = (
+    "pipec.compiler.lower_comms",
+    "pipec.compiler.simulate",
+    "pipec.compiler.liveness",
+    "pipec.compiler.checks",
+    "pipec.compiler.checks.wellformed",
+    "pipec.compiler.checks.matching",
+    "pipec.compiler.checks.deadlock",
+    "pipec.compiler.checks.conflict",
+    "pipec.compiler.checks.memory",
+    "pipec.compiler.render.graph",
+    "pipec.compiler.render.style",
+    "pipec.compiler.emit.json_program",
+    "pipec.compiler.emit.torch_csv",
+    "pipec.compiler.costs",
+    "pipec.runtime.trace",
+)
+# Modules that need torch; skipped where torch cannot be imported.
+TORCH_PASS_MODULES = ("pipec.runtime.interpreter",)
+
+# The passes these modules declare.
+PASSES = (
+    "lower_comms",
+    "well-formed",
+    "matching",
+    "deadlock",
+    "conflict",
+    "memory",
+    "simulate",
+    "liveness",
+    "task graph",
+    "drawing style",
+    "json program",
+    "torch csv",
+    "cost model",
+    "runtime trace",
+)
+TORCH_PASSES = ("runtime interpreter",)
+
+
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except Exception:  # a broken install fails in ways other than ImportError
+        return False
+    return True
+
+
+def _import_passes() -> tuple[str, ...]:
+    """Import every pass module; returns the pass names expected to be declared."""
+    for name in PASS_MODULES:
+        importlib.import_module(name)
+    expected = PASSES
+    if _torch_available():
+        for name in TORCH_PASS_MODULES:
+            importlib.import_module(name)
+        expected += TORCH_PASSES
+    return expected
+
+
+def test_every_pass_has_a_rule_for_every_op():
+    _import_passes()
+    assert ops.passes_missing_rules() == {}
+
+
+def test_every_pass_declares_itself():
+    expected = _import_passes()
+    declared = set(ops.declared_passes())
+    assert [name for name in expected if name not in declared] == []
+
+
+def test_a_new_op_is_missing_from_every_pass(monkeypatch):
+    _import_passes()
+    declared = ops.declared_passes()
+    assert declared
+    # a copy of the table with one more op, which no pass has a rule for
+    monkeypatch.setattr(ops, "OPS", ops.OPS + ("R",))
+    missing = ops.passes_missing_rules()
+    assert sorted(missing) == declared
+    assert all(names == ["R"] for names in missing.values())
+
+
+def test_an_op_a_pass_forgets_is_named(monkeypatch):
+    _import_passes()
+    rules = dict(ops._PASS_RULES)
+    monkeypatch.setattr(ops, "_PASS_RULES", rules)
+    ops.declare_pass("task graph", [op for op in ops.OPS if op != ops.W])
+    assert ops.passes_missing_rules() == {"task graph": [ops.W]}
+
+
+# The activation-passing ops, as the passes spelled them out before reading the table.
+_TODAY = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "BATCH", "FREE_F", "ALLREDUCE_GRAD",
+          "ALLREDUCE_WAIT")
+_COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_COLLECTIVES = ("ALLREDUCE_GRAD", "ALLREDUCE_WAIT")
+
+
+def _today(table: dict) -> dict:
+    """``table`` restricted to today's ops (an op added later has its own entry)."""
+    return {op: value for op, value in table.items() if op in _TODAY}
+
+
+def test_the_tables_derived_from_the_rules_are_the_ones_spelled_out_before():
+    from pipec.compiler import costs, import_torch
+    from pipec.compiler.emit import json_program, torch_csv
+    from pipec.compiler.render import graph
+    from pipec.runtime import trace
+
+    fields = _today(json_program._REQUIRED_FIELDS)
+    assert fields == {**dict.fromkeys("FBIW", ("stage", "mb")), **dict.fromkeys(_COMMS, ("stage", "mb", "peer")),
+                      "FREE_F": ("stage", "mb"), **dict.fromkeys(_COLLECTIVES, ("stage",)), "BATCH": ("parts",)}
+    # the order the "unknown op" message lists them in
+    assert list(fields) == ["F", "B", "I", "W", *_COMMS, "FREE_F", *_COLLECTIVES, "BATCH"]
+    assert _today(torch_csv._COMPUTE_ONLY) == {**dict.fromkeys("FBIW", "keep"), **dict.fromkeys(
+        _COMMS + ("BATCH", "FREE_F") + _COLLECTIVES, "drop")}
+    assert _today(torch_csv._WITH_COMMS) == {**dict.fromkeys(("F", "B", "I", "W") + _COMMS, "keep"),
+                                             "BATCH": "expand", **dict.fromkeys(("FREE_F",) + _COLLECTIVES, "drop")}
+    assert _today(import_torch._NEIGHBOUR) == {"SEND_F": +1, "RECV_F": -1, "SEND_B": -1, "RECV_B": +1}
+    for token in ("F", "I", "B", "W", "UNSHARD", "RESHARD", "REDUCE_GRAD") + _COMMS:
+        assert import_torch._TOKEN.fullmatch(f"3{token}1").groups() == ("3", token, "1")
+        assert import_torch._TOKEN.fullmatch(f"12{token}").groups() == ("12", token, "")
+    for other in ("3FREE_F1", "3BATCH1", "3ALLREDUCE_GRAD", "3OVERLAP_F_B1"):
+        assert import_torch._TOKEN.fullmatch(other) is None
+    assert _today(trace._CATEGORY) == {**dict.fromkeys("FBIW", "compute"), "FREE_F": "memory",
+                                       **dict.fromkeys(_COMMS + ("BATCH",) + _COLLECTIVES, "comm")}
+    assert _today(graph._NODE_OF) == {**dict.fromkeys("FBIW", "compute"), "FREE_F": None,
+                                      **dict.fromkeys(_COMMS + ("BATCH",) + _COLLECTIVES, "comm")}
+    assert costs.SPLITS == {"B": ("I", "W")}
+    assert costs.MESSAGE_KINDS == ("act", "grad")
+    assert set(costs.UNIT_COMPUTE) == set(ops.COMPUTE_OPS)
+    # what the task graph's data edges follow (it spelled these out as _READS)
+    reads = {op: [(d.made_by, d.where) for d in deps] for op, deps in _today(ops.DEPENDENCIES).items()}
+    assert reads == {"F": [(("F",), "prev")], "B": [(("F",), "self"), (("B", "I"), "next")],
+                     "I": [(("F",), "self"), (("B", "I"), "next")], "W": [(("I",), "self")]}
+
+
+@pytest.mark.skipif(not _torch_available(), reason="needs torch")
+def test_the_interpreters_message_rules_are_todays():
+    from pipec.runtime import interpreter
+
+    assert (interpreter.ACT, interpreter.GRAD) == (0, 1)
+    # kind code and "where" of each send and receive, as the interpreter spelled them out
+    assert {op: (rule.is_send, rule.code, rule.where) for op, rule in _today(ops.PART_RULES).items()} == {
+        "SEND_F": (True, interpreter.ACT, "self"), "RECV_F": (False, interpreter.ACT, "prev"),
+        "SEND_B": (True, interpreter.GRAD, "self"), "RECV_B": (False, interpreter.GRAD, "next")}
