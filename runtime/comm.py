@@ -13,9 +13,9 @@ that differ between backends and the one thing that must never differ:
   by polling ``is_completed`` of everything still outstanding.
 * How a failed wait is reported: ``RuntimeFault`` naming the rank, the
   instruction index and text, how long it waited and for which rank(s).
-* The replica subgroups: ``replica_groups`` calls ``dist.new_group`` for every
-  replicated chunk in chunk order, on every rank, members or not, as
-  torch.distributed requires.
+* The communicators: ``replica_groups`` calls ``dist.new_group`` for every
+  communicator of the program (``Program.communicators``) in list order, on
+  every rank, members or not, as torch.distributed requires.
 """
 from __future__ import annotations
 
@@ -188,24 +188,25 @@ class ReplicaGroup(NamedTuple):
 
 
 def replica_groups(program: Program, rank: int) -> dict[int, ReplicaGroup]:
-    """Create the replica subgroups once; collective: every rank calls it, in the same state.
+    """Create the program's communicators once; collective: every rank calls it, in the same state.
 
     Args:
         program: the compiled program (the same on every rank).
         rank: this rank.
     Returns:
-        chunk -> its ``ReplicaGroup``, for the replicated chunks this rank
-        holds on two or more distinct ranks. Replicas on a single rank share one
-        module and need no all-reduce.
+        communicator key (for the replica all-reduce: the chunk) -> its
+        ``ReplicaGroup``, for the communicators this rank is in that span two
+        or more ranks. Replicas on a single rank share one module and need no
+        all-reduce.
     """
     mine: dict[int, ReplicaGroup] = {}
-    for chunk in range(program.num_chunks):
-        ranks = sorted({program.stages[line[chunk]].rank for line in program.pipelines})
+    for communicator in program.communicators:
+        ranks = list(communicator.ranks)
         if len(ranks) < 2:
             continue
-        group = dist.new_group(ranks)  # every rank, same order: new_group is collective
+        group = dist.new_group(ranks)  # every rank, in the program's order: new_group is collective
         if rank in ranks:
-            mine[chunk] = ReplicaGroup(group, tuple(r for r in ranks if r != rank))
+            mine[communicator.key] = ReplicaGroup(group, tuple(r for r in ranks if r != rank))
     return mine
 
 

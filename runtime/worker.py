@@ -1,10 +1,13 @@
 """One worker of a pipelined training run: ``python -m pipec.runtime TARGET ...``.
 
-Started by torchrun (or ``pipec run``) once per rank, it reads RANK, WORLD_SIZE
-and LOCAL_RANK from the environment (without them it runs alone as rank 0 of
-1), compiles the target itself (compilation is deterministic, so every rank
-gets the same program), joins the process group, builds only its own chunks,
-and runs K training steps through the interpreter. Rank 0 prints
+Started by torchrun (or ``pipec run``) once per rank, it reads RANK, WORLD_SIZE,
+LOCAL_RANK and LOCAL_WORLD_SIZE from the environment (without them it runs
+alone as rank 0 of 1), gets the program: from ``--program FILE``, the JSON
+``pipec run`` compiled once for all workers, or else by compiling the target
+itself (compilation is deterministic, so every rank gets the same program),
+joins the process group on its device (on GPU the one the program's device map
+gives it), builds only its own chunks, and runs K training steps through the
+interpreter. Rank 0 prints
 ``step k loss X`` per step (k from 1; the loss of the whole batch, the mean of
 its microbatch losses). ``--save`` gathers the chunks' parameters to rank 0
 (one copy of replicated chunks) and writes the whole model's state_dict;
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", metavar="FILE", help="a JSON cost file for schedules whose order depends on costs")
     parser.add_argument("--config", dest="config", action="append", default=[], metavar="NAME=VALUE",
                         help="override a field of the model's config, e.g. --config layers=16 (repeatable)")
+    parser.add_argument("--program", metavar="FILE",
+                        help="run this compiled program (JSON, as `pipec compile --format json` writes it) instead of "
+                             "compiling TARGET; TARGET, -D and --costs then only name, in the trace, what it was compiled from")
     parser.add_argument("--inject", metavar="KIND:RANK:INDEX", help=argparse.SUPPRESS)
     return parser
 
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rank, world, local_rank = _environment()
         plan = make_plan(args, world)
+        # before joining: a map this node cannot honour is every rank's mistake, not a fault
+        index = device_index(plan.program.devices, rank, local_rank, _node_size(world)) if args.backend == "nccl" else None
     except PipecError as error:
         sys.stderr.write(error.render() + "\n")
         return 1
@@ -87,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if plan.inject and plan.inject.kind == _LATE and plan.inject.rank == rank:
         time.sleep(plan.inject.index)
     with fatal_errors(rank):
-        device = join_group(args.backend, rank, world, local_rank, args.timeout)
+        device = join_group(args.backend, rank, world, local_rank, args.timeout, gpu=index)
         train(args, plan, rank, world, device)
         # The run's cyclic garbage (autograd graphs, communication works that
         # hold the group) is freed now, while the group and the interpreter are
@@ -161,6 +169,14 @@ def _environment() -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
+def _node_size(world: int) -> int:
+    """Ranks per node: torchrun's LOCAL_WORLD_SIZE; without it, one node holds the whole world."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    except ValueError:
+        raise UsageError("LOCAL_WORLD_SIZE must be an integer (start the workers with torchrun)") from None
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -179,21 +195,14 @@ class Plan:
 
 
 def make_plan(args, world: int) -> Plan:
-    """Compile the target, load the model, check the arguments against the world size."""
-    from pipec.commands._common import parse_defines
-    from pipec.compiler.driver import compile_target
+    """Get the program (``--program``'s file, or compile the target), load the model, check the arguments against the world size."""
     from pipec.runtime.model import ModelConfig, chunk_layers, load_model_spec
 
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    costs = None
-    if args.costs:
-        from pipec.compiler.costs import load_costs
-
-        costs = load_costs(args.costs)
-    program = compile_target(args.target, parse_defines(args.defines), costs=costs).program
+    program = load_program(args.program) if getattr(args, "program", None) else compile_program(args)
     if world != program.num_ranks:
         raise UsageError(
             f"{program.name} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
@@ -208,6 +217,53 @@ def make_plan(args, world: int) -> Plan:
             raise UsageError(f"{error} (--config layers=N sets the model's layer count)") from None
     inject = parse_injection(args.inject) if args.inject else None
     return Plan(program, spec, config, _activation_shape(spec, config), inject)
+
+
+def compile_program(args):
+    """Compile ``args.target`` with its ``-D`` values and ``--costs``: what a worker started without ``--program`` runs.
+
+    Returns:
+        the checked program, the same on every rank (compilation is deterministic).
+    Raises:
+        PipecError: the compiler's error.
+    """
+    from pipec.compiler.defines import parse_defines
+    from pipec.compiler.driver import compile_target
+
+    costs = None
+    if args.costs:
+        from pipec.compiler.costs import load_costs
+
+        costs = load_costs(args.costs)
+    return compile_target(args.target, parse_defines(args.defines), costs=costs).program
+
+
+def load_program(path: str):
+    """The program in a JSON file (``program_to_json``'s format), read without compiling anything.
+
+    ``pipec run`` compiles and checks once, writes the program to its run
+    folder and passes it here, so that P workers do not compile P times.
+
+    Args:
+        path: the file.
+    Returns:
+        the ``Program`` it holds.
+    Raises:
+        UsageError: the file cannot be read or is not JSON.
+        ImportError_: it is JSON but not a valid program.
+    """
+    import json
+
+    from pipec.compiler.emit.json_program import program_from_json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as error:
+        raise UsageError(f"cannot read the program '{path}': {error}") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UsageError(f"the program '{path}' is not JSON: {error}") from None
+    return program_from_json(data)
 
 
 def override_config(config, items: list[str]):
@@ -245,23 +301,79 @@ def _activation_shape(spec, config) -> tuple[int, ...]:
         ) from None
 
 
-def _device(backend: str, local_rank: int):
+def device_index(devices: list[int] | None, rank: int, local_rank: int, node_size: int) -> int:
+    """The GPU of its node that ``rank`` runs on, honouring the program's device map.
+
+    The map (``map rank r to device EXPR``, ``Program.devices``) numbers
+    devices as torchrun numbers ranks: node by node, ``node_size`` on each, one
+    GPU per rank. So rank r's node holds ranks and devices ``r - local_rank``
+    .. ``r - local_rank + node_size - 1``, and device d is GPU ``d mod
+    node_size`` of the node ``d // node_size``. A rank may move to another GPU
+    of its node, never to another node: its process runs where torchrun
+    started it.
+
+    Args:
+        devices: rank -> device, a permutation of the ranks; None: the identity.
+        rank: the global rank (RANK).
+        local_rank: its index on its node (LOCAL_RANK).
+        node_size: ranks per node (LOCAL_WORLD_SIZE).
+    Returns:
+        the CUDA device index on this node: ``local_rank`` without a map, else
+        ``devices[rank] mod node_size``.
+    Raises:
+        UsageError: the map puts ``rank`` on a device of another node.
+    """
+    if devices is None:
+        return local_rank
+    device = devices[rank]
+    first = rank - local_rank  # the node's first rank, and its first device
+    if not first <= device < first + node_size:
+        raise UsageError(
+            f"the schedule's device map puts rank {rank} on device {device}, which is on another node: with "
+            f"{node_size} ranks per node, rank {rank} runs on the node of ranks and devices {first}..{first + node_size - 1}, "
+            f"and a rank can only move to a GPU of its own node (change the `map rank r to device` line, or the ranks per node)"
+        )
+    return device - first
+
+
+def check_device_map(devices: list[int] | None, world: int, node_size: int) -> None:
+    """Check that every rank of a launch can run on the device the map gives it (``device_index``).
+
+    Args:
+        devices: the program's rank -> device map, or None.
+        world: the number of ranks.
+        node_size: ranks per node; torchrun numbers the ranks of a node consecutively.
+    Raises:
+        UsageError: the first rank the map would move to another node.
+    """
+    for rank in range(world):
+        device_index(devices, rank, rank % node_size, node_size)
+
+
+def _device(backend: str, index: int):
+    """The device of a worker: ``cuda:index`` for nccl (made current), the CPU for gloo (which ignores ``index``)."""
     import torch
 
     if backend == "nccl":
-        if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
-            raise UsageError(f"--backend nccl needs a GPU for local rank {local_rank}")
-        device = torch.device("cuda", local_rank)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise UsageError(f"--backend nccl needs GPU {index} on this node, and {torch.cuda.device_count()} are visible")
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
 
 
-def join_group(backend: str, rank: int, world: int, local_rank: int, timeout: float):
-    """Pick this rank's device and join the default process group; returns the device."""
+def join_group(backend: str, rank: int, world: int, local_rank: int, timeout: float, *, gpu: int | None = None):
+    """Pick this rank's device and join the default process group; returns the device.
+
+    Args:
+        gpu: the GPU of this node to run on (``device_index()`` of the
+            program's map); None: ``local_rank``. Ignored by gloo: on the CPU
+            the device map changes nothing.
+    """
     import torch.distributed as dist
 
-    device = _device(backend, local_rank)
+    device = _device(backend, local_rank if gpu is None else gpu)
     # The group's own timeout bounds joining and the collectives that have no
     # deadline of their own (the barriers, the closing gathers); the waits of a
     # step, the loss reduce included, have --timeout. NCCL's watchdog gets a
@@ -428,4 +540,7 @@ def _exit(step, action, index) -> None:
 _INJECTED = {"INJECT_HANG": _hang, "INJECT_KILL": _kill, "INJECT_EXIT": _exit}
 
 
-__all__ = ["RuntimeFault", "build_parser", "fatal_errors", "join_group", "leave_group", "main", "make_plan", "train"]
+__all__ = [
+    "RuntimeFault", "build_parser", "check_device_map", "compile_program", "device_index", "fatal_errors",
+    "join_group", "leave_group", "load_program", "main", "make_plan", "train",
+]

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from pipec.compiler.defines import parse_defines  # one definition, shared with the runtime's worker
 from pipec.compiler.trace_events import recorded
 from pipec.errors import UsageError
 
@@ -17,20 +18,6 @@ def add_target_arguments(parser: argparse.ArgumentParser, costs: bool = True) ->
     if costs:
         parser.add_argument("--costs", metavar="FILE", help="a JSON cost file (default: unit costs F=1 B=2 I=W=1)")
     parser.add_argument("--budget", type=int, metavar="N", help="fail if a rank holds more than N chunk activations")
-
-
-def parse_defines(items: list[str]) -> dict[str, str]:
-    """``["P=4", "N=8"]`` -> ``{"P": "4", "N": "8"}``; the schedule types the values."""
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep or not name or not value.strip():
-            raise UsageError(f"-D expects NAME=VALUE, got {item!r}")
-        if name in out:
-            raise UsageError(f"-D {name} is given twice")
-        out[name] = value.strip()
-    return out
 
 
 def load_costs(args):

@@ -4,7 +4,7 @@ Compiles a shipped schedule (BitPipe on 4 ranks by default), proves it safe,
 prints its per-rank instruction grid and its simulated timeline figures; then
 trains the built-in model with it for a few steps on CPU worker processes
 (gloo), started through torch's elastic launcher exactly as ``pipec run``
-starts them, and prints the loss per step, whether it fell, and where the
+starts them (they load the program compiled here), and prints the loss per step, whether it fell, and where the
 Chrome/Perfetto trace of every instruction went.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import re
 import sys
 import tempfile
 
-from pipec.commands._common import describe_params, parse_defines, write_output
+from pipec.commands._common import describe_params, write_output
+from pipec.compiler.defines import parse_defines
 
 DEFAULT_STEPS = 10
 # The worker's per-step line (runtime.worker): "step K loss X".
@@ -78,7 +79,7 @@ def run(args) -> int:
 
 def _train(args, defines: dict[str, str], program) -> int:
     """Run the program for ``args.steps`` steps on CPU ranks and report the loss and the trace."""
-    from pipec.commands.run import WORKER_MODULE, check_launch, launch, worker_arguments
+    from pipec.commands.run import check_launch, launch_program, worker_arguments
     from pipec.runtime.model import LLAMA
 
     config = dataclasses.replace(LLAMA.config, layers=_fitting_layers(LLAMA.config.layers, program.num_chunks))
@@ -110,7 +111,8 @@ def _train(args, defines: dict[str, str], program) -> int:
         if rank == 0 and match:
             losses.append(float(match.group(2)))
 
-    result = launch(["-m", WORKER_MODULE, *worker_arguments(run_args)], nproc, on_line=collect)
+    # the workers run the program compiled above, as `pipec run`'s do
+    result = launch_program(program, worker_arguments(run_args), nproc, on_line=collect)
     if not result.ok:
         sys.stderr.write(result.report)
         return 1

@@ -1,11 +1,13 @@
 """``pipec run``: train a model with a compiled schedule on P worker processes.
 
 The parent compiles and checks the target first, so a bad schedule fails at
-once with the compiler's error; then it starts P workers through torch's
-elastic launcher (the launcher ``torchrun`` runs), each one
-``python -m pipec.runtime TARGET ...`` with the same arguments. Starting the
-workers here rather than through ``torchrun`` changes nothing for them: they
-see the same environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+once with the compiler's error; it writes the program (JSON) into the run's
+own folder, the one that also keeps the workers' logs, and starts P workers
+through torch's elastic launcher (the launcher ``torchrun`` runs), each one
+``python -m pipec.runtime TARGET ... --program FILE``: the workers load that
+program instead of compiling it P times again. Starting the workers here
+rather than through ``torchrun`` changes nothing else for them: they see the
+same environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
 What the user sees:
 
@@ -38,7 +40,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from pipec.commands._common import parse_defines
+from pipec.compiler.defines import parse_defines
 from pipec.errors import UsageError
 
 # How often the launcher's agent looks at its workers, in seconds: the delay
@@ -55,6 +57,8 @@ FOLLOW_INTERVAL_S = 0.05
 FAULT_LINE = re.compile(r"rank \d+, step \d+ \(.+\): .*")
 # Stderr lines shown for a failed worker that printed no fault message.
 TAIL_LINES = 20
+# The compiled program's file in the run folder, passed to the workers as --program.
+PROGRAM_FILE = "program.json"
 
 # The worker program: ``python -m pipec.runtime``.
 WORKER_MODULE = "pipec.runtime"
@@ -115,21 +119,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    nproc = check_before_launch(args)
-    result = launch(["-m", WORKER_MODULE, *worker_arguments(args)], nproc)
+    program, nproc = check_before_launch(args)
+    result = launch_program(program, worker_arguments(args), nproc)
     if result.ok:
         return 0
     sys.stderr.write(result.report)
     return 1
 
 
-def check_before_launch(args) -> int:
+def check_before_launch(args) -> tuple[object, int]:
     """Compile and check the target, and validate the launch, before any worker starts.
 
     Args:
         args: the parsed ``pipec run`` arguments.
     Returns:
-        the number of workers to start (see ``check_launch``).
+        (the checked program, the number of workers to start: see ``check_launch``).
     Raises:
         PipecError: the compiler's error, or ``check_launch``'s.
     """
@@ -137,7 +141,7 @@ def check_before_launch(args) -> int:
     from pipec.compiler.driver import compile_target
 
     program = compile_target(args.target, parse_defines(args.defines), costs=load_costs(args)).program
-    return check_launch(args, program)
+    return program, check_launch(args, program)
 
 
 def check_launch(args, program) -> int:
@@ -165,6 +169,7 @@ def check_launch(args, program) -> int:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.backend == "nccl":
         _check_gpus(nproc)
+        _check_device_map(program, nproc)
     _check_model(args.model, args.config, program.num_chunks)
     return nproc
 
@@ -175,6 +180,20 @@ def _check_gpus(nproc: int) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < nproc:
         raise UsageError(f"--backend nccl needs one GPU per rank: {nproc} ranks, {count} GPUs visible")
+
+
+def _check_device_map(program, nproc: int) -> None:
+    """Check that every worker can run on the GPU the program's device map gives it.
+
+    The launch is one node of ``nproc`` workers, so the map's devices are that
+    node's GPUs. On gloo the map changes nothing and is not checked.
+
+    Raises:
+        UsageError: the map puts a rank on another node's device (``runtime.worker.device_index``).
+    """
+    from pipec.runtime.worker import check_device_map
+
+    check_device_map(program.devices, nproc, node_size=nproc)
 
 
 def _check_model(text: str | None, overrides: list[str], num_chunks: int) -> None:
@@ -232,6 +251,66 @@ class LaunchResult:
     faults: list[str] = field(default_factory=list)
 
 
+def launch_program(program, arguments: list[str], nproc: int, **options) -> LaunchResult:
+    """Launch ``nproc`` workers that run ``program`` as it is, without compiling it again.
+
+    Makes the run's folder, writes the program there (``write_program``) and
+    launches ``python -m pipec.runtime ARGUMENTS --program FILE``. The folder
+    also keeps the workers' logs: it is removed after a successful run, kept
+    after a failed one (the report names it).
+
+    Args:
+        program: the compiled, checked program.
+        arguments: the worker's other arguments (``worker_arguments``): TARGET,
+            -D and --costs name what the program came from, in the trace.
+        nproc: the number of workers.
+        options: passed on to ``launch`` (``on_line``, ``echo``, ``env``).
+    Returns:
+        ``launch``'s result.
+    """
+    run_dir = tempfile.mkdtemp(prefix="pipec-run-")
+    try:
+        path = write_program(program, run_dir)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return launch(["-m", WORKER_MODULE, *arguments, "--program", path], nproc, run_dir=run_dir, **options)
+
+
+def write_program(program, folder: str) -> str:
+    """Write ``program`` as JSON (``program_to_json``) to ``folder/program.json``, atomically.
+
+    The file appears whole or not at all (a temporary file in the same folder,
+    then ``os.replace``), so a worker never reads half a program.
+
+    Args:
+        program: the program to write.
+        folder: an existing folder.
+    Returns:
+        the file's absolute path.
+    Raises:
+        UsageError: the file cannot be written.
+    """
+    import json
+
+    from pipec.compiler.emit.json_program import program_to_json
+
+    path = os.path.abspath(os.path.join(folder, PROGRAM_FILE))
+    text = json.dumps(program_to_json(program), separators=(",", ":"))
+    partial = None
+    try:
+        handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{PROGRAM_FILE}.", suffix=".partial")
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(partial, path)
+    except OSError as error:
+        if partial is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+        raise UsageError(f"cannot write the compiled program to '{path}': {error}") from None
+    return path
+
+
 def launch(
     python_args: list[str],
     nproc: int,
@@ -239,6 +318,7 @@ def launch(
     on_line: Callable[[int, str], None] | None = None,
     echo: bool = True,
     env: dict[str, str] | None = None,
+    run_dir: str | None = None,
 ) -> LaunchResult:
     """Run ``python PYTHON_ARGS`` on ``nproc`` local workers through torch's elastic launcher.
 
@@ -250,6 +330,9 @@ def launch(
         echo: also write the workers' stdout to ours (rank 0 as is, the others behind ``[rank R] ``).
         env: extra environment for the workers. OMP_NUM_THREADS defaults to 1
             (ranks share the machine's cores) and PYTHONUNBUFFERED to 1 (lines arrive as printed).
+        run_dir: the run's folder, for the workers' logs (with whatever the
+            caller put there, e.g. the program); None: a new temporary folder.
+            Removed after a successful run.
     Returns:
         a ``LaunchResult``; every worker has exited when it returns.
     """
@@ -259,7 +342,7 @@ def launch(
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    log_dir = tempfile.mkdtemp(prefix="pipec-run-")
+    log_dir = run_dir or tempfile.mkdtemp(prefix="pipec-run-")
     run_id = uuid.uuid4().hex
     config = LaunchConfig(
         min_nodes=1,
