@@ -3,7 +3,8 @@
 A ``CostModel`` answers three questions: how long a compute task of a model
 chunk takes (``compute``), how long a message takes between two ranks
 (``transfer``), and how long a gradient all-reduce among replicas takes
-(``allreduce``). ``CostModel.unit()`` is the model the design's facts are stated
+(``allreduce``). It also carries the bytes of one value of each size class
+(``sizes``), which memory is counted in. ``CostModel.unit()`` is the model the design's facts are stated
 in: F = 1, B = 2, I = W = 1, every communication free, all integers (so that
 bubble ratios come out as exact fractions).
 
@@ -24,7 +25,8 @@ typo never silently falls back to a default)::
         "inter_node": {"latency": 0.05, "bandwidth": 25.0},
         "pairs": {"0-1": {"latency": 0.0, "bandwidth": 400.0}}
       },
-      "allreduce": {"latency": 0.01, "bandwidth": 100.0, "bytes": 64.0}
+      "allreduce": {"latency": 0.01, "bandwidth": 100.0, "bytes": 64.0},
+      "sizes": {"activation": 4194304, "weight": 1.2e8}
     }
 
 * ``compute``: time of one task of one microbatch on one model chunk (the
@@ -47,6 +49,11 @@ typo never silently falls back to a default)::
   otherwise. A message between a rank and itself is free (a local hand-off).
 * ``allreduce``: a ring all-reduce of ``bytes`` among n members takes
   ``2 (n-1) latency + 2 (n-1)/n bytes / bandwidth``; a single member costs 0.
+* ``sizes``: the bytes of one value of each size class (``ops.SIZE_CLASSES``:
+  activation, weight, shard, kv, stats). They price no time: the simulator
+  reports peak bytes per class with them (``memory_counts.peak_bytes``), and
+  a byte budget of a class (``check_memory``) needs its size. Omitted classes
+  have no size (not 0): nothing is reported or checked in bytes for them.
 
 Ranks here are the ranks torchrun starts (devices); the simulator maps a
 program's ranks through ``Program.devices`` before asking for a link.
@@ -138,6 +145,8 @@ class CostModel:
         allreduce_link: the link a ring all-reduce runs over.
         allreduce_bytes: the gradient bytes of one model chunk.
         post: the time a rank spends posting one message.
+        value_bytes: the bytes of one value of a size class, as sorted
+            (size class, bytes) pairs; ``sizes`` gives them as a dict.
 
     Fields are tuples so that the model is hashable; lookup tables are built
     once in ``__post_init__``.
@@ -153,6 +162,7 @@ class CostModel:
     allreduce_link: Link = Link()
     allreduce_bytes: Number = 0
     post: Number = 0
+    value_bytes: tuple[tuple[str, Number], ...] = ()
     _compute_table: dict = field(init=False, repr=False, compare=False, hash=False)
     _pair_table: dict = field(init=False, repr=False, compare=False, hash=False)
     _bytes_table: dict = field(init=False, repr=False, compare=False, hash=False)
@@ -164,6 +174,12 @@ class CostModel:
         object.__setattr__(self, "_compute_table", compute)
         object.__setattr__(self, "_pair_table", {(a, b): link for a, b, link in self.pairs})
         object.__setattr__(self, "_bytes_table", dict(self.message_bytes))
+
+    @property
+    def sizes(self) -> dict[str, Number]:
+        """Size class -> bytes of one value of it, in ``ops.SIZE_CLASSES`` order; empty when none is given."""
+        given = dict(self.value_bytes)
+        return {size_class: given[size_class] for size_class in rules.SIZE_CLASSES if size_class in given}
 
     @staticmethod
     def unit() -> "CostModel":
@@ -335,12 +351,18 @@ class _Reader:
         nbytes = self.number(given["bytes"], "allreduce.bytes") if "bytes" in given else 0
         return {"allreduce_link": Link().overridden(latency, bandwidth), "allreduce_bytes": nbytes}
 
+    def sizes_section(self, value: Any) -> dict[str, Any]:
+        given = self.table(value, "sizes", rules.SIZE_CLASSES)
+        sizes = [(size_class, self.number(given[size_class], _join("sizes", size_class))) for size_class in given]
+        return {"value_bytes": tuple(sorted(sizes))}
+
 
 # Top-level key -> the reader section that turns its value into CostModel fields.
 _SECTIONS = {
     "compute": _Reader.compute_section,
     "links": _Reader.links_section,
     "allreduce": _Reader.allreduce_section,
+    "sizes": _Reader.sizes_section,
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from importlib import resources
+from typing import Mapping
 
 from pipec.compiler.build import compute_program
 from pipec.compiler.checks import check_all
@@ -21,6 +22,7 @@ from pipec.compiler.costs import CostModel
 from pipec.compiler.ir import Program
 from pipec.compiler.liveness import insert_frees
 from pipec.compiler.lower_comms import insert_communication
+from pipec.compiler.memory_counts import Number, check_sizes
 from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
 from pipec.dsl.spec import TaskKinds
@@ -144,11 +146,35 @@ def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Prog
     return compute, insert_communication(compute)
 
 
-def compile_spec(spec: ScheduleSpec, *, costs: CostModel | None = None, memory_budget: int | None = None) -> Compiled:
-    """Order and lower an evaluated schedule, and check the final program (after the last pass)."""
+def compile_spec(
+    spec: ScheduleSpec,
+    *,
+    costs: CostModel | None = None,
+    memory_budget: int | None = None,
+    byte_budget: Mapping[str, Number] | None = None,
+) -> Compiled:
+    """Order and lower an evaluated schedule, and check the final program (after the last pass).
+
+    Args:
+        spec: the evaluated schedule.
+        costs: the cost model that orders list-scheduled ranks; its ``sizes``
+            (bytes of one value per size class) price ``byte_budget``.
+        memory_budget: the most live activations per rank, or None.
+        byte_budget: size class -> the most bytes of live values of that
+            class per rank, or None; every class it names needs a size in ``costs``.
+    Raises:
+        ValueError: a byte budget for a class the cost model gives no size
+            (checked before compiling), or an unknown size class.
+    """
+    sizes = costs.sizes if costs is not None else {}
+    if byte_budget is not None:
+        check_sizes(byte_budget)
+        missing = [size_class for size_class in byte_budget if size_class not in sizes]
+        if missing:
+            raise ValueError(f"a byte budget for {missing[0]!r} needs its size: the cost model gives none (sizes)")
     compute, program = lower_spec(spec, costs)
     program = insert_frees(program)
-    check_all(program, semantics="rendezvous", memory_budget=memory_budget)
+    check_all(program, semantics="rendezvous", memory_budget=memory_budget, byte_budget=byte_budget, sizes=sizes)
     return Compiled(spec, compute, program)
 
 
@@ -158,7 +184,8 @@ def compile_target(
     *,
     costs: CostModel | None = None,
     memory_budget: int | None = None,
+    byte_budget: Mapping[str, Number] | None = None,
 ) -> Compiled:
-    """Compile a target with parameter values; see the module docstring."""
+    """Compile a target with parameter values; see the module docstring and ``compile_spec``."""
     spec = resolve_target(target).evaluate(defines or {})
-    return compile_spec(spec, costs=costs, memory_budget=memory_budget)
+    return compile_spec(spec, costs=costs, memory_budget=memory_budget, byte_budget=byte_budget)

@@ -6,18 +6,22 @@
   FIFO per ordered pair of ranks.
 * ``check_conflict``: no buffer read before it is received or after it is freed.
 * ``check_deadlock``: every rank reaches its end ("rendezvous" or "async").
-* ``check_memory`` / ``peak_activations``: live activations per rank.
+* ``check_memory`` / ``peak_activations``: live activations per rank, and
+  live bytes per size class given the bytes of one value of each.
 
 ``check_all`` runs them in that order, so that each check can rely on the ones
 before it, and builds the shared indexes (task positions, message log) once.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from pipec.compiler.ir import Program
 from pipec.compiler.checks.conflict import check_conflict
 from pipec.compiler.checks.deadlock import ASYNC, RENDEZVOUS, SEMANTICS, check_deadlock
 from pipec.compiler.checks.matching import MessageLog, check_matching, describe_tensor, scan_messages
 from pipec.compiler.checks.memory import check_memory, peak_activations
+from pipec.compiler.memory_counts import Number
 from pipec.compiler.checks.wellformed import (
     StageTables,
     TaskIndex,
@@ -27,7 +31,14 @@ from pipec.compiler.checks.wellformed import (
 )
 
 
-def check_all(program: Program, *, semantics: str = RENDEZVOUS, memory_budget: int | None = None) -> None:
+def check_all(
+    program: Program,
+    *,
+    semantics: str = RENDEZVOUS,
+    memory_budget: int | None = None,
+    byte_budget: Mapping[str, Number] | None = None,
+    sizes: Mapping[str, Number] | None = None,
+) -> None:
     """Run every check on ``program``: well-formed, matching, conflict, deadlock, memory.
 
     Args:
@@ -35,9 +46,14 @@ def check_all(program: Program, *, semantics: str = RENDEZVOUS, memory_budget: i
         semantics: the runtime model for ``check_deadlock``: "rendezvous"
             (pipec's own programs) or "async" (imported torch CSV).
         memory_budget: the most live activations per rank, or None.
+        byte_budget: size class -> the most bytes of live values of that
+            class per rank, or None (see ``check_memory``).
+        sizes: size class -> bytes of one value of it; needed for every
+            class ``byte_budget`` names.
     Raises:
         ProgramError: the first failing check's error (WellFormedError,
             MatchError, ConflictError, DeadlockError or BudgetError).
+        ValueError: a byte budget for a class without a size, or an unknown class.
     """
     if semantics not in SEMANTICS:
         raise ValueError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
@@ -48,7 +64,7 @@ def check_all(program: Program, *, semantics: str = RENDEZVOUS, memory_budget: i
     check_matching(program, log=log, tables=tables)
     check_conflict(program, tasks=tasks, log=log, tables=tables)
     check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
-    check_memory(program, memory_budget)
+    check_memory(program, memory_budget, byte_budget=byte_budget, sizes=sizes)
 
 
 __all__ = [

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from pipec.compiler.defines import parse_defines  # one definition, shared with the runtime's worker
@@ -18,6 +19,11 @@ def add_target_arguments(parser: argparse.ArgumentParser, costs: bool = True) ->
     if costs:
         parser.add_argument("--costs", metavar="FILE", help="a JSON cost file (default: unit costs F=1 B=2 I=W=1)")
     parser.add_argument("--budget", type=int, metavar="N", help="fail if a rank holds more than N chunk activations")
+    parser.add_argument(
+        "--budget-bytes", dest="budget_bytes", action="append", default=[], metavar="CLASS=BYTES",
+        help="fail if a rank holds more than BYTES bytes of values of size class CLASS (activation, weight, shard, kv, "
+             "stats) at once; the cost file's \"sizes\" gives the bytes of one value (repeatable)",
+    )
 
 
 def load_costs(args):
@@ -28,12 +34,86 @@ def load_costs(args):
     return load(args.costs)
 
 
-def compile_from_args(args):
+_BYTES = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+
+
+def parse_byte_budget(items) -> dict:
+    """``--budget-bytes CLASS=BYTES`` values as size class -> bytes (an int, or a float for a decimal).
+
+    Raises:
+        UsageError: not ``CLASS=BYTES``, an unknown size class, a class given
+            twice, or BYTES not a plain non-negative integer or decimal.
+    """
+    from pipec.compiler.ops import SIZE_CLASSES
+
+    budget: dict = {}
+    for item in items:
+        size_class, sep, text = item.partition("=")
+        size_class, text = size_class.strip(), text.strip()
+        if not sep or not size_class:
+            raise UsageError(f"--budget-bytes expects CLASS=BYTES, got '{item}'")
+        if size_class not in SIZE_CLASSES:
+            raise UsageError(f"--budget-bytes: unknown size class '{size_class}' (expected one of {', '.join(SIZE_CLASSES)})")
+        if size_class in budget:
+            raise UsageError(f"--budget-bytes gives '{size_class}' twice")
+        if not _BYTES.fullmatch(text):
+            raise UsageError(f"--budget-bytes {size_class}: expected a non-negative integer or decimal number of bytes, "
+                             f"got '{text}'")
+        budget[size_class] = int(text) if text.isdigit() else float(text)
+    return budget
+
+
+def byte_budget_from_args(args, costs) -> dict | None:
+    """The ``--budget-bytes`` budget (None when not given), each of its classes sized by the cost file.
+
+    Raises:
+        UsageError: a bad ``--budget-bytes``, or a class the cost file gives no size for.
+    """
+    budget = parse_byte_budget(getattr(args, "budget_bytes", None) or [])
+    if not budget:
+        return None
+    sizes = costs.sizes if costs is not None else {}
+    for size_class in budget:
+        if size_class not in sizes:
+            raise UsageError(f"a byte budget for '{size_class}' needs its size: "
+                             f'add "sizes": {{"{size_class}": BYTES}} to the cost file (--costs)')
+    return budget
+
+
+def compile_from_args(args, costs=None):
+    """Compile and check the target of ``args`` (``--costs``, ``--budget``, ``--budget-bytes``).
+
+    Args:
+        args: the parsed command line.
+        costs: the cost model, when the caller has loaded it already; else ``--costs`` is read.
+    """
     from pipec.compiler.driver import compile_target
 
+    parse_byte_budget(getattr(args, "budget_bytes", None) or [])  # a mistake here is named before the cost file is read
+    if costs is None:
+        costs = load_costs(args)
     return compile_target(
-        args.target, parse_defines(args.defines), costs=load_costs(args), memory_budget=getattr(args, "budget", None)
+        args.target, parse_defines(args.defines), costs=costs, memory_budget=getattr(args, "budget", None),
+        byte_budget=byte_budget_from_args(args, costs),
     )
+
+
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def human_bytes(nbytes) -> str:
+    """``nbytes`` in binary units, to four significant digits: ``16 MiB``, ``114.4 MiB``, ``0 B``."""
+    value, unit = nbytes, 0
+    while True:
+        text = str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+        if float(text) < 1024 or unit == len(_BYTE_UNITS) - 1:
+            return f"{text} {_BYTE_UNITS[unit]}"
+        value, unit = value / 1024, unit + 1
+
+
+def describe_peak_bytes(peaks) -> str:
+    """One rank's peak bytes per size class: ``activation 16 MiB, weight 0 B``."""
+    return ", ".join(f"{size_class} {human_bytes(nbytes)}" for size_class, nbytes in peaks.items())
 
 
 def write_output(text: str, path: str | None) -> None:

@@ -1,7 +1,15 @@
 """``pipec simulate``: predict makespan, bubble ratio and memory per rank."""
 from __future__ import annotations
 
-from pipec.commands._common import add_target_arguments, compile_from_args, describe_params, dump_json, load_costs, write_output
+from pipec.commands._common import (
+    add_target_arguments,
+    compile_from_args,
+    describe_params,
+    describe_peak_bytes,
+    dump_json,
+    load_costs,
+    write_output,
+)
 
 
 def register(sub) -> None:
@@ -15,8 +23,11 @@ def run(args) -> int:
     from pipec.compiler.ops import memory_deltas
     from pipec.compiler.simulate import simulate
 
-    compiled = compile_from_args(args)
-    result = simulate(compiled.program, load_costs(args))
+    costs = load_costs(args)
+    compiled = compile_from_args(args, costs)
+    # the cost file's bytes per size class, if it has any: peak bytes per rank (else the output is as without)
+    sizes = costs.sizes if costs is not None else {}
+    result = simulate(compiled.program, costs, sizes=sizes or None)
     if args.json:
         write_output(dump_json(result.to_json()), None)
         return 0
@@ -31,6 +42,7 @@ def run(args) -> int:
         lines.append(
             f"  rank {rank}: busy {_num(stats.busy)}, idle {_num(stats.idle)}, peak activations {stats.peak_activations}"
             + (f", W waiting at most {stats.peak_waiting_w}" if split else "")
+            + (f", peak bytes {describe_peak_bytes(stats.peak_bytes)}" if stats.peak_bytes else "")
         )
     write_output("\n".join(lines), None)
     return 0
