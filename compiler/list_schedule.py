@@ -11,18 +11,38 @@ running the cost model would start them:
   (ties broken by microbatch, then stage);
 * a forward may start only while the rank holds fewer chunk activations than
   its in-flight limit (a forward started whose backward, B or I, has not
-  finished); an I only while fewer of its weight gradients wait than its
-  ``deferred`` limit (an I started whose W has not). A W depends on its own
-  rank's I alone, so that limit never stalls a policy;
+  finished), and only if every microbatch already started can still finish
+  within every rank's limit afterwards (a banker's check, ``_Activations``):
+  a microbatch keeps the activation of each of its stages on a rank until its
+  backward, which comes after its last forward, so a V that puts two of its
+  stages on one rank needs two slots there at once, and a rank that filled
+  its limit with first-arm forwards while the second arm's were still in
+  flight would wait forever. Such a forward waits instead (the rank idles
+  until the next event). An I starts only while fewer of its weight
+  gradients wait than its ``deferred`` limit (an I started whose W has not).
+  A W depends on its own rank's I alone, so that limit never stalls a policy;
+* for a kind listed in ``policy.in_order``, a rank runs its tasks of that kind
+  in priority order (then microbatch, then stage): it takes the next one when
+  it is ready and waits for it otherwise, rather than taking a later one that
+  is ready (a list scheduler never waits for a better task by itself, and an
+  order such as Megatron's interleaved one needs it to);
 * with a ``warmup`` count, a rank follows 1F1B's discipline instead of taking
   whatever is ready: its first ``warmup`` tasks are forwards, then it strictly
   alternates one forward and one backward (waiting for the one it wants) and
   drains what is left; with split backward, W tasks fill those waits.
 
-It is deterministic: same spec and costs, same order. If the policy stalls
-(tasks remain but no rank can start any: typically an in-flight limit too small
-for the dataflow), it raises ``ScheduleError`` at the order's span naming a
-rank, the tasks it holds ready and why it cannot run them.
+A rank that waits is woken by the next event that may change its choice:
+every input landing on it (even one released while it was busy: it may be
+free by then) and every activation freed anywhere (the in-flight check looks
+at every rank).
+
+It is deterministic: same spec and costs, same order. The in-flight check makes
+a policy finish under every non-negative cost model; a limit that no order can
+meet (below the activations one microbatch keeps on a rank at once) is a
+``ScheduleError`` naming the rank and the limit, raised before scheduling. A
+``warmup`` discipline or an ``in order`` against the dataflow can still wait
+for a task that never comes: then it raises ``ScheduleError`` at the order's
+span naming a rank, the task it waits for or holds ready, and why.
 """
 from __future__ import annotations
 
@@ -50,10 +70,13 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
     costs = costs or CostModel.unit()
     S, N, P = spec.num_stages, spec.num_microbatches, spec.num_ranks
     stage_rank = [r for row in spec.placement for r in row]
+    devices = spec.devices or list(range(P))
     kinds = ("F",) + spec.backward_kinds
     kind_rank = {k: i for i, k in enumerate(policy.prefer)}
     order_of_kinds = sorted(kinds, key=kind_rank.__getitem__)
     backward = "I" if spec.split_backward else "B"
+    memory = _Activations(spec, stage_rank)
+    memory.check_feasible()
 
     # remaining[kind][sid * N + m]: dependencies not yet finished.
     remaining = {k: bytearray(len(stage_rank) * N) for k in kinds}
@@ -67,6 +90,7 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
                 remaining["W"][index] = 1
 
     ready = [{k: [] for k in kinds} for _ in range(P)]  # per rank, per kind: heap of (key, ready at, mb, sid)
+    in_order = _InOrder(spec, stage_rank, kinds)
     pending = [[] for _ in range(P)]  # per rank: heap of (ready time, kind, sid, mb)
     left = [{k: 0 for k in kinds} for _ in range(P)]  # tasks of each kind not yet started
     riders = [spec.mb_pipeline.count(p) for p in range(spec.num_pipelines)]
@@ -74,11 +98,9 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
         for k in kinds:
             left[rank][k] += riders[sid // S]
     priority = policy.priority
-    limit = policy.inflight
     warmup = policy.warmup
     deferral = policy.deferred or [None] * P
     deferred = [0] * P  # per rank: I started whose W has not
-    alive = [0] * P
     forwards_started = [0] * P
     backwards_started = [0] * P
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(P)]
@@ -90,9 +112,10 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
         nonlocal seq
         rank = stage_rank[sid]
         heapq.heappush(pending[rank], (at, kind, sid, m))
-        if not busy[rank]:
-            seq += 1
-            heapq.heappush(events, (at, seq, 1, rank))  # wake the rank when the input lands
+        # Wake the rank when the input lands, even if it is busy now: it may
+        # be free by then, and nothing else would wake it.
+        seq += 1
+        heapq.heappush(events, (at, seq, 1, rank))
 
     for m, p in enumerate(spec.mb_pipeline):
         release("F", p * S, m, 0)
@@ -111,27 +134,52 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
         # W (split backward) never delays the alternation: it fills waits.
         return (wanted, "W") if spec.split_backward else (wanted,)
 
+    def take(rank: int, kind: str):
+        """Pop the best task of ``kind`` the rank may start now, or None."""
+        if kind == "I" and deferral[rank] is not None and deferred[rank] >= deferral[rank]:
+            return None
+        if in_order.holds(kind):
+            entry = in_order.next_ready(rank, kind)
+            if entry is None or (kind == "F" and not memory.may_start(rank, entry[2])):
+                return None
+            return in_order.pop(rank, kind)
+        queue = ready[rank][kind]
+        if not queue:
+            return None
+        if kind != "F":
+            return heapq.heappop(queue)
+        # A forward the in-flight check refuses waits; a later one may pass.
+        skipped, chosen = [], None
+        while queue:
+            entry = heapq.heappop(queue)
+            if memory.may_start(rank, entry[2]):
+                chosen = entry
+                break
+            skipped.append(entry)
+            if not memory.has_room(rank):
+                break
+        for entry in skipped:
+            heapq.heappush(queue, entry)
+        return chosen
+
     def try_start(rank: int, now: float) -> None:
         nonlocal seq
         heap = pending[rank]
         while heap and heap[0][0] <= now:
             at, kind, sid, m = heapq.heappop(heap)
-            heapq.heappush(ready[rank][kind], (priority(kind, sid, m), at, m, sid))
+            if not in_order.arrive(rank, kind, sid, m, at):
+                heapq.heappush(ready[rank][kind], (priority(kind, sid, m), at, m, sid))
         for kind in allowed_kinds(rank):
-            queue = ready[rank][kind]
-            if not queue:
+            entry = take(rank, kind)
+            if entry is None:
                 continue
-            if kind == "F" and limit[rank] is not None and alive[rank] >= limit[rank]:
-                continue
-            if kind == "I" and deferral[rank] is not None and deferred[rank] >= deferral[rank]:
-                continue
-            _, _, m, sid = heapq.heappop(queue)
+            _, _, m, sid = entry
             if kind == "I":
                 deferred[rank] += 1
             elif kind == "W":
                 deferred[rank] -= 1
             if kind == "F":
-                alive[rank] += 1
+                memory.start(rank, m)
                 forwards_started[rank] += 1
             elif kind == backward:
                 backwards_started[rank] += 1
@@ -142,6 +190,10 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
             heapq.heappush(events, (now + costs.compute(kind, sid % S), seq, 0, (kind, sid, m)))
             return
 
+    def transfer(src: int, dst: int, tensor: str):
+        """The time a message takes between two ranks, priced between their devices."""
+        return costs.transfer(devices[src], devices[dst], tensor)
+
     for rank in range(P):
         try_start(rank, 0)
     while events:
@@ -149,6 +201,7 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
         # that a choice never misses a task released at the same instant.
         now = events[0][0]
         woken = set()
+        freed = False
         while events and events[0][0] == now:
             _, _, what, payload = heapq.heappop(events)
             if what == 1:
@@ -158,9 +211,14 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
             rank = stage_rank[sid]
             busy[rank] = False
             woken.add(rank)
-            _finish(kind, sid, m, now, spec, remaining, release, costs, stage_rank, backward)
+            _finish(kind, sid, m, now, spec, remaining, release, transfer, stage_rank, backward)
             if kind in _BACKWARD:
-                alive[rank] -= 1
+                memory.free(rank, m)
+                freed = True
+        if freed:
+            # An activation freed on one rank may make another rank's
+            # forward safe (the in-flight check looks at every rank).
+            woken.update(range(P))
         for rank in sorted(woken):
             if not busy[rank]:
                 try_start(rank, now)
@@ -168,11 +226,164 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
     total = sum(len(o) for o in orders)
     expected = len(kinds) * N * S
     if total != expected:
-        raise _stall(spec, orders, ready, pending, alive)
+        raise _stall(spec, orders, ready, memory, in_order)
     return orders
 
 
-def _finish(kind, sid, m, now, spec, remaining, release, costs, stage_rank, backward) -> None:
+class _InOrder:
+    """The kinds a policy runs ``in order``: per rank, its tasks of each such
+    kind sorted by (priority key, microbatch, stage), and which have arrived."""
+
+    def __init__(self, spec: ScheduleSpec, stage_rank: list[int], kinds: tuple[str, ...]):
+        policy, S = spec.policy, spec.num_stages
+        self.kinds = frozenset(policy.in_order) & frozenset(kinds)
+        self.sequence = [{k: [] for k in self.kinds} for _ in range(spec.num_ranks)]
+        for m, p in enumerate(spec.mb_pipeline):
+            for s in range(S):
+                sid = p * S + s
+                for kind in self.kinds:
+                    self.sequence[stage_rank[sid]][kind].append((policy.priority(kind, sid, m), m, sid))
+        for per_kind in self.sequence:
+            for tasks in per_kind.values():
+                tasks.sort()
+        self.position = [{k: 0 for k in self.kinds} for _ in range(spec.num_ranks)]
+        self.arrived = [{k: {} for k in self.kinds} for _ in range(spec.num_ranks)]  # (sid, mb) -> ready at
+
+    def holds(self, kind: str) -> bool:
+        return kind in self.kinds
+
+    def arrive(self, rank: int, kind: str, sid: int, m: int, at) -> bool:
+        """Record a task of an in-order kind as ready; False for any other kind."""
+        if kind not in self.kinds:
+            return False
+        self.arrived[rank][kind][(sid, m)] = at
+        return True
+
+    def next_task(self, rank: int, kind: str):
+        """(key, mb, sid) of the rank's next task of ``kind``, or None when all have run."""
+        tasks, at = self.sequence[rank][kind], self.position[rank][kind]
+        return tasks[at] if at < len(tasks) else None
+
+    def next_ready(self, rank: int, kind: str):
+        """The next task as a ready-heap entry (key, ready at, mb, sid) if it has arrived, else None."""
+        task = self.next_task(rank, kind)
+        if task is None:
+            return None
+        key, m, sid = task
+        at = self.arrived[rank][kind].get((sid, m))
+        return None if at is None else (key, at, m, sid)
+
+    def pop(self, rank: int, kind: str):
+        """Take the next task (it has arrived) and move on to the one after it."""
+        entry = self.next_ready(rank, kind)
+        del self.arrived[rank][kind][(entry[3], entry[2])]
+        self.position[rank][kind] += 1
+        return entry
+
+
+class _Activations:
+    """The in-flight limits as a resource no order can deadlock on.
+
+    A microbatch keeps the activation of each of its stages on a rank from
+    that stage's forward until its backward, and all its forwards come before
+    its first backward: so once started, it needs, on every rank, a slot for
+    each of its forwards still to come while it holds the ones it has. A
+    forward may start only if afterwards the microbatches started and not yet
+    through their forwards can still all finish in some order, each within
+    the slots left when the ones before it have finished (the banker's
+    algorithm). Otherwise some rank would fill its limit with activations
+    whose backwards wait on forwards it can no longer start.
+    """
+
+    def __init__(self, spec: ScheduleSpec, stage_rank: list[int]):
+        P, S = spec.num_ranks, spec.num_stages
+        self.spec = spec
+        self.limit = spec.policy.inflight
+        self.alive = [0] * P
+        per_pipeline = []
+        for p in range(spec.num_pipelines):
+            counts = [0] * P
+            for s in range(S):
+                counts[stage_rank[p * S + s]] += 1
+            per_pipeline.append(counts)
+        self.need = [per_pipeline[p] for p in spec.mb_pipeline]  # per mb: slots per rank at its peak
+        self.future = [list(counts) for counts in self.need]  # per mb: forwards per rank not started
+        self.held = [[0] * P for _ in spec.mb_pipeline]  # per mb: activations alive per rank
+        self.open: set[int] = set()  # started microbatches with forwards still to start
+        self.limited = [r for r in range(P) if self.limit[r] is not None]
+
+    def check_feasible(self) -> None:
+        """Raise if a rank's limit is below what one microbatch alone needs there."""
+        for rank in self.limited:
+            m = max(range(len(self.need)), key=lambda mb: self.need[mb][rank], default=None)
+            if m is None or self.need[m][rank] <= self.limit[rank]:
+                continue
+            spec, S = self.spec, self.spec.num_stages
+            p = spec.mb_pipeline[m]
+            stages = [s for s in range(S) if spec.placement[p][s] == rank]
+            listed = ", ".join(str(s) for s in stages)
+            raise ScheduleError(
+                f"rank {rank}'s in-flight limit {self.limit[rank]} can never be met: one microbatch "
+                f"(e.g. {m}) keeps {len(stages)} activations alive on it at once (stages {listed} live "
+                f"there, and each keeps its activation until its backward, after the microbatch's last "
+                f"forward); raise the limit to at least {len(stages)}",
+                spec.order_span,
+                spec.source,
+            )
+
+    def has_room(self, rank: int) -> bool:
+        """The rank holds fewer activations than its limit."""
+        limit = self.limit[rank]
+        return limit is None or self.alive[rank] < limit
+
+    def may_start(self, rank: int, m: int) -> bool:
+        """A forward of ``m`` on ``rank`` keeps every limit reachable."""
+        if not self.has_room(rank):
+            return False
+        if not self.limited:
+            return True
+        self._move(rank, m, 1)
+        safe = self._safe(m)
+        self._move(rank, m, -1)
+        return safe
+
+    def start(self, rank: int, m: int) -> None:
+        """A forward of ``m`` starts on ``rank``."""
+        self._move(rank, m, 1)
+        self.alive[rank] += 1
+        if any(self.future[m]):
+            self.open.add(m)
+        else:
+            self.open.discard(m)
+
+    def free(self, rank: int, m: int) -> None:
+        """A backward of ``m`` on ``rank`` finished: its activation is gone."""
+        self.held[m][rank] -= 1
+        self.alive[rank] -= 1
+
+    def _move(self, rank: int, m: int, step: int) -> None:
+        self.future[m][rank] -= step
+        self.held[m][rank] += step
+
+    def _safe(self, m: int) -> bool:
+        """Some order finishes every open microbatch (and ``m``) within the limits (banker's algorithm)."""
+        # A microbatch through its forwards needs nothing more (its backwards
+        # can always run): count its activations as already freed.
+        waiting = [mb for mb in self.open | {m} if any(self.future[mb])]
+        free = {r: self.limit[r] - sum(self.held[mb][r] for mb in waiting) for r in self.limited}
+        while waiting:
+            for i, m in enumerate(waiting):
+                if all(self.future[m][r] <= free[r] for r in self.limited):
+                    for r in self.limited:
+                        free[r] += self.held[m][r]
+                    waiting.pop(i)
+                    break
+            else:
+                return False
+        return True
+
+
+def _finish(kind, sid, m, now, spec, remaining, release, transfer, stage_rank, backward) -> None:
     """Mark (kind, sid, m) done at ``now`` and release the tasks waiting on it."""
     S, N = spec.num_stages, spec.num_microbatches
     s = sid % S
@@ -183,7 +394,7 @@ def _finish(kind, sid, m, now, spec, remaining, release, costs, stage_rank, back
         remaining[next_kind][index] -= 1
         if remaining[next_kind][index] == 0:
             other = stage_rank[next_sid]
-            delay = 0 if other == rank else costs.transfer(rank, other, tensor)
+            delay = 0 if other == rank else transfer(rank, other, tensor)
             release(next_kind, next_sid, m, now + delay)
 
     if kind == "F":
@@ -197,26 +408,41 @@ def _finish(kind, sid, m, now, spec, remaining, release, costs, stage_rank, back
             satisfy("W", sid, "grad")
 
 
-def _stall(spec, orders, ready, pending, alive) -> ScheduleError:
-    """Explain why no rank can start anything although tasks remain."""
-    policy = spec.policy
+def _stall(spec, orders, ready, memory, in_order) -> ScheduleError:
+    """Explain why no rank can start anything although tasks remain.
+
+    The in-flight check keeps limits reachable, so only a ``warmup``
+    discipline (waiting for a kind of task that never comes) or an
+    ``in order`` whose priority order contradicts the dataflow ends here.
+    """
+    policy, S = spec.policy, spec.num_stages
+    for rank in range(spec.num_ranks):
+        for kind in (k for k in policy.in_order if in_order.holds(k)):  # as written: F before B
+            task = in_order.next_task(rank, kind)
+            if task is not None and in_order.next_ready(rank, kind) is None:
+                _, m, sid = task
+                return ScheduleError(
+                    f"the greedy policy stalls: rank {rank} has run {len(orders[rank])} tasks and waits for "
+                    f"{kind}({sid % S}, {m}), the next {kind} of its `in order` (by priority), which can never "
+                    f"become ready: the priority puts it before a task it depends on; change the priority",
+                    spec.order_span,
+                    spec.source,
+                )
     for rank in range(spec.num_ranks):
         waiting = sorted((k, sid, m) for k, heap in ready[rank].items() for _, _, m, sid in heap)
+        waiting += sorted((k, sid, m) for k, arrived in in_order.arrived[rank].items() for sid, m in arrived)
         if not waiting:
             continue
         kind, sid, m = waiting[0]
-        task = f"{kind}({sid % spec.num_stages}, {m})"
+        task = f"{kind}({sid % S}, {m})"
         limit = policy.inflight[rank]
-        if kind == "F" and limit is not None and alive[rank] >= limit:
-            why = (
-                f"its in-flight limit {limit} is reached ({alive[rank]} activations alive) and no backward "
-                f"that would free one can run anywhere; raise the limit"
-            )
-        elif policy.warmup[rank] is not None:
+        if policy.warmup[rank] is not None:
             why = (
                 f"its warm-up/alternation discipline (warmup {policy.warmup[rank]}) wants another kind of task "
                 f"that can never become ready; change the warm-up count"
             )
+            if limit is not None and memory.alive[rank] >= limit:
+                why += f" or raise its in-flight limit {limit} ({memory.alive[rank]} activations alive)"
         else:
             why = "its policy does not allow it"
         done = len(orders[rank])

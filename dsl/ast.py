@@ -234,11 +234,19 @@ class Prefer(Node):
 
 
 @dataclass(frozen=True)
+class InOrder(Node):
+    """``in order F, B``: kinds each rank runs in priority order, waiting for the next."""
+
+    kinds: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class GreedyOrder(Node):
     lets: tuple[Let, ...]
     rules: tuple[RankRule, ...]
     priorities: tuple[Priority, ...]
     prefer: tuple[Prefer, ...]
+    in_order: tuple[InOrder, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,7 @@ class Schedule(Node):
     name: str
     params: tuple[Param, ...]
     decls: tuple[Decl, ...]
+    name_span: Span | None = None
 
 
 @dataclass

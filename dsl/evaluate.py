@@ -12,7 +12,8 @@ is expected). Arithmetic is on integers with floor semantics for ``/`` and
 
 Errors found while resolving (unknown names, type mismatches, shadowing) are
 collected in ``Resolver.errors`` so that all of them are reported at once.
-Errors found while evaluating (division by zero, a zero loop step) raise
+Errors found while evaluating (division by zero, a zero loop step, a value past
+pipec's integer limit, ``pipec.dsl.limits``) raise
 ``EvalError`` at the expression's span.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipec.dsl import ast
+from pipec.dsl.limits import INT_LIMIT, INT_LIMIT_TEXT, MAX_EXPANSION, MAX_NESTING
 from pipec.errors import EvalError, ResolveError, Span
 
 INT, BOOL, KEY, ERROR = "int", "bool", "key", "error"
@@ -38,6 +40,13 @@ class Binding:
     param_slots: tuple[int, ...] = ()
     body: "Fn | None" = None
     definition: "tuple[Scope, ast.FuncDef] | None" = None
+    # For a user function: how deep its body nests and how many operations it
+    # expands to, every call in it expanded (what a call site adds).
+    depth: int = 0
+    size: int = 0
+    # Its body had an error (reported at the definition): calls to it are not
+    # compiled again.
+    broken: bool = False
 
 
 class Scope:
@@ -76,6 +85,10 @@ _BUILTINS: dict[str, tuple[int, int | None, Callable[..., int]]] = {
     "abs": (1, 1, abs),
 }
 
+# A call whose arguments are plain names compiles the body again in place when
+# the body is at most this many operations (each inlined copy is compile work).
+_INLINE_MAX = 64
+
 # Names a user cannot bind, because they mean something already.
 RESERVED = frozenset(_BUILTINS) | {"true", "false"}
 
@@ -92,6 +105,18 @@ class Resolver:
         self.source = source
         self.errors: list[ResolveError] = []
         self.slot_count = 0
+        # The expression being compiled: its nesting so far, the deepest level
+        # reached and the operations it expands to (user calls expanded).
+        self.depth = 0
+        self.deepest = 0
+        self.size = 0
+        # Functions being defined (innermost last), and every ``def`` of the
+        # schedule by name, to explain a call that would recurse.
+        self.defining: list[str] = []
+        self.functions: dict[str, ast.FuncDef] = {}
+        # id(outermost expression node) -> the operations it expands to: what
+        # one evaluation of it costs the evaluation budget.
+        self.sizes: dict[int, int] = {}
 
     # -- bindings --------------------------------------------------------------
 
@@ -118,14 +143,22 @@ class Resolver:
         """
         inner = scope.child()
         slots = tuple(self.bind(inner, p, INT, s).slot for p, s in zip(node.params, node.param_spans))
-        body, type_ = self.expr(node.body, inner)
+        self.defining.append(node.name)
+        reported = len(self.errors)
+        try:
+            body, type_ = self.expr(node.body, inner)
+        finally:
+            self.defining.pop()
         if type_ == KEY:
             self.error("a function returns an integer or a boolean, not a priority key", node.body.span)
         previous = scope.lookup(node.name)
         if node.name in RESERVED or previous is not None:
             self.bind(scope, node.name, type_, node.name_span)  # reports the clash
             return
-        scope.names[node.name] = Binding(-1, type_, node.name_span, slots, body, (scope, node))
+        scope.names[node.name] = Binding(
+            -1, type_, node.name_span, slots, body, (scope, node), depth=self.deepest, size=self.size,
+            broken=len(self.errors) > reported,
+        )
 
     def new_env(self) -> list:
         return [None] * self.slot_count
@@ -151,8 +184,28 @@ class Resolver:
         return fn
 
     def expr(self, node: ast.Node, scope: Scope) -> tuple[Fn, str]:
-        method = getattr(self, "_" + type(node).__name__)
-        return method(node, scope)
+        """Compile ``node`` into a closure; returns it and the expression's type.
+
+        Counts the nesting and the operations of the outermost expression (the
+        parser bounds the nesting as written; calls, checked where they are
+        made, may add to both).
+        """
+        if self.depth == 0:
+            self.deepest = self.size = 0
+        self.depth += 1
+        self.size += 1
+        if self.depth > self.deepest:
+            self.deepest = self.depth
+        try:
+            return getattr(self, "_" + type(node).__name__)(node, scope)
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.sizes[id(node)] = self.size
+
+    def cost(self, node: ast.Node | None) -> int:
+        """The operations one evaluation of the outermost expression ``node`` takes (0 for none)."""
+        return 0 if node is None else self.sizes.get(id(node), 1)
 
     def _IntLit(self, node: ast.IntLit, scope: Scope):
         value = node.value
@@ -176,21 +229,24 @@ class Resolver:
 
     def _Negate(self, node: ast.Negate, scope: Scope):
         fn = self.expect(node.operand, scope, INT, "the operand of '-'")
-        return (lambda env: -fn(env)), INT
+        return (lambda env: -fn(env)), INT  # the range is symmetric: never leaves it
 
     def _Binary(self, node: ast.Binary, scope: Scope):
         left = self.expect(node.left, scope, INT, f"the left operand of '{node.op}'")
         right = self.expect(node.right, scope, INT, f"the right operand of '{node.op}'")
         # Order bodies run once per task: specialise the shapes that dominate
         # them (a slot or any expression against a constant) into one closure.
+        # + - * check their result against pipec's integer range (/ % cannot
+        # leave it); a value outside raises ``overflow`` at this expression.
+        overflow = _Overflow(node.span, self.source)
         constant = _constant(node.right)
         if constant is not None and (node.op in _ARITH or constant != 0):
             slot = self._slot(node.left, scope)
             if slot is not None:
-                return _SLOT_CONST[node.op](slot, constant), INT
-            return _FN_CONST[node.op](left, constant), INT
+                return _SLOT_CONST[node.op](slot, constant, overflow), INT
+            return _FN_CONST[node.op](left, constant, overflow), INT
         if node.op in _ARITH:
-            return _FN_FN[node.op](left, right), INT
+            return _FN_FN[node.op](left, right, overflow), INT
         # / and %: floor semantics, and a located error instead of ZeroDivisionError.
         span, source = node.right.span, self.source
         divisor_slot = self._slot(node.right, scope)
@@ -282,6 +338,19 @@ class Resolver:
         if user is not None and user.body is not None:
             return self._call_user(node, user, scope)
         builtin = _BUILTINS.get(node.func)
+        if builtin is None and user is None and self.defining:
+            if node.func in self.defining:  # the function's own name is bound only after its body
+                cycle = " -> ".join(self.defining[self.defining.index(node.func):] + [node.func])
+                self.error(f"function {node.func} calls itself ({cycle}): recursion is not allowed", node.span)
+                return (lambda env: 0), ERROR
+            later = self.functions.get(node.func)
+            if later is not None:
+                self.error(
+                    f"function {self.defining[-1]} calls {node.func}, defined later (line {later.span.line}): a "
+                    "function calls only the functions defined before it, so none can recurse",
+                    node.span,
+                )
+                return (lambda env: 0), ERROR
         if builtin is None:
             known = ", ".join(sorted(_BUILTINS))
             self.error(f"unknown function '{node.func}' (the functions are {known})", node.span)
@@ -308,9 +377,24 @@ class Resolver:
             self.error(f"{node.func}() takes {len(user.param_slots)} argument(s), got {len(node.args)}", node.span)
             return (lambda env: 0), ERROR
         args = [self.expect(a, scope, INT, f"an argument of {node.func}()") for a in node.args]
+        if user.broken:
+            return (lambda env: 0), ERROR
+        # The body runs (or is compiled again, inlined) at this depth: bound the sum.
+        if self.depth + user.depth > MAX_NESTING:
+            self.error(f"calling {node.func}() here nests this expression {self.depth + user.depth} levels deep "
+                       f"(its body is {user.depth}); pipec's limit is {MAX_NESTING}", node.span)
+            return (lambda env: 0), ERROR
+        if self.size + user.size > MAX_EXPANSION:
+            if self.size <= MAX_EXPANSION:  # once per expression, at its first call past the limit
+                self.error(f"with {node.func}() expanded at each call, this expression is more than "
+                           f"{MAX_EXPANSION} operations (pipec's limit); compute a part once with `let`", node.span)
+            self.size = MAX_EXPANSION + 1
+            return (lambda env: 0), ERROR
+        self.deepest = max(self.deepest, self.depth + user.depth)
         arg_slots = [self._slot(a, scope) for a in node.args]
-        if None not in arg_slots:
+        if None not in arg_slots and user.size <= _INLINE_MAX:
             return self._inline(user, arg_slots), user.type
+        self.size += user.size
         slots, body = user.param_slots, user.body
         if len(args) == 1:
             (arg,), (slot,) = args, slots
@@ -358,27 +442,42 @@ def _constant(node: ast.Node) -> int | None:
     return None
 
 
+class _Overflow:
+    """Raises the located error of a value outside pipec's integer range."""
+
+    def __init__(self, span: Span, source: str):
+        self.span, self.source = span, source
+
+    def __call__(self, value: int) -> int:
+        raise EvalError(f"the value of this expression exceeds pipec's integer limit {INT_LIMIT_TEXT} "
+                        f"(|value| < {INT_LIMIT_TEXT})", self.span, self.source)
+
+
 # Closure factories for arithmetic, by operator: slot (op) constant, closure (op)
-# constant, closure (op) closure. A constant divisor is never 0 here.
+# constant, closure (op) closure; ``o`` raises the overflow error. A constant
+# divisor is never 0 here. The range test is written inline, with INT_LIMIT as
+# a literal (asserted below): a call or a global per operation would cost more
+# than the operation.
 _SLOT_CONST = {
-    "+": lambda s, c: lambda env: env[s] + c,
-    "-": lambda s, c: lambda env: env[s] - c,
-    "*": lambda s, c: lambda env: env[s] * c,
-    "/": lambda s, c: lambda env: env[s] // c,
-    "%": lambda s, c: lambda env: env[s] % c,
+    "+": lambda s, c, o: lambda env: v if -9223372036854775808 < (v := env[s] + c) < 9223372036854775808 else o(v),
+    "-": lambda s, c, o: lambda env: v if -9223372036854775808 < (v := env[s] - c) < 9223372036854775808 else o(v),
+    "*": lambda s, c, o: lambda env: v if -9223372036854775808 < (v := env[s] * c) < 9223372036854775808 else o(v),
+    "/": lambda s, c, o: lambda env: env[s] // c,
+    "%": lambda s, c, o: lambda env: env[s] % c,
 }
 _FN_CONST = {
-    "+": lambda f, c: lambda env: f(env) + c,
-    "-": lambda f, c: lambda env: f(env) - c,
-    "*": lambda f, c: lambda env: f(env) * c,
-    "/": lambda f, c: lambda env: f(env) // c,
-    "%": lambda f, c: lambda env: f(env) % c,
+    "+": lambda f, c, o: lambda env: v if -9223372036854775808 < (v := f(env) + c) < 9223372036854775808 else o(v),
+    "-": lambda f, c, o: lambda env: v if -9223372036854775808 < (v := f(env) - c) < 9223372036854775808 else o(v),
+    "*": lambda f, c, o: lambda env: v if -9223372036854775808 < (v := f(env) * c) < 9223372036854775808 else o(v),
+    "/": lambda f, c, o: lambda env: f(env) // c,
+    "%": lambda f, c, o: lambda env: f(env) % c,
 }
 _FN_FN = {
-    "+": lambda f, g: lambda env: f(env) + g(env),
-    "-": lambda f, g: lambda env: f(env) - g(env),
-    "*": lambda f, g: lambda env: f(env) * g(env),
+    "+": lambda f, g, o: lambda env: v if -9223372036854775808 < (v := f(env) + g(env)) < 9223372036854775808 else o(v),
+    "-": lambda f, g, o: lambda env: v if -9223372036854775808 < (v := f(env) - g(env)) < 9223372036854775808 else o(v),
+    "*": lambda f, g, o: lambda env: v if -9223372036854775808 < (v := f(env) * g(env)) < 9223372036854775808 else o(v),
 }
+assert INT_LIMIT == 9223372036854775808
 
 
 def _article(type_: str) -> str:

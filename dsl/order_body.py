@@ -12,7 +12,8 @@ from typing import Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import Fn, Resolver
-from pipec.dsl.schedule import MAX_LOOP_ITERATIONS, Budget, of_pipeline
+from pipec.dsl.limits import MAX_OPERATIONS
+from pipec.dsl.schedule import Budget, of_pipeline
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import EvalError, ScheduleError
 
@@ -29,7 +30,11 @@ class OrderState:
         self.S = spec.num_stages
         self.stage_rank = [r for row in spec.placement for r in row]
         self.mb_offset = [p * self.S for p in spec.mb_pipeline]
-        self.seen = bytearray(len(spec.tasks.kinds) * len(self.stage_rank) * self.N)
+        # One flag per (kind, stage position, microbatch): a microbatch rides one
+        # pipeline, so the position names the stage (kinds x S x N, bounded by
+        # the task limit, whatever the number of pipelines).
+        self.seen = bytearray(len(spec.tasks.kinds) * self.S * self.N)
+        self.kind_index = {kind: index for index, kind in enumerate(spec.tasks.kinds)}
         self.orders: list[list[tuple[str, int, int]]] = []
         self.rank = 0
         self.out: list = []
@@ -62,7 +67,7 @@ class OrderState:
                     node.span,
                     state.source,
                 )
-            key = (state.spec.tasks.index(kind) * len(state.stage_rank) + sid) * state.N + m
+            key = (state.kind_index[kind] * state.S + s) * state.N + m
             if state.seen[key]:
                 raise ScheduleError(
                     f"{kind}({s}, {m}) is scheduled twice (first at {state._where(kind, sid, m)})",
@@ -89,13 +94,12 @@ class OrderState:
         emitted = sum(1 for row in self.orders for task in row if task[0] in kinds)
         if emitted == expected:
             return
-        stages_total = len(self.stage_rank)
         for kind in kinds:
-            base = spec.tasks.index(kind) * stages_total
+            base = spec.tasks.index(kind) * self.S
             for m, p in enumerate(spec.mb_pipeline):
                 for s in range(self.S):
                     sid = p * self.S + s
-                    if not self.seen[(base + sid) * self.N + m]:
+                    if not self.seen[(base + s) * self.N + m]:
                         raise ScheduleError(
                             f"{kind}({s}, {m}) is never scheduled: rank {self.stage_rank[sid]} runs stage {s}"
                             f"{of_pipeline(p, spec.num_pipelines)} and must run it",
@@ -112,17 +116,34 @@ def assign_statement(slot: int, fn: Fn) -> Callable:
 
 
 def loop_statement(
-    node: ast.For, slot: int, start: Fn, stop: Fn, step: Fn | None, body: list[Callable], source: str, budget: Budget
+    node: ast.For,
+    slot: int,
+    start: Fn,
+    stop: Fn,
+    step: Fn | None,
+    body: list[Callable],
+    source: str,
+    budget: Budget,
+    body_cost: int = 0,
 ) -> Callable:
+    """A ``for``: pays its iterations times (1 + ``body_cost``, its body's operations) before it runs."""
+    per_iteration = 1 + body_cost
+
     def values(env) -> range:
         stride = 1 if step is None else step(env)
         if stride == 0:
             raise EvalError("a range step cannot be 0", node.step.span, source)
         span = range(start(env), stop(env), stride)
-        budget.left -= len(span)
+        try:
+            budget.left -= len(span) * per_iteration
+        except OverflowError:  # more than sys.maxsize values: past any budget
+            budget.left = -1
         if budget.left < 0:
             raise EvalError(
-                f"the loops run more than {MAX_LOOP_ITERATIONS} iterations in all; is a bound wrong?", node.span, source
+                f"the loops run more than {MAX_OPERATIONS:,} operations in all (pipec's limit: iterations times "
+                f"the operations of their bodies); is a bound wrong?",
+                node.span,
+                source,
             )
         return span
 

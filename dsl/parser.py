@@ -7,22 +7,70 @@ and, for the mistakes people actually make, a hint learnt from examples
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 from functools import lru_cache
 from importlib import resources
+from itertools import islice
 
 import lark
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer_NonRecursive, v_args
 
 from pipec.dsl import ast
+from pipec.dsl.limits import INT_LIMIT, INT_LIMIT_TEXT, MAX_LITERAL_DIGITS, MAX_NESTING, MAX_TOKENS
 from pipec.errors import ParseError, Span
 
 
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
     grammar = resources.files("pipec.grammars").joinpath("pipe.lark").read_text()
-    # cache=True keeps the built LALR tables in the temp folder: building them is
-    # most of the time a small compile takes.
-    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True, cache=True)
+    # No cache: Lark's ``cache=True`` pickles the tables into the shared temp
+    # folder and unpickles whatever lies there on every run (code execution for
+    # anyone who can write it). Building them costs ~80 ms per process.
+    return Lark(
+        grammar,
+        parser="lalr",
+        propagate_positions=True,
+        maybe_placeholders=True,
+        lexer_callbacks={"NAME": _refuse_keyword},
+    )
+
+
+@lru_cache(maxsize=1)
+def keywords() -> frozenset[str]:
+    """The language's reserved words, read off the grammar's terminals.
+
+    A word a rule writes literally (``"schedule"``, ``"for"``) and the words of
+    a terminal that is an alternation of words (``PARAM_TYPE``, ``BACKWARD_MODE``).
+    """
+    words: set[str] = set()
+    for terminal in _parser().terminals:
+        pattern = terminal.pattern
+        if pattern.type == "str" and _WORD.fullmatch(pattern.value):
+            words.add(pattern.value)
+        elif pattern.type == "re":
+            alternation = _WORD_ALTERNATION.fullmatch(pattern.value)
+            if alternation:
+                words.update(alternation.group(1).split("|"))
+    return frozenset(words)
+
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_WORD_ALTERNATION = re.compile(r"\(\?:([A-Za-z_]\w*(?:\|[A-Za-z_]\w*)*)\)")
+
+
+class _KeywordAsName(Exception):
+    """Raised by the lexer when a NAME token is a reserved word; ``parse`` locates it."""
+
+    def __init__(self, token: Token):
+        super().__init__(str(token))
+        self.token = token
+
+
+def _refuse_keyword(token: Token) -> Token:
+    if token in keywords():
+        raise _KeywordAsName(token)
+    return token
 
 
 def parse(source: str, path: str = "<string>") -> ast.Module:
@@ -36,13 +84,84 @@ def parse(source: str, path: str = "<string>") -> ast.Module:
     Raises:
         ParseError: the text is not a ``.pipe`` program.
     """
+    _check_length(source, path)
     try:
         tree = _parser().parse(source)
     except lark.exceptions.UnexpectedInput as error:
         raise _friendly(error, source, path) from None
+    except _KeywordAsName as error:
+        word = str(error.token)
+        raise ParseError(f"'{word}' is a keyword and cannot be used as a name; pick another name",
+                         _span_of(path, error.token), source) from None
     module = ast.Module(path, source)
-    module.schedules = _ToAst(path).transform(tree)
+    try:
+        module.schedules = _ToAst(path).transform(tree)
+    except lark.exceptions.VisitError as error:  # a callback refused a node (a literal too large)
+        if isinstance(error.orig_exc, ParseError):
+            raise error.orig_exc.with_source(source) from None
+        raise
+    _check_nesting(module.schedules, source)
+    _check_unique_names(module.schedules, source)
     return module
+
+
+# A token, roughly: a string, a comment (counted, harmlessly, as one), a word or
+# number, or one other character. Counting these costs a regular expression
+# scan; Lark's parser costs tens of microseconds a token.
+_ROUGH_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|(?:#|//)[^\n]*|\w+|\S')
+
+
+def _check_length(source: str, path: str) -> None:
+    """Refuse, before parsing, a file of more than ``MAX_TOKENS`` tokens (it would take seconds to parse)."""
+    beyond = next(islice(_ROUGH_TOKEN.finditer(source), MAX_TOKENS, None), None)
+    if beyond is not None:
+        line = source.count("\n", 0, beyond.start()) + 1
+        column = beyond.start() - (source.rfind("\n", 0, beyond.start()) + 1) + 1
+        raise ParseError(f"the file is longer than pipec's limit of {MAX_TOKENS:,} tokens (this is the next one); "
+                         "a loop says the same in a few", Span(path, line, column), source)
+
+
+def _check_unique_names(schedules: list[ast.Schedule], source: str) -> None:
+    """Two schedules of one name: the second could never be addressed (``file.pipe:name``)."""
+    first: dict[str, ast.Schedule] = {}
+    for schedule in schedules:
+        earlier = first.setdefault(schedule.name, schedule)
+        if earlier is not schedule:
+            raise ParseError(f"schedule '{schedule.name}' is already defined at line {earlier.span.line}; "
+                             "pick another name", schedule.name_span or schedule.span, source)
+
+
+def _check_nesting(schedules: list[ast.Schedule], source: str) -> None:
+    """Refuse a declaration nested deeper than ``MAX_NESTING`` levels.
+
+    Walks with an explicit stack (an AST of any depth is fine here); past this
+    check, the resolver and the evaluator recurse at most ``MAX_NESTING`` deep.
+    """
+    for schedule in schedules:
+        stack = [(node, 1) for node in reversed(list(_children(schedule)))]
+        while stack:
+            node, depth = stack.pop()
+            if depth > MAX_NESTING:
+                raise ParseError(
+                    f"nested deeper than {MAX_NESTING} levels (pipec's limit): each operator, call, conditional, "
+                    "statement and block adds a level, a chain `a + b + ...` one per operator; "
+                    "split it with `let`",
+                    node.span,
+                    source,
+                )
+            # children pushed last-first: the first node found too deep is the first in the text
+            stack.extend((child, depth + 1) for child in reversed(list(_children(node))))
+
+
+def _children(node: ast.Node):
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        if isinstance(value, ast.Node):
+            yield value
+        elif isinstance(value, tuple):
+            for item in value:
+                if isinstance(item, ast.Node):
+                    yield item
 
 
 # -------------------------------------------------------------- syntax errors
@@ -206,7 +325,7 @@ def _unquote(token: Token) -> str:
 
 
 @v_args(meta=True)
-class _ToAst(Transformer):
+class _ToAst(Transformer_NonRecursive):
     """Lark tree -> AST nodes. Each callback receives (meta, children)."""
 
     def __init__(self, path: str):
@@ -218,7 +337,12 @@ class _ToAst(Transformer):
 
     # expressions -----------------------------------------------------------
     def literal_int(self, meta, children):
-        return ast.IntLit(self._span(meta), int(children[0]))
+        text = str(children[0]).lstrip("0") or "0"
+        # Compare digits before converting: int() refuses more than 4300 of them.
+        if len(text) > MAX_LITERAL_DIGITS or int(text) >= INT_LIMIT:
+            shown = text if len(text) <= 30 else f"{text[:12]}...{text[-6:]} ({len(text)} digits)"
+            raise ParseError(f"the integer {shown} exceeds pipec's integer limit {INT_LIMIT_TEXT}", self._span(meta))
+        return ast.IntLit(self._span(meta), int(text))
 
     def literal_true(self, meta, children):
         return ast.BoolLit(self._span(meta), True)
@@ -352,6 +476,9 @@ class _ToAst(Transformer):
     def prefer(self, meta, children):
         return ast.Prefer(self._span(meta), tuple(str(k) for k in children))
 
+    def in_order(self, meta, children):
+        return ast.InOrder(self._span(meta), tuple(str(k) for k in children))
+
     def sort_key(self, meta, children):
         return self.priority(meta, children)
 
@@ -371,13 +498,14 @@ class _ToAst(Transformer):
             tuple(i for i in items if isinstance(i, ast.RankRule)),
             tuple(i for i in items if isinstance(i, ast.Priority)),
             tuple(i for i in items if isinstance(i, ast.Prefer)),
+            tuple(i for i in items if isinstance(i, ast.InOrder)),
         )
 
     def schedule(self, meta, children):
         name, *rest = children
         params = tuple(c for c in rest if isinstance(c, ast.Param))
         decls = tuple(c for c in rest if isinstance(c, ast.Node) and not isinstance(c, ast.Param))
-        return ast.Schedule(self._span(meta), str(name), params, decls)
+        return ast.Schedule(self._span(meta), str(name), params, decls, _span_of(self.path, name))
 
     def start(self, meta, children):
         return list(children)

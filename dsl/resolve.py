@@ -33,6 +33,7 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
         SourceErrors: every resolution error found, at once.
     """
     resolver = Resolver(path, source)
+    resolver.functions = {d.name: d for d in schedule.decls if isinstance(d, ast.FuncDef)}
     out = ResolvedSchedule(schedule, path, source, resolver, tasks=tasks)
     scope = Scope()
     _resolve_params(out, schedule, scope)
@@ -136,6 +137,7 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
             out._state = OrderState(resolver)
             body = _resolve_body(out, decl.body, inner)
             out.explicit = (decl, slot, body)
+            out.explicit_cost = _body_cost(resolver, decl.body)
     elif isinstance(decl, ast.GreedyOrder):
         if out.explicit is None and out.greedy is None and out.sorted is None:
             out.greedy = decl
@@ -171,13 +173,29 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope) -> list[Call
             inner = scope.child()
             slot = resolver.bind(inner, stmt.var, INT, stmt.var_span).slot
             body_fns = _resolve_body(out, stmt.body, inner)
-            compiled.append(loop_statement(stmt, slot, start, stop, step, body_fns, out.source, out.budget))
+            compiled.append(loop_statement(stmt, slot, start, stop, step, body_fns, out.source, out.budget,
+                                           _body_cost(resolver, stmt.body)))
         elif isinstance(stmt, ast.If):
             cond = resolver.expect(stmt.cond, scope, BOOL, "an `if` condition")
             then = _resolve_body(out, stmt.then, scope.child())
             otherwise = _resolve_body(out, stmt.otherwise, scope.child())
             compiled.append(branch_statement(cond, then, otherwise))
     return compiled
+
+
+def _body_cost(resolver: Resolver, body: tuple) -> int:
+    """The operations one run of a block takes, its loops' bodies apart (a loop pays for its own)."""
+    cost = 0
+    for stmt in body:
+        if isinstance(stmt, ast.Let):
+            cost += 1 + resolver.cost(stmt.value)
+        elif isinstance(stmt, ast.Task):
+            cost += 1 + resolver.cost(stmt.stage) + resolver.cost(stmt.mb)
+        elif isinstance(stmt, ast.For):
+            cost += 1 + resolver.cost(stmt.start) + resolver.cost(stmt.stop) + resolver.cost(stmt.step)
+        elif isinstance(stmt, ast.If):
+            cost += 1 + resolver.cost(stmt.cond) + _body_cost(resolver, stmt.then) + _body_cost(resolver, stmt.otherwise)
+    return cost
 
 
 def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
@@ -221,6 +239,7 @@ def _resolve_keys(out: ResolvedSchedule, nodes: tuple, scope: Scope, word: str) 
         s_slot = resolver.bind(key_scope, node.stage_var, INT, node.var_spans[0]).slot
         m_slot = resolver.bind(key_scope, node.mb_var, INT, node.var_spans[1]).slot
         out.priorities[node.kind] = (s_slot, m_slot, resolver.expect(node.key, key_scope, KEY, f"a {word}"))
+        out.key_cost += resolver.cost(node.key)
 
 
 def _resolve_greedy(out: ResolvedSchedule, decl: ast.GreedyOrder, scope: Scope) -> None:
@@ -245,6 +264,23 @@ def _resolve_greedy(out: ResolvedSchedule, decl: ast.GreedyOrder, scope: Scope) 
         if len(set(kinds)) != len(kinds):
             resolver.error("`prefer` lists a kind twice", decl.prefer[0].span)
         out.prefer = tuple(kinds) + tuple(k for k in DEFAULT_PREFER if k not in kinds)
+    _resolve_in_order(out, decl.in_order)
+
+
+def _resolve_in_order(out: ResolvedSchedule, nodes: tuple) -> None:
+    """``in order KIND, ...``: at most once, each kind once, a kind the schedule runs."""
+    resolver = out.resolver
+    for extra in nodes[1:]:
+        resolver.error(f"`in order` is already given at line {nodes[0].span.line}", extra.span)
+    if not nodes:
+        return
+    kinds = nodes[0].kinds
+    if len(set(kinds)) != len(kinds):
+        resolver.error("`in order` lists a kind twice", nodes[0].span)
+    for kind in kinds:
+        if kind not in out.tasks.required(out.backward_mode):
+            resolver.error(f"this schedule has no {kind} tasks (backward {out.backward_mode})", nodes[0].span)
+    out.in_order = tuple(kinds)
 
 
 def _raise_all(errors: list[ResolveError]):

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import Fn, Resolver
+from pipec.dsl.limits import (
+    BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, check_int,
+)
 from pipec.dsl.spec import GreedyPolicy, ScheduleSpec, TaskKinds
 from pipec.errors import EvalError, RequireError, ScheduleError, Span, UsageError
 
@@ -25,17 +28,31 @@ if TYPE_CHECKING:
 # The list scheduler's default preference among ready tasks (its policy's kinds).
 DEFAULT_PREFER = ("B", "I", "F", "W")
 
-# Bounds that keep a mistaken program from running for hours: the loop
-# iterations one evaluation may run, and the size of the task grid.
-MAX_LOOP_ITERATIONS = 50_000_000
-MAX_TASKS = 20_000_000
+# Bounds that keep a mistaken program from running for hours or exhausting
+# memory (the loop iterations one evaluation may run, the size of the task grid,
+# the ranks): ``pipec.dsl.limits``, where they are measured and explained.
 
 
 class Budget:
-    """Loop iterations left to one evaluation (a ``for`` pays its length up front)."""
+    """Operations left to one evaluation: whatever runs many times pays up front."""
 
     def __init__(self):
-        self.left = MAX_LOOP_ITERATIONS
+        self.left = MAX_OPERATIONS
+
+    def charge(self, count: int, cost: int, what: str, span: Span, source: str) -> None:
+        """Pay ``count`` evaluations of ``cost`` operations each, or raise at ``span``.
+
+        Args:
+            what: what is evaluated ``count`` times, for the message.
+        """
+        self.left -= count * cost
+        if self.left < 0:
+            raise EvalError(
+                f"evaluating this schedule takes more than {MAX_OPERATIONS:,} operations (pipec's limit): here "
+                f"{what}, {count:,} times {cost:,} operations",
+                span,
+                source,
+            )
 
 
 # Parameter types: the smallest value each admits.
@@ -75,14 +92,23 @@ class ResolvedSchedule:
     rank_rules: dict[str, tuple[ast.RankRule, int, Fn]] = field(default_factory=dict)
     priorities: dict[str, tuple[int, int, Fn]] = field(default_factory=dict)
     prefer: tuple[str, ...] = DEFAULT_PREFER
+    in_order: tuple[str, ...] = ()  # kinds a greedy policy runs in priority order
     ranks_param: str = ""
     microbatches_param: str = ""
     _state: "OrderState | None" = None
     budget: Budget = field(default_factory=Budget)
+    # Operations of one run of the explicit order's body (its loops apart), and
+    # of one task's keys (sorted) or priorities (greedy), all kinds together.
+    explicit_cost: int = 0
+    key_cost: int = 0
+    # The name the user called it by, when that is not its name in the file
+    # (a shipped schedule is named by its file: `1f1b`, whose schedule is
+    # one_f_one_b); messages and programs use it.
+    called: str = ""
 
     @property
     def name(self) -> str:
-        return self.node.name
+        return self.called or self.node.name
 
     def describe_params(self) -> list[dict]:
         """Parameters with their types and default expressions (as text)."""
@@ -110,7 +136,7 @@ class ResolvedSchedule:
         """
         defines = dict(defines or {})
         env = self.resolver.new_env()
-        self.budget.left = MAX_LOOP_ITERATIONS
+        self.budget.left = MAX_OPERATIONS
         values = self._bind_params(env, defines)
         for node, slot, fn in self.scalar_steps:
             if isinstance(node, ast.Require):
@@ -131,14 +157,7 @@ class ResolvedSchedule:
         if self.pipelines.fn is not None:
             pipelines = self._positive(self.pipelines.fn(env), "the number of pipelines", self.pipelines.node)
 
-        tasks = 3 * N * S * pipelines
-        if tasks > MAX_TASKS or P > MAX_TASKS:
-            raise EvalError(
-                f"{P} ranks x {pipelines} pipeline(s) x {S} stages x {N} microbatches is beyond pipec's limit "
-                f"of {MAX_TASKS} tasks",
-                self.stages.node.span,
-                self.source,
-            )
+        self._check_size(values, S, pipelines)
         mb_pipeline = self._route(env, N, pipelines)
         placement = self._place(env, P, S, pipelines)
         devices = self._devices(env, P)
@@ -168,6 +187,31 @@ class ResolvedSchedule:
             spec.policy = self._policy(env, spec)
         return spec
 
+    def _check_size(self, values: dict, S: int, pipelines: int) -> None:
+        """Refuse, before anything is built, a task grid larger than pipec's limit.
+
+        Each microbatch rides one pipeline and runs every required kind of
+        task (F and B, or F, I and W) on each of its ``S`` stages.
+        """
+        N = values[self.microbatches_param]
+        kinds = self.tasks.required(self.backward_mode)
+        tasks = len(kinds) * S * N
+        if tasks > MAX_TASKS:
+            raise EvalError(
+                f"{self.name} at {_format_values(values)} has {tasks:,} tasks ({len(kinds)} per stage and "
+                f"microbatch: {', '.join(kinds)}; x {S:,} stages x {N:,} microbatches); pipec's limit is "
+                f"{MAX_TASKS:,} tasks ({BYTES_PER_TASK_TEXT})",
+                self.stages.node.span,
+                self.source,
+            )
+        if pipelines * S > MAX_TASKS:
+            raise EvalError(
+                f"{self.name} at {_format_values(values)} has {pipelines * S:,} stages in all ({pipelines:,} "
+                f"pipelines x {S:,} stages); pipec's limit is {MAX_TASKS:,}",
+                self.pipelines.node.span,
+                self.source,
+            )
+
     def _bind_params(self, env: list, defines: dict) -> dict[str, int | bool]:
         known = {param.name for param, _, _ in self.params}
         unknown = sorted(set(defines) - known)
@@ -185,8 +229,13 @@ class ResolvedSchedule:
                     f"schedule '{self.name}' needs a value for {param.name} ({param.type}): pass -D {param.name}=VALUE"
                 )
             minimum = _PARAM_MINIMUM[param.type]
+            message = None
             if minimum is not None and value < minimum:
                 message = f"{param.name} ({param.type}) must be at least {minimum}, got {value}"
+            elif param.type == "ranks" and value > MAX_RANKS:
+                message = (f"{param.name} (ranks) is {value:,}; pipec's limit is {MAX_RANKS:,} ranks (a program "
+                           f"keeps per-rank lists and per-pair tables: P^2 entries)")
+            if message is not None:
                 if param.name in defines:
                     raise UsageError(f"schedule '{self.name}': {message}")
                 raise EvalError(message, param.span, self.source)
@@ -209,6 +258,7 @@ class ResolvedSchedule:
                 )
             return [0] * N
         node, slot, fn = self.route
+        self.budget.charge(N, self.resolver.cost(node.pipeline), "the route of each microbatch", node.span, self.source)
         out = []
         for m in range(N):
             env[slot] = m
@@ -221,6 +271,8 @@ class ResolvedSchedule:
         return out
 
     def _place(self, env: list, P: int, S: int, pipelines: int) -> list[list[int]]:
+        cost = sum(self.resolver.cost(node.rank) + self.resolver.cost(node.when) for node, *_ in self.places)
+        self.budget.charge(pipelines * S, cost, "the places of each stage", self.places[0][0].span, self.source)
         placement = []
         for p in range(pipelines):
             row = []
@@ -261,6 +313,7 @@ class ResolvedSchedule:
         if self.device_map is None:
             return None
         node, slot, fn = self.device_map
+        self.budget.charge(P, self.resolver.cost(node.device), "the device of each rank", node.span, self.source)
         devices = []
         for r in range(P):
             env[slot] = r
@@ -273,6 +326,7 @@ class ResolvedSchedule:
 
     def _run_explicit(self, env: list, spec: ScheduleSpec) -> list[list[tuple[str, int, int]]]:
         node, rank_slot, body = self.explicit
+        self.budget.charge(spec.num_ranks, self.explicit_cost, "the order's body for each rank", node.span, self.source)
         state = self._state
         state.start(spec)
         for r in range(spec.num_ranks):
@@ -309,10 +363,17 @@ class ResolvedSchedule:
         inflight = self._per_rank(env, spec, "inflight", 1, "no forward could run")
         deferred = self._per_rank(env, spec, "deferred", 1, "no I could run")
         warmup = self._per_rank(env, spec, "warmup", 0, "a count of forwards is never negative")
-        return GreedyPolicy(inflight=inflight, warmup=warmup, prefer=self.prefer, priority=priority, deferred=deferred)
+        return GreedyPolicy(inflight=inflight, warmup=warmup, prefer=self.prefer, priority=priority, deferred=deferred,
+                            in_order=self.in_order)
 
     def _priority_function(self, env: list, spec: ScheduleSpec):
-        """``(kind, stage id, mb) -> key tuple`` from the order's keys (after its lets)."""
+        """``(kind, stage id, mb) -> key tuple`` from the order's keys (after its lets).
+
+        Charges every task's keys once (a policy's scheduler may ask again).
+        """
+        order = self.sorted or self.greedy
+        self.budget.charge(spec.num_stages * spec.num_microbatches, self.key_cost, "the keys of each task",
+                           order.span, self.source)
         for slot, fn in self.order_lets:
             env[slot] = fn(env)
         priorities = dict(self.priorities)
@@ -340,6 +401,8 @@ class ResolvedSchedule:
         if rule is None:
             return values
         node, slot, fn = rule
+        self.budget.charge(spec.num_ranks, self.resolver.cost(node.value), f"the {what} of each rank", node.span,
+                           self.source)
         for r in range(spec.num_ranks):
             env[slot] = r
             value = fn(env)
@@ -364,12 +427,19 @@ def _coerce(param: ast.Param, raw, schedule: str) -> int | bool:
         raise UsageError(f"schedule '{schedule}': {param.name} is a bool; give true or false, not {raw!r}")
     if isinstance(raw, bool):
         raise UsageError(f"schedule '{schedule}': {param.name} is an integer ({param.type}), not a bool")
-    if isinstance(raw, int):
-        return raw
-    try:
-        return int(str(raw).strip(), 10)
-    except ValueError:
-        raise UsageError(f"schedule '{schedule}': {param.name} ({param.type}) must be an integer, not {raw!r}") from None
+    text = str(raw).strip() if not isinstance(raw, int) else None
+    if text is not None and len(text.lstrip("+-").lstrip("0")) > len(str(INT_LIMIT)):
+        value = None  # more digits than any value in range (and than int() accepts, past 4300)
+    else:
+        try:
+            value = raw if text is None else int(text, 10)
+        except ValueError:
+            shown = raw if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+            raise UsageError(f"schedule '{schedule}': {param.name} ({param.type}) must be an integer, "
+                             f"not {shown!r}") from None
+    if value is None or not check_int(value):
+        raise UsageError(f"schedule '{schedule}': {param.name} exceeds pipec's integer limit {INT_LIMIT_TEXT}")
+    return value
 
 
 def of_pipeline(p: int, pipelines: int) -> str:

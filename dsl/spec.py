@@ -71,6 +71,9 @@ class GreedyPolicy:
         deferred: per rank, the most weight gradients left waiting (split
             backward: an I started whose W has not), or None for no limit;
             None as a whole when the policy does not bound them.
+        in_order: kinds whose tasks each rank runs in priority order (then
+            microbatch, then stage), waiting for the next one rather than
+            taking another of the kind that is ready (``in order F, B``).
     """
 
     inflight: list[int | None]
@@ -78,6 +81,7 @@ class GreedyPolicy:
     prefer: tuple[str, ...]
     priority: Callable[[str, int, int], tuple]
     deferred: list[int | None] | None = None
+    in_order: tuple[str, ...] = ()
 
 
 @dataclass

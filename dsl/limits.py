@@ -1,0 +1,53 @@
+"""The bounds that keep any ``.pipe`` file, however hostile, quick to reject or compile.
+
+A ``.pipe`` file is data: whatever it says, pipec answers in seconds, within
+memory, with a located message. Each limit is checked once, where the thing
+it bounds is made (the parser for nesting and literals, the resolver for
+function expansion, the evaluator for values and sizes), so nothing later
+needs to guard against it.
+"""
+from __future__ import annotations
+
+# Nesting: every operator, call, conditional, statement and block adds one
+# level (a chain ``a + b + c`` nests one level per operator). The resolver and
+# the evaluator's closures recurse once or twice per level, so this keeps them
+# far below Python's recursion limit (1000).
+MAX_NESTING = 200
+
+# Tokens in one file: Lark parses some 30 000 a second (the largest shipped
+# schedule has under 900), so any file is parsed, or refused, within a second.
+MAX_TOKENS = 25_000
+
+# Operations one expression may expand to once every user function call in it
+# is expanded (a function calling another twice, and so on, doubles at each
+# level): bounds the resolver's inlining and the work of one evaluation (the
+# largest shipped schedule's expression is 50).
+MAX_EXPANSION = 1_000
+
+# Integer values: every literal and every result of + - * lies in
+# -INT_LIMIT < v < INT_LIMIT; then / % and unary - cannot leave it either.
+INT_LIMIT = 2**63
+INT_LIMIT_TEXT = "2^63"
+MAX_LITERAL_DIGITS = len(str(INT_LIMIT))
+
+# Sizes of the task grid, checked when a schedule is evaluated, before anything
+# is built. Measured (compile + check + simulate, peak RSS over an idle
+# process): 0.7 to 1.3 KiB per task across 1f1b, interleaved, zb_h1, zbv,
+# gpipe and bitpipe, so 2,000,000 tasks stay under about 2.6 GiB.
+MAX_TASKS = 2_000_000
+BYTES_PER_TASK_TEXT = "about 1.3 KiB each to compile and simulate"
+# Ranks: a program has per-rank lists and per-pair tables (P^2 entries, about
+# 160 MB at P = 4096, compiled in under 2 s).
+MAX_RANKS = 4096
+# The operations one evaluation of a schedule may run: every expression
+# evaluated once per iteration, rank, stage, microbatch or task is charged its
+# expanded size times its count, before it runs (a loop: its iterations times
+# one plus its body's operations). The shipped schedules take 3 to 40 per
+# task; 200,000,000 is some tens of seconds, about as long as compiling the
+# largest task grid takes.
+MAX_OPERATIONS = 100 * MAX_TASKS
+
+
+def check_int(value: int) -> bool:
+    """True when ``value`` is inside pipec's integer range."""
+    return -INT_LIMIT < value < INT_LIMIT
