@@ -63,14 +63,17 @@ int that divides it), so an all-integer file keeps exact results.
 """
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
 from pipec.compiler import ops as rules
+from pipec.compiler.guarded_read import COSTS, INT_LIMIT, INT_LIMIT_TEXT, plain_int, quote, read_json
 from pipec.errors import CostFileError
 
 Number = Union[int, float]
+# A chunk or rank written as a JSON key: ASCII digits only.
+_ASCII_DIGITS = re.compile(r"[0-9]+")
 
 # The unit cost of every compute op (the design's facts are stated in these), from the rule table.
 UNIT_COMPUTE: dict[str, Number] = dict(rules.UNIT_COSTS)
@@ -242,7 +245,9 @@ class _Reader:
         self.path = path
 
     def fail(self, key: str, problem: str) -> CostFileError:
-        return CostFileError(f"{self.path}: {key}: {problem}")
+        # a key is the file's text: quoted (escaped, shortened) unless plain
+        shown = key if key.isprintable() and len(key) <= 120 else quote(key)
+        return CostFileError(f"{self.path}: {shown}: {problem}")
 
     def table(self, value: Any, key: str, allowed: tuple[str, ...] | None) -> Mapping[str, Any]:
         """``value`` as a JSON object whose keys are all in ``allowed`` (None: any key)."""
@@ -261,6 +266,8 @@ class _Reader:
             raise self.fail(key, f"expected a number, got {_json_type(value)}")
         if value != value or value in (float("inf"), float("-inf")):
             raise self.fail(key, f"expected a finite number, got {value}")
+        if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:  # data not read by guarded_read
+            raise self.fail(key, f"the integer is outside pipec's range (-{INT_LIMIT_TEXT} < n < {INT_LIMIT_TEXT})")
         if positive and value <= 0:
             raise self.fail(key, f"expected a positive number, got {value}")
         if value < 0:
@@ -269,9 +276,9 @@ class _Reader:
 
     def index(self, text: str, key: str) -> int:
         """A non-negative integer written as a JSON key."""
-        if not text.isdigit():
-            raise self.fail(key, f"expected a non-negative integer, got {text!r}")
-        return int(text)
+        if not _ASCII_DIGITS.fullmatch(text):  # str.isdigit and int() also take '٣', '³', '1_000'
+            raise self.fail(key, f"expected a non-negative integer in ASCII digits, got {quote(text)}")
+        return plain_int(text, f"{self.path}: {key}", CostFileError)
 
     def op_costs(self, value: Any, key: str, fallback: Mapping[str, Number], extra: tuple[str, ...] = ()) -> dict[str, Number]:
         """Compute costs completed from ``fallback`` (I and W default to B / 2 when B is given)."""
@@ -293,9 +300,9 @@ class _Reader:
     def pair(self, text: str, key: str) -> tuple[int, int]:
         """A ``"a-b"`` pair key as (low, high) distinct ranks."""
         pieces = text.split("-")
-        if len(pieces) != 2 or not all(p.isdigit() for p in pieces):
-            raise self.fail(key, f"expected a pair of ranks written 'a-b', got {text!r}")
-        a, b = int(pieces[0]), int(pieces[1])
+        if len(pieces) != 2 or not all(_ASCII_DIGITS.fullmatch(p) for p in pieces):
+            raise self.fail(key, f"expected a pair of ranks written 'a-b' in ASCII digits, got {quote(text)}")
+        a, b = (plain_int(p, f"{self.path}: {key}", CostFileError) for p in pieces)
         if a == b:
             raise self.fail(key, "a pair needs two different ranks")
         return min(a, b), max(a, b)
@@ -394,20 +401,12 @@ def load_costs(path: str) -> CostModel:
     Returns:
         its ``CostModel``.
     Raises:
-        CostFileError: unreadable file, not JSON, or any invalid key or value.
+        CostFileError: not a regular file, over the size limit (``guarded_read.COSTS``),
+            unreadable, not JSON (or NaN, Infinity, a number out of range,
+            nesting too deep), or any invalid key or value.
     """
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except OSError as error:
-        raise CostFileError(f"{path}: cannot read the cost file: {error.strerror or error}") from None
-    except UnicodeDecodeError:
-        raise CostFileError(f"{path}: the cost file is not UTF-8 text") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise CostFileError(f"{path}:{error.lineno}:{error.colno}: not valid JSON: {error.msg}") from None
-    return costs_from_json(data, path)
+    # the one guarded reader: a regular file, at most COSTS.limit bytes, bounded nesting and numbers
+    return costs_from_json(read_json(path, COSTS, CostFileError), path)
 
 
 def _join(key: str, name: str) -> str:
@@ -420,6 +419,6 @@ def _json_type(value: Any) -> str:
     for python_type, name in names:
         if isinstance(value, python_type):
             if python_type is str:
-                return f"the string {value!r}"
+                return f"the string {quote(value)}"
             return name
     return "null"

@@ -8,6 +8,7 @@ command, the compiler only when a command compiles.
 """
 from __future__ import annotations
 
+from pipec.compiler.guarded_read import is_plain_int, quote
 from pipec.errors import UsageError
 
 
@@ -19,15 +20,27 @@ def parse_defines(items: list[str]) -> dict[str, str]:
     Returns:
         ``{"P": "4", "N": "8"}``, names and values stripped; the schedule types the values.
     Raises:
-        UsageError: an item without ``=``, an empty name or value, or a name given twice.
+        UsageError: an item without ``=``, an empty name or value, a name given
+            twice, or a value that is neither an integer in ASCII digits
+            (``guarded_read.is_plain_int``: not ``1_000``, ``٣``, ``³``, ``0x10``)
+            nor ``true`` / ``false``. The schedule checks the value's range.
     """
     out: dict[str, str] = {}
     for item in items:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or not name or not value.strip():
-            raise UsageError(f"-D expects NAME=VALUE, got {item!r}")
+            raise UsageError(f"-D expects NAME=VALUE, got {quote(item)}")
         if name in out:
-            raise UsageError(f"-D {name} is given twice")
-        out[name] = value.strip()
+            raise UsageError(f"-D {quote(name) if not name.isprintable() else name} is given twice")
+        value = value.strip()
+        if not is_plain_int(value) and value.lower() not in _BOOLS:
+            shown = name if name.isprintable() and len(name) <= 40 else quote(name, 40)
+            raise UsageError(f"-D {shown}: the value must be an integer in ASCII digits (e.g. 4, -1) or true/false, "
+                             f"got {quote(value, 40)}")
+        out[name] = value
     return out
+
+
+# What a bool parameter accepts besides integers (the schedule's _coerce: 1 / 0 are ints here).
+_BOOLS = ("true", "false", "yes", "no")

@@ -19,6 +19,7 @@ from typing import Mapping
 from pipec.compiler.build import compute_program
 from pipec.compiler.checks import check_all
 from pipec.compiler.costs import CostModel
+from pipec.compiler.guarded_read import SOURCE, looks_like_program, read_text, shown_path
 from pipec.compiler.ir import Program
 from pipec.compiler.liveness import insert_frees
 from pipec.compiler.lower_comms import insert_communication
@@ -63,7 +64,8 @@ def load_target(target: str) -> tuple[str, str, str | None]:
     Returns:
         (path, source text, schedule name or None for the file's first).
     Raises:
-        UsageError: no such file or shipped schedule.
+        UsageError: no such file or shipped schedule; not a regular file, over
+            ``guarded_read.SOURCE``'s size limit, not UTF-8, or JSON (a compiled program).
     """
     name = None
     path = target
@@ -73,15 +75,16 @@ def load_target(target: str) -> tuple[str, str, str | None]:
         shipped = shipped_schedules()
         if path not in shipped:
             listing = ", ".join(shipped) or "none"
-            raise UsageError(f"no file or shipped schedule named '{path}' (shipped: {listing})")
+            raise UsageError(f"no file or shipped schedule named '{shown_path(path)}' (shipped: {listing})")
         path = shipped[path]
     if os.path.isdir(path):
         raise UsageError(f"'{path}' is a folder, not a .pipe file")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            source = handle.read()
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read '{path}': {error}") from None
+    if looks_like_program(path):  # by content: a .pipe file never starts with '{'
+        raise UsageError(f"'{path}' is JSON (a compiled program, as `pipec compile --format json` writes, or "
+                         "another JSON file), not a .pipe schedule; `pipec check` and `pipec render` take a "
+                         "compiled program")
+    # the one guarded reader: a regular file (a FIFO or a device is refused at once), at most SOURCE.limit bytes
+    source = read_text(path, SOURCE)
     return _display_path(path), source, name
 
 
@@ -131,7 +134,10 @@ def resolve_target(target: str) -> ResolvedSchedule:
             raise UsageError(f"'{path}' defines no schedule")
         names = ", ".join(s.name for s in module.schedules)
         raise UsageError(f"'{path}' has no schedule '{name}' (it has {names})")
-    return resolve(schedule, path, source, task_kinds())
+    resolved = resolve(schedule, path, source, task_kinds())
+    if name is None and not os.path.exists(target) and target in shipped_schedules():
+        resolved.called = target  # a shipped schedule goes by its file's name, as the user typed it
+    return resolved
 
 
 def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Program, Program]:

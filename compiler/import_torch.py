@@ -18,6 +18,12 @@ adds communication). A token is ``<stage><type><microbatch>``, e.g. ``2F0``,
 * The stage -> rank mapping is where each stage's compute appears (a stage on
   two ranks is an error); stages form one chain 0..S-1 (stage s+1 follows s),
   and N = 1 + the largest microbatch index.
+* Indices are bounded by the CSV itself: each stage 0..S-1 and each
+  microbatch 0..N-1 computes at least once, so a stage or microbatch index
+  must be below the number of compute actions in the file (a huge index is
+  refused before anything is sized by it). The file is read through the
+  guarded reader (``guarded_read.TORCH_CSV``: a regular file, at most 64 MiB);
+  a cell's digits are ASCII, at most 19 of them.
 
 A compute-only CSV gets pipec's communication (``insert_communication``) and is
 checked under rendezvous semantics, the strictest; a CSV with communication is
@@ -39,8 +45,9 @@ from pipec.compiler.lower_comms import insert_communication
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; reading builds hundreds of thousands of acyclic ones.
 from pipec.compiler.gc_pause import paused_gc
+from pipec.compiler.guarded_read import TORCH_CSV, plain_int, quote, read_text
 from pipec.compiler.simulate import SimResult, simulate
-from pipec.errors import ImportError_, UsageError, WellFormedError
+from pipec.errors import ImportError_, WellFormedError
 
 # What each torch action type becomes: pipec's compute and point-to-point ops
 # (the rule table's), and torch's FSDP / data-parallel tokens, skipped.
@@ -54,7 +61,11 @@ _KIND = {
 }
 # torch's action token (schedules.py's _action_regex: F, I, B, W, UNSHARD,
 # RESHARD, REDUCE_GRAD, SEND_F, RECV_F, SEND_B, RECV_B), matched whole.
-_TOKEN = re.compile(r"(\d+)(" + "|".join(map(re.escape, _KIND)) + r")(\d*)")
+# ASCII digits only: Python's \d (and int()) would also take '٣' or '³'.
+_TOKEN = re.compile(r"([0-9]+)(" + "|".join(map(re.escape, _KIND)) + r")([0-9]*)")
+# The longest cell the common path reads with int() directly (indices of at most
+# 9 digits); a longer one goes through plain_int, which bounds its digits.
+_FAST_CELL = 20
 # torch's sub-action form: (a;b;...)TYPE
 _GROUP = re.compile(r"\(([^()]*)\)([A-Z_]+)")
 # Action._make skips NamedTuple's keyword handling: about 3x cheaper per instruction.
@@ -93,7 +104,11 @@ def read_torch_csv(text: str, source: str = "<csv>") -> tuple[Program, bool]:
             ``rank R, step S`` (S = the CSV column) with the grid.
         WellFormedError: a stage whose compute appears on two ranks.
     """
-    grid = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    rows = csv.reader(io.StringIO(text))
+    try:
+        grid = [[cell.strip() for cell in row] for row in rows]
+    except csv.Error as error:  # a field past csv.field_size_limit(), a NUL, a bad quote
+        raise ImportError_(f"{source}:{rows.line_num}: cannot read the CSV: {error}") from None
     while grid and not any(grid[-1]):
         grid.pop()  # trailing blank lines are not ranks
     if not grid:
@@ -126,6 +141,8 @@ class _Reader:
         self.first_seen: dict[int, tuple[int, int]] = {}  # stage -> (rank, column) of its first compute
         self.messages: list[tuple[int, int, int, int, str, int]] = []  # (rank, index, column, stage, op, mb)
         self.max_mb = -1
+        self.max_mb_at = (0, 0)  # (rank, column) of the largest microbatch index
+        self.computes = 0  # compute actions: the bound of every stage and microbatch index
 
     def read_row(self, rank: int, row: list[str]) -> None:
         self.actions: list[Action | None] = []
@@ -134,14 +151,14 @@ class _Reader:
         for column, cell in enumerate(row):
             if not cell:
                 continue
-            match = token(cell)
+            match = token(cell) if len(cell) <= _FAST_CELL else None
             if match is not None and match[3]:
                 add(rank, column, int(match[1]), match[2], int(match[3]))  # the common case
                 continue
             try:
                 leaves = _parse_cell(cell)
             except _BadToken as bad:
-                raise ImportError_(str(bad), rank=rank, step=column, grid=self.grid) from None
+                raise ImportError_(str(bad), rank=rank, step=column, grid=_shown(self.grid)) from None
             for stage, op, mb in leaves:
                 add(rank, column, stage, op, mb)
 
@@ -149,8 +166,9 @@ class _Reader:
         kind = _KIND[op]
         if kind is _COMPUTE:
             self.actions.append(_make_action((stage, op, mb, NO_PEER, ())))
+            self.computes += 1
             if mb > self.max_mb:
-                self.max_mb = mb
+                self.max_mb, self.max_mb_at = mb, (rank, column)
             seen = self.first_seen.get(stage)
             if seen is None:
                 self.first_seen[stage] = (rank, column)
@@ -158,7 +176,7 @@ class _Reader:
                 raise WellFormedError(
                     f"stage {stage} computes on rank {seen[0]} (step {seen[1]}) and on rank {rank}; "
                     "a stage has exactly one home rank",
-                    rank=rank, step=column, grid=self.grid, marks=[seen],
+                    rank=rank, step=column, grid=_shown(self.grid), marks=[seen],
                 )
         elif kind is _COMM:
             # its peer is known only once every stage's home is: filled in by finish()
@@ -171,10 +189,13 @@ class _Reader:
         if not first_seen:
             raise ImportError_("the schedule CSV has no compute action (F, B, I or W)")
         num_stages = 1 + max(first_seen)
+        self._bound_index("stage", num_stages - 1, first_seen[num_stages - 1])
+        self._bound_index("microbatch", self.max_mb, self.max_mb_at)
         missing = [s for s in range(num_stages) if s not in first_seen]
         if missing:
+            listed = ", ".join(map(str, missing[:10])) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
             raise ImportError_(
-                f"stage(s) {', '.join(map(str, missing))} never compute, but stage {num_stages - 1} does; "
+                f"stage(s) {listed} never compute, but stage {num_stages - 1} does; "
                 "torch's stages form one chain 0..S-1"
             )
         home = [first_seen[s][0] for s in range(num_stages)]
@@ -183,9 +204,21 @@ class _Reader:
             try:
                 peer = _message_peer(rank, stage, op, mb, home, num_microbatches)
             except _BadToken as bad:
-                raise ImportError_(str(bad), rank=rank, step=column, grid=self.grid) from None
+                raise ImportError_(str(bad), rank=rank, step=column, grid=_shown(self.grid)) from None
             self.ranks[rank][index] = _make_action((stage, op, mb, peer, ()))
         return self.ranks, home, num_microbatches, bool(self.messages)
+
+    def _bound_index(self, what: str, index: int, at: tuple[int, int]) -> None:
+        """Refuse a stage or microbatch ``index`` no schedule in this CSV can have (see the module docstring)."""
+        if index >= self.computes:
+            raise ImportError_(
+                f"{what} {index} is past what this CSV can hold: it has {self.computes} compute action(s), and every "
+                f"{what} 0..{index} would compute at least once", rank=at[0], step=at[1], grid=_shown(self.grid))
+
+
+def _shown(grid: list[list[str]]) -> list[list[str]]:
+    """The grid as an error shows it: a cell with a non-printable character, or a long one, quoted and cut."""
+    return [[cell if cell.isprintable() and len(cell) <= 40 else quote(cell, 40) for cell in row] for row in grid]
 
 
 def _parse_cell(cell: str) -> list[tuple[int, str, int]]:
@@ -194,10 +227,11 @@ def _parse_cell(cell: str) -> list[tuple[int, str, int]]:
     if group is not None:
         inner, kind = group.groups()
         if kind not in _GROUPS:
-            raise _BadToken(f"unknown sub-action group type {kind!r} in {cell!r}; torch writes {', '.join(sorted(_GROUPS))}")
+            raise _BadToken(f"unknown sub-action group type {quote(kind)} in {quote(cell)}; "
+                            f"torch writes {', '.join(sorted(_GROUPS))}")
         parts = [p.strip() for p in inner.split(";") if p.strip()]
         if not parts:
-            raise _BadToken(f"empty sub-action group {cell!r}")
+            raise _BadToken(f"empty sub-action group {quote(cell)}")
         return [_parse_token(p) for p in parts]
     return [_parse_token(cell)]
 
@@ -206,15 +240,20 @@ def _parse_token(token: str) -> tuple[int, str, int]:
     match = _TOKEN.fullmatch(token)
     if match is None:
         raise _BadToken(
-            f"{token!r} is not a torch.distributed.pipelining action "
+            f"{quote(token)} is not a torch.distributed.pipelining action "
             "(expected <stage><type><microbatch>, e.g. 2F0, 1SEND_B3, or (a;b)OVERLAP_F_B)"
         )
     stage, op, mb = match.groups()
     if not mb:
         if _KIND[op] != _SKIP:
-            raise _BadToken(f"{token!r}: a {op} action needs a microbatch index, e.g. {token}0")
-        return int(stage), op, -1
-    return int(stage), op, int(mb)
+            raise _BadToken(f"{quote(token)}: a {op} action needs a microbatch index, e.g. {quote(token + '0')}")
+        return _index(stage, token), op, -1
+    return _index(stage, token), op, _index(mb, token)
+
+
+def _index(digits: str, token: str) -> int:
+    """A stage or microbatch index of ``token``: ASCII digits, at most ``MAX_INT_DIGITS`` (``plain_int``)."""
+    return plain_int(digits, f"{quote(token, 40)}: index", _BadToken)
 
 
 def _message_peer(rank: int, stage: int, op: str, mb: int, home: list[int], num_microbatches: int) -> int:
@@ -273,16 +312,11 @@ def import_and_check(path: str, costs: CostModel | None = None) -> tuple[Program
     Returns:
         (program, SimResult).
     Raises:
-        UsageError: the file cannot be read.
+        UsageError: the file cannot be read (``guarded_read.read_text``: not a
+            regular file, over ``TORCH_CSV``'s limit, not UTF-8).
         ProgramError: the CSV is not a schedule, or a check fails.
     """
-    try:
-        with open(path, newline="") as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"{path}: cannot read: {error}") from None
+    text = read_text(path, TORCH_CSV)  # the one guarded reader: a regular file, bounded, UTF-8
     program, had_comms = read_torch_csv(text, source=path)
     program = prepare_imported(program, had_comms)
     return program, simulate(program, costs)

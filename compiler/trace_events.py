@@ -7,12 +7,16 @@ rank's list), ``wait_us`` (time it waited for its inputs first) and
 ``compute_us`` (the rest). ``otherData`` records what ran. The timeline
 drawing (``render``) and the measured cost file (``measured_costs``) read
 traces through these functions, so both accept and reject the same files.
+A trace file itself is read by ``guarded_read`` (``TRACE``: a regular file,
+at most 1 GiB, bounded nesting and numbers); a value of it an error shows is
+quoted with ``guarded_read.quote`` (non-printable characters escaped).
 """
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from pipec.compiler.guarded_read import quote  # values read from the trace: escaped and shortened in messages
 from pipec.compiler.ir import Action, Program
 from pipec.errors import UsageError
 
@@ -31,7 +35,7 @@ def events_of(document: Any, category: str) -> list[dict]:
     for event in events:
         if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") == category:
             if not all(_is_number(event.get(key)) for key in ("ts", "dur")):
-                raise UsageError(f"trace event {event.get('name')!r} has no finite numeric ts and dur")
+                raise UsageError(f"trace event {quote(event.get('name'))} has no finite numeric ts and dur")
             out.append(event)
     return out
 
@@ -72,12 +76,13 @@ def event_action(event: dict, program: Program, name: str) -> tuple[int, Action]
     """
     rank, index = event.get("pid"), event_args(event).get("index")
     if not _is_index(rank) or not 0 <= rank < program.num_ranks:
-        raise UsageError(f"{name}: event {event.get('name')!r} is on rank {rank!r}, "
+        raise UsageError(f"{name}: event {quote(event.get('name'))} is on rank {quote(rank)}, "
                          f"but the program has {program.num_ranks} ranks (another schedule or other -D values?)")
     row = program.ranks[rank]
     if not _is_index(index) or not 0 <= index < len(row) or row[index].text() != event.get("name"):
         found = row[index].text() if _is_index(index) and 0 <= index < len(row) else "nothing"
-        raise UsageError(f"{name}: rank {rank}'s event {event.get('name')!r} (instruction {index!r}) does not match "
+        raise UsageError(f"{name}: rank {rank}'s event {quote(event.get('name'))} (instruction {quote(index)}) "
+                         f"does not match "
                          f"the program, which has {found} there (another schedule or other -D values?)")
     return rank, row[index]
 

@@ -191,3 +191,23 @@ def test_malformed_run_records_never_crash(tmp_path, other):
 def test_the_unmutated_trace_passes(tmp_path):
     assert run_on_trace(tmp_path, TRACE, "costs") == 0
     assert run_on_trace(tmp_path, TRACE, "render", "-o", str(tmp_path / "cmp.svg")) == 0
+
+
+# Numbers and nesting that json.dumps never writes but a hand-edited or hostile trace may hold:
+# each is refused by the guarded reader (compiler.guarded_read) with exit 1, never a crash.
+RAW_NUMBERS = ["1e999", "-1e999", "NaN", "Infinity", "-Infinity", "9" * 5000, "123456789012345678901234567890",
+               "[" * 50_000 + "]" * 50_000]
+
+
+@pytest.mark.parametrize("raw", RAW_NUMBERS, ids=lambda raw: raw[:12])
+def test_a_trace_with_numbers_json_cannot_hold_is_refused(tmp_path, raw):
+    document = copy.deepcopy(TRACE)
+    _compute_event(document)["dur"] = "@RAW@"
+    text = json.dumps(document).replace('"@RAW@"', raw)
+    path = tmp_path / "run.json"
+    path.write_text(text)
+    for argv in (["costs", "--trace", str(path)], ["render", "--trace", str(path), "-o", str(tmp_path / "x.svg")]):
+        sink_out, sink_err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(sink_out), contextlib.redirect_stderr(sink_err):
+            status = main(argv)
+        assert status == 1 and "run.json" in sink_err.getvalue() and "Traceback" not in sink_err.getvalue()

@@ -1,22 +1,34 @@
-"""``pipec check``: compile a schedule and prove it safe; one line on success."""
+"""``pipec check``: compile a schedule and prove it safe; one line on success.
+
+TARGET may also be a compiled program (``pipec compile --format json``),
+recognised by its content: it is read through the guarded reader and gets the
+same checks (``check_all``) and the same one-line answer.
+"""
 from __future__ import annotations
 
-from pipec.commands._common import add_target_arguments, compile_from_args, describe_params, human_bytes, load_costs, write_output
+from pipec.commands._common import (add_target_arguments, byte_budget_from_args, compile_from_args, describe_params,
+                                    human_bytes, load_costs, parse_byte_budget, write_output)
+from pipec.errors import UsageError
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("check", help="compile and check a schedule (exit 0 if safe, 1 with the error)")
+    parser = sub.add_parser("check", help="compile and check a schedule, or check a compiled program .json "
+                                          "(exit 0 if safe, 1 with the error)")
     add_target_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     from pipec.compiler.checks import peak_activations
+    from pipec.compiler.guarded_read import looks_like_program
     from pipec.compiler.memory_counts import peak_bytes
 
-    costs = load_costs(args)
-    compiled = compile_from_args(args, costs)
-    program = compiled.program
+    if looks_like_program(args.target):
+        name, program, costs = _checked_program_file(args)
+    else:
+        costs = load_costs(args)
+        compiled = compile_from_args(args, costs)
+        name, program = compiled.spec.name, compiled.program
     peaks = peak_activations(program)
     in_bytes = ""
     sizes = costs.sizes if costs is not None else {}
@@ -25,10 +37,26 @@ def run(args) -> int:
         in_bytes = "; peak bytes per rank " + ", ".join(
             f"{size_class} [{', '.join(human_bytes(rank[size_class]) for rank in per_rank)}]" for size_class in sizes)
     write_output(
-        f"ok: {compiled.spec.name} ({describe_params(program.params)}): {program.num_ranks} ranks, "
+        f"ok: {name} ({describe_params(program.params)}): {program.num_ranks} ranks, "
         f"{len(program.stages)} stages, {program.num_microbatches} microbatches, "
         f"{program.instruction_count()} instructions; well-formed, messages matched, deadlock-free, "
         f"no conflict; peak activations per rank {peaks}{in_bytes}",
         None,
     )
     return 0
+
+
+def _checked_program_file(args):
+    """(name, program, costs) of a compiled program file, checked as the compiler checks what it emits."""
+    from pipec.compiler.checks import check_all
+    from pipec.compiler.guarded_read import read_program
+
+    if args.defines:
+        raise UsageError(f"-D sets parameters of a .pipe schedule; the compiled program '{args.target}' has its own")
+    parse_byte_budget(getattr(args, "budget_bytes", None) or [])  # named before the cost file is read
+    costs = load_costs(args)
+    byte_budget = byte_budget_from_args(args, costs)
+    program = read_program(args.target)
+    check_all(program, semantics="rendezvous", memory_budget=args.budget, byte_budget=byte_budget,
+              sizes=costs.sizes if costs is not None else {})
+    return program.name, program, costs

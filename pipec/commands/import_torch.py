@@ -8,9 +8,6 @@ schedule's shape. Any problem with the file or the schedule is a pipec error
 from __future__ import annotations
 
 import json
-import os
-
-from pipec.errors import UsageError
 
 
 def register(subparsers) -> None:
@@ -31,8 +28,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from pipec.compiler.import_torch import import_and_check
 
-    if not os.path.isfile(args.csv):
-        raise UsageError(f"{args.csv}: no such file")
+    # the file (missing, a folder, a FIFO, too large, not UTF-8) is judged by the guarded reader in import_and_check
     costs = _load_costs(args.costs) if args.costs else None
     program, result = import_and_check(args.csv, costs=costs)
     if args.json:

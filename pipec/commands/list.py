@@ -16,7 +16,7 @@ def run(args) -> int:
     rows = []
     for name in shipped_schedules():
         resolved = resolve_target(name)
-        rows.append({"name": name, "schedule": resolved.name, "params": resolved.describe_params()})
+        rows.append({"name": name, "schedule": resolved.node.name, "params": resolved.describe_params()})
     if args.json:
         write_output(dump_json(rows), None)
         return 0

@@ -1,0 +1,456 @@
+"""The one reader of everything pipec takes from a user: files, JSON, integers.
+
+A file, a JSON document or a number a user hands pipec is data, possibly
+hostile: whatever it holds, pipec answers within seconds, within memory, with
+a located message and never a traceback. Every command reads its inputs
+through these functions, so each guard is written once:
+
+* ``read_text`` / ``read_bytes``: only a regular file (a folder, ``/dev/zero``,
+  a FIFO or a socket is refused without blocking: the file is opened with
+  ``O_NONBLOCK`` and checked with ``fstat`` before any read), at most the
+  size limit of its kind (``Kind``), strict UTF-8 (a bad byte is located).
+* ``read_json`` / ``parse_json_text``: JSON whose nesting, integers and
+  floats are bounded (a hook checks each number as it is parsed): nesting past
+  Python's parser (``RecursionError``), integers outside ``+-2^63`` (their
+  digits are counted before ``int()`` sees them),
+  ``NaN`` / ``Infinity`` tokens and floats that overflow to infinity are
+  errors at ``FILE:line:col``.
+* ``plain_int``: the only way a number written as text (a ``-D`` value, a
+  JSON key, a CSV cell) becomes an int: ASCII digits with an optional sign,
+  at most ``MAX_INT_DIGITS`` of them (``int()`` also takes ``1_000``, ``٣``,
+  ``³`` and spaces; this does not).
+* ``quote``: a value read from a file, as an error message may show it:
+  repr-escaped (no raw control character reaches a terminal), shortened.
+* argparse ``type=`` functions for numeric options: ``count_arg``,
+  ``positive_count_arg``, ``seconds_arg``.
+* ``read_program``: a compiled program JSON (``pipec compile --format json``),
+  recognised by its content (``looks_like_program``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipec.errors import PipecError, UsageError
+
+# Integers pipec reads lie in -INT_LIMIT < v < INT_LIMIT (dsl.limits: the
+# language's range, so a number read from a file fits everything a schedule
+# computes with); 19 digits hold every such value.
+INT_LIMIT = 2**63
+INT_LIMIT_TEXT = "2^63"
+MAX_INT_DIGITS = len(str(INT_LIMIT))  # 19
+# Longest value an error message shows before cutting it.
+QUOTE_CHARS = 80
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of input file and the most bytes pipec reads of it.
+
+    Attributes:
+        name: what the file is, in messages ("cost file").
+        noun: how "cannot read ..." names it ("the cost file").
+        limit: the most bytes read; a larger file is refused before it is read.
+        limit_text: the limit as messages show it.
+    """
+
+    name: str
+    noun: str
+    limit: int
+    limit_text: str
+
+
+_MiB = 1 << 20
+# A .pipe file is parsed token by token and dsl.limits.MAX_TOKENS (25,000)
+# bounds a file's tokens: 1 MiB is 40 characters per token, comments included
+# (the largest shipped schedule is under 10 KB).
+SOURCE = Kind(".pipe source", "the .pipe source", 1 * _MiB, "1 MiB")
+# A cost file is a few sections; its one table that grows is per pair of
+# ranks ("links.pairs", ~35 bytes a pair): 16 MiB holds every pair of 960 ranks.
+COSTS = Kind("cost file", "the cost file", 16 * _MiB, "16 MiB")
+# A compiled program (pipec compile --format json) of P=64, N=512 is about
+# 72 MB; 256 MiB leaves room for 3.5 times that, and bounds the parse (Python
+# holds a JSON document in about 10x its size).
+PROGRAM = Kind("program JSON", "the program", 256 * _MiB, "256 MiB")
+# A run's trace (pipec run --trace) has one event (~200 bytes) per instruction
+# per step: 10 steps of P=64, N=512 (~200,000 instructions a step) are ~400 MB.
+TRACE = Kind("trace", "trace", 1024 * _MiB, "1 GiB")
+# A torch schedule CSV has one cell (3-12 bytes) per action: 64 MiB is over
+# 5 million actions, more than the 2,000,000 tasks pipec compiles (dsl.limits.MAX_TASKS).
+TORCH_CSV = Kind("torch schedule CSV", "the torch schedule CSV", 64 * _MiB, "64 MiB")
+
+_PLAIN_INT = re.compile(r"[+-]?[0-9]+")
+_PLAIN_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+
+
+class _Refused(Exception):
+    """Internal: a JSON number hook's refusal; located by ``parse_json_text``."""
+
+    def __init__(self, problem: str, token: str):
+        super().__init__(problem)
+        self.problem, self.token = problem, token
+
+
+# ----------------------------------------------------------------- quoting
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``value`` as an error message may show it: ``repr`` (non-printable
+    characters escaped), cut to about ``limit`` characters with the length said."""
+    text = repr(value) if isinstance(value, str) else _short_repr(value, limit)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters shown"
+    return f"{text[:limit - 3]}...({size})"
+
+
+def _short_repr(value: Any, limit: int) -> str:
+    """repr of a JSON value, bounded: a huge list is not printed whole first."""
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        return f"<a JSON {'array' if isinstance(value, list) else 'object'} of {len(value)} items>"
+    try:
+        return repr(value)
+    except RecursionError:
+        return "<a deeply nested JSON value>"
+
+
+# ----------------------------------------------------------------- files
+
+
+def read_bytes(path: str, kind: Kind, error: type[PipecError] = UsageError) -> bytes:
+    """The bytes of the regular file ``path``, at most ``kind.limit`` of them.
+
+    Args:
+        path: the file, as the user gave it.
+        kind: what it is (its name and size limit).
+        error: the ``PipecError`` subclass to raise.
+    Raises:
+        error: no such file, not a regular file (a folder, a device, a FIFO:
+            refused without waiting), unreadable, or over the limit.
+    """
+    shown = shown_path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise error(f"cannot read {kind.noun} '{shown}': no such file") from None
+    except (OSError, ValueError) as failure:  # ValueError: a NUL in the path
+        raise error(f"cannot read {kind.noun} '{shown}': {_reason(failure)}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            what = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a device, a FIFO or a socket)"
+            raise error(f"{shown}: {what}; expected a {kind.name}")
+        if info.st_size > kind.limit:
+            raise error(f"{shown}: {_size(info.st_size)}, over the {kind.limit_text} limit for a {kind.name}")
+        with os.fdopen(fd, "rb", closefd=True) as handle:
+            fd = -1
+            data = handle.read(kind.limit + 1)  # a file growing while read is still bounded
+    except OSError as failure:
+        raise error(f"cannot read {kind.noun} '{shown}': {_reason(failure)}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > kind.limit:
+        raise error(f"{shown}: over the {kind.limit_text} limit for a {kind.name}")
+    return data
+
+
+def shown_path(path: str) -> str:
+    """A path as messages show it: as given when printable, else escaped (it may come from a file: a trace)."""
+    return path if path.isprintable() and len(path) <= 400 else quote(path, 400)[1:-1]
+
+
+def read_text(path: str, kind: Kind, error: type[PipecError] = UsageError) -> str:
+    """The UTF-8 text of the regular file ``path`` (``read_bytes``'s guards).
+
+    Raises:
+        error: ``read_bytes``'s, or a byte that is not UTF-8 (``FILE:line:col``).
+    """
+    data = read_bytes(path, kind, error)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = data.count(b"\n", 0, bad.start) + 1
+        col = bad.start - (data.rfind(b"\n", 0, bad.start) + 1) + 1
+        raise error(f"{shown_path(path)}:{line}:{col}: the {kind.name} is not UTF-8 text "
+                    f"(byte 0x{data[bad.start]:02x})") from None
+
+
+def _reason(failure: Exception) -> str:
+    return getattr(failure, "strerror", None) or str(failure)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / _MiB:.1f} MiB" if nbytes >= _MiB else f"{nbytes} bytes"
+
+
+# ----------------------------------------------------------------- JSON
+
+
+def read_json(path: str, kind: Kind, error: type[PipecError] = UsageError) -> Any:
+    """The JSON document in the regular file ``path``, guarded (see ``parse_json_text``).
+
+    Raises:
+        error: ``read_text``'s or ``parse_json_text``'s.
+    """
+    return parse_json_text(read_text(path, kind, error), shown_path(path), error, what=kind.name)
+
+
+def parse_json_text(text: str, name: str, error: type[PipecError] = UsageError, what: str = "file") -> Any:
+    """Parse JSON whose every number is one pipec can use.
+
+    Args:
+        text: the document.
+        name: the file it came from, for messages.
+        what: what the file is, for messages ("trace").
+        error: the ``PipecError`` subclass to raise.
+    Returns:
+        the value; its ints lie in ``-2^63 < v < 2^63``, its floats are finite.
+    Raises:
+        error: at ``name:line:col`` (or ``name: KEY:`` for a number whose key
+            is known, the line and column after): not JSON; nested deeper than Python's
+            parser goes (about 1000 levels; pipec's formats use under 10);
+            ``NaN`` / ``Infinity``; an integer of more than ``MAX_INT_DIGITS``
+            digits or outside the range; a float that overflows to infinity.
+    """
+    try:
+        # a hook per number adds 10-40% to json.loads (measured on a 4 MB program and a
+        # 28 MB trace); a regex pre-scan to skip the hooks when no number is long cost more
+        return json.loads(text, parse_constant=_refuse_constant, parse_int=_checked_int, parse_float=_checked_float)
+    except json.JSONDecodeError as bad:
+        raise error(f"{name}:{bad.lineno}:{bad.colno}: not valid JSON: {bad.msg} (the {what} is not JSON, "
+                    "or is cut short)") from None
+    except RecursionError:
+        at = _deepest(text)
+        where = "%s:%d:%d" % ((name,) + _position(text, at)) if at >= 0 else name
+        raise error(f"{where}: JSON nested deeper than Python's parser allows "
+                    f"(about {_PARSER_DEPTH} levels; a pipec file nests under 10)") from None
+    except _Refused as refused:
+        at = _find_number(text, refused.token)
+        if at < 0:
+            raise error(f"{name}: {refused.problem}") from None
+        line, col = _position(text, at)
+        key = _key_path(text, at)
+        if key:  # the form every other mistake of a JSON file takes: FILE: KEY: problem
+            raise error(f"{name}: {key}: {refused.problem} (line {line}, column {col})") from None
+        raise error(f"{name}:{line}:{col}: {refused.problem}") from None
+
+
+_PARSER_DEPTH = 1000
+
+
+def _refuse_constant(token: str):
+    raise _Refused(f"{token} is not a number pipec accepts (JSON has no NaN or Infinity)", token)
+
+
+def _checked_int(token: str) -> int:
+    if len(token) < MAX_INT_DIGITS:  # at most 18 digits: below 2^63 (the common case, kept short)
+        return int(token)
+    digits = len(token.lstrip("-"))
+    if digits > MAX_INT_DIGITS or not -INT_LIMIT < int(token) < INT_LIMIT:
+        shown = token if len(token) <= 30 else f"{token[:20]}...({digits} digits)"
+        raise _Refused(f"the integer {shown} is outside pipec's range (-{INT_LIMIT_TEXT} < n < {INT_LIMIT_TEXT})", token)
+    return int(token)
+
+
+def _checked_float(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        shown = token if len(token) <= 30 else f"{token[:20]}...({len(token)} characters)"
+        raise _Refused(f"the number {shown} overflows to infinity", token)
+    return value
+
+
+def _find_number(text: str, token: str) -> int:
+    """The offset of the number ``token`` standing alone (not inside a longer number or a word); -1 if none."""
+    match = re.search(r"(?<![0-9A-Za-z.+-])" + re.escape(token) + r"(?![0-9A-Za-z.])", text)
+    return match.start() if match else text.find(token)
+
+
+# JSON's structural tokens and strings, for naming the key of a refused number.
+_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}:,]')
+# Past this offset a refused number is located by line and column only (naming
+# its key rescans the text before it).
+_KEY_SCAN_LIMIT = 4 * _MiB
+
+
+def _key_path(text: str, offset: int) -> str:
+    """The key path (``compute.F``, ``traceEvents[3].ts``) of the value at ``offset``; "" when not found."""
+    if offset > _KEY_SCAN_LIMIT:
+        return ""
+    stack: list[list] = []  # ["{", key or None] or ["[", index]
+    for match in _STRUCTURE.finditer(text, 0, offset):
+        token = match.group()
+        if token in "{[":
+            stack.append([token, None if token == "{" else 0])
+        elif token in "]}":
+            if stack:
+                stack.pop()
+        elif token == ",":
+            if stack:
+                stack[-1][1] = stack[-1][1] + 1 if stack[-1][0] == "[" else None
+        elif token != ":" and stack and stack[-1][0] == "{" and stack[-1][1] is None:
+            try:
+                stack[-1][1] = json.loads(token)
+            except ValueError:
+                stack[-1][1] = token[1:-1]
+    path = ""
+    for kind, key in stack:
+        if kind == "[":
+            path += f"[{key}]"
+        elif key is not None:
+            shown = key if key.isprintable() and len(key) <= 40 else quote(key, 40)
+            path += f".{shown}" if path else shown
+    return path
+
+
+def _position(text: str, offset: int) -> tuple[int, int]:
+    """(line, column) of a character offset, both from 1."""
+    offset = max(0, min(offset, len(text)))
+    line = text.count("\n", 0, offset) + 1
+    return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
+
+
+def _deepest(text: str) -> int:
+    """The offset where nesting first passes ``_PARSER_DEPTH`` (strings skipped), searched in the
+    first ``_KEY_SCAN_LIMIT`` characters only (a scan per token); -1 when not found there. Error path only."""
+    depth = 0
+    for match in _STRUCTURE.finditer(text, 0, _KEY_SCAN_LIMIT):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth >= _PARSER_DEPTH:
+                return match.start()
+        elif token in "]}":
+            depth -= 1
+    return -1
+
+
+# ----------------------------------------------------------------- integers
+
+
+def is_plain_int(text: str) -> bool:
+    """True when ``text`` (spaces stripped) is written like an integer ``plain_int`` reads:
+    ``[+-]?[0-9]+``, any length (a caller that states its own range checks that)."""
+    return _PLAIN_INT.fullmatch(text.strip()) is not None
+
+
+def plain_int(text: str, what: str, error: type[PipecError] = UsageError, *, low: int | None = None,
+              high: int | None = None) -> int:
+    """``text`` as an int, when it is a plain ASCII decimal integer.
+
+    Accepts ``[+-]?[0-9]+`` of at most ``MAX_INT_DIGITS`` digits (surrounding
+    spaces stripped), nothing else: not ``1_000``, ``٣``, ``³``, ``0x10``, ``1e3``.
+
+    Args:
+        text: the text.
+        what: what it is, for messages (``"-D P"``, ``"compute.per_chunk key"``).
+        error: the ``PipecError`` subclass to raise.
+        low, high: inclusive bounds, when given.
+    Raises:
+        error: naming ``what`` and quoting ``text``.
+    """
+    stripped = text.strip()
+    if not _PLAIN_INT.fullmatch(stripped):
+        raise error(f"{what}: expected an integer written in ASCII digits, got {quote(text)}")
+    if len(stripped.lstrip("+-")) > MAX_INT_DIGITS or not -INT_LIMIT < int(stripped) < INT_LIMIT:
+        raise error(f"{what}: {quote(text, 40)} is outside pipec's integer range (-{INT_LIMIT_TEXT} < n < {INT_LIMIT_TEXT})")
+    value = int(stripped)
+    if low is not None and value < low:
+        raise error(f"{what}: expected at least {low}, got {value}")
+    if high is not None and value > high:
+        raise error(f"{what}: expected at most {high}, got {value}")
+    return value
+
+
+# ----------------------------------------------------------------- argparse types
+
+
+class _ArgError(UsageError):
+    pass
+
+
+def _int_arg(low: int, kind: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            return plain_int(text, "value", _ArgError, low=low)
+        except _ArgError:
+            raise argparse.ArgumentTypeError(f"expected {kind} (ASCII digits), got {quote(text, 40)}") from None
+
+    parse.__name__ = kind  # argparse names the type in some messages
+    return parse
+
+
+# --budget, --steps, --seed: an integer >= 0.
+count_arg = _int_arg(0, "an integer >= 0")
+# --nproc, --step: an integer >= 1.
+positive_count_arg = _int_arg(1, "an integer >= 1")
+
+# The longest --timeout: about 11.6 days (a longer wait is a hang, and
+# datetime.timedelta, which torch's group timeout is, stays far from overflow).
+MAX_SECONDS = 1_000_000
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type of a duration in seconds: a plain decimal, 0 < s <= ``MAX_SECONDS`` (not inf or nan)."""
+    stripped = text.strip()
+    value = float(stripped) if _PLAIN_DECIMAL.fullmatch(stripped) and len(stripped) <= 40 else None
+    if value is None or not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds, a decimal number above 0 and at most {MAX_SECONDS:,}, got {quote(text, 40)}")
+    return value
+
+
+seconds_arg.__name__ = "seconds"
+
+
+# ----------------------------------------------------------------- programs
+
+
+def looks_like_program(path: str) -> bool:
+    """True when ``path`` is a regular file whose first non-blank character is
+    ``{`` or ``[``: a JSON document (a compiled program), never a ``.pipe`` source."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError):
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, 4096)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1] in (b"{", b"[")
+
+
+def read_program(path: str, error: type[PipecError] = UsageError):
+    """The compiled program (``pipec compile --format json``) in ``path``, unchecked.
+
+    Raises:
+        error: ``read_json``'s (with the ``PROGRAM`` limit), or a JSON document
+            that is not a pipec program (its ``"format"`` quoted).
+        ImportError_: a pipec program whose content is invalid (``program_from_json``).
+    """
+    from pipec.compiler.emit.json_program import FORMAT, program_from_json
+
+    data = read_json(path, PROGRAM, error)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = quote(data.get("format")) if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        raise error(f"{path}: not a pipec program (a JSON object with \"format\": \"{FORMAT}\", as "
+                    f"`pipec compile --format json` writes; found {found})")
+    return program_from_json(data)
+
+
+__all__ = [
+    "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PROGRAM", "SOURCE", "TORCH_CSV", "TRACE", "count_arg", "looks_like_program",
+    "parse_json_text", "plain_int", "positive_count_arg", "quote", "read_bytes", "read_json", "read_program",
+    "read_text", "seconds_arg", "shown_path",
+]
