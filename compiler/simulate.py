@@ -293,7 +293,7 @@ class _Simulation:
         # channels[src][dst]: the FIFO channel from src to dst, opened on first use
         self.channels: list[list[tuple | None]] = [[None] * self.num_ranks for _ in range(self.num_ranks)]
         self.allreduce_joined: dict[int, list[tuple[Number, int, Action]]] = {}
-        self.allreduce_stages: set[int] = set()
+        self.allreduce_stages: set[tuple[int, int]] = set()  # (rank, chunk) joined
         self.compute_plan = self._plan_compute()
         self.comm_plan = self._plan_comms()
         # what the first pass of posting needs: send op -> per stage the key base
@@ -561,15 +561,23 @@ class _Simulation:
         )
 
     def join_allreduce(self, rank: int, step: int, action: Action, clock: Number) -> Number:
-        """ALLREDUCE_GRAD: join the all-reduce of this stage's chunk; it ends once every replica joined."""
+        """ALLREDUCE_GRAD: join the all-reduce of this stage's chunk; it ends once every member joined.
+
+        The all-reduce meets on the chunk's communicator (``Program.communicators``),
+        whose members are ranks, not stages: replicas of one chunk on one rank
+        share one module, so that rank joins once, and a communicator of a
+        single rank (every replica on it) has nothing to reduce and ends at once,
+        as in the runtime.
+        """
         stage = self._stage_of(rank, step, action)
-        if stage in self.allreduce_stages:
-            raise self._error(WellFormedError, f"stage {stage} starts its gradient all-reduce twice", rank, step)
-        self.allreduce_stages.add(stage)
         chunk = self.program.stages[stage].chunk
+        if (rank, chunk) in self.allreduce_stages:
+            raise self._error(WellFormedError, f"rank {rank} starts the gradient all-reduce of chunk {chunk} twice "
+                                               f"(its replicas there share one module)", rank, step)
+        self.allreduce_stages.add((rank, chunk))
         joined = self.allreduce_joined.setdefault(chunk, [])
         joined.append((clock, rank, action))
-        members = len(self.program.replicas(stage))
+        members = self._allreduce_members(action)
         if len(joined) == members:
             start = max(time for time, _, _ in joined)
             end = start + self.costs.allreduce(members, chunk)
@@ -578,6 +586,14 @@ class _Simulation:
                     self.comm_slots[member].append(Slot(start, end, member_action, True))
             self.publish(_ALLREDUCE * self.space + chunk, end)
         return clock
+
+    def _allreduce_members(self, action: Action) -> int:
+        """How many ranks meet in the all-reduce ``action`` joins: its communicator's
+        members, or (a program without one) the distinct ranks of the chunk's replicas."""
+        communicator = self.program.communicator_of(action)
+        if communicator is not None:
+            return len(communicator.ranks)
+        return len({self.program.rank_of(replica) for replica in self.program.replicas(action.stage)})
 
     def wait_allreduce(self, rank: int, step: int, action: Action, clock: Number) -> Number | None:
         """ALLREDUCE_WAIT: stall until the all-reduce of this stage's chunk has ended."""

@@ -43,6 +43,7 @@ from pipec.compiler.render import (
     write_graph,
     write_timeline,
 )
+from pipec.compiler.render.model import format_time
 from pipec.compiler.simulate import simulate
 from pipec.errors import DeadlockError, UsageError
 from pipec.runtime.trace import chrome_events, write_chrome_trace
@@ -280,11 +281,23 @@ def test_measured_step_is_drawn_above_the_prediction(tmp_path):
     (_, measured_boxes, measured_xy), (_, predicted_boxes, predicted_xy) = panels
     assert predicted_boxes == compute_slots(result)
     assert [[box[:3] for box in lane] for lane in measured_boxes] == [[box[:3] for box in lane] for lane in predicted_boxes]
-    # the run is an exact stretch of the plan: the two panels line up pixel for pixel
+    # one time axis: the run took 4 ms per unit of the plan, so on the shared scale (the longer panel, the run,
+    # sets it) each measured box sits 4 times as far from 0 and is 4 times as wide as its predicted box
+    left = style.LAYOUT["left"]
     flatten = lambda lanes: [value for lane in lanes for box in lane for value in box]  # noqa: E731
-    assert flatten(measured_xy) == pytest.approx(flatten(predicted_xy), abs=0.03)
+    stretched = [[(left + (x - left) * 4, width * 4) for x, width in lane] for lane in predicted_xy]
+    assert flatten(measured_xy) == pytest.approx(flatten(stretched), abs=0.1)
+    text = timeline_svg(make_drawing(result, program, measured))
+    root = ET.fromstring(text)
+    plot_end = max(x + width for lane in measured_xy for x, width in lane)
+    assert plot_end == pytest.approx(float(root.get("width")) - style.LAYOUT["right"], abs=0.02)
+    # the page is titled with what was measured, then what was predicted
+    heading = root.find(SVG + "title").text
+    assert f"measured {format_time(measured.makespan, 'ms')}, predicted {result.makespan}" in heading
     data = json.loads(parse_page(timeline_html(make_drawing(result, program, measured))).scripts["timeline-data"])
     assert [panel["kind"] for panel in data["panels"]] == ["measured", "predicted"]
+    assert data["span"] == pytest.approx(measured.makespan) and data["span"] == pytest.approx(4 * result.makespan)
+    assert data["heading"] == heading
 
 
 def test_a_trace_of_another_program_is_refused_with_the_reason(tmp_path):

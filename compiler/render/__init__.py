@@ -19,6 +19,7 @@ import json
 import os
 from typing import Callable, Sequence
 
+from pipec.compiler.atomic_write import write_atomically
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Program
 from pipec.compiler.render.chrome import chrome_trace
@@ -98,12 +99,8 @@ def write_graph(program: Program, path: str, *, cycle: Sequence[tuple[int, int, 
 
 
 def _write(path: str, content: str | bytes) -> None:
-    mode, encoding = ("wb", None) if isinstance(content, bytes) else ("w", "utf-8")
-    try:
-        with open(path, mode, encoding=encoding) as handle:
-            handle.write(content)
-    except OSError as error:
-        raise UsageError(f"cannot write '{path}': {error}") from None
+    """Replace ``path`` with ``content`` atomically (``compiler.atomic_write``), so a failed write leaves the old file."""
+    write_atomically(path, content)
 
 
 __all__ = [

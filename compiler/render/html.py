@@ -7,6 +7,8 @@ where as many SVG elements would crawl. Hovering a box shows its rank, op,
 stage, chunk, microbatch, start and end (found by lane and binary search);
 the wheel zooms in time and a drag pans. Nothing is loaded from the network.
 
+Every panel shares one time axis (``span``, the longest panel's makespan), so
+a measured run and its prediction line up time for time and zoom together.
 The data, per panel: title, kind, unit, makespan, and per lane its label and
 note, the columns start, end, op, stage, mb of its boxes (in start order), and
 comms as [start, end, text]. Colours and geometry come from ``style``.
@@ -33,6 +35,8 @@ def timeline_html(drawing: Drawing) -> str:
         "show_chunk": drawing.show_chunk,
         "layout": style.LAYOUT,
         "panels": [_panel_data(panel) for panel in drawing.panels],
+        # one time axis for every panel: the longest makespan sets its scale
+        "span": max(panel.makespan for panel in drawing.panels),
     }
     # "</" would end the script element early; "<\/" is the same JSON string
     data_json = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")

@@ -54,7 +54,8 @@ class Drawing:
     """Everything a timeline file shows.
 
     Attributes:
-        heading: schedule, parameters, makespan and bubble ratio.
+        heading: schedule, parameters, makespan and bubble ratio (measured and
+            predicted when a run is drawn).
         panels: measured first (when there is one), then the prediction.
         stage_chunk: stage id -> model chunk, for labels and tips.
         show_chunk: whether labels name the chunk (a rank holds several stages).
@@ -79,11 +80,17 @@ def make_drawing(result: SimResult, program: Program, measured: Timeline | None 
         measured: ``timeline_from_trace`` of a run of the same program, or None.
         unit: the time unit of ``result``'s costs ("" for abstract units).
     Returns:
-        the ``Drawing``; its heading carries the predicted makespan and bubble ratio.
+        the ``Drawing``; its heading carries the makespan and bubble ratio:
+        with a measured run, the measured one first, then the prediction.
     """
     predicted = timeline_from_simulation(result, unit)
-    heading = f"{program.name} ({format_params(program.params)}): makespan {format_time(result.makespan, unit)}, " \
-              f"bubble ratio {result.bubble_text()}"
+    heading = f"{program.name} ({format_params(program.params)}): "
+    if measured is None:
+        heading += f"makespan {format_time(result.makespan, unit)}, bubble ratio {result.bubble_text()}"
+    else:  # the run is what happened; the prediction is what it is held to
+        heading += (f"measured {format_time(measured.makespan, measured.unit)}, predicted "
+                    f"{format_time(result.makespan, unit)} (bubble ratio measured {measured.bubble_ratio:.4f}, "
+                    f"predicted {result.bubble_text()})")
     panels = [measured, predicted] if measured is not None else [predicted]
     stage_chunk = [stage.chunk for stage in program.stages]
     return Drawing(heading, panels, stage_chunk, len(program.stages) > program.num_ranks)

@@ -4,7 +4,11 @@
   with ``--trace RUN.json`` (written by ``pipec run --trace``), the measured
   timeline of one training step above the predicted one, which, without
   ``--costs``, is priced with the times the run measured (``pipec costs``), so
-  both panels are in milliseconds;
+  both panels are in milliseconds, on one time axis (the longer sets the
+  scale), under a title with the measured makespan, then the predicted one.
+  An SVG is bounded whatever the costs (``render.svg``: a plot at most 10,000
+  px wide, boxes under a pixel merged, at most 25,000 boxes and message bars,
+  under 7 MB);
 * ``.json``: the simulated timeline as a Chrome / Perfetto trace;
 * ``.dot`` / ``.png``: the task dependency graph, ranks as clusters. A program
   that fails the deadlock check is still drawn, its wait-for cycle in red (a
@@ -21,6 +25,7 @@ import os
 import sys
 
 from pipec.commands._common import load_costs, read_json, target_of_run, write_output
+from pipec.compiler.guarded_read import count_arg, looks_like_program, positive_count_arg, read_program
 from pipec.compiler.trace_events import recorded
 from pipec.errors import UsageError
 
@@ -41,12 +46,12 @@ def register(sub) -> None:
     )
     parser.add_argument("-o", dest="output", required=True, metavar="FILE", help="the drawing to write")
     parser.add_argument("--costs", metavar="FILE", help="a JSON cost file (default: unit costs F=1 B=2 I=W=1)")
-    parser.add_argument("--budget", type=int, metavar="N", help="fail if a rank holds more than N chunk activations")
+    parser.add_argument("--budget", type=count_arg, metavar="N", help="fail if a rank holds more than N chunk activations")
     parser.add_argument(
         "--trace", metavar="RUN.json",
         help="a `pipec run --trace` file: draw its measured timeline above the predicted one (.svg, .html)",
     )
-    parser.add_argument("--step", type=int, metavar="K", help="the training step of --trace to draw (default: the last)")
+    parser.add_argument("--step", type=positive_count_arg, metavar="K", help="the training step of --trace to draw (default: the last)")
     parser.set_defaults(func=run)
 
 
@@ -89,16 +94,14 @@ def run(args) -> int:
 
 
 def _is_program_file(target: str) -> bool:
-    return target.lower().endswith(".json") and os.path.isfile(target)
+    return looks_like_program(target)  # by content: a JSON object, whatever the file's suffix
 
 
 def _load_program(target: str, defines: dict[str, str]):
     """A program .json (``pipec compile``), unchecked."""
-    from pipec.compiler.emit import program_from_json
-
     if defines:
         raise UsageError("-D sets parameters of a .pipe schedule; a compiled program .json already has its own")
-    return program_from_json(read_json(target, "program"))
+    return read_program(target)  # the one guarded reader
 
 
 def _checked_program(target: str, defines: dict[str, str], costs, budget):
