@@ -13,15 +13,41 @@ is a bug in pipec, never a user's mistake.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
+
+
+# Characters a message may not carry to a terminal as they are: C0 controls
+# but newline and tab (a carriage return or an escape sequence in a file's text
+# could overwrite what was printed, or print a fake line), DEL, C1 controls,
+# the bidirectional overrides and isolates (text shown in another order than
+# it is), and lone surrogates (undecodable bytes of a file name or a file).
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to show on a terminal: every character of ``_UNPRINTABLE`` as its Python escape
+    (``\\r``, ``\\x1b``, ``\\u202e``, ``\\udcff``); newlines and tabs are kept.
+
+    Every message pipec renders for a user goes through it (``PipecError.render``
+    and its subclasses'), since messages quote what files hold: a trace's target,
+    a CSV cell, a source line.
+    """
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group(0))
+    return {0x0D: "\\r"}.get(code) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
 
 
 class PipecError(Exception):
     """Base of every error pipec reports to a user."""
 
     def render(self) -> str:
-        return str(self)
+        """The message to print, unprintable characters escaped (``printable``)."""
+        return printable(str(self))
 
 
 class UsageError(PipecError):
@@ -58,14 +84,15 @@ class SourceError(PipecError):
 
     def render(self) -> str:
         if self.span is None:
-            return self.message
+            return printable(self.message)
         span = self.span
-        head = f"{span.file}:{span.line}:{span.col}: {self.message}"
+        head = printable(f"{span.file}:{span.line}:{span.col}: {self.message}")
         line_text = _source_line(self.source, span.line)
         if line_text is None:
             return head
-        expanded = line_text.expandtabs(4).rstrip("\n")
-        prefix = line_text[: max(span.col - 1, 0)].expandtabs(4)
+        # the quoted line escaped, and the caret placed under the escaped text
+        expanded = printable(line_text).expandtabs(4).rstrip("\n")
+        prefix = printable(line_text[: max(span.col - 1, 0)]).expandtabs(4)
         width = 1
         if span.end_line == span.line and span.end_col > span.col:
             width = span.end_col - span.col
@@ -111,7 +138,7 @@ class SourceErrors(PipecError):
 def _source_line(source: str | None, line: int) -> str | None:
     if source is None or line < 1:
         return None
-    lines = source.splitlines()
+    lines = source.split("\n")  # as the parser counts lines: a \r or a form feed does not end one
     if line > len(lines):
         return None
     return lines[line - 1]
@@ -144,11 +171,11 @@ class ProgramError(PipecError):
         self.marks = list(marks)
 
     def render(self) -> str:
-        head = self.message
+        head = printable(self.message)
         if self.rank is not None and self.step is not None:
-            head = f"rank {self.rank}, step {self.step}: {self.message}"
+            head = f"rank {self.rank}, step {self.step}: {head}"
         elif self.rank is not None:
-            head = f"rank {self.rank}: {self.message}"
+            head = f"rank {self.rank}: {head}"
         if self.grid is None or self.rank is None or self.step is None:
             return head
         marks = [(self.rank, self.step)] + self.marks
@@ -224,7 +251,8 @@ def format_grid(
         row = grid[r]
         if s >= len(row):
             return ""
-        return f"[{row[s]}]" if (r, s) in marked else f" {row[s]} "
+        text = printable(str(row[s]))  # an imported CSV's cell is the file's text
+        return f"[{text}]" if (r, s) in marked else f" {text} "
 
     # Each step's column is as wide as its widest cell among the ranks shown.
     widths = {s: max(max((len(cell(r, s)) for r in ranks_to_show), default=0), len(f"s{s}")) + 1 for s in range(lo, hi)}
@@ -271,7 +299,7 @@ class RuntimeFault(PipecError):
         self.peer = peer
 
     def render(self) -> str:
-        return f"rank {self.rank}, step {self.step} ({self.instruction}): {self.message}"
+        return printable(f"rank {self.rank}, step {self.step} ({self.instruction}): {self.message}").replace("\n", " ")
 
     def __str__(self) -> str:
         return self.render()

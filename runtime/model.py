@@ -528,3 +528,51 @@ def load_model_spec(text: str) -> ModelSpec:
         config=getattr(target, "config", None),
         **{name: function for name, function in optional.items() if callable(function)},
     )
+
+
+def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatches: int, seed: int,
+                    shape: tuple[int, ...], name: str) -> None:
+    """Check, before any worker starts, that the model cuts into ``num_chunks`` and that chunk 0's output
+    has the shape the receivers will allocate.
+
+    Builds chunk 0 and runs its forward (without gradients) on the first
+    microbatch of step 0's batch; with more than one chunk, its output must be
+    a tensor of ``shape`` (the spec's ``activation_shape(config)``).
+
+    Args:
+        spec: the model spec.
+        config: its config, overrides applied.
+        num_chunks: the program's chunk count.
+        num_microbatches: the program's microbatch count.
+        seed: the run's seed.
+        shape: what one chunk hands the next per microbatch.
+        name: how to name the spec in messages (``--model``'s text).
+    Raises:
+        UsageError: ``model spec NAME: ...`` naming the function at fault: a
+            ``build_chunk`` or ``synthetic_batch`` that fails (its own
+            UsageError's words kept), a forward that fails, or an output whose
+            shape is not ``activation_shape``.
+    """
+    def call(what: str, function, *arguments):
+        try:
+            return function(*arguments)
+        except UsageError as error:
+            raise UsageError(f"model spec {name}: {error}") from None
+        except Exception as error:  # a user's function may fail in any way
+            raise UsageError(f"model spec {name}: {what} failed: {type(error).__name__}: {error}") from None
+
+    chunk = call(f"build_chunk(config, 0, {num_chunks}, seed)", spec.build_chunk, config, 0, num_chunks, seed)
+    if num_chunks < 2:
+        return
+    inputs, _ = call(f"synthetic_batch(config, 0, {num_microbatches}, seed)", spec.synthetic_batch,
+                     config, 0, num_microbatches, seed)
+    first = call("splitting the batch into microbatches", lambda: inputs.chunk(num_microbatches)[0])
+    with torch.no_grad():
+        output = call("chunk 0's forward on the first microbatch", chunk, first)
+    if not isinstance(output, torch.Tensor):
+        raise UsageError(f"model spec {name}: chunk 0 outputs a {type(output).__name__}, not one tensor "
+                         f"(a chunk hands the next one fp32 tensor of activation_shape(config))")
+    if tuple(output.shape) != tuple(shape):
+        raise UsageError(f"model spec {name}: activation_shape {tuple(shape)} does not match what chunk 0 "
+                         f"outputs {tuple(output.shape)} for one microbatch (fix activation_shape(config), "
+                         f"or the config's sizes)")

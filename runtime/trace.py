@@ -15,6 +15,7 @@ import json
 from typing import Iterable, Sequence
 
 from pipec.compiler import ops
+from pipec.compiler.atomic_write import atomic_writer
 from pipec.compiler.ir import Action
 
 # Trace category of each op (its rule's ``trace``: compute, comm or memory):
@@ -76,6 +77,8 @@ def write_chrome_trace(path: str, per_rank: Sequence[list[dict]], metadata: dict
         path: the file to write.
         per_rank: each rank's events from ``chrome_events``, in rank order.
         metadata: optional top-level "otherData" (schedule, parameters, ...).
+    Raises:
+        UsageError: the file cannot be written (``compiler.atomic_write``).
     """
     events = rank_metadata(len(per_rank))
     for rank_events in per_rank:
@@ -83,7 +86,7 @@ def write_chrome_trace(path: str, per_rank: Sequence[list[dict]], metadata: dict
     document = {"traceEvents": events, "displayTimeUnit": "ms"}
     if metadata:
         document["otherData"] = metadata
-    with open(path, "w", encoding="utf-8") as handle:
+    with atomic_writer(path, what="the trace") as handle:  # whole or not at all: the old trace stays until then
         json.dump(document, handle, separators=(",", ":"))
 
 

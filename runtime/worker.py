@@ -34,6 +34,7 @@ import traceback
 from datetime import timedelta
 from typing import Iterator, NamedTuple
 
+from pipec.compiler.guarded_read import count_arg, seconds_arg
 from pipec.errors import PipecError, RuntimeFault, UsageError
 
 DEFAULT_STEPS = 5
@@ -44,9 +45,9 @@ DEFAULT_TIMEOUT_S = 60.0
 # to do with --timeout, the deadline of a training step's waits: the group's own
 # timeout is this, or --timeout when that is longer.
 JOIN_ALLOWANCE_S = 300.0
-# Test-only faults planted with --inject KIND:RANK:INDEX: hang, kill or exit at
+# Test-only faults planted with --inject KIND:RANK:INDEX: hang, stop (SIGSTOP), kill or exit at
 # instruction INDEX of RANK, or start RANK late by INDEX seconds.
-_INJECT_OPS = {"hang": "INJECT_HANG", "kill": "INJECT_KILL", "exit": "INJECT_EXIT"}
+_INJECT_OPS = {"hang": "INJECT_HANG", "stop": "INJECT_STOP", "kill": "INJECT_KILL", "exit": "INJECT_EXIT"}
 _LATE = "late"
 
 
@@ -60,12 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("target", metavar="TARGET", help="a .pipe file, or a shipped schedule's name")
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
                         help="set a schedule parameter (repeatable)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
+    parser.add_argument("--steps", type=count_arg, default=DEFAULT_STEPS, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)")
     parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
     parser.add_argument("--save", metavar="FILE", help="torch.save the whole model's state_dict after the last step")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="S", help=f"seed of parameters and data (default {DEFAULT_SEED})")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+    parser.add_argument("--seed", type=count_arg, default=DEFAULT_SEED, metavar="S", help=f"seed of parameters and data (default {DEFAULT_SEED})")
+    parser.add_argument("--timeout", type=seconds_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"longest wait of one instruction (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:ATTR",
                         help="a model spec (default: the built-in LLaMA-style decoder)")
@@ -196,7 +197,7 @@ class Plan:
 
 def make_plan(args, world: int) -> Plan:
     """Get the program (``--program``'s file, or compile the target), load the model, check the arguments against the world size."""
-    from pipec.runtime.model import ModelConfig, chunk_layers, load_model_spec
+    from pipec.runtime.model import load_model_spec
 
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
@@ -205,18 +206,46 @@ def make_plan(args, world: int) -> Plan:
     program = load_program(args.program) if getattr(args, "program", None) else compile_program(args)
     if world != program.num_ranks:
         raise UsageError(
-            f"{program.name} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
+            f"{args.target} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
             f"start {program.num_ranks} workers (torchrun --nproc-per-node {program.num_ranks}), or change -D P=..."
         )
     spec = load_model_spec(args.model)
     config = override_config(spec.config, args.config)
+    if getattr(args, "program", None):
+        # `pipec run` checked the model before starting the workers (check_plan_model): only the cheap part here
+        shape = _checked_cut(spec, config, program.num_chunks)
+    else:  # under torchrun nothing was checked before: say what is wrong before joining the group
+        shape = check_plan_model(spec, config, program, args.seed, args.model)
+    inject = parse_injection(args.inject) if args.inject else None
+    return Plan(program, spec, config, shape, inject)
+
+
+def _checked_cut(spec, config, num_chunks: int) -> tuple[int, ...]:
+    """The activation shape, after checking that the built-in model's layers split into ``num_chunks``."""
+    from pipec.runtime.model import ModelConfig, chunk_layers
+
     if isinstance(config, ModelConfig):
         try:  # the cut must be even: say so before joining the group
-            chunk_layers(config, 0, program.num_chunks)
+            chunk_layers(config, 0, num_chunks)
         except UsageError as error:
             raise UsageError(f"{error} (--config layers=N sets the model's layer count)") from None
-    inject = parse_injection(args.inject) if args.inject else None
-    return Plan(program, spec, config, _activation_shape(spec, config), inject)
+    return _activation_shape(spec, config)
+
+
+def check_plan_model(spec, config, program, seed: int, name: str) -> tuple[int, ...]:
+    """Check that the model spec cuts into ``program``'s chunks and that chunk 0's output has the activation
+    shape (``runtime.model.check_model_cut``: chunk 0 built and run on one microbatch).
+
+    Returns:
+        the activation shape.
+    Raises:
+        UsageError: ``model spec NAME: ...``, naming the function at fault.
+    """
+    from pipec.runtime.model import check_model_cut
+
+    shape = _checked_cut(spec, config, program.num_chunks)
+    check_model_cut(spec, config, program.num_chunks, program.num_microbatches, seed, shape, name)
+    return shape
 
 
 def compile_program(args):
@@ -249,21 +278,14 @@ def load_program(path: str):
     Returns:
         the ``Program`` it holds.
     Raises:
-        UsageError: the file cannot be read or is not JSON.
-        ImportError_: it is JSON but not a valid program.
+        UsageError: the file cannot be read, is not JSON or not a pipec
+            program (the one guarded reader, ``guarded_read.read_program``:
+            a regular file, at most ``PROGRAM``'s limit, bounded JSON).
+        ImportError_: it is a pipec program whose content is invalid.
     """
-    import json
+    from pipec.compiler.guarded_read import read_program
 
-    from pipec.compiler.emit.json_program import program_from_json
-
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except OSError as error:
-        raise UsageError(f"cannot read the program '{path}': {error}") from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise UsageError(f"the program '{path}' is not JSON: {error}") from None
-    return program_from_json(data)
+    return read_program(path)
 
 
 def override_config(config, items: list[str]):
@@ -292,7 +314,10 @@ def _activation_shape(spec, config) -> tuple[int, ...]:
     """What one stage hands the next per microbatch: the spec's ``activation_shape(config)``, else [b, seq, dim]."""
     shape_of = getattr(spec, "activation_shape", None)
     if callable(shape_of):
-        return tuple(shape_of(config))
+        try:
+            return tuple(int(size) for size in shape_of(config))
+        except Exception as error:  # a user's function may fail in any way
+            raise UsageError(f"the model spec's activation_shape(config) failed: {type(error).__name__}: {error}") from None
     try:
         return (config.microbatch_size, config.seq_len, config.dim)
     except AttributeError:
@@ -488,7 +513,10 @@ def _save(path: str, stages, rank: int, world: int) -> None:
         for part in gathered:
             for name, tensor in part.items():
                 merged.setdefault(name, tensor)  # replicas are equal: keep the first copy
-        torch.save(merged, path)
+        from pipec.compiler.atomic_write import atomic_writer
+
+        with atomic_writer(path, binary=True, what="the saved model") as out:  # the old file stays whole until then
+            torch.save(merged, out)
         print(f"saved: {path}", flush=True)
 
 
@@ -528,6 +556,13 @@ def _hang(step, action, index) -> None:
         time.sleep(3600)
 
 
+def _stop(step, action, index) -> None:
+    """Stop this process (SIGSTOP), as a debugger or a stuck machine would: it no longer acts on SIGTERM."""
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGSTOP)
+    _hang(step, action, index)
+
+
 def _kill(step, action, index) -> None:
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -537,7 +572,7 @@ def _exit(step, action, index) -> None:
     _die(f"rank {step.ctx.rank}: injected exit before instruction {index}", status=3)
 
 
-_INJECTED = {"INJECT_HANG": _hang, "INJECT_KILL": _kill, "INJECT_EXIT": _exit}
+_INJECTED = {"INJECT_HANG": _hang, "INJECT_STOP": _stop, "INJECT_KILL": _kill, "INJECT_EXIT": _exit}
 
 
 __all__ = [

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
+from collections.abc import Iterator
+from typing import TextIO
 
 from pipec.compiler.defines import parse_defines  # one definition, shared with the runtime's worker
+from pipec.compiler.guarded_read import count_arg, quote
 from pipec.compiler.trace_events import recorded
 from pipec.errors import UsageError
 
@@ -18,7 +22,7 @@ def add_target_arguments(parser: argparse.ArgumentParser, costs: bool = True) ->
     )
     if costs:
         parser.add_argument("--costs", metavar="FILE", help="a JSON cost file (default: unit costs F=1 B=2 I=W=1)")
-    parser.add_argument("--budget", type=int, metavar="N", help="fail if a rank holds more than N chunk activations")
+    parser.add_argument("--budget", type=count_arg, metavar="N", help="fail if a rank holds more than N chunk activations")
     parser.add_argument(
         "--budget-bytes", dest="budget_bytes", action="append", default=[], metavar="CLASS=BYTES",
         help="fail if a rank holds more than BYTES bytes of values of size class CLASS (activation, weight, shard, kv, "
@@ -59,8 +63,19 @@ def parse_byte_budget(items) -> dict:
         if not _BYTES.fullmatch(text):
             raise UsageError(f"--budget-bytes {size_class}: expected a non-negative integer or decimal number of bytes, "
                              f"got '{text}'")
-        budget[size_class] = int(text) if text.isdigit() else float(text)
+        budget[size_class] = _byte_count(text, size_class)
     return budget
+
+
+def _byte_count(text: str, size_class: str):
+    """A ``--budget-bytes`` value (``_BYTES``-shaped) as an int below 2^63, or a finite float of at most 40 characters."""
+    from pipec.compiler.guarded_read import is_plain_int, plain_int
+
+    if is_plain_int(text):
+        return plain_int(text, f"--budget-bytes {size_class}")
+    if len(text) > 40:
+        raise UsageError(f"--budget-bytes {size_class}: a decimal of {len(text)} characters; write at most 40")
+    return float(text)  # 40 characters of digits stay far below float's 1.8e308
 
 
 def byte_budget_from_args(args, costs) -> dict | None:
@@ -117,14 +132,36 @@ def describe_peak_bytes(peaks) -> str:
 
 
 def write_output(text: str, path: str | None) -> None:
+    """Write ``text`` (a newline added if missing) to standard output, or replace ``path`` atomically.
+
+    Raises:
+        UsageError: the file cannot be written; the old one is left as it was.
+    """
+    with atomic_output(path) as out:
+        out.write(text if text.endswith("\n") else text + "\n")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | None) -> Iterator[TextIO]:
+    """A text stream for a command's output: standard output, or ``path`` replaced atomically
+    (``compiler.atomic_write.atomic_writer``: the old file stays whole until the new one is).
+
+    Args:
+        path: the file to write; None or ``-`` for standard output.
+    Yields:
+        the stream to write to (a streamed producer writes straight into it).
+    Raises:
+        UsageError: the file cannot be written (its folder is missing, not
+            writable, the disk is full); the old file is left as it was.
+    """
     if path in (None, "-"):
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        yield sys.stdout
+        sys.stdout.flush()
         return
-    try:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text if text.endswith("\n") else text + "\n")
-    except OSError as error:
-        raise UsageError(f"cannot write '{path}': {error}") from None
+    from pipec.compiler.atomic_write import atomic_writer
+
+    with atomic_writer(path) as out:
+        yield out
 
 
 def dump_json(data) -> str:
@@ -157,7 +194,7 @@ def target_of_run(args, trace, command: str) -> tuple[str, dict[str, str]]:
     try:
         load_target(ran)
     except UsageError as error:
-        raise UsageError(f"'{args.trace}' ran '{ran}', which cannot be read now ({error}); give TARGET") from None
+        raise UsageError(f"'{args.trace}' ran {quote(ran)}, which cannot be read now ({error}); give TARGET") from None
     return ran, merged
 
 
@@ -173,15 +210,18 @@ def _shipped_target_named(name: str, trace_path: str) -> str:
         path, source, _ = load_target(stem)
         if parse(source, path).schedule(name) is not None:
             return f"{file}:{name}"
-    raise UsageError(f"'{trace_path}' ran schedule '{name}', which no shipped file defines; give TARGET")
+    raise UsageError(f"'{trace_path}' ran schedule {quote(name)}, which no shipped file defines; give TARGET")
 
 
 def read_json(path: str, what: str):
-    """The parsed JSON file ``path``; a UsageError naming it as ``what`` when it cannot be read or parsed."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except OSError as error:
-        raise UsageError(f"cannot read {what} '{path}': {error}") from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise UsageError(f"{what} '{path}' is not JSON: {error}") from None
+    """The parsed JSON file ``path`` (``what``: "trace" or "program"), through the one guarded reader.
+
+    Raises:
+        UsageError: not a regular file, over the size limit of its kind
+            (``guarded_read.TRACE`` / ``PROGRAM``), not UTF-8, not JSON, or
+            JSON with NaN, Infinity, a number out of range or nesting too deep.
+    """
+    from pipec.compiler import guarded_read
+
+    kind = guarded_read.PROGRAM if what == "program" else guarded_read.TRACE
+    return guarded_read.read_json(path, kind)

@@ -32,9 +32,11 @@ def register(sub) -> None:
         "--steps", type=int, default=DEFAULT_STEPS, metavar="K",
         help=f"training steps on CPU ranks (default {DEFAULT_STEPS}; 0: compile, check and simulate only)",
     )
-    parser.add_argument("--trace", metavar="FILE", help="where to write the run's trace (default: in the temp folder)")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="where to write the run's trace (default: trace.json in a new private folder, printed)")
     parser.add_argument(
-        "--timeline", metavar="FILE", help="where to draw the predicted timeline (.html, .svg or .json; default: in the temp folder)"
+        "--timeline", metavar="FILE",
+        help="where to draw the predicted timeline (.html, .svg or .json; default: timeline.html in a new private folder, printed)"
     )
     parser.set_defaults(func=run)
 
@@ -45,18 +47,24 @@ def run(args) -> int:
     from pipec.compiler.emit import format_timeline
     from pipec.compiler.simulate import simulate
 
-    defines = {"P": "4", "N": "4"}
-    defines.update(parse_defines(args.defines))
+    # the schedule's own defaults (BitPipe's: P = 4, N = P), -D on top
+    defines = parse_defines(args.defines)
     compiled = compile_target(args.schedule, defines)
     program = compiled.program
+    if args.steps > 0 and args.trace is not None:
+        from pipec.compiler.atomic_write import check_writable
+
+        check_writable(args.trace, "the trace (--trace)")  # before drawing and training, not after
     result = simulate(program)
     from pipec.compiler.render import write_timeline
 
-    timeline = args.timeline or os.path.join(tempfile.gettempdir(), "pipec-demo-timeline.html")
+    folder = _DemoFolder()
+    timeline = args.timeline or folder.file("timeline.html")
     write_timeline(result, program, timeline)
+    args.trace = args.trace or (folder.file("trace.json") if args.steps > 0 else None)
     bubble = result.bubble_text()
     lines = [
-        f"== {compiled.spec.name} ({describe_params(program.params)}) from {compiled.spec.path}",
+        f"== {args.schedule} ({describe_params(program.params)}) from {compiled.spec.path}",
         f"compiled: {program.num_ranks} ranks, {len(program.stages)} stages, "
         f"{program.instruction_count()} instructions",
         "checked: every task once on its home, every message matched in FIFO order, "
@@ -68,9 +76,11 @@ def run(args) -> int:
         format_timeline(result),
         f"timeline drawn: {timeline} (open it in a browser; pipec render also writes .svg and .json)",
         f"the per-rank instruction lists: pipec compile {args.schedule} "
-        + " ".join(f"-D {name}={value}" for name, value in defines.items())
+        + " ".join(f"-D {name}={_define_text(value)}" for name, value in program.params.items())
         + " --format text",
     ]
+    if folder.path is not None:
+        lines.append(f"the demo's files are in {folder.path} (a new folder, yours alone; remove it when done)")
     write_output("\n".join(lines), None)
     if args.steps <= 0:
         return 0
@@ -89,7 +99,7 @@ def _train(args, defines: dict[str, str], program) -> int:
         nproc=None,
         steps=args.steps,
         backend="gloo",
-        trace=args.trace or os.path.join(tempfile.gettempdir(), "pipec-demo-trace.json"),
+        trace=args.trace,
         save=None,
         seed=None,
         timeout=None,
@@ -144,6 +154,24 @@ def _prediction_from_trace(path: str, program) -> str:
               if cores < program.num_ranks else "")
     return (f"this machine: median step {step_ms:.1f} ms; the simulator, priced with the times this run measured, "
             f"predicts {predicted:.1f} ms{shared} (pipec costs --trace {path} -o costs.json, then --costs costs.json)")
+
+
+class _DemoFolder:
+    """Where the demo puts the files the user did not name: a new private folder (``tempfile.mkdtemp``, mode
+    0700), made on first use, never a fixed name in the shared temp folder, where another user could plant a
+    link to a file of yours."""
+
+    def __init__(self):
+        self.path: str | None = None
+
+    def file(self, name: str) -> str:
+        if self.path is None:
+            self.path = tempfile.mkdtemp(prefix="pipec-demo-")
+        return os.path.join(self.path, name)
+
+
+def _define_text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _fitting_layers(layers: int, num_chunks: int) -> int:

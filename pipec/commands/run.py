@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pipec.compiler.defines import parse_defines
-from pipec.errors import UsageError
+from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
+from pipec.errors import UsageError, printable
 
 # How often the launcher's agent looks at its workers, in seconds: the delay
 # between a worker's exit and the others being stopped (and the run's end).
@@ -86,7 +87,7 @@ def register(sub) -> None:
     )
     add_run_arguments(parser)
     parser.add_argument(
-        "--nproc", type=int, metavar="P", help="worker processes; must equal the program's ranks (default: its ranks)"
+        "--nproc", type=positive_count_arg, metavar="P", help="worker processes; must equal the program's ranks (default: its ranks)"
     )
     parser.set_defaults(func=run)
 
@@ -99,13 +100,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-D", dest="defines", action="append", default=[], metavar="NAME=VALUE", help="set a schedule parameter (repeatable)"
     )
-    parser.add_argument("--steps", type=int, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
+    parser.add_argument("--steps", type=count_arg, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--backend", choices=("gloo", "nccl"), help="gloo (CPU, default) or nccl (one GPU per rank)")
     parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
     parser.add_argument("--save", metavar="FILE", help="torch.save the whole model's state_dict after the last step")
-    parser.add_argument("--seed", type=int, metavar="S", help=f"seed of the parameters and the data (default {DEFAULT_SEED})")
+    parser.add_argument("--seed", type=count_arg, metavar="S", help=f"seed of the parameters and the data (default {DEFAULT_SEED})")
     parser.add_argument(
-        "--timeout", type=float, metavar="SECONDS",
+        "--timeout", type=seconds_arg, metavar="SECONDS",
         help=f"longest wait of one instruction; past it the run stops with a fault message (default {DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument("--model", metavar="MODULE:ATTR", help="a model spec (default: the built-in LLaMA-style decoder)")
@@ -160,7 +161,7 @@ def check_launch(args, program) -> int:
     nproc = args.nproc if args.nproc is not None else program.num_ranks
     if nproc != program.num_ranks:
         raise UsageError(
-            f"--nproc {nproc}, but {program.name} was compiled for {program.num_ranks} ranks: "
+            f"--nproc {nproc}, but {args.target} was compiled for {program.num_ranks} ranks: "
             f"one worker runs one rank (pass --nproc {program.num_ranks}, or change -D P=...)"
         )
     if args.steps is not None and args.steps < 1:
@@ -170,8 +171,23 @@ def check_launch(args, program) -> int:
     if args.backend == "nccl":
         _check_gpus(nproc)
         _check_device_map(program, nproc)
-    _check_model(args.model, args.config, program.num_chunks)
+    _check_outputs(args)
+    _check_model(args.model, args.config, program, args.seed)
     return nproc
+
+
+def _check_outputs(args) -> None:
+    """Check that ``--trace`` and ``--save`` can be written, so that a typo in a folder does not cost the run.
+
+    Raises:
+        UsageError: ``cannot write the trace 'PATH': ...`` (a missing or read-only folder, a folder given as file).
+    """
+    from pipec.compiler.atomic_write import check_writable
+
+    for option, what in (("trace", "the trace"), ("save", "the saved model")):
+        path = getattr(args, option, None)
+        if path is not None:
+            check_writable(path, f"{what} (--{option})")
 
 
 def _check_gpus(nproc: int) -> None:
@@ -196,18 +212,17 @@ def _check_device_map(program, nproc: int) -> None:
     check_device_map(program.devices, nproc, node_size=nproc)
 
 
-def _check_model(text: str | None, overrides: list[str], num_chunks: int) -> None:
-    """Load the model spec and its config as the workers will (an error shows here, once, not P times).
-
-    For the built-in model, also check that its layers split into the program's chunks.
+def _check_model(text: str | None, overrides: list[str], program, seed: int | None) -> None:
+    """Load the model spec and its config as the workers will, and check that it cuts into the program's
+    chunks (``runtime.worker.check_plan_model``): an error shows here, once, not P times after start-up.
     """
-    from pipec.runtime.model import DEFAULT_MODEL, ModelConfig, chunk_layers, load_model_spec
-    from pipec.runtime.worker import override_config
+    from pipec.runtime.model import DEFAULT_MODEL, load_model_spec
+    from pipec.runtime.worker import DEFAULT_SEED, check_plan_model, override_config
 
-    spec = load_model_spec(text or DEFAULT_MODEL)
+    name = text or DEFAULT_MODEL
+    spec = load_model_spec(name)
     config = override_config(spec.config, overrides)
-    if isinstance(config, ModelConfig):
-        chunk_layers(config, 0, num_chunks)  # raises UsageError when the layers do not split
+    check_plan_model(spec, config, program, DEFAULT_SEED if seed is None else seed, name)
 
 
 def worker_arguments(args) -> list[str]:
@@ -293,21 +308,13 @@ def write_program(program, folder: str) -> str:
     """
     import json
 
+    from pipec.compiler.atomic_write import atomic_writer
     from pipec.compiler.emit.json_program import program_to_json
 
     path = os.path.abspath(os.path.join(folder, PROGRAM_FILE))
     text = json.dumps(program_to_json(program), separators=(",", ":"))
-    partial = None
-    try:
-        handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{PROGRAM_FILE}.", suffix=".partial")
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(partial, path)
-    except OSError as error:
-        if partial is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
-        raise UsageError(f"cannot write the compiled program to '{path}': {error}") from None
+    with atomic_writer(path, what="the compiled program") as out:
+        out.write(text)
     return path
 
 
@@ -359,17 +366,19 @@ def launch(
     )
     follower = _OutputFollower(log_dir, nproc, on_line, echo)
     exits: dict[int, int] = {}
-    with _worker_environment(env), _quiet_launcher_logs():
+    with _worker_environment(env), _quiet_launcher_logs(), _prompt_shutdown():
         follower.start()
         try:
             elastic_launch(config, sys.executable)(*python_args)
         except ChildFailedError as failed:
             exits = {rank: failure.exitcode for rank, failure in failed.failures.items()}
-        except SignalException as stop:
+        except (SignalException, KeyboardInterrupt) as stop:
             # we were told to stop; the agent has stopped the workers already
-            if stop.sigval == signal.SIGINT:
+            sigval = getattr(stop, "sigval", signal.SIGINT)
+            if sigval == signal.SIGINT:
+                sys.stderr.write(f"pipec run: interrupted\nworker logs: {log_dir}\n")
                 raise KeyboardInterrupt from None
-            report = f"pipec run: stopped by {signal.Signals(stop.sigval).name}\nworker logs: {log_dir}\n"
+            report = f"pipec run: stopped by {signal.Signals(sigval).name}\nworker logs: {log_dir}\n"
             return LaunchResult(ok=False, report=report)
         except RendezvousError as error:  # no worker ran: the launcher's own store could not start
             shutil.rmtree(log_dir, ignore_errors=True)
@@ -386,7 +395,7 @@ def launch(
 
 def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: list[str]) -> str:
     """The failure text: fault messages, then how each failed worker ended, then where the logs are."""
-    lines = ["pipec run: the run failed"] + faults
+    lines = ["pipec run: the run failed"] + [printable(fault) for fault in faults]
     for rank in sorted(exits):
         code = exits[rank]
         stderr = _read_stderr(log_dir, rank)
@@ -397,7 +406,7 @@ def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: lis
         if not _fault_lines(stderr):
             # no fault message: a startup error or a bug; its own words say more than ours
             tail = [line for line in stderr.splitlines() if line.strip()][-TAIL_LINES:]
-            lines += [f"  {line}" for line in tail]
+            lines += [f"  {printable(line)}" for line in tail]
     lines.append(f"worker logs: {log_dir}")
     return "\n".join(lines) + "\n"
 
@@ -439,7 +448,7 @@ def _echo_stderr(log_dir: str, nproc: int) -> None:
     """After a successful run, show what workers wrote to stderr (warnings), behind their rank."""
     for rank in range(nproc):
         for line in _read_stderr(log_dir, rank).splitlines():
-            sys.stderr.write(f"[rank {rank}] {line}\n")
+            sys.stderr.write(f"[rank {rank}] {printable(line)}\n")
 
 
 @contextlib.contextmanager
@@ -458,6 +467,40 @@ def _worker_environment(extra: dict[str, str] | None) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _prompt_shutdown() -> Iterator[None]:
+    """Make the launcher stop the workers within ``SHUTDOWN_TIMEOUT_S`` of a failure, stopped (SIGSTOP) ones too.
+
+    When one worker fails, the elastic launcher's process context closes the
+    others with its own default grace, 30 s between SIGTERM and SIGKILL (its
+    ``shutdown_timeout`` reaches only the agent's last shutdown, not this
+    one). A worker that hangs in Python answers SIGTERM at once, but a stopped
+    one cannot: the run would end half a minute after the fault was named.
+    Here every close waits at most ``SHUTDOWN_TIMEOUT_S`` and first sends the
+    still-running workers' process groups SIGCONT, so that a stopped worker
+    acts on the SIGTERM (and says it was stopped by the launcher).
+    """
+    try:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:  # pragma: no cover - every accepted torch has it
+        yield
+        return
+    original = PContext.close
+
+    def close(self, death_sig=None, timeout=SHUTDOWN_TIMEOUT_S):
+        for handler in (getattr(self, "subprocess_handlers", None) or {}).values():
+            if handler.proc.poll() is None:
+                with contextlib.suppress(OSError):  # each worker leads its own process group
+                    os.killpg(handler.proc.pid, signal.SIGCONT)
+        return original(self, death_sig, min(timeout, SHUTDOWN_TIMEOUT_S))
+
+    PContext.close = close
+    try:
+        yield
+    finally:
+        PContext.close = original
 
 
 @contextlib.contextmanager
