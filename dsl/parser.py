@@ -24,9 +24,10 @@ from pipec.errors import ParseError, Span
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
     grammar = resources.files("pipec.grammars").joinpath("pipe.lark").read_text()
-    # No cache: Lark's ``cache=True`` pickles the tables into the shared temp
-    # folder and unpickles whatever lies there on every run (code execution for
-    # anyone who can write it). Building them costs ~80 ms per process.
+    # No table cache: Lark's cache option pickles the tables into the shared
+    # temp folder and unpickles whatever lies there on every run (code
+    # execution for anyone who can write it). Building them costs ~80 ms per
+    # process; tests/test_hostile_source.py holds that nothing is unpickled.
     return Lark(
         grammar,
         parser="lalr",
