@@ -43,12 +43,18 @@ COMMANDS = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error exits 1 like every other user error."""
+    """argparse, but a usage error exits 1 like every other user error, and
+    help or version text that standard output cannot take is reported (argparse
+    drops the write error, so `pipec --help > /dev/full` would exit 0)."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
         self.print_usage(sys.stderr)
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(1)
+
+    def _print_message(self, message: str, file=None) -> None:  # argparse's hook for help, usage, version
+        if message:
+            (file or sys.stderr).write(message)
 
 
 def version() -> str:

@@ -97,8 +97,10 @@ class SourceError(PipecError):
         if span.end_line == span.line and span.end_col > span.col:
             width = span.end_col - span.col
         width = max(1, min(width, max(len(expanded) - len(prefix), 1)))
-        caret = " " * len(prefix) + "^" + "~" * (width - 1)
-        return f"{head}\n    {expanded}\n    {caret}"
+        shown, column = _window(expanded, len(prefix))
+        width = max(1, min(width, len(shown) - column))
+        caret = " " * column + "^" + "~" * (width - 1)
+        return f"{head}\n    {shown}\n    {caret}"
 
     def __str__(self) -> str:
         return self.render()
@@ -133,6 +135,22 @@ class SourceErrors(PipecError):
 
     def render(self) -> str:
         return "\n".join(e.render() for e in self.errors)
+
+
+# The most characters of a source line an error quotes; a longer line (a
+# generated or hostile file) is cut around the caret, so a message stays a
+# few lines whatever the file.
+_LINE_WINDOW = 120
+
+
+def _window(line: str, column: int) -> tuple[str, int]:
+    """``line`` cut to ``_LINE_WINDOW`` characters around ``column`` ("..." where cut), and the column in it."""
+    if len(line) <= _LINE_WINDOW:
+        return line, column
+    start = max(0, min(column - _LINE_WINDOW // 3, len(line) - _LINE_WINDOW))
+    left = "..." if start > 0 else ""
+    right = "..." if start + _LINE_WINDOW < len(line) else ""
+    return left + line[start:start + _LINE_WINDOW] + right, len(left) + column - start
 
 
 def _source_line(source: str | None, line: int) -> str | None:

@@ -22,9 +22,11 @@ def _pipec(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_a_full_standard_output_is_one_line_and_status_1():
-    with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "pipec", "list"], stdout=full, stderr=subprocess.PIPE,
+@pytest.mark.parametrize("argv", [["list"], ["--help"], ["--version"]])
+def test_a_full_standard_output_is_one_line_and_status_1(argv):
+    # argparse's own help and version text included (argparse drops their write errors)
+    with open("/dev/full", "w") as full:  # a device given to the child as its stdout, not a file pipec writes
+        done = subprocess.run([sys.executable, "-m", "pipec", *argv], stdout=full, stderr=subprocess.PIPE,
                               text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr == "pipec: cannot write to standard output: No space left on device\n"

@@ -311,3 +311,11 @@ def test_keywords_come_from_the_grammar():
 def test_a_schedule_name_given_twice_is_an_error(tmp_path, capsys):
     err = refused(tmp_path, capsys, wrap() + wrap())
     assert re.match(r"^\S*hostile\.pipe:7:10: schedule 's' is already defined at line 1", err), err
+
+
+def test_a_long_source_line_is_quoted_around_the_caret_only(tmp_path, capsys):
+    # a generated or hostile line of thousands of characters: the message stays a few short lines
+    message = refused(tmp_path, capsys, wrap(pre="let x = " + "-" * 3000 + "1"))
+    quoted, caret = message.splitlines()[1:3]
+    assert len(quoted) < 140 and quoted.strip().startswith("...") and quoted.endswith("...")
+    assert caret.strip().startswith("^") and len(caret) <= len(quoted)
