@@ -8,7 +8,6 @@ over the source tree).
 from __future__ import annotations
 
 import ast
-import io
 import json
 import os
 import pathlib

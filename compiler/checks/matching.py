@@ -347,18 +347,13 @@ def _check_collectives(program: Program, tables: StageTables, log: MessageLog) -
         communicator = program.communicators[comm_id]
         for rank, steps in sorted(by_rank.items()):
             if rank not in communicator.ranks:
-                raise _error(program, f"rank {rank} joins the {_meeting(program, communicator)}, but holds no replica "
+                raise _error(program, f"rank {rank} joins the all-reduce of chunk {communicator.key}, but holds no replica "
                                       f"of it (replicas on ranks {list(communicator.ranks)})", rank, steps[0])
         _check_same_sequence(program, tables, communicator, by_rank)
     for comm_id in sorted(set(log.collectives) | set(log.collective_waits)):
         started, waited = log.collectives.get(comm_id, {}), log.collective_waits.get(comm_id, {})
         for rank in sorted(set(started) | set(waited)):
             _check_waits(program, program.communicators[comm_id], rank, started.get(rank, []), waited.get(rank, []))
-
-
-def _meeting(program: Program, communicator) -> str:
-    """Words for what meets on a communicator (``all-reduce of chunk 0``)."""
-    return f"all-reduce of chunk {communicator.key}"
 
 
 def _check_same_sequence(program: Program, tables: StageTables, communicator, by_rank: dict[int, list[int]]) -> None:

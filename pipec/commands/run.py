@@ -293,7 +293,8 @@ def launch_program(program, arguments: list[str], nproc: int, **options) -> Laun
 
 
 def write_program(program, folder: str) -> str:
-    """Write ``program`` as JSON (``program_to_json``) to ``folder/program.json``, atomically.
+    """Write ``program`` as JSON (``write_program_json``, as ``pipec compile --format json`` does)
+    to ``folder/program.json``, atomically.
 
     The file appears whole or not at all (a temporary file in the same folder,
     then ``os.replace``), so a worker never reads half a program.
@@ -306,15 +307,12 @@ def write_program(program, folder: str) -> str:
     Raises:
         UsageError: the file cannot be written.
     """
-    import json
-
     from pipec.compiler.atomic_write import atomic_writer
-    from pipec.compiler.emit.json_program import program_to_json
+    from pipec.compiler.emit.json_program import write_program_json
 
     path = os.path.abspath(os.path.join(folder, PROGRAM_FILE))
-    text = json.dumps(program_to_json(program), separators=(",", ":"))
     with atomic_writer(path, what="the compiled program") as out:
-        out.write(text)
+        write_program_json(program, out)
     return path
 
 
