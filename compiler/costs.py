@@ -97,6 +97,15 @@ _PRICED_BY = {
     rules.COLLECTIVE: "allreduce",
     rules.COLLECTIVE_WAIT: "free",
     rules.FREE: "free",
+    # weight passing: an exchange's parts by the links (collectives as ring
+    # steps over them), a wait, a fill (a local copy) and a drop cost nothing
+    rules.EXCHANGE_OF: "links",
+    rules.EXCHANGE_WAIT_OF: "free",
+    rules.PART_SEND: "links",
+    rules.PART_RECV: "links",
+    rules.PART_COLLECTIVE: "links",
+    rules.PART_LOCAL: "free",
+    rules.DROP_COPY: "free",
 }
 rules.declare_pass("cost model", [
     op for op, rule in rules.RULES.items()
@@ -218,6 +227,28 @@ class CostModel:
         if src_rank == dst_rank:
             return 0
         return self.link_between(src_rank, dst_rank).time(self._bytes_table[kind])
+
+    def value_transfer(self, src_rank: int, dst_rank: int, nbytes: Number) -> Number:
+        """Time for ``nbytes`` from ``src_rank`` to ``dst_rank`` (weight passing's values, sized by ``sizes``)."""
+        if src_rank == dst_rank:
+            return 0
+        return self.link_between(src_rank, dst_rank).time(nbytes)
+
+    def collective(self, kind: str, ranks: tuple[int, ...], nbytes: Number) -> Number:
+        """Time of one collective of weight passing among ``ranks`` (devices, in ring order), as ring steps
+        over their slowest link: a ring step (``shift``) moves ``nbytes`` one hop; a broadcast or a reduce
+        is pipelined along the ring, ``n - 1`` latencies and the bytes once; an all-gather or a
+        reduce-scatter takes ``n - 1`` steps of ``nbytes / n``. One member costs nothing."""
+        n = len(ranks)
+        if n <= 1:
+            return 0
+        slowest = max((self.link_between(a, b) for a, b in zip(ranks, ranks[1:] + ranks[:1])),
+                      key=lambda link: (link.time(nbytes), link.latency))
+        if kind == "shift":
+            return slowest.time(nbytes)
+        if kind in ("broadcast", "reduce"):
+            return (n - 1) * slowest.latency + slowest.time(nbytes) - slowest.latency
+        return (n - 1) * slowest.time(_ratio(nbytes, n))
 
     def allreduce(self, members: int, chunk: int) -> Number:
         """Time of a ring all-reduce of one chunk's gradients among ``members`` replicas.

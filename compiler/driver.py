@@ -23,6 +23,7 @@ from pipec.compiler.guarded_read import SOURCE, looks_like_program, read_text, s
 from pipec.compiler.ir import Program
 from pipec.compiler.liveness import insert_frees
 from pipec.compiler.lower_comms import insert_communication
+from pipec.compiler.lower_weights import insert_weight_exchanges
 from pipec.compiler.memory_counts import Number, check_sizes
 from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
@@ -149,6 +150,8 @@ def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Prog
         dependencies cannot be met is kept as it is for the checks to name.
     """
     compute = compute_program(spec, costs)
+    if spec.weights is not None:  # weight passing: weights move, activations stay home
+        return compute, insert_weight_exchanges(compute, spec)
     return compute, insert_communication(compute)
 
 

@@ -31,6 +31,9 @@ from typing import Iterable, NamedTuple
 # The op names and what each op does live in the rule table (``ops.py``);
 # they are re-exported here because every pass speaks of them.
 from pipec.compiler.ops import (  # noqa: F401  (re-exported)
+    GROUP_OF_RANK,
+    RING,
+    WORLD,
     ALLREDUCE_GRAD,
     ALLREDUCE_WAIT,
     B,
@@ -80,8 +83,11 @@ class Action(NamedTuple):
 
     def text(self) -> str:
         """torch.distributed.pipelining's token for this action."""
-        if self.parts:
-            return "(" + ";".join(p.text() for p in self.parts) + ")" + self.op
+        if self.parts:  # a batch; an exchange also shows its number
+            number = str(self.mb) if self.mb >= 0 else ""
+            return "(" + ";".join(p.text() for p in self.parts) + ")" + self.op + number
+        if self.stage < 0:  # an exchange's wait, a ring step: no stage
+            return f"{self.op}{self.mb}" if self.mb >= 0 else self.op
         if self.mb < 0:
             return f"{self.stage}{self.op}"
         return f"{self.stage}{self.op}{self.mb}"
@@ -172,6 +178,65 @@ def replica_communicators(stages: list[StageInfo], pipelines: list[list[int]]) -
     return out
 
 
+# Weight routes and gradient routes a weight-passing program may take (docs/weights.md).
+WEIGHT_ROUTES = ("ring", "direct", "staged", "all_gather")
+GRADIENT_ROUTES = ("ring", "direct", "reduce", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """Where a weight-passing program's layers live and how their weights and gradients move.
+
+    Attributes:
+        owners: layer -> the rank that keeps its master weights and optimizer
+            state; None under ``all_gather`` (every rank keeps a shard of every layer).
+        groups: rank -> its group (node) id.
+        route: how weights reach a rank (``WEIGHT_ROUTES``).
+        ring_by: under ``ring``, each step a rank's slot goes to rank
+            ``(r + ring_by) mod P``.
+        gradients: how weight gradients reach the owner (``GRADIENT_ROUTES``).
+        prefetch: how many steps before its use a weight's last leg is posted.
+        buffers: the most borrowed weight buffers alive at once on a rank, or None.
+        num_steps: the steps of the order (every rank runs each, idle or not).
+    """
+
+    owners: tuple[int, ...] | None
+    groups: tuple[int, ...]
+    route: str
+    ring_by: int
+    gradients: str
+    prefetch: int
+    buffers: int | None
+    num_steps: int
+
+    def group_ranks(self, group: int) -> tuple[int, ...]:
+        """The ranks of ``group``, ascending."""
+        return tuple(r for r, g in enumerate(self.groups) if g == group)
+
+    def staging_rank(self, owner: int, group: int) -> int:
+        """The rank of ``group`` that takes a layer from ``owner`` for the group: the member with
+        the owner's index inside its own group (rail-aligned), wrapped when the group is smaller."""
+        members = self.group_ranks(group)
+        index = self.group_ranks(self.groups[owner]).index(owner)
+        return members[index % len(members)]
+
+
+def weight_communicators(plan: WeightPlan, num_ranks: int) -> list[Communicator]:
+    """The communicators a weight-passing program's collectives meet on, in creation order:
+    the ring (every rank) under a ring route, one per group under the staged weights or
+    reduced gradients, and every rank under all_gather."""
+    out: list[Communicator] = []
+    everyone = tuple(range(num_ranks))
+    if plan.route == "ring":
+        out.append(Communicator(len(out), everyone, RING, 0))
+    if plan.route == "staged" or plan.gradients == "reduce":
+        for group in sorted(set(plan.groups)):
+            out.append(Communicator(len(out), plan.group_ranks(group), GROUP_OF_RANK, group))
+    if plan.route == "all_gather" or plan.gradients == "reduce_scatter":
+        out.append(Communicator(len(out), everyone, WORLD, 0))
+    return out
+
+
 @dataclass
 class Program:
     """A compiled (or imported) schedule: one instruction list per rank.
@@ -189,7 +254,10 @@ class Program:
             adjacent devices); the identity when None.
         source: where it came from (a path, "torch-csv", ...), for messages.
         communicators: the groups its collectives meet on; derived from the
-            pipelines (``replica_communicators``) when not given.
+            pipelines (``replica_communicators``) or, for weight passing, the
+            weight plan (``weight_communicators``) when not given.
+        weights: for a weight-passing program, where its weights live and how
+            they move; None for activation passing.
     """
 
     name: str
@@ -203,10 +271,14 @@ class Program:
     devices: list[int] | None = None
     source: str = ""
     communicators: list[Communicator] = field(default_factory=list)
+    weights: WeightPlan | None = None
 
     def __post_init__(self) -> None:
         if not self.communicators:
-            self.communicators = replica_communicators(self.stages, self.pipelines)
+            if self.weights is not None:
+                self.communicators = weight_communicators(self.weights, self.num_ranks)
+            else:
+                self.communicators = replica_communicators(self.stages, self.pipelines)
 
     # -- stage graph -------------------------------------------------------------
 
@@ -246,7 +318,22 @@ class Program:
         if purpose == REPLICAS_OF_CHUNK and 0 <= action.stage < len(self.stages):
             key = self.stages[action.stage].position
             return next((c for c in self.communicators if c.purpose == purpose and c.key == key), None)
+        if purpose in (RING, WORLD):
+            return next((c for c in self.communicators if c.purpose == purpose), None)
         return None
+
+    def communicator_on(self, action: Action, rank: int) -> Communicator | None:
+        """The communicator a collective (or an exchange's collective part) of ``rank`` meets on, or None.
+
+        A group's collective meets on the acting rank's group (weight passing);
+        the others as ``communicator_of`` says.
+        """
+        if RULES[action.op].communicator == GROUP_OF_RANK:
+            if self.weights is None or not 0 <= rank < len(self.weights.groups):
+                return None
+            key = self.weights.groups[rank]
+            return next((c for c in self.communicators if c.purpose == GROUP_OF_RANK and c.key == key), None)
+        return self.communicator_of(action)
 
     def grid(self) -> list[list[str]]:
         """The program as text tokens, one list per rank (for error windows)."""

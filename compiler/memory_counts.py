@@ -12,6 +12,14 @@ Bytes: given the bytes of one value of each size class (``ops.SIZE_CLASSES``),
 the live bytes of a class are its live counted values times that size; the
 peak per class is what ``peak_bytes`` reports.
 
+Borrowed weight buffers (weight passing, counted as ``"weight_buffers"``)
+follow the exchanges instead of the computes (``weight_buffer_counts``): a
+copy of a layer is alive from the post of the part that brings it (RECV_W,
+BCAST_W on a rank other than its root, ALLGATHER_W, a ring step that takes a
+layer, a FILL) to its FREE_W, and a ring slot until the wait of the exchange
+whose ring step passes it on. The weight check enforces the program's bound
+on them with these counts.
+
 This module is neutral ground: the memory check (``checks/memory.py``) and the
 simulator both read it, so the simulator imports no check.
 """
@@ -23,6 +31,7 @@ from typing import Iterable, Iterator, Mapping, Union
 
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program
+from pipec.compiler.ops import Use
 
 Number = Union[int, float]
 
@@ -43,11 +52,20 @@ size_class_deltas = ops.size_class_deltas
 SIZE_CLASS_DELTAS: dict[str, dict[str, int]] = {size: size_class_deltas(size) for size in ops.SIZE_CLASSES}
 
 
+# Weight passing: the parts that bring a borrowed copy onto their rank (a
+# broadcast only off its root, a ring step only when it takes a layer).
+_BRINGS_COPY = frozenset(op for op in ops.EXCHANGE_PART_OPS
+                         if Use("weight") in ops.RULES[op].writes or
+                         (ops.RULES[op].carries == Use("weight") and ops.RULES[op].category == ops.PART_RECV))
+_RING_STEPS = frozenset(ops.PASS_OF_SLOT_OP) - frozenset(ops.FILL_OF_PASS.values())
+
+
 def _counted_right(op: str) -> bool:
-    """Whether the counts above model ``op``: a compute by its rule's writes and ends; any other op
-    only if it brings no counted value onto its rank (a free drops storage, it ends no use)."""
+    """Whether the counts above model ``op``: a compute by its rule's writes and ends; weight passing's
+    ops by ``weight_buffer_counts``; any other op only if it brings no counted value onto its rank (a
+    free drops storage, it ends no use)."""
     rule = ops.RULES[op]
-    if rule.category == ops.COMPUTE:
+    if rule.category in (ops.COMPUTE,) + ops.WEIGHT_CATEGORIES:
         return True
     brought = rule.writes + ((rule.carries,) if rule.category == ops.RECV and rule.carries else ())
     return all(ops.VALUE_KINDS[use.kind].counter is None for use in brought)
@@ -96,6 +114,47 @@ def peak_waiting_w(row: Iterable[Action]) -> int:
     return peak_count(row, WAITING_W_DELTA)
 
 
+def weight_buffer_counts(row: Iterable[Action], rank: int) -> Iterator[int]:
+    """The borrowed weight buffers alive after each instruction of one rank's list (module docstring).
+
+    Args:
+        row: rank ``rank``'s instructions.
+        rank: whose list it is (a broadcast's root brings itself nothing).
+    Returns:
+        an iterator of running counts, one per instruction.
+    """
+    live = 0
+    slots: set[tuple[str, int]] = set()       # ring slots held: (pass, step)
+    passing: dict[int, list[tuple[str, int]]] = {}  # exchange -> the slots its ring steps pass on
+    for action in row:
+        op = action.op
+        if op == ops.EXCHANGE:
+            passed = passing.setdefault(action.mb, [])
+            for part in action.parts:
+                if part.op in _RING_STEPS:
+                    passed.append((ops.PASS_OF_SLOT_OP[part.op], part.mb - 1))
+                    if part.stage >= 0:
+                        slots.add((ops.PASS_OF_SLOT_OP[part.op], part.mb))
+                        live += 1
+                elif part.op in _BRINGS_COPY and not (part.op == ops.BCAST_W and part.peer == rank):
+                    if part.op in ops.FILL_OF_PASS.values():
+                        slots.add((ops.PASS_OF_SLOT_OP[part.op], part.mb))
+                    live += 1
+        elif op == ops.EXCHANGE_WAIT:
+            for slot in passing.pop(action.mb, ()):
+                if slot in slots:
+                    slots.discard(slot)
+                    live -= 1
+        elif op in ops.DROP_COPY_OPS:
+            live -= 1
+        yield live
+
+
+def peak_weight_buffers(program: Program) -> list[int]:
+    """Per rank, the most borrowed weight buffers alive at once (0 for activation passing)."""
+    return [max(weight_buffer_counts(row, rank), default=0) for rank, row in enumerate(program.ranks)]
+
+
 def check_sizes(sizes: Mapping[str, Number]) -> None:
     """Reject a size table with an unknown class or a negative size.
 
@@ -125,8 +184,11 @@ def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, 
         ValueError: an unknown size class or a negative size.
     """
     check_sizes(sizes)
-    return [{size_class: size * peak_count(row, SIZE_CLASS_DELTAS[size_class]) for size_class, size in sizes.items()}
-            for row in program.ranks]
+    buffers = peak_weight_buffers(program) if program.weights is not None else [0] * len(program.ranks)
+    return [{size_class: size * (peak_count(row, SIZE_CLASS_DELTAS[size_class])
+                                 + (borrowed if size_class == ops.SIZE_WEIGHT else 0))
+             for size_class, size in sizes.items()}
+            for row, borrowed in zip(program.ranks, buffers)]
 
 
 __all__ = [
@@ -143,5 +205,7 @@ __all__ = [
     "peak_bytes",
     "peak_count",
     "peak_waiting_w",
+    "peak_weight_buffers",
+    "weight_buffer_counts",
     "size_class_deltas",
 ]

@@ -81,6 +81,8 @@ _STAGE_MB = ("stage", "mb")
 # The memory counters of ``ValueKind.counter``: saved activations (today's
 # ``peak_activations``) and, under split backward, what an I leaves for its W.
 COUNT_ACTIVATIONS, COUNT_WAITING_W = "activations", "waiting_w"
+# ... and borrowed weight buffers (weight passing: copies of other ranks' layers).
+COUNT_WEIGHT_BUFFERS = "weight_buffers"
 
 VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
     # activation passing
@@ -92,8 +94,12 @@ VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
               COUNT_WAITING_W),
     ValueKind("wgrad", "weight gradient", ACTIVATION_PASSING, ("chunk",), SIZE_WEIGHT, DTYPE_FP32, route="all_reduce"),
     # weight passing (the weight-passing issue adds its ops)
-    ValueKind("weight", "weight", WEIGHT_PASSING, ("layer", "pass", "round"), SIZE_WEIGHT, DTYPE_COMPUTE),
-    ValueKind("wgrad_partial", "weight-gradient partial", WEIGHT_PASSING, ("layer", "round"), SIZE_WEIGHT, DTYPE_FP32),
+    # A copy of a layer's weights delivered to a rank for a step; a partial sum
+    # of a layer's weight gradient on its way to the layer's owner.
+    ValueKind("weight", "weight", WEIGHT_PASSING, ("layer", "step"), SIZE_WEIGHT, DTYPE_COMPUTE,
+              COUNT_WEIGHT_BUFFERS),
+    ValueKind("wgrad_partial", "weight-gradient partial", WEIGHT_PASSING, ("layer", "step"), SIZE_WEIGHT,
+              DTYPE_FP32),
     ValueKind("shard", "weight shard", WEIGHT_PASSING, ("layer", "shard"), SIZE_SHARD, DTYPE_FP32),
     # sequence rings (the ring-attention issue adds its ops)
     ValueKind("kv", "KV piece", SEQUENCE_RING, ("holder", "piece", "pass"), SIZE_KV, DTYPE_COMPUTE),
@@ -119,7 +125,22 @@ BATCH_OF = "batch"           # several sends/receives posted and waited together
 FREE = "free"                # drops a stored value
 COLLECTIVE = "collective"    # starts a meeting of every member of a communicator
 COLLECTIVE_WAIT = "collective wait"  # waits for this rank's collective to end
-CATEGORIES = (COMPUTE, SEND, RECV, BATCH_OF, FREE, COLLECTIVE, COLLECTIVE_WAIT)
+# Weight passing moves weights at step boundaries: an EXCHANGE posts its parts
+# (sends, receives and collectives, in list order) and goes on; an
+# EXCHANGE_WAIT waits for every part of one exchange to complete.
+EXCHANGE_OF = "exchange"
+EXCHANGE_WAIT_OF = "exchange wait"
+PART_SEND = "exchange send"              # point-to-point inside an exchange, this rank to ``peer``
+PART_RECV = "exchange receive"           # point-to-point inside an exchange, ``peer`` to this rank
+PART_COLLECTIVE = "exchange collective"  # a meeting of a communicator's members inside an exchange
+PART_LOCAL = "exchange local"            # a copy on this rank, done when posted
+DROP_COPY = "drop copy"                  # drops a borrowed copy of a layer's weights
+CATEGORIES = (COMPUTE, SEND, RECV, BATCH_OF, FREE, COLLECTIVE, COLLECTIVE_WAIT,
+              EXCHANGE_OF, EXCHANGE_WAIT_OF, PART_SEND, PART_RECV, PART_COLLECTIVE, PART_LOCAL, DROP_COPY)
+# The instruction categories of weight passing: the passes written for
+# activation passing leave them to ``checks.weights`` and the simulator's handlers.
+WEIGHT_CATEGORIES = (EXCHANGE_OF, EXCHANGE_WAIT_OF, PART_SEND, PART_RECV, PART_COLLECTIVE, PART_LOCAL, DROP_COPY)
+EXCHANGE_PART_CATEGORIES = (PART_SEND, PART_RECV, PART_COLLECTIVE, PART_LOCAL)
 
 # Where a value sits relative to an instruction's stage (its pipeline neighbours).
 SELF, PREV, NEXT = "self", "prev", "next"
@@ -186,6 +207,11 @@ class OpRule(NamedTuple):
 # The communicator of the replica all-reduce: the ranks holding a replica of
 # the instruction's stage's model chunk (BitPipe, Chimera).
 REPLICAS_OF_CHUNK = "replicas of the stage's chunk"
+# Weight passing's communicators: every rank, in ring order (SHIFT); the ranks
+# of the acting rank's group (node); every rank (FSDP's gather and scatter).
+RING = "the ring of every rank"
+GROUP_OF_RANK = "the acting rank's group"
+WORLD = "every rank"
 
 # Op names (the text form's tokens, torch's where torch has them).
 F, B, I, W = "F", "B", "I", "W"
@@ -193,8 +219,15 @@ SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 BATCH = "BATCH"
 FREE_F = "FREE_F"
 ALLREDUCE_GRAD, ALLREDUCE_WAIT = "ALLREDUCE_GRAD", "ALLREDUCE_WAIT"
+EXCHANGE, EXCHANGE_WAIT = "EXCHANGE", "EXCHANGE_WAIT"
+SEND_W, RECV_W, SEND_G, RECV_G = "SEND_W", "RECV_W", "SEND_G", "RECV_G"
+SHIFT_F, SHIFT_B, SHIFT_G = "SHIFT_F", "SHIFT_B", "SHIFT_G"
+FILL_F, FILL_B = "FILL_F", "FILL_B"
+FREE_W = "FREE_W"
+BCAST_W, ALLGATHER_W, REDUCE_G, REDUCESCATTER_G = "BCAST_W", "ALLGATHER_W", "REDUCE_G", "REDUCESCATTER_G"
 
 _AP = ACTIVATION_PASSING
+_WP = WEIGHT_PASSING
 _COMPUTE_CSV = (KEEP, KEEP)
 _COMM_CSV = (DROP, KEEP)
 _PEER_FIELDS = ("stage", "mb", "peer")
@@ -203,14 +236,14 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
     # -- activation passing: compute. F(s, m) reads the activation prev(s) made
     # and makes its own, keeping what its backward needs; B reads that and the
     # gradient next(s) made; I is B's input-gradient half, W its weight half.
-    OpRule(F, COMPUTE, _AP, reads=(Use("act", PREV),), writes=(Use("act"), Use("saved")),
+    OpRule(F, COMPUTE, _AP, reads=(Use("act", PREV), Use("weight")), writes=(Use("act"), Use("saved")),
            torch=_COMPUTE_CSV, trace="compute", unit_cost=1, doc="forward of (stage, mb)"),
-    OpRule(B, COMPUTE, _AP, reads=(Use("saved"), Use("grad", NEXT)), writes=(Use("grad"), Use("wgrad")),
+    OpRule(B, COMPUTE, _AP, reads=(Use("saved"), Use("grad", NEXT), Use("weight")), writes=(Use("grad"), Use("wgrad")),
            ends=("saved",), torch=_COMPUTE_CSV, trace="compute", unit_cost=2, doc="backward of (stage, mb)"),
-    OpRule(I, COMPUTE, _AP, reads=(Use("saved"), Use("grad", NEXT)), writes=(Use("grad"), Use("wstash")),
+    OpRule(I, COMPUTE, _AP, reads=(Use("saved"), Use("grad", NEXT), Use("weight")), writes=(Use("grad"), Use("wstash")),
            ends=("saved",), torch=_COMPUTE_CSV, trace="compute", unit_cost=1,
            doc="backward for the input gradient; leaves what W needs"),
-    OpRule(W, COMPUTE, _AP, reads=(Use("wstash"),), writes=(Use("wgrad"),), ends=("wstash",),
+    OpRule(W, COMPUTE, _AP, reads=(Use("wstash"), Use("weight")), writes=(Use("wgrad"),), ends=("wstash",),
            torch=_COMPUTE_CSV, trace="compute", unit_cost=1, doc="backward for the weight gradient"),
     # -- point to point. On a send the stage is the producer's, on a receive the consumer's.
     OpRule(SEND_F, SEND, _AP, carries=Use("act"), fields=_PEER_FIELDS, torch=_COMM_CSV,
@@ -231,6 +264,56 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
            communicator=REPLICAS_OF_CHUNK, doc="start the all-reduce of the chunk's weight gradient"),
     OpRule(ALLREDUCE_WAIT, COLLECTIVE_WAIT, _AP, fields=("stage",), communicator=REPLICAS_OF_CHUNK,
            doc="wait for this rank's all-reduce of the chunk"),
+    # -- weight passing (docs/weights.md). An EXCHANGE posts its parts at a
+    # step boundary and goes on; an EXCHANGE_WAIT waits for them. ``mb`` of
+    # both is the exchange's number (2 * boundary + lane, the same on every
+    # rank). A part names its layer by the acting rank's own stage of it
+    # (``stage``) and, in ``mb``, the step whose weights it brings (or whose
+    # gradients it takes away).
+    OpRule(EXCHANGE, EXCHANGE_OF, _WP, runs_on=ON_ANY, fields=("mb", "parts"),
+           doc="post the parts of one exchange (sends, receives, collectives) in list order"),
+    OpRule(EXCHANGE_WAIT, EXCHANGE_WAIT_OF, _WP, runs_on=ON_ANY, fields=("mb",),
+           doc="wait until every part of this rank's exchange ``mb`` has completed"),
+    OpRule(SEND_W, PART_SEND, _WP, carries=Use("weight"), fields=_PEER_FIELDS,
+           doc="send a copy of the layer's weights (the owner's master, or a copy held)"),
+    OpRule(RECV_W, PART_RECV, _WP, carries=Use("weight"), fields=_PEER_FIELDS,
+           doc="receive a copy of the layer's weights into a borrowed buffer"),
+    OpRule(SEND_G, PART_SEND, _WP, carries=Use("wgrad_partial"), fields=_PEER_FIELDS,
+           doc="send this rank's partial of the layer's weight gradient (it leaves this rank)"),
+    OpRule(RECV_G, PART_RECV, _WP, carries=Use("wgrad_partial"), fields=_PEER_FIELDS,
+           doc="receive a partial of the layer's weight gradient and add it to this rank's"),
+    # A ring step of one slot, on every rank: each passes its slot of step
+    # mb - 1 to rank r + ring_by and takes rank r - ring_by's as its slot of
+    # step mb. ``stage`` is the acting rank's stage of the layer it takes, or
+    # -1 when the slot it takes carries nothing still needed.
+    OpRule(SHIFT_F, PART_COLLECTIVE, _WP, reads=(Use("weight"),), writes=(Use("weight"),), fields=("mb",),
+           communicator=RING, doc="ring step of the forward weight slot"),
+    OpRule(SHIFT_B, PART_COLLECTIVE, _WP, reads=(Use("weight"),), writes=(Use("weight"),), fields=("mb",),
+           communicator=RING, doc="ring step of the backward weight slot"),
+    OpRule(SHIFT_G, PART_COLLECTIVE, _WP, reads=(Use("wgrad_partial"),), writes=(Use("wgrad_partial"),),
+           fields=("mb",), communicator=RING,
+           doc="ring step of the gradient partial that rides the backward slot"),
+    # A ring slot's first copy, made on its rank: from the owner's master, or
+    # from the rank's other slot holding the layer (WeiPipe's backward slot
+    # starts from the last forward's).
+    OpRule(FILL_F, PART_LOCAL, _WP, writes=(Use("weight"),), fields=("stage", "mb"),
+           doc="put a copy of the layer into this rank's forward slot of step mb"),
+    OpRule(FILL_B, PART_LOCAL, _WP, writes=(Use("weight"),), fields=("stage", "mb"),
+           doc="put a copy of the layer into this rank's backward slot of step mb"),
+    # A copy delivered by RECV_W, BCAST_W or ALLGATHER_W for step mb, dropped
+    # after its last use (ring slots are dropped by the shift that passes them on).
+    OpRule(FREE_W, DROP_COPY, _WP, reads=(Use("weight"),), ends=("weight",), fields=("stage", "mb"), trace="memory",
+           doc="drop this rank's copy of the layer delivered for step mb"),
+    OpRule(BCAST_W, PART_COLLECTIVE, _WP, reads=(Use("weight"),), writes=(Use("weight"),), fields=_PEER_FIELDS,
+           communicator=GROUP_OF_RANK, doc="broadcast the layer's weights inside the group from rank ``peer``"),
+    OpRule(REDUCE_G, PART_COLLECTIVE, _WP, reads=(Use("wgrad_partial"),), writes=(Use("wgrad_partial"),),
+           fields=_PEER_FIELDS, communicator=GROUP_OF_RANK,
+           doc="sum the group's partials of the layer's weight gradient at rank ``peer``"),
+    OpRule(ALLGATHER_W, PART_COLLECTIVE, _WP, reads=(Use("weight"),), writes=(Use("weight"),), fields=("stage", "mb"),
+           communicator=WORLD, doc="gather the layer's weights from every rank's shard"),
+    OpRule(REDUCESCATTER_G, PART_COLLECTIVE, _WP, reads=(Use("wgrad_partial"),), writes=(Use("wgrad_partial"),),
+           fields=("stage", "mb"), communicator=WORLD,
+           doc="sum every rank's partial of the layer's weight gradient, each rank keeping its shard"),
 )}
 
 OPS: tuple[str, ...] = tuple(RULES)
@@ -281,6 +364,27 @@ POSTING_OPS = ops_of(SEND, RECV, BATCH_OF)
 COLLECTIVE_OPS = ops_of(COLLECTIVE)
 COLLECTIVE_WAIT_OPS = ops_of(COLLECTIVE_WAIT)
 FREE_OPS = ops_of(FREE)
+# Weight passing: exchanges, their waits, and what an exchange may hold.
+EXCHANGE_OPS = ops_of(EXCHANGE_OF)
+EXCHANGE_WAIT_OPS = ops_of(EXCHANGE_WAIT_OF)
+EXCHANGE_PART_OPS = ops_of(*EXCHANGE_PART_CATEGORIES)
+WEIGHT_OPS = ops_of(*WEIGHT_CATEGORIES)
+DROP_COPY_OPS = ops_of(DROP_COPY)
+# The compute ops that run on a layer's weights (a borrowed copy under weight
+# passing), each with the pass whose copy it reads: the ops that make the
+# activation run forward, the others backward (a ring keeps one slot per pass).
+FORWARD, BACKWARD = "forward", "backward"
+WEIGHT_PASS: dict[str, str] = {
+    op: FORWARD if Use("act") in RULES[op].writes else BACKWARD
+    for op in COMPUTE_OPS if Use("weight") in RULES[op].reads}
+# The compute ops whose weight gradient is a contribution to the layer's
+# gradient (B, W): weight passing folds each into a partial bound for the owner.
+GRADIENT_CONTRIBUTORS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if Use("wgrad") in RULES[op].writes)
+# A ring's collective per slot: the forward and backward weight slots and the
+# gradient partial that rides the backward slot.
+SHIFT_OF_PASS: dict[str, str] = {FORWARD: SHIFT_F, BACKWARD: SHIFT_B}
+FILL_OF_PASS: dict[str, str] = {FORWARD: FILL_F, BACKWARD: FILL_B}
+PASS_OF_SLOT_OP: dict[str, str] = {op: p for table in (SHIFT_OF_PASS, FILL_OF_PASS) for p, op in table.items()}
 
 # A whole compute op -> the ops that do its work between them (B -> (I, W)):
 # cost files default a split op to its whole's share, and measured costs
@@ -462,7 +566,7 @@ def _check_table() -> None:
         for use in rule.reads + rule.writes + ((rule.carries,) if rule.carries else ()):
             assert use.kind in VALUE_KINDS and use.where in (SELF, PREV, NEXT), (op, use)
         assert all(kind in VALUE_KINDS for kind in rule.ends), op
-        assert (rule.carries is not None) == (rule.category in (SEND, RECV)), op
+        assert (rule.carries is not None) == (rule.category in (SEND, RECV, PART_SEND, PART_RECV)), op
         assert (rule.unit_cost is not None) == (rule.category == COMPUTE), op
     for kind, direction in HANDOFFS:
         assert kind in COMM_OP_OF_KIND, kind

@@ -56,7 +56,10 @@ from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Action, Program
-from pipec.compiler.memory_counts import ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_waiting_w
+from pipec.compiler.memory_counts import (
+    ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_waiting_w, peak_weight_buffers,
+)
+from pipec.compiler.traffic import node_map, traffic
 from pipec.errors import DeadlockError, MatchError, WellFormedError
 
 # A bubble fraction with a larger denominator is shown as a decimal only (float
@@ -94,6 +97,7 @@ class RankStats:
     peak_activations: int
     peak_waiting_w: int = 0
     peak_bytes: dict[str, Number] | None = None
+    peak_weight_buffers: int | None = None  # weight passing: borrowed weight copies alive at once
 
 
 @dataclass
@@ -113,6 +117,7 @@ class SimResult:
     bubble_ratio: float
     ranks: list[RankStats]
     timeline: list[list[Slot]]
+    traffic: dict[str, dict[str, Number]] | None = None
 
     def bubble_fraction(self) -> Fraction:
         """The bubble ratio as an exact fraction of the simulated totals.
@@ -134,13 +139,18 @@ class SimResult:
         return f"{self.bubble_ratio:.4f}"
 
     def to_json(self) -> dict:
-        """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations", "peak_waiting_w"}]} as plain
-        numbers; each rank also has "peak_bytes" (size class -> bytes) when the simulation was given sizes."""
-        return {
+        """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations", "peak_waiting_w"}],
+        "traffic"} as plain numbers; each rank also has "peak_bytes" (size class -> bytes) when the simulation
+        was given sizes, and "peak_weight_buffers" for weight passing; "traffic" is the bytes one step moves
+        per value kind and link class (``compiler.traffic``)."""
+        out = {
             "makespan": _plain(self.makespan),
             "bubble_ratio": float(self.bubble_ratio),
             "ranks": [_rank_json(rank) for rank in self.ranks],
         }
+        if self.traffic is not None:
+            out["traffic"] = self.traffic
+        return out
 
 
 def _rank_json(rank: RankStats) -> dict:
@@ -148,6 +158,8 @@ def _rank_json(rank: RankStats) -> dict:
            "peak_waiting_w": int(rank.peak_waiting_w)}
     if rank.peak_bytes is not None:
         out["peak_bytes"] = {size_class: _plain(size) for size_class, size in rank.peak_bytes.items()}
+    if rank.peak_weight_buffers is not None:
+        out["peak_weight_buffers"] = rank.peak_weight_buffers
     return out
 
 
@@ -231,7 +243,16 @@ _COLLECTIVE_HANDLERS = {
 }
 _HANDLERS = {op: _COLLECTIVE_HANDLERS[rule.category, rule.communicator] for op, rule in ops.RULES.items()
              if (rule.category, rule.communicator) in _COLLECTIVE_HANDLERS}
-ops.declare_pass("simulate", [*_COMPUTE_RULES, *_COMM_RULES, *_BATCH_OPS, *_FREE_OPS, *_HANDLERS])
+# Weight passing: an exchange posts its parts, its wait stalls until they
+# completed, a drop takes no time (a part is never an instruction of its own).
+_HANDLERS.update({op: "post_exchange" for op in ops.EXCHANGE_OPS})
+_HANDLERS.update({op: "wait_exchange" for op in ops.EXCHANGE_WAIT_OPS})
+_HANDLERS.update({op: "drop_copy" for op in ops.DROP_COPY_OPS})
+_EXCHANGE_PARTS = frozenset(ops.EXCHANGE_PART_OPS)
+# What a collective part is priced as (``CostModel.collective``).
+_COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "shift", ops.BCAST_W: "broadcast",
+                    ops.REDUCE_G: "reduce", ops.ALLGATHER_W: "all_gather", ops.REDUCESCATTER_G: "reduce_scatter"}
+ops.declare_pass("simulate", [*_COMPUTE_RULES, *_COMM_RULES, *_BATCH_OPS, *_FREE_OPS, *_HANDLERS, *_EXCHANGE_PARTS])
 
 # For messages: space -> the computes publishing in it; space -> the message
 # kind its computes make (spaces of no message are absent).
@@ -305,6 +326,14 @@ class _Simulation:
         # the rare ops drain does not handle inline:
         # op -> handler(rank, step, action, clock) -> new clock, or None when parked
         self.handlers = {op: getattr(self, method) for op, method in _HANDLERS.items()}
+        # weight passing: point-to-point channels (src, dst) -> (unmatched sends, unmatched
+        # receives), each (post time, completion key, rank, step, part); the k-th collective
+        # of a communicator -> its members' (join time, completion key, rank, part); per
+        # rank, its collectives joined per communicator; (rank, exchange) -> completion keys
+        self.part_channels: dict[tuple[int, int], tuple[deque, deque]] = {}
+        self.meetings: dict[tuple[int, int], list[tuple[Number, int, int, Action]]] = {}
+        self.joined: list[dict[int, int]] = [{} for _ in range(self.num_ranks)]
+        self.exchanges: dict[tuple[int, int], list[int]] = {}
 
     # -- plans -------------------------------------------------------------------
 
@@ -605,6 +634,97 @@ class _Simulation:
             return None
         return max(clock, end)
 
+    # -- weight passing ----------------------------------------------------------
+
+    def _new_key(self) -> int:
+        """A fresh key of the ``ready`` table, for one part's completion."""
+        self.ready.append(None)
+        return len(self.ready) - 1
+
+    def _part_bytes(self, part: Action) -> Number:
+        rule = ops.RULES[part.op]
+        kind = rule.carries.kind if rule.carries else (rule.writes[0].kind if rule.writes else None)
+        if kind is None or not self.sizes and not self.costs.sizes:
+            return 0
+        sizes = self.sizes if self.sizes is not None else self.costs.sizes
+        return sizes.get(ops.VALUE_KINDS[kind].size_class, 0)
+
+    def post_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number:
+        """EXCHANGE: post every part at ``clock`` and go on. A point-to-point part completes when
+        both sides are posted and the bytes crossed; a collective when its last member joined and
+        its ring steps ran (``CostModel.collective``); a fill at once."""
+        keys = []
+        for part in action.parts:
+            rule = ops.RULES.get(part.op)
+            if rule is None or part.op not in _EXCHANGE_PARTS:
+                raise self._error(WellFormedError, f"{part.text()} cannot be part of an exchange", rank, step)
+            if rule.category == ops.PART_LOCAL:
+                continue
+            key = self._new_key()
+            keys.append(key)
+            if rule.category == ops.PART_COLLECTIVE:
+                self._join_meeting(rank, step, part, key, clock)
+            else:
+                self._post_part(rank, step, part, key, clock, rule.category == ops.PART_SEND)
+        self.exchanges[(rank, action.mb)] = keys
+        return clock + self.costs.post * len(action.parts)
+
+    def _post_part(self, rank: int, step: int, part: Action, key: int, clock: Number, is_send: bool) -> None:
+        peer = part.peer
+        if not 0 <= peer < self.num_ranks or peer == rank:
+            raise self._error(WellFormedError, f"{part.text()}: peer {peer} out of range", rank, step)
+        pair = (rank, peer) if is_send else (peer, rank)
+        sends, receives = self.part_channels.setdefault(pair, (deque(), deque()))
+        mine, theirs = (sends, receives) if is_send else (receives, sends)
+        posted = (clock, key, rank, part)
+        if not theirs:
+            mine.append(posted)
+            return
+        other = theirs.popleft()
+        send, receive = (posted, other) if is_send else (other, posted)
+        start = max(send[0], receive[0])
+        end = start + self.costs.value_transfer(self.devices[send[2]], self.devices[receive[2]],
+                                                self._part_bytes(send[3]))
+        if end > start:
+            self.comm_slots[receive[2]].append(Slot(start, end, receive[3], True))
+        self.publish(send[1], end)
+        self.publish(receive[1], end)
+
+    def _join_meeting(self, rank: int, step: int, part: Action, key: int, clock: Number) -> None:
+        communicator = self.program.communicator_on(part, rank)
+        if communicator is None or rank not in communicator.ranks:
+            raise self._error(WellFormedError, f"{part.text()} meets on no communicator that has rank {rank}",
+                              rank, step)
+        k = self.joined[rank].get(communicator.id, 0)
+        self.joined[rank][communicator.id] = k + 1
+        members = self.meetings.setdefault((communicator.id, k), [])
+        members.append((clock, key, rank, part))
+        if len(members) < len(communicator.ranks):
+            return
+        start = max(time for time, _, _, _ in members)
+        devices = tuple(self.devices[r] for r in communicator.ranks)
+        end = start + self.costs.collective(_COLLECTIVE_KIND[part.op], devices, self._part_bytes(part))
+        for _, member_key, member, member_part in members:
+            if end > start:
+                self.comm_slots[member].append(Slot(start, end, member_part, True))
+            self.publish(member_key, end)
+
+    def wait_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number | None:
+        """EXCHANGE_WAIT: stall until every part of this rank's exchange ``mb`` has completed."""
+        keys = self.exchanges.get((rank, action.mb))
+        if keys is None:
+            raise self._error(WellFormedError, f"{action.text()} waits for exchange {action.mb}, which this rank "
+                              "has not posted", rank, step)
+        for key in keys:
+            if self.ready[key] is None:
+                self.park(rank, key)
+                return None
+        return max([clock] + [self.ready[key] for key in keys])
+
+    def drop_copy(self, rank: int, step: int, action: Action, clock: Number) -> Number:
+        """FREE_W: memory bookkeeping only; it takes no time."""
+        return clock
+
     def _stage_of(self, rank: int, step: int, action: Action) -> int:
         if not 0 <= action.stage < self.num_stages:
             raise self._error(WellFormedError, f"{action.text()}: stage out of range", rank, step)
@@ -616,14 +736,18 @@ class _Simulation:
         allreduce_ends = [t for t in self.ready[_ALLREDUCE * self.space:] if t is not None]
         makespan = max(self.clock + allreduce_ends, default=0)
         byte_peaks = peak_bytes(self.program, self.sizes) if self.sizes is not None else [None] * self.num_ranks
-        ranks = [RankStats(busy, makespan - busy, peak, peak_waiting_w(row), in_bytes)
-                 for busy, peak, row, in_bytes in zip(self.busy, self.peak, self.program.ranks, byte_peaks)]
+        borrowed = (peak_weight_buffers(self.program) if self.program.weights is not None
+                    else [None] * self.num_ranks)
+        ranks = [RankStats(busy, makespan - busy, peak, peak_waiting_w(row), in_bytes, buffers)
+                 for busy, peak, row, in_bytes, buffers
+                 in zip(self.busy, self.peak, self.program.ranks, byte_peaks, borrowed)]
         bubble = 1 - sum(self.busy) / (makespan * self.num_ranks) if makespan else 0.0
         timeline = []
         for compute, comms in zip(self.slots, self.comm_slots):
             # compute slots are already in start order; sorting is needed only to merge comms in
             timeline.append(sorted(compute + comms, key=itemgetter(0)) if comms else compute)
-        return SimResult(makespan, float(bubble), ranks, timeline)
+        moved = traffic(self.program, self.sizes or self.costs.sizes, node_map(self.program, self.costs.node_size))
+        return SimResult(makespan, float(bubble), ranks, timeline, moved)
 
     def _error(self, kind: type, message: str, rank: int, step: int) -> Exception:
         return kind(message, rank=rank, step=step, grid=self.program.grid())

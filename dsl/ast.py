@@ -138,7 +138,15 @@ class If(Node):
     otherwise: tuple["Stmt", ...]
 
 
-Stmt = Let | Task | For | If
+@dataclass(frozen=True)
+class AtStep(Node):
+    """``at step E { ... }``: the tasks inside belong to step E (weight passing)."""
+
+    step: Expr
+    body: tuple["Stmt", ...]
+
+
+Stmt = Let | Task | For | If | AtStep
 
 
 # -------------------------------------------------------------- declarations
@@ -197,6 +205,57 @@ class DeviceMap(Node):
 @dataclass(frozen=True)
 class Backward(Node):
     mode: str  # full | split
+
+
+@dataclass(frozen=True)
+class Home(Node):
+    """``home microbatch m on rank E``: one pipeline per rank, all local, microbatch m on E."""
+
+    var: str
+    var_span: Span
+    rank: Expr
+
+
+@dataclass(frozen=True)
+class Own(Node):
+    """``own layer l on rank E``: the rank that keeps layer l's master weights."""
+
+    var: str
+    var_span: Span
+    rank: Expr
+
+
+@dataclass(frozen=True)
+class Group(Node):
+    """``group rank r in E``: the group (node) of rank r."""
+
+    var: str
+    var_span: Span
+    group: Expr
+
+
+@dataclass(frozen=True)
+class Weights(Node):
+    """``weights ROUTE [by E]``: how weights reach the ranks that run a layer."""
+
+    route: str  # ring | direct | staged | all_gather
+    by: Expr | None
+
+
+@dataclass(frozen=True)
+class Gradients(Node):
+    """``gradients ROUTE``: how weight gradients reach a layer's owner."""
+
+    route: str  # ring | direct | reduce | reduce_scatter
+
+
+@dataclass(frozen=True)
+class WeightCount(Node):
+    """``prefetch E`` (steps ahead a weight fetch is posted) or ``buffers E`` (the most
+    borrowed weight buffers alive on a rank)."""
+
+    what: str  # prefetch | buffers
+    value: Expr
 
 
 @dataclass(frozen=True)
@@ -259,7 +318,7 @@ class SortedOrder(Node):
 
 Decl = (
     Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | ExplicitOrder | GreedyOrder
-    | SortedOrder
+    | SortedOrder | Home | Own | Group | Weights | Gradients | WeightCount
 )
 
 

@@ -1,10 +1,11 @@
 """The run-time side of explicit order bodies (``order rank r { ... }``).
 
 Resolution (``pipec.dsl.resolve``) turns each statement into a closure over the
-schedule's flat ``env``; these are the closures for loops, branches, lets and
-tasks. ``OrderState`` collects the tasks a body emits and checks each one
-where it is written (range, home rank, duplicates) and, at the end, that none
-is missing, so every mistake is reported at the statement responsible.
+schedule's flat ``env``; these are the closures for loops, branches, lets,
+``at step`` blocks and tasks. ``OrderState`` collects the tasks a body emits
+and checks each one where it is written (range, home rank, duplicates, and in
+a weight-passing schedule a step that never goes back) and, at the end, that
+none is missing, so every mistake is reported at the statement responsible.
 """
 from __future__ import annotations
 
@@ -24,8 +25,16 @@ class OrderState:
     def __init__(self, resolver: Resolver):
         self.source = resolver.source
 
-    def start(self, spec: ScheduleSpec) -> None:
+    def start(self, spec: ScheduleSpec, home: bool = False) -> None:
+        """Begin an evaluation of the order for ``spec``.
+
+        Args:
+            spec: the schedule evaluated so far (layout, and weights if any).
+            home: the layout is ``home``'s (one pipeline per rank): a task on
+                the wrong rank is named by its microbatch's home.
+        """
         self.spec = spec
+        self.home = home
         self.N = spec.num_microbatches
         self.S = spec.num_stages
         self.stage_rank = [r for row in spec.placement for r in row]
@@ -38,11 +47,47 @@ class OrderState:
         self.orders: list[list[tuple[str, int, int]]] = []
         self.rank = 0
         self.out: list = []
+        # Weight passing: per rank the step of each task (None otherwise), the
+        # step of the `at step` block running, and the steps of the rank running.
+        self.steps: list[list[int]] | None = [] if spec.weights is not None else None
+        self.step: int | None = None
+        self.step_out: list[int] = []
 
     def begin_rank(self, rank: int) -> None:
         self.rank = rank
         self.out = []
         self.orders.append(self.out)
+        if self.steps is not None:
+            self.step_out = []
+            self.steps.append(self.step_out)
+
+    def at_step(self, node: ast.AtStep, step_fn: Fn, body: list[Callable]) -> Callable[[list], None]:
+        """``at step E { ... }``: the tasks the body emits belong to step E (an integer >= 0)."""
+        state = self
+
+        def run(env):
+            step = step_fn(env)
+            if step < 0:
+                raise EvalError(f"a step is 0 or more; this one is {step}", node.step.span, state.source)
+            outer, state.step = state.step, step
+            for stmt in body:
+                stmt(env)
+            state.step = outer
+
+        return run
+
+    def check_step(self, node: ast.Task, text: str) -> None:
+        """Record the step of the task being emitted (``text``); a rank's steps never go back."""
+        out = self.step_out
+        if out and self.step < out[-1]:
+            kind, sid, m = self.out[-1]
+            raise ScheduleError(
+                f"{text} is at step {self.step} on rank {self.rank}, after {kind}({sid % self.S}, {m}) at step "
+                f"{out[-1]}: the steps of a rank never go back",
+                node.span,
+                self.source,
+            )
+        out.append(self.step)
 
     def emitter(self, node: ast.Task, stage_fn: Fn, mb_fn: Fn) -> Callable[[list], None]:
         kind = node.kind
@@ -61,6 +106,13 @@ class OrderState:
                 )
             sid = state.mb_offset[m] + s
             if state.stage_rank[sid] != state.rank:
+                if state.home:
+                    raise ScheduleError(
+                        f"{kind}({s}, {m}) runs on rank {state.rank}, but microbatch {m}'s home is rank "
+                        f"{state.stage_rank[sid]}: a microbatch's tasks all run on its home",
+                        node.span,
+                        state.source,
+                    )
                 raise ScheduleError(
                     f"{kind}({s}, {m}) runs on rank {state.rank}, but stage {s}"
                     f"{of_pipeline(sid // state.S, state.spec.num_pipelines)} is placed on rank {state.stage_rank[sid]}",
@@ -74,6 +126,8 @@ class OrderState:
                     node.span,
                     state.source,
                 )
+            if state.steps is not None:
+                state.check_step(node, f"{kind}({s}, {m})")
             state.seen[key] = 1
             state.out.append((kind, sid, m))
 
@@ -83,6 +137,8 @@ class OrderState:
         for rank, row in enumerate(self.orders):
             for step, task in enumerate(row):
                 if task == (kind, sid, m):
+                    if self.steps is not None:  # a weight-passing order's steps are its `at step`s
+                        return f"rank {rank}, at step {self.steps[rank][step]}"
                     return f"rank {rank}, step {step}"
         return "an earlier step"
 
@@ -98,14 +154,13 @@ class OrderState:
             base = spec.tasks.index(kind) * self.S
             for m, p in enumerate(spec.mb_pipeline):
                 for s in range(self.S):
+                    if self.seen[(base + s) * self.N + m]:
+                        continue
                     sid = p * self.S + s
-                    if not self.seen[(base + s) * self.N + m]:
-                        raise ScheduleError(
-                            f"{kind}({s}, {m}) is never scheduled: rank {self.stage_rank[sid]} runs stage {s}"
-                            f"{of_pipeline(p, spec.num_pipelines)} and must run it",
-                            node.span,
-                            self.source,
-                        )
+                    who = (f"rank {p}, microbatch {m}'s home, must run it" if self.home else
+                           f"rank {self.stage_rank[sid]} runs stage {s}{of_pipeline(p, spec.num_pipelines)} "
+                           "and must run it")
+                    raise ScheduleError(f"{kind}({s}, {m}) is never scheduled: {who}", node.span, self.source)
 
 
 def assign_statement(slot: int, fn: Fn) -> Callable:

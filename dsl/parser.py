@@ -74,6 +74,37 @@ def _refuse_keyword(token: Token) -> Token:
     return token
 
 
+def _keyword_error(token: Token, source: str, path: str) -> ParseError:
+    """The error of a reserved word lexed as a name.
+
+    Where the grammar takes a name, the word is a keyword used as one. Where
+    it takes only other words (``gradients staged``: ``staged`` is a weight
+    route, not a gradient route), the word is unexpected there: say what is.
+    """
+    word = str(token)
+    accepts = _accepted_before(source)
+    if accepts is not None and "NAME" not in accepts:
+        return ParseError(f"unexpected {word!r}" + _expected(accepts), _span_of(path, token), source)
+    return ParseError(f"'{word}' is a keyword and cannot be used as a name; pick another name",
+                      _span_of(path, token), source)
+
+
+def _accepted_before(source: str) -> set[str] | None:
+    """The terminals the parser accepts just before the keyword lexed as a name, or None if unknown.
+
+    Parses again, interactively, up to that word (only on this error path).
+    """
+    interactive = _parser().parse_interactive(source)
+    try:
+        for _ in interactive.iter_parse():
+            pass
+    except _KeywordAsName:
+        return set(interactive.accepts())
+    except lark.exceptions.LarkError:
+        return None
+    return None
+
+
 def parse(source: str, path: str = "<string>") -> ast.Module:
     """Parse a ``.pipe`` file.
 
@@ -91,9 +122,7 @@ def parse(source: str, path: str = "<string>") -> ast.Module:
     except lark.exceptions.UnexpectedInput as error:
         raise _friendly(error, source, path) from None
     except _KeywordAsName as error:
-        word = str(error.token)
-        raise ParseError(f"'{word}' is a keyword and cannot be used as a name; pick another name",
-                         _span_of(path, error.token), source) from None
+        raise _keyword_error(error.token, source, path) from None
     module = ast.Module(path, source)
     try:
         module.schedules = _ToAst(path).transform(tree)
@@ -266,6 +295,8 @@ _TERMINAL_TEXT = {
     "SEMICOLON": "';'", "EQUAL": "'='", "COMPARE": "a comparison", "ADD": "'+' or '-'",
     "MUL": "'*', '/' or '%'", "MINUS": "'-'", "QMARK": "'?'", "TASK_KIND": "a task (F, B, I, W, ...)",
     "PARAM_TYPE": "a type (ranks, microbatches, chunks, int, bool)", "BACKWARD_MODE": "full or split",
+    "WEIGHT_ROUTE": "a weight route (ring, direct, staged, all_gather)",
+    "GRADIENT_ROUTE": "a gradient route (ring, direct, reduce, reduce_scatter)",
 "LESSTHAN": "'<'", "MORETHAN": "'>'",
 }
 
@@ -412,6 +443,10 @@ class _ToAst(Transformer_NonRecursive):
         var, start, stop, step, body = children
         return ast.For(self._span(meta), str(var), _span_of(self.path, var), start, stop, step, body)
 
+    def at_step(self, meta, children):
+        step, body = children
+        return ast.AtStep(self._span(meta), step, body)
+
     def if_stmt(self, meta, children):
         cond, then, otherwise = children
         if otherwise is None:
@@ -452,6 +487,31 @@ class _ToAst(Transformer_NonRecursive):
 
     def backward(self, meta, children):
         return ast.Backward(self._span(meta), str(children[0]))
+
+    def home(self, meta, children):
+        var, rank = children
+        return ast.Home(self._span(meta), str(var), _span_of(self.path, var), rank)
+
+    def own(self, meta, children):
+        var, rank = children
+        return ast.Own(self._span(meta), str(var), _span_of(self.path, var), rank)
+
+    def group(self, meta, children):
+        var, group = children
+        return ast.Group(self._span(meta), str(var), _span_of(self.path, var), group)
+
+    def weights(self, meta, children):
+        route, by = children
+        return ast.Weights(self._span(meta), str(route), by)
+
+    def gradients(self, meta, children):
+        return ast.Gradients(self._span(meta), str(children[0]))
+
+    def prefetch(self, meta, children):
+        return ast.WeightCount(self._span(meta), "prefetch", children[0])
+
+    def buffers(self, meta, children):
+        return ast.WeightCount(self._span(meta), "buffers", children[0])
 
     def order_explicit(self, meta, children):
         var, body = children

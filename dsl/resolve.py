@@ -5,7 +5,9 @@ whose expressions and statements are compiled into closures
 (``pipec.dsl.evaluate``), or raises every error it found at once: unknown
 names, type mismatches, a missing ``stages``, a missing or second order,
 parameters without the ``ranks``/``microbatches`` roles, tasks of the wrong
-backward mode, keys or priorities given twice.
+backward mode, keys or priorities given twice, and the rules of weight passing
+(``pipec.dsl.weights``: ``weights`` without ``home``, a task outside every
+``at step``, ``own`` with ``all_gather``, routes that do not pair, ...).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pipec.dsl.evaluate import BOOL, INT, KEY, Resolver, Scope
 from pipec.dsl.order_body import assign_statement, branch_statement, loop_statement, OrderState
 from pipec.dsl.schedule import DEFAULT_PREFER, ResolvedSchedule
 from pipec.dsl.spec import TaskKinds
+from pipec.dsl.weights import WEIGHT_DECLS, check_weight_rules, resolve_weight_decl
 from pipec.errors import ResolveError, SourceErrors
 
 
@@ -46,13 +49,17 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
         out.backward_mode = tasks.default_mode
     out.split_backward = out.backward_mode != tasks.default_mode
     orders = [d for d in schedule.decls if isinstance(d, (ast.ExplicitOrder, ast.GreedyOrder, ast.SortedOrder))]
+    # Read before the walk, like `backward`: an order body written before
+    # `weights` must already know that its tasks belong to steps.
+    out.weight_decls.passing = any(isinstance(d, ast.Weights) for d in schedule.decls)
 
     for decl in schedule.decls:
         _resolve_decl(out, decl, scope)
 
     if out.stages.node is None:
         resolver.error("a schedule needs `stages EXPR` (how many stages each pipeline has)", schedule.span)
-    if not out.places:
+    check_weight_rules(resolver, out.weight_decls, schedule)
+    if not out.places and out.weight_decls.home is None:
         resolver.error("a schedule needs at least one `place stage s on rank EXPR`", schedule.span)
     if not orders:
         resolver.error(
@@ -130,6 +137,8 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
         out.device_map = (decl, slot, resolver.expect(decl.device, inner, INT, "a device"))
     elif isinstance(decl, ast.Backward):
         pass  # read before the walk: tasks need to know it
+    elif isinstance(decl, WEIGHT_DECLS):
+        resolve_weight_decl(resolver, out.weight_decls, decl, scope)
     elif isinstance(decl, ast.ExplicitOrder):
         if out.explicit is None and out.greedy is None and out.sorted is None:
             inner = scope.child()
@@ -153,7 +162,17 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
                 resolver.error(f"`order sorted` needs a key for every kind of task; add `key {missing[0]}(s, m) = ...`", decl.span)
 
 
-def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope) -> list[Callable]:
+def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope, inside: ast.AtStep | None = None) -> list[Callable]:
+    """Compile the statements of an explicit order's block.
+
+    Args:
+        out: the schedule being resolved (its order state, task kinds, budget).
+        body: the block's statements.
+        scope: the names visible to the block.
+        inside: the ``at step`` block this one is in, or None.
+    Returns:
+        one closure per statement.
+    """
     resolver = out.resolver
     compiled: list[Callable] = []
     for stmt in body:
@@ -163,6 +182,9 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope) -> list[Call
             compiled.append(assign_statement(slot, fn))
         elif isinstance(stmt, ast.Task):
             _check_kind(out, stmt)
+            if inside is None and out.weight_decls.passing:
+                resolver.error(f"{stmt.kind}(...) is outside every `at step`: in a weight-passing schedule "
+                               "every task belongs to a step, `at step EXPR { ... }`", stmt.span)
             stage_fn = resolver.expect(stmt.stage, scope, INT, "a task's stage")
             mb_fn = resolver.expect(stmt.mb, scope, INT, "a task's microbatch")
             compiled.append(out._state.emitter(stmt, stage_fn, mb_fn))
@@ -172,15 +194,30 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope) -> list[Call
             step = None if stmt.step is None else resolver.expect(stmt.step, scope, INT, "a range step")
             inner = scope.child()
             slot = resolver.bind(inner, stmt.var, INT, stmt.var_span).slot
-            body_fns = _resolve_body(out, stmt.body, inner)
+            body_fns = _resolve_body(out, stmt.body, inner, inside)
             compiled.append(loop_statement(stmt, slot, start, stop, step, body_fns, out.source, out.budget,
                                            _body_cost(resolver, stmt.body)))
         elif isinstance(stmt, ast.If):
             cond = resolver.expect(stmt.cond, scope, BOOL, "an `if` condition")
-            then = _resolve_body(out, stmt.then, scope.child())
-            otherwise = _resolve_body(out, stmt.otherwise, scope.child())
+            then = _resolve_body(out, stmt.then, scope.child(), inside)
+            otherwise = _resolve_body(out, stmt.otherwise, scope.child(), inside)
             compiled.append(branch_statement(cond, then, otherwise))
+        elif isinstance(stmt, ast.AtStep):
+            compiled.append(_resolve_at_step(out, stmt, scope, inside))
     return compiled
+
+
+def _resolve_at_step(out: ResolvedSchedule, stmt: ast.AtStep, scope: Scope, outer: ast.AtStep | None) -> Callable:
+    """``at step E { ... }``: only with `weights`, never inside another."""
+    resolver = out.resolver
+    if not out.weight_decls.passing:
+        resolver.error("`at step` belongs to weight passing: it needs `weights ROUTE` (ring, direct, staged or "
+                       "all_gather)", stmt.span)
+    if outer is not None:
+        resolver.error(f"`at step` inside `at step` (line {outer.span.line}): a task belongs to one step", stmt.span)
+    step = resolver.expect(stmt.step, scope, INT, "a step")
+    body = _resolve_body(out, stmt.body, scope.child(), stmt)
+    return out._state.at_step(stmt, step, body)
 
 
 def _body_cost(resolver: Resolver, body: tuple) -> int:
@@ -195,6 +232,8 @@ def _body_cost(resolver: Resolver, body: tuple) -> int:
             cost += 1 + resolver.cost(stmt.start) + resolver.cost(stmt.stop) + resolver.cost(stmt.step)
         elif isinstance(stmt, ast.If):
             cost += 1 + resolver.cost(stmt.cond) + _body_cost(resolver, stmt.then) + _body_cost(resolver, stmt.otherwise)
+        elif isinstance(stmt, ast.AtStep):
+            cost += 1 + resolver.cost(stmt.step) + _body_cost(resolver, stmt.body)
     return cost
 
 

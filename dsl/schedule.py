@@ -4,10 +4,12 @@ Evaluation is the second of two steps (the first, ``pipec.dsl.resolve``, finds
 every mistake a file can hold before any parameter is looked at):
 ``ResolvedSchedule.evaluate(defines)`` binds the parameters, runs the
 ``require``s (in text order, interleaved with ``let``s), places stages, routes
-microbatches, maps devices, and produces the order: an explicit order runs its
-loops once per rank (``pipec.dsl.order_body``) and every task is checked where
-it is written, so a mistake points at its line; a sorted order sorts each
-rank's tasks by key; a policy is handed over for the list scheduler.
+microbatches (or lays out one pipeline per rank under ``home``), maps devices,
+evaluates the weight-passing declarations (``pipec.dsl.weights``), and produces
+the order: an explicit order runs its loops once per rank
+(``pipec.dsl.order_body``) and every task is checked where it is written, so a
+mistake points at its line; a sorted order sorts each rank's tasks by key; a
+policy is handed over for the list scheduler.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pipec.dsl.limits import (
     BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, check_int,
 )
 from pipec.dsl.spec import GreedyPolicy, ScheduleSpec, TaskKinds
+from pipec.dsl.weights import WeightDecls, home_pipelines, weight_spec
 from pipec.errors import EvalError, RequireError, ScheduleError, Span, UsageError
 
 if TYPE_CHECKING:
@@ -82,6 +85,8 @@ class ResolvedSchedule:
     route: tuple[ast.Route, int, Fn] | None = None
     places: list[tuple[ast.Place, int, int | None, Fn, Fn | None]] = field(default_factory=list)
     device_map: tuple[ast.DeviceMap, int, Fn] | None = None
+    # home, own, group, weights, gradients, prefetch, buffers (weight passing)
+    weight_decls: WeightDecls = field(default_factory=WeightDecls)
     tasks: TaskKinds | None = None
     backward_mode: str = ""
     split_backward: bool = False
@@ -153,13 +158,18 @@ class ResolvedSchedule:
         P = values[self.ranks_param]
         N = values[self.microbatches_param]
         S = self._positive(self.stages.fn(env), "the number of stages", self.stages.node)
-        pipelines = 1
+        home = self.weight_decls.home
+        pipelines = P if home is not None else 1  # `home`: one pipeline per rank
         if self.pipelines.fn is not None:
             pipelines = self._positive(self.pipelines.fn(env), "the number of pipelines", self.pipelines.node)
 
         self._check_size(values, S, pipelines)
-        mb_pipeline = self._route(env, N, pipelines)
-        placement = self._place(env, P, S, pipelines)
+        if home is not None:
+            mb_pipeline = home_pipelines(self.weight_decls, env, N, P, self.resolver, self.budget)
+            placement = [[p] * S for p in range(P)]  # every stage (layer) of pipeline p on rank p
+        else:
+            mb_pipeline = self._route(env, N, pipelines)
+            placement = self._place(env, P, S, pipelines)
         devices = self._devices(env, P)
         spec = ScheduleSpec(
             name=self.name,
@@ -176,6 +186,8 @@ class ResolvedSchedule:
             split_backward=self.split_backward,
             tasks=self.tasks,
         )
+        if self.weight_decls.weights is not None:  # before the order: its steps are recorded for it
+            spec.weights = weight_spec(self.weight_decls, env, P, S, self.resolver, self.budget)
         if self.explicit is not None:
             spec.order_span = self.explicit[0].span
             spec.order = self._run_explicit(env, spec)
@@ -205,10 +217,12 @@ class ResolvedSchedule:
                 self.source,
             )
         if pipelines * S > MAX_TASKS:
+            # the pipelines are `pipelines E`, or one per rank under `home`
+            where = self.pipelines.node or self.weight_decls.home[0]
             raise EvalError(
                 f"{self.name} at {_format_values(values)} has {pipelines * S:,} stages in all ({pipelines:,} "
                 f"pipelines x {S:,} stages); pipec's limit is {MAX_TASKS:,}",
-                self.pipelines.node.span,
+                where.span,
                 self.source,
             )
 
@@ -328,13 +342,14 @@ class ResolvedSchedule:
         node, rank_slot, body = self.explicit
         self.budget.charge(spec.num_ranks, self.explicit_cost, "the order's body for each rank", node.span, self.source)
         state = self._state
-        state.start(spec)
+        state.start(spec, home=self.weight_decls.home is not None)
         for r in range(spec.num_ranks):
             env[rank_slot] = r
             state.begin_rank(r)
             for stmt in body:
                 stmt(env)
         state.finish(node)
+        spec.task_steps = state.steps
         return state.orders
 
     def _run_sorted(self, env: list, spec: ScheduleSpec) -> list[list[tuple[str, int, int]]]:

@@ -84,6 +84,44 @@ class GreedyPolicy:
     in_order: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class WeightSpec:
+    """How a weight-passing schedule moves weights (``weights ROUTE`` and its companions).
+
+    In this family every rank keeps its own microbatches and runs every layer
+    (stage) on them; the weights of a layer travel to the ranks that run it and
+    its weight gradients travel back to its owner.
+
+    Attributes:
+        route: how a layer's weights reach a rank that runs it: ``ring`` (every
+            step each rank passes its ring slot to rank ``r + ring_by``),
+            ``direct`` (owner -> user), ``staged`` (owner -> the staging rank
+            of the user's group, then a broadcast in the group) or
+            ``all_gather`` (every layer sharded over every rank, gathered
+            before use).
+        ring_by: the ring offset as written (``by E``; 1 when not given), not
+            reduced mod P: -1 stays -1. Used only under ``ring``.
+        gradients: how weight gradients reach a layer's owner: ``ring``,
+            ``direct``, ``reduce`` (in the group, then to the owner) or
+            ``reduce_scatter``.
+        owners: layer -> the rank that keeps its master weights and optimizer
+            state (``own layer l on rank E``); None under ``all_gather``.
+        groups: rank -> its group (node) id (``group rank r in E``; every rank
+            in group 0 when not given).
+        prefetch: how many steps ahead a weight fetch is posted (``prefetch E``; 0).
+        buffers: the most borrowed weight buffers alive at once on a rank
+            (``buffers E``), or None for no bound.
+    """
+
+    route: str
+    ring_by: int
+    gradients: str
+    owners: tuple[int, ...] | None
+    groups: tuple[int, ...]
+    prefetch: int
+    buffers: int | None
+
+
 @dataclass
 class ScheduleSpec:
     """A schedule evaluated with concrete parameters.
@@ -104,6 +142,10 @@ class ScheduleSpec:
         order: explicit order: per rank its tasks; None under a policy.
         policy: the list-scheduling policy; None under an explicit order.
         order_span: where the order is written, for messages.
+        weights: how weights move, for a weight-passing schedule (``weights
+            ROUTE``); None otherwise.
+        task_steps: for a weight-passing schedule, per rank the step (``at
+            step E``) of each task of ``order[r]`` (same length); None otherwise.
     """
 
     name: str
@@ -123,6 +165,8 @@ class ScheduleSpec:
     policy: GreedyPolicy | None = None
     order_span: Span | None = None
     notes: list[str] = field(default_factory=list)
+    weights: WeightSpec | None = None
+    task_steps: list[list[int]] | None = None
 
     def stage_id(self, pipeline: int, position: int) -> int:
         return pipeline * self.num_stages + position

@@ -227,6 +227,12 @@ class BudgetError(ProgramError):
     """Peak memory above the given budget."""
 
 
+class RouteError(ProgramError):
+    """A weight or gradient not where it must be (weight passing): a task runs a layer whose
+    weights this rank does not hold, a copy is dropped while its send is in flight, a
+    gradient is added to while it travels, lost, or folded into its owner twice."""
+
+
 class CostFileError(PipecError):
     """A cost file that cannot be used."""
 

@@ -6,6 +6,8 @@
   FIFO per ordered pair of ranks.
 * ``check_conflict``: no buffer read before it is received or after it is freed.
 * ``check_deadlock``: every rank reaches its end ("rendezvous" or "async").
+* ``check_weights`` (weight passing): every copy and gradient where it must
+  be, collectives in one order, no deadlock, buffers within their bound.
 * ``check_memory`` / ``peak_activations``: live activations per rank, and
   live bytes per size class given the bytes of one value of each.
 
@@ -21,6 +23,7 @@ from pipec.compiler.checks.conflict import check_conflict
 from pipec.compiler.checks.deadlock import ASYNC, RENDEZVOUS, SEMANTICS, check_deadlock
 from pipec.compiler.checks.matching import MessageLog, check_matching, describe_tensor, scan_messages
 from pipec.compiler.checks.memory import check_memory, peak_activations
+from pipec.compiler.checks.weights import WeightReport, check_weights
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.checks.wellformed import (
     StageTables,
@@ -64,6 +67,8 @@ def check_all(
     check_matching(program, log=log, tables=tables)
     check_conflict(program, tasks=tasks, log=log, tables=tables)
     check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
+    if program.weights is not None:
+        check_weights(program)
     check_memory(program, memory_budget, byte_budget=byte_budget, sizes=sizes)
 
 
@@ -79,6 +84,8 @@ __all__ = [
     "check_deadlock",
     "check_matching",
     "check_memory",
+    "check_weights",
+    "WeightReport",
     "check_well_formed",
     "describe_tensor",
     "locate_tasks",

@@ -63,6 +63,8 @@ _CHECKED = {
     ops.FREE: "drops a stored value",
     ops.COLLECTIVE: None,
     ops.COLLECTIVE_WAIT: None,
+    # weight passing's copies and partials: ``checks.weights`` proves their buffers
+    **{category: None for category in ops.WEIGHT_CATEGORIES},
 }
 ops.declare_pass("conflict", [op for op, rule in ops.RULES.items() if rule.category in _CHECKED])
 

@@ -49,6 +49,7 @@ from pipec.compiler.ops import (
     MESSAGE_READERS,
     RULES,
     TASK_CODE,
+    WEIGHT_OPS,
     declare_pass,
 )
 from pipec.compiler.checks.matching import (
@@ -242,8 +243,10 @@ def _input_of(program: Program, tables: StageTables, action) -> int:
 
 # Messages meet by pair, collectives by communicator; a compute waits (async)
 # for its input's send; frees and collective waits never wait.
-declare_pass("deadlock", set(PART_RULES) | set(COLLECTIVE_OPS) | {op for op, rule in RULES.items()
-                                                               if rule.category in (BATCH_OF, COMPUTE, FREE, COLLECTIVE_WAIT)})
+# Weight passing's exchanges never wait here: ``checks.weights`` runs them
+# under the strictest semantics and names their deadlocks.
+declare_pass("deadlock", set(PART_RULES) | set(COLLECTIVE_OPS) | set(WEIGHT_OPS)
+             | {op for op, rule in RULES.items() if rule.category in (BATCH_OF, COMPUTE, FREE, COLLECTIVE_WAIT)})
 
 __all__ = [
     "ASYNC",

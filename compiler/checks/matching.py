@@ -45,6 +45,7 @@ from pipec.compiler.ops import (
     READER_OF,
     RULES,
     VALUE_KINDS,
+    WEIGHT_OPS,
     Value,
     describe,
     declare_pass,
@@ -52,6 +53,7 @@ from pipec.compiler.ops import (
 from pipec.errors import MatchError
 
 ACT, GRAD = MESSAGE_KIND_CODE["act"], MESSAGE_KIND_CODE["grad"]
+_WEIGHT_OPS = frozenset(WEIGHT_OPS)
 
 
 class MessageLog(NamedTuple):
@@ -138,6 +140,8 @@ def scan_messages(program: Program, tables: StageTables | None = None) -> Messag
         from_peer: dict[int, list[int]] = {}
         lists_of = {op: to_peer if rule.is_send else from_peer for op, rule in PART_RULES.items()}
         for step, action in enumerate(row):
+            if action[1] in _WEIGHT_OPS:  # weight passing's exchanges: ``checks.weights`` matches them
+                continue
             parts = action[4]
             if not parts:  # not a batch: a single send/receive, a collective, or nothing to log
                 op = action[1]
@@ -414,4 +418,4 @@ def _error(program: Program, message: str, rank: int, step: int | None, marks=()
 # and their waits by communicator; computes and frees carry no message.
 declare_pass("matching", set(PART_RULES) | {op for op, rule in RULES.items()
                                            if rule.category in (BATCH_OF, COMPUTE, FREE)}
-             | set(COLLECTIVE_OPS) | set(COLLECTIVE_WAIT_OPS))
+             | set(COLLECTIVE_OPS) | set(COLLECTIVE_WAIT_OPS) | _WEIGHT_OPS)

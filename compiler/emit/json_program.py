@@ -9,17 +9,24 @@ The format, version 1::
      "pipelines": [[stage id, ...], ...], "mb_pipeline": [pipeline, ...],
      "devices": [device, ...] | null,
      "communicators": [{"id", "ranks", "purpose", "key"}, ...],
+     "owners": [rank, ...] | null,
+     "weights": {"groups", "route", "ring_by", "gradients", "prefetch",
+                 "buffers", "num_steps"} | null,
      "ranks": [[instruction, ...], ...]}
 
 An instruction is ``{"op", "text", "stage", "mb", "peer", "parts"}``: ``op`` and
 ``text`` (torch's token, e.g. ``2F0``) always; ``stage``, ``mb`` and ``peer``
 only when set (an absent one reads back as -1, the IR's "none"), and those its
 op's rule lists (``ops.OpRule.fields``) are required; ``parts``, a list of
-sends and receives, only for a ``BATCH``. ``text`` is redundant and checked on
+sends and receives, only for a ``BATCH`` (an ``EXCHANGE`` of weight passing
+holds its parts the same way; its ``mb`` and its parts' are steps and
+exchange numbers, not microbatches). ``text`` is redundant and checked on
 load: it is there for people and tools that read the file, and a hand edit that
 changes one but not the other is caught instead of silently believed.
 ``communicators`` (``Program.communicators``, in creation order) may be absent,
 as in files written before it existed: the program then derives them.
+``owners`` (the owner rank of each layer) and ``weights`` (the rest of
+``Program.weights``) are null for activation passing, and may be absent.
 
 ``pipec compile`` writes it with ``write_program_json``: compact, streamed
 rank by rank, a newline before each rank's instructions (the same document as
@@ -36,13 +43,16 @@ import json
 from typing import Any, TextIO
 
 from pipec.compiler import ops
+from pipec.compiler.guarded_read import INT_LIMIT
 from pipec.compiler.ir import (
-    COMM_OPS,
+    GRADIENT_ROUTES,
     NO_PEER,
+    WEIGHT_ROUTES,
     Action,
     Communicator,
     Program,
     StageInfo,
+    WeightPlan,
 )
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; these passes build hundreds of thousands of acyclic ones.
@@ -62,9 +72,14 @@ VERSION = 1
 _REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     op: ops.RULES[op].fields
     for category in ((ops.COMPUTE,), (ops.SEND, ops.RECV), (ops.FREE,), (ops.COLLECTIVE,), (ops.COLLECTIVE_WAIT,),
-                     (ops.BATCH_OF,))
+                     (ops.BATCH_OF,), ops.WEIGHT_CATEGORIES)
     for op in ops.ops_of(*category)
 }
+# The ops a posting instruction may hold: a BATCH sends and receives, an EXCHANGE its parts.
+_PARTS_OF = {op: ops.COMM_OPS for op in ops.ops_of(ops.BATCH_OF)}
+_PARTS_OF.update({op: ops.EXCHANGE_PART_OPS for op in ops.EXCHANGE_OPS})
+# Weight passing's ops number steps and exchanges in ``mb``, not microbatches.
+_STEP_NUMBERED = frozenset(ops.WEIGHT_OPS)
 ops.declare_pass("json program", _REQUIRED_FIELDS)
 # What collectives' communicators may be for (``ops.OpRule.communicator``).
 _PURPOSES = tuple(dict.fromkeys(rule.communicator for rule in ops.RULES.values() if rule.communicator))
@@ -137,6 +152,12 @@ def _header_to_json(program: Program) -> dict:
             {"id": c.id, "ranks": list(c.ranks), "purpose": c.purpose, "key": c.key}
             for c in program.communicators
         ],
+        "owners": None if program.weights is None or program.weights.owners is None else list(program.weights.owners),
+        "weights": None if program.weights is None else {
+            "groups": list(program.weights.groups), "route": program.weights.route,
+            "ring_by": program.weights.ring_by, "gradients": program.weights.gradients,
+            "prefetch": program.weights.prefetch, "buffers": program.weights.buffers,
+            "num_steps": program.weights.num_steps},
     }
 
 
@@ -171,7 +192,7 @@ def _instruction_text(action: Action) -> str:
 
 
 def _batch_text(action: Action) -> str:
-    """A ``BATCH`` as JSON text; each part's token is made once, for the part and for the batch's own text."""
+    """A ``BATCH`` (or an ``EXCHANGE``) as JSON text; each part's token is made once, for the part and for the batch's own text."""
     texts, encoded = [], []
     for part in action.parts:
         stage, op, mb, peer, parts = part
@@ -182,7 +203,7 @@ def _batch_text(action: Action) -> str:
             text = part.text()
             encoded.append(_instruction_text(part))
         texts.append(text)
-    text = "(" + ";".join(texts) + ")" + action.op
+    text = "(" + ";".join(texts) + ")" + action.op + (str(action.mb) if action.mb >= 0 else "")
     return _fields_text(action, text) + ',"parts":[' + ",".join(encoded) + "]}"
 
 
@@ -244,6 +265,7 @@ def program_from_json(data: dict) -> Program:
     communicators = []
     if "communicators" in data:
         communicators = _read_communicators(_get(data, "communicators", list), num_ranks)
+    weights = _read_weights(data, num_ranks, len(pipelines[0]) if pipelines else 0)
     raw_ranks = _get(data, "ranks", list)
     if len(raw_ranks) != num_ranks:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
@@ -266,6 +288,7 @@ def program_from_json(data: dict) -> Program:
         devices=devices,
         source=source,
         communicators=communicators,
+        weights=weights,
     )
 
 
@@ -355,11 +378,48 @@ def _read_communicators(raw: list, num_ranks: int) -> list[Communicator]:
     return communicators
 
 
+def _read_weights(data: dict, num_ranks: int, num_layers: int) -> WeightPlan | None:
+    """``Program.weights`` from ``owners`` and ``weights`` (both null or absent for activation passing)."""
+    raw, owners = data.get("weights"), data.get("owners")
+    if raw is None:
+        if owners is not None:
+            raise ImportError_("field \"owners\" needs \"weights\" (a weight-passing program has both)")
+        return None
+    if not isinstance(raw, dict):
+        raise ImportError_("field \"weights\" must be an object or null")
+    if owners is not None:
+        if not isinstance(owners, list) or len(owners) != num_layers:
+            raise ImportError_(f"field \"owners\" must list the owner rank of each of the {num_layers} layers")
+        owners = tuple(_read_int_list(owners, "owners", num_ranks))
+    groups = raw.get("groups")
+    if not isinstance(groups, list) or len(groups) != num_ranks:
+        raise ImportError_(f"weights.groups must list the group of each of the {num_ranks} ranks")
+    groups = tuple(_read_int_list(groups, "weights.groups", num_ranks))
+    route, gradients = raw.get("route"), raw.get("gradients")
+    if route not in WEIGHT_ROUTES:
+        raise ImportError_(f"weights.route is {route!r}; known: {', '.join(WEIGHT_ROUTES)}")
+    if gradients not in GRADIENT_ROUTES:
+        raise ImportError_(f"weights.gradients is {gradients!r}; known: {', '.join(GRADIENT_ROUTES)}")
+    if (owners is None) != (route == "all_gather"):
+        raise ImportError_("\"owners\" is null exactly when weights.route is all_gather (every rank keeps a shard)")
+    numbers = {}
+    for key, low in (("ring_by", None), ("prefetch", 0), ("num_steps", 0)):
+        value = raw.get(key)
+        if type(value) is not int or (low is not None and value < low):
+            raise ImportError_(f"weights.{key} must be an integer{'' if low is None else f' >= {low}'}, got {value!r}")
+        numbers[key] = value
+    buffers = raw.get("buffers")
+    if buffers is not None and (type(buffers) is not int or buffers < 1):
+        raise ImportError_(f"weights.buffers must be a positive integer or null, got {buffers!r}")
+    return WeightPlan(owners, groups, route, numbers["ring_by"], gradients, numbers["prefetch"], buffers,
+                      numbers["num_steps"])
+
+
 def _read_row(row: list, rank: int, limits: tuple[int, int, int], raw_ranks: list) -> list[Action]:
     actions = []
     for step, obj in enumerate(row):
         try:
-            actions.append(_read_instruction(obj, limits, inside_batch=False))
+            actions.append(_read_instruction(obj, limits, inside=None))
         except _BadInstruction as bad:
             raise ImportError_(str(bad), rank=rank, step=step, grid=_raw_grid(raw_ranks)) from None
     return actions
@@ -369,7 +429,7 @@ class _BadInstruction(Exception):
     """Internal: what is wrong with one instruction; located by the caller."""
 
 
-def _read_instruction(obj: Any, limits: tuple[int, int, int], inside_batch: bool) -> Action:
+def _read_instruction(obj: Any, limits: tuple[int, int, int], inside: str | None) -> Action:
     if not isinstance(obj, dict):
         raise _BadInstruction(f"an instruction must be an object, got {obj!r}")
     get = obj.get
@@ -377,9 +437,14 @@ def _read_instruction(obj: Any, limits: tuple[int, int, int], inside_batch: bool
     required = _REQUIRED_FIELDS.get(op) if isinstance(op, str) else None
     if required is None:
         raise _BadInstruction(f"unknown op {op!r}; known: {', '.join(_REQUIRED_FIELDS)}")
-    if inside_batch and op not in COMM_OPS:
-        raise _BadInstruction(f"a BATCH may only hold sends and receives, not {op}")
+    if inside is not None and op not in _PARTS_OF[inside]:
+        what = "sends and receives" if inside == ops.BATCH else "the parts of weight passing's exchanges"
+        raise _BadInstruction(f"a {inside} may only hold {what}, not {op}")
+    if inside is None and op in ops.EXCHANGE_PART_OPS:
+        raise _BadInstruction(f"{op} is a part of an EXCHANGE, not an instruction of its own")
     num_stages, num_microbatches, num_ranks = limits
+    if op in _STEP_NUMBERED:  # mb is a step or an exchange number: any integer >= -1
+        num_microbatches = INT_LIMIT
     stage, mb, peer = get("stage", -1), get("mb", -1), get("peer", -1)
     # one combined test for the common, valid case; _index says what is wrong otherwise
     if not (type(stage) is int and type(mb) is int and type(peer) is int
@@ -394,10 +459,10 @@ def _read_instruction(obj: Any, limits: tuple[int, int, int], inside_batch: bool
     if "parts" in required:
         raw_parts = obj["parts"]
         if not isinstance(raw_parts, list) or not raw_parts:
-            raise _BadInstruction("a BATCH needs a non-empty list \"parts\"")
-        parts = tuple(_read_instruction(p, limits, inside_batch=True) for p in raw_parts)
+            raise _BadInstruction(f"a {op} needs a non-empty list \"parts\"")
+        parts = tuple(_read_instruction(p, limits, inside=op) for p in raw_parts)
     elif "parts" in obj:
-        raise _BadInstruction(f"only a BATCH has \"parts\", not {op}")
+        raise _BadInstruction(f"only a BATCH or an EXCHANGE has \"parts\", not {op}")
     action = _make_action((stage, op, mb, peer, parts))
     text = get("text")
     if text != action.text():

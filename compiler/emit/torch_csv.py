@@ -132,9 +132,14 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
     Returns:
         the CSV text, one line per rank, ``\\n``-terminated.
     Raises:
-        UsageError: the program has several pipelines (replicated stages), or
+        UsageError: the program passes weights, has several pipelines (replicated stages), or
             an op torch cannot express.
     """
+    if program.weights is not None:
+        raise UsageError(
+            f"{program.name or 'this program'} passes weights between ranks (weight passing); torch's schedule "
+            "CSV moves activations between the stages of one pipeline and has no form for it"
+        )
     if len(program.pipelines) != 1:
         raise UsageError(
             f"{program.name or 'this program'} has {len(program.pipelines)} pipelines (replicated stages); "

@@ -39,6 +39,11 @@ _NODE_OF_CATEGORY = {
     ops.COLLECTIVE: "comm",
     ops.COLLECTIVE_WAIT: "comm",
     ops.FREE: None,
+    # weight passing: an exchange (its parts drawn in it) and its wait; a dropped copy is bookkeeping
+    ops.EXCHANGE_OF: "comm",
+    ops.EXCHANGE_WAIT_OF: "comm",
+    **{category: "comm" for category in ops.EXCHANGE_PART_CATEGORIES},
+    ops.DROP_COPY: None,
 }
 # op -> its node kind (None: not drawn)
 _NODE_OF = {op: _NODE_OF_CATEGORY[rule.category] for op, rule in ops.RULES.items()

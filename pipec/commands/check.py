@@ -21,7 +21,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from pipec.compiler.checks import peak_activations
     from pipec.compiler.guarded_read import looks_like_program
-    from pipec.compiler.memory_counts import peak_bytes
+    from pipec.compiler.memory_counts import peak_bytes, peak_weight_buffers
 
     if looks_like_program(args.target):
         name, program, costs = _checked_program_file(args)
@@ -36,11 +36,15 @@ def run(args) -> int:
         per_rank = peak_bytes(program, sizes)
         in_bytes = "; peak bytes per rank " + ", ".join(
             f"{size_class} [{', '.join(human_bytes(rank[size_class]) for rank in per_rank)}]" for size_class in sizes)
+    weights = ""
+    if program.weights is not None:  # weight passing: its extra proofs and its buffers
+        weights = (f"; weights where every task runs, gradients folded into their owners once, "
+                   f"peak borrowed weight buffers per rank {peak_weight_buffers(program)}")
     write_output(
         f"ok: {name} ({describe_params(program.params)}): {program.num_ranks} ranks, "
         f"{len(program.stages)} stages, {program.num_microbatches} microbatches, "
         f"{program.instruction_count()} instructions; well-formed, messages matched, deadlock-free, "
-        f"no conflict; peak activations per rank {peaks}{in_bytes}",
+        f"no conflict; peak activations per rank {peaks}{in_bytes}{weights}",
         None,
     )
     return 0

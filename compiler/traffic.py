@@ -1,0 +1,122 @@
+"""Traffic: the bytes a program moves in one training step, per value kind and per link class.
+
+``traffic(program, sizes, node_of)`` counts, from the instruction lists alone
+(no timing), what crosses links:
+
+* a point-to-point message (a send, or a send inside a batch or an exchange)
+  moves one value of its kind over the link from its rank to its peer;
+* a ring step moves, on each link r -> r + ring_by, the slot the next rank
+  takes (nothing where that rank takes nothing);
+* a collective of n ranks runs as a ring over its members in rank order: a
+  broadcast or a reduce moves the value over n - 1 hops (pipelined along the
+  ring), an all-gather or a reduce-scatter moves (n - 1) / n of it over each
+  of the n hops, an all-reduce twice that.
+
+A link is ``intra`` when its two ranks sit on one node, else ``inter``. The
+value of a kind weighs ``sizes[its size class]`` bytes (0 when the cost file
+gives that class no size). The result is {kind: {"intra": bytes, "inter":
+bytes}} with every kind that moved, the same on every run: the report
+``simulate --json`` prints as ``traffic``.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Callable, Mapping
+
+from pipec.compiler import ops
+from pipec.compiler.ir import Action, Program
+from pipec.compiler.memory_counts import Number
+
+INTRA, INTER = "intra", "inter"
+
+# Collectives priced as rings over their members: the share of the value each hop carries,
+# and whether the ring closes (n hops) or is a pipelined chain (n - 1 hops).
+_RING_SHARE = {
+    ops.BCAST_W: (1, False),
+    ops.REDUCE_G: (1, False),
+    ops.ALLGATHER_W: (None, True),       # (n - 1) / n of the value on each of n hops
+    ops.REDUCESCATTER_G: (None, True),
+    ops.ALLREDUCE_GRAD: (2, True),       # reduce-scatter then all-gather: 2 (n - 1) / n per hop
+}
+_RING_STEPS = (ops.SHIFT_F, ops.SHIFT_B, ops.SHIFT_G)
+_SENDS = frozenset(ops.SEND_OPS) | frozenset(op for op in ops.EXCHANGE_PART_OPS if ops.RULES[op].category == ops.PART_SEND)
+# What the traffic count has a rule for: messages and collectives by the rules above, and
+# every other op moves nothing over a link (computes, receives (counted at their sends),
+# waits, fills, frees).
+ops.declare_pass("traffic", ops.OPS)
+
+
+def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[int], int]) -> dict[str, dict[str, Number]]:
+    """Bytes moved in one step of ``program``, per value kind and link class (module docstring).
+
+    Args:
+        program: any program.
+        sizes: size class -> bytes of one value of it.
+        node_of: rank -> its node.
+    Returns:
+        kind -> {"intra": bytes, "inter": bytes}, kinds in the rule table's order.
+    """
+    moved: dict[str, dict[str, Fraction]] = {}
+
+    def add(kind: str, src: int, dst: int, share: Fraction) -> None:
+        nbytes = share * Fraction(sizes.get(ops.VALUE_KINDS[kind].size_class, 0))
+        link = INTRA if node_of(src) == node_of(dst) else INTER
+        moved.setdefault(kind, {INTRA: Fraction(0), INTER: Fraction(0)})[link] += nbytes
+
+    seen_collectives: set[tuple] = set()
+    counted_steps: set[tuple] = set()
+    for rank, row in enumerate(program.ranks):
+        for action in row:
+            for part in action.parts or (action,):
+                _count(program, rank, part, add, seen_collectives, counted_steps)
+    order = list(ops.VALUE_KINDS)
+    return {kind: {link: _plain(value) for link, value in moved[kind].items()}
+            for kind in sorted(moved, key=order.index)}
+
+
+def _count(program: Program, rank: int, part: Action, add, seen: set, counted_steps: set) -> None:
+    op = part.op
+    rule = ops.RULES.get(op)
+    if rule is None:
+        return
+    if op in _SENDS:
+        add(rule.carries.kind, rank, part.peer, Fraction(1))
+    elif op in _RING_STEPS:
+        if part.stage >= 0:  # this rank takes a slot: it crossed the link from its predecessor
+            giver = (rank - program.weights.ring_by) % program.num_ranks
+            add(rule.reads[0].kind, giver, rank, Fraction(1))
+    elif op in _RING_SHARE:
+        communicator = program.communicator_on(part, rank)
+        if communicator is None:
+            return
+        layer = program.stages[part.stage].position if 0 <= part.stage < len(program.stages) else -1
+        key = (communicator.id, op, layer, part.mb)
+        if key in seen:  # one collective, counted once (every member lists it)
+            return
+        seen.add(key)
+        members = communicator.ranks
+        n = len(members)
+        if n < 2:
+            return
+        factor, closed = _RING_SHARE[op]
+        share = Fraction(factor) if factor is not None and not closed else Fraction(factor or 1) * Fraction(n - 1, n)
+        hops = list(zip(members, members[1:] + (members[:1] if closed else ())))
+        kind = rule.reads[0].kind
+        for src, dst in hops:
+            add(kind, src, dst, share)
+
+
+def _plain(value: Fraction) -> Number:
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def node_map(program: Program, node_size: int = 0) -> Callable[[int], int]:
+    """Rank -> node: ``node_size`` consecutive devices per node (the cost file's ``links.node_size``;
+    the ranks mapped through the program's devices); without one, a weight-passing program's
+    groups, else one node."""
+    if node_size:
+        devices = program.devices or list(range(program.num_ranks))
+        return lambda rank: devices[rank] // node_size
+    if program.weights is not None:
+        return program.weights.groups.__getitem__
+    return lambda rank: 0
