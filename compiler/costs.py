@@ -23,7 +23,9 @@ typo never silently falls back to a default)::
         "bytes": {"act": 4.0, "grad": 4.0},
         "node_size": 8,
         "inter_node": {"latency": 0.05, "bandwidth": 25.0},
-        "pairs": {"0-1": {"latency": 0.0, "bandwidth": 400.0}}
+        "pairs": {"0-1": {"latency": 0.0, "bandwidth": 400.0}},
+        "nic": {"latency": 0.0, "bandwidth": 25.0},
+        "contention": true
       },
       "allreduce": {"latency": 0.01, "bandwidth": 100.0, "bytes": 64.0},
       "sizes": {"activation": 4194304, "weight": 1.2e8}
@@ -47,6 +49,11 @@ typo never silently falls back to a default)::
   default link). ``pairs`` overrides the link of one pair of ranks in both
   directions (``"a-b"``); fields it omits come from the link the pair would use
   otherwise. A message between a rank and itself is free (a local hand-off).
+  ``nic`` (needs ``node_size``): the network interface a node's devices share
+  for every transfer to or from another node; ``contention``: transfers that
+  share a link share its bandwidth. Either makes the simulator reserve
+  bandwidth (``compiler.network``); without both, a message takes its link's
+  time whatever else moves (the default).
 * ``allreduce``: a ring all-reduce of ``bytes`` among n members takes
   ``2 (n-1) latency + 2 (n-1)/n bytes / bandwidth``; a single member costs 0.
 * ``sizes``: the bytes of one value of each size class (``ops.SIZE_CLASSES``:
@@ -112,7 +119,7 @@ rules.declare_pass("cost model", [
     if rule.category in _PRICED_BY and (rule.category != rules.COMPUTE or op in UNIT_COMPUTE)])
 
 
-def _ratio(numerator: Number, denominator: Number) -> Number:
+def exact_ratio(numerator: Number, denominator: Number) -> Number:
     """numerator / denominator, kept an int when both are ints and it divides."""
     if isinstance(numerator, int) and isinstance(denominator, int) and numerator % denominator == 0:
         return numerator // denominator
@@ -135,7 +142,7 @@ class Link:
         """Time to move ``nbytes`` over this link: latency + nbytes / bandwidth."""
         if self.bandwidth is None or not nbytes:
             return self.latency
-        return self.latency + _ratio(nbytes, self.bandwidth)
+        return self.latency + exact_ratio(nbytes, self.bandwidth)
 
     def overridden(self, latency: Number | None, bandwidth: Number | None) -> "Link":
         """This link with the given fields replaced (None keeps a field)."""
@@ -154,6 +161,9 @@ class CostModel:
         node_size: ranks per node; 0 means one node holds every rank.
         inter_node: the link between ranks of different nodes (None: ``link``).
         pairs: per-pair links as sorted (low rank, high rank, Link) triples.
+        contention: transfers that share a link share its bandwidth (``compiler.network``).
+        nic: the network interface every device of a node shares for its inter-node transfers
+            (``compiler.network``), or None for none.
         allreduce_link: the link a ring all-reduce runs over.
         allreduce_bytes: the gradient bytes of one model chunk.
         post: the time a rank spends posting one message.
@@ -171,6 +181,8 @@ class CostModel:
     node_size: int = 0
     inter_node: Link | None = None
     pairs: tuple[tuple[int, int, Link], ...] = ()
+    contention: bool = False
+    nic: Link | None = None
     allreduce_link: Link = Link()
     allreduce_bytes: Number = 0
     post: Number = 0
@@ -228,27 +240,9 @@ class CostModel:
             return 0
         return self.link_between(src_rank, dst_rank).time(self._bytes_table[kind])
 
-    def value_transfer(self, src_rank: int, dst_rank: int, nbytes: Number) -> Number:
-        """Time for ``nbytes`` from ``src_rank`` to ``dst_rank`` (weight passing's values, sized by ``sizes``)."""
-        if src_rank == dst_rank:
-            return 0
-        return self.link_between(src_rank, dst_rank).time(nbytes)
-
-    def collective(self, kind: str, ranks: tuple[int, ...], nbytes: Number) -> Number:
-        """Time of one collective of weight passing among ``ranks`` (devices, in ring order), as ring steps
-        over their slowest link: a ring step (``shift``) moves ``nbytes`` one hop; a broadcast or a reduce
-        is pipelined along the ring, ``n - 1`` latencies and the bytes once; an all-gather or a
-        reduce-scatter takes ``n - 1`` steps of ``nbytes / n``. One member costs nothing."""
-        n = len(ranks)
-        if n <= 1:
-            return 0
-        slowest = max((self.link_between(a, b) for a, b in zip(ranks, ranks[1:] + ranks[:1])),
-                      key=lambda link: (link.time(nbytes), link.latency))
-        if kind == "shift":
-            return slowest.time(nbytes)
-        if kind in ("broadcast", "reduce"):
-            return (n - 1) * slowest.latency + slowest.time(nbytes) - slowest.latency
-        return (n - 1) * slowest.time(_ratio(nbytes, n))
+    def message_bytes_of(self, kind: str) -> Number:
+        """The bytes of one message of ``kind`` ("act" or "grad"; ``links.bytes``)."""
+        return self._bytes_table[kind]
 
     def allreduce(self, members: int, chunk: int) -> Number:
         """Time of a ring all-reduce of one chunk's gradients among ``members`` replicas.
@@ -262,7 +256,7 @@ class CostModel:
         link = self.allreduce_link
         time = steps * link.latency
         if link.bandwidth is not None and self.allreduce_bytes:
-            time += _ratio(steps * self.allreduce_bytes, members * link.bandwidth)
+            time += exact_ratio(steps * self.allreduce_bytes, members * link.bandwidth)
         return time
 
 
@@ -318,7 +312,7 @@ class _Reader:
         for whole, parts in SPLITS.items():
             for op in parts:
                 if op not in costs and whole in costs:
-                    costs[op] = _ratio(costs[whole], 2)
+                    costs[op] = exact_ratio(costs[whole], 2)
         return {op: costs.get(op, fallback[op]) for op in UNIT_COMPUTE}
 
     def link(self, value: Any, key: str, extra: tuple[str, ...] = ()) -> tuple[Number | None, Number | None, Mapping[str, Any]]:
@@ -353,7 +347,8 @@ class _Reader:
         return {"ops": tuple(sorted(defaults.items())), "per_chunk": tuple(sorted(per_chunk))}
 
     def links_section(self, value: Any) -> dict[str, Any]:
-        latency, bandwidth, given = self.link(value, "links", extra=("bytes", "node_size", "inter_node", "pairs", "post"))
+        latency, bandwidth, given = self.link(value, "links", extra=("bytes", "node_size", "inter_node", "pairs", "post",
+                                                                   "contention", "nic"))
         default = Link().overridden(latency, bandwidth)
         sizes = self.table(given.get("bytes", {}), "links.bytes", MESSAGE_KINDS)
         message_bytes = tuple((kind, self.number(sizes[kind], _join("links.bytes", kind)) if kind in sizes else 0) for kind in MESSAGE_KINDS)
@@ -375,7 +370,18 @@ class _Reader:
             pairs.append((low, high, Link(pair_latency, pair_bandwidth)))
         if len({(a, b) for a, b, _ in pairs}) != len(pairs):
             raise self.fail("links.pairs", "the same pair of ranks is given twice")
+        contention = given.get("contention", False)
+        if not isinstance(contention, bool):
+            raise self.fail("links.contention", f"expected true or false, got {_json_type(contention)}")
+        nic = None
+        if "nic" in given:
+            if not node_size:
+                raise self.fail("links.nic", "a NIC is shared by the devices of a node: give links.node_size too")
+            nic_latency, nic_bandwidth, _ = self.link(given["nic"], "links.nic")
+            nic = Link(nic_latency or 0, nic_bandwidth)
         return {
+            "contention": contention,
+            "nic": nic,
             "link": default,
             "post": self.number(given["post"], "links.post") if "post" in given else 0,
             "message_bytes": message_bytes,

@@ -151,9 +151,11 @@ def insert_weight_exchanges(compute: Program, spec: ScheduleSpec) -> Program:
     """
     weights, steps = spec.weights, spec.task_steps
     num_steps = 1 + max((t for row in steps for t in row), default=-1)
+    # posting further ahead than the order has steps posts everything at the start: the same program
+    prefetch = min(weights.prefetch, num_steps)
     plan = WeightPlan(
         owners=weights.owners, groups=tuple(weights.groups), route=weights.route, ring_by=weights.ring_by,
-        gradients=weights.gradients, prefetch=weights.prefetch, buffers=weights.buffers, num_steps=num_steps)
+        gradients=weights.gradients, prefetch=prefetch, buffers=weights.buffers, num_steps=num_steps)
     lowering = _Lowering(compute, spec, plan)
     legs = lowering.weight_legs() + lowering.gradient_legs()
     ranks = _assemble(compute, steps, legs, lowering.frees, plan)

@@ -59,6 +59,7 @@ from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import (
     ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_waiting_w, peak_weight_buffers,
 )
+from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Network
 from pipec.compiler.traffic import node_map, traffic
 from pipec.errors import DeadlockError, MatchError, WellFormedError
 
@@ -250,8 +251,9 @@ _HANDLERS.update({op: "wait_exchange" for op in ops.EXCHANGE_WAIT_OPS})
 _HANDLERS.update({op: "drop_copy" for op in ops.DROP_COPY_OPS})
 _EXCHANGE_PARTS = frozenset(ops.EXCHANGE_PART_OPS)
 # What a collective part is priced as (``CostModel.collective``).
-_COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "shift", ops.BCAST_W: "broadcast",
-                    ops.REDUCE_G: "reduce", ops.ALLGATHER_W: "all_gather", ops.REDUCESCATTER_G: "reduce_scatter"}
+_COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "shift", ops.BCAST_W: BROADCAST,
+                    ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER}
+_ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})  # their ``peer`` is the root
 ops.declare_pass("simulate", [*_COMPUTE_RULES, *_COMM_RULES, *_BATCH_OPS, *_FREE_OPS, *_HANDLERS, *_EXCHANGE_PARTS])
 
 # For messages: space -> the computes publishing in it; space -> the message
@@ -334,6 +336,9 @@ class _Simulation:
         self.meetings: dict[tuple[int, int], list[tuple[Number, int, int, Action]]] = {}
         self.joined: list[dict[int, int]] = [{} for _ in range(self.num_ranks)]
         self.exchanges: dict[tuple[int, int], list[int]] = {}
+        # what prices transfers when links or NICs are shared (else each message takes its link's time)
+        self.network = Network(costs)
+        self.kind_bytes = [costs.message_bytes_of(kind) for kind in ops.MESSAGE_KINDS]
 
     # -- plans -------------------------------------------------------------------
 
@@ -428,6 +433,8 @@ class _Simulation:
         sent_tensors = self.sent_tensors
         batch_ops, free_ops = _BATCH_OPS, _FREE_OPS
         post = self.costs.post
+        network, devices, kind_bytes = self.network, self.devices, self.kind_bytes
+        shared = network.shared
         channels, ranks, all_slots = self.channels, self.program.ranks, self.slots
         # per rank: what a resume needs that never changes, and its progress
         fixed = [(row, len(row), channels[r], all_slots[r].append) for r, row in enumerate(ranks)]
@@ -544,7 +551,11 @@ class _Simulation:
                     if sent[0] != posted[0]:
                         raise self._mismatch(sent, posted)
                     sent_at, delay = sent[1], transfer[kind]
-                    arrival = sent_at + delay
+                    if shared:  # links and NICs shared: the network reserves its bandwidth
+                        arrival = network.transfer(devices[sent[2]], devices[posted[2]], kind_bytes[kind], sent_at)
+                        delay = arrival - sent_at
+                    else:
+                        arrival = sent_at + delay
                     if delay:
                         comm_slots[posted[2]].append(new_tuple(Slot, (sent_at, arrival, posted[4], True)))
                     key = posted[1]
@@ -683,8 +694,7 @@ class _Simulation:
         other = theirs.popleft()
         send, receive = (posted, other) if is_send else (other, posted)
         start = max(send[0], receive[0])
-        end = start + self.costs.value_transfer(self.devices[send[2]], self.devices[receive[2]],
-                                                self._part_bytes(send[3]))
+        end = self.network.transfer(self.devices[send[2]], self.devices[receive[2]], self._part_bytes(send[3]), start)
         if end > start:
             self.comm_slots[receive[2]].append(Slot(start, end, receive[3], True))
         self.publish(send[1], end)
@@ -702,8 +712,14 @@ class _Simulation:
         if len(members) < len(communicator.ranks):
             return
         start = max(time for time, _, _, _ in members)
-        devices = tuple(self.devices[r] for r in communicator.ranks)
-        end = start + self.costs.collective(_COLLECTIVE_KIND[part.op], devices, self._part_bytes(part))
+        kind, nbytes = _COLLECTIVE_KIND[part.op], self._part_bytes(part)
+        if kind == "shift":  # a ring step: each member that takes a slot takes it from r - ring_by
+            by, size = self.program.weights.ring_by, self.num_ranks
+            hops = [(self.devices[(r - by) % size], self.devices[r]) for _, _, r, p in members if p.stage >= 0]
+            end = self.network.hops(hops, nbytes, start)
+        else:
+            root = self.devices[part.peer] if part.op in _ROOTED else None
+            end = self.network.collective(kind, tuple(self.devices[r] for r in communicator.ranks), nbytes, start, root)
         for _, member_key, member, member_part in members:
             if end > start:
                 self.comm_slots[member].append(Slot(start, end, member_part, True))

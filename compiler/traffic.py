@@ -7,10 +7,11 @@
   moves one value of its kind over the link from its rank to its peer;
 * a ring step moves, on each link r -> r + ring_by, the slot the next rank
   takes (nothing where that rank takes nothing);
-* a collective of n ranks runs as a ring over its members in rank order: a
-  broadcast or a reduce moves the value over n - 1 hops (pipelined along the
-  ring), an all-gather or a reduce-scatter moves (n - 1) / n of it over each
-  of the n hops, an all-reduce twice that.
+* a collective of n ranks runs as a ring over its members in rank order
+  (``network.ring_hops``, the hops the simulator prices): a broadcast or a
+  reduce moves the value over the n - 1 hops of a chain from (or to) its root,
+  an all-gather or a reduce-scatter moves (n - 1) / n of it over each of the n
+  hops, an all-reduce twice that.
 
 A link is ``intra`` when its two ranks sit on one node, else ``inter``. The
 value of a kind weighs ``sizes[its size class]`` bytes (0 when the cost file
@@ -26,18 +27,21 @@ from typing import Callable, Mapping
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import Number
+from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, ring_hops
 
 INTRA, INTER = "intra", "inter"
 
-# Collectives priced as rings over their members: the share of the value each hop carries,
-# and whether the ring closes (n hops) or is a pipelined chain (n - 1 hops).
-_RING_SHARE = {
-    ops.BCAST_W: (1, False),
-    ops.REDUCE_G: (1, False),
-    ops.ALLGATHER_W: (None, True),       # (n - 1) / n of the value on each of n hops
-    ops.REDUCESCATTER_G: (None, True),
-    ops.ALLREDUCE_GRAD: (2, True),       # reduce-scatter then all-gather: 2 (n - 1) / n per hop
+# Collectives run as rings over their members (``network.ring_hops``, the hops the simulator
+# prices): op -> (its ring, how many times it goes round). An all-reduce is a reduce-scatter
+# and an all-gather.
+_RING_OF = {
+    ops.BCAST_W: (BROADCAST, 1),
+    ops.REDUCE_G: (REDUCE, 1),
+    ops.ALLGATHER_W: (ALL_GATHER, 1),
+    ops.REDUCESCATTER_G: (REDUCE_SCATTER, 1),
+    ops.ALLREDUCE_GRAD: (REDUCE_SCATTER, 2),
 }
+_ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})
 _RING_STEPS = (ops.SHIFT_F, ops.SHIFT_B, ops.SHIFT_G)
 _SENDS = frozenset(ops.SEND_OPS) | frozenset(op for op in ops.EXCHANGE_PART_OPS if ops.RULES[op].category == ops.PART_SEND)
 # What the traffic count has a rule for: messages and collectives by the rules above, and
@@ -85,7 +89,7 @@ def _count(program: Program, rank: int, part: Action, add, seen: set, counted_st
         if part.stage >= 0:  # this rank takes a slot: it crossed the link from its predecessor
             giver = (rank - program.weights.ring_by) % program.num_ranks
             add(rule.reads[0].kind, giver, rank, Fraction(1))
-    elif op in _RING_SHARE:
+    elif op in _RING_OF:
         communicator = program.communicator_on(part, rank)
         if communicator is None:
             return
@@ -94,16 +98,11 @@ def _count(program: Program, rank: int, part: Action, add, seen: set, counted_st
         if key in seen:  # one collective, counted once (every member lists it)
             return
         seen.add(key)
-        members = communicator.ranks
-        n = len(members)
-        if n < 2:
-            return
-        factor, closed = _RING_SHARE[op]
-        share = Fraction(factor) if factor is not None and not closed else Fraction(factor or 1) * Fraction(n - 1, n)
-        hops = list(zip(members, members[1:] + (members[:1] if closed else ())))
+        ring, rounds = _RING_OF[op]
+        hops, share, _steps = ring_hops(ring, communicator.ranks, part.peer if op in _ROOTED else None)
         kind = rule.reads[0].kind
         for src, dst in hops:
-            add(kind, src, dst, share)
+            add(kind, src, dst, share * rounds)
 
 
 def _plain(value: Fraction) -> Number:

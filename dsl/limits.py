@@ -36,6 +36,9 @@ MAX_LITERAL_DIGITS = len(str(INT_LIMIT))
 # gpipe and bitpipe, so 2,000,000 tasks stay under about 2.6 GiB.
 MAX_TASKS = 2_000_000
 BYTES_PER_TASK_TEXT = "about 1.3 KiB each to compile and simulate"
+# Weight passing walks every step of every rank (idle or not: a ring steps on
+# all of them), so its step grid, ranks x steps, has the task grid's bound.
+MAX_STEP_CELLS = MAX_TASKS
 # Ranks: a program has per-rank lists and per-pair tables (P^2 entries, about
 # 160 MB at P = 4096, compiled in under 2 s).
 MAX_RANKS = 4096

@@ -13,7 +13,7 @@ from typing import Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import Fn, Resolver
-from pipec.dsl.limits import MAX_OPERATIONS
+from pipec.dsl.limits import MAX_OPERATIONS, MAX_STEP_CELLS
 from pipec.dsl.schedule import Budget, of_pipeline
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import EvalError, ScheduleError
@@ -69,6 +69,12 @@ class OrderState:
             step = step_fn(env)
             if step < 0:
                 raise EvalError(f"a step is 0 or more; this one is {step}", node.step.span, state.source)
+            ranks = state.spec.num_ranks
+            if (step + 1) * ranks > MAX_STEP_CELLS:
+                raise EvalError(
+                    f"step {step} on {ranks} rank(s) makes {step + 1:,} x {ranks} step cells, more than pipec's "
+                    f"limit of {MAX_STEP_CELLS:,}: weight passing walks every step of every rank",
+                    node.step.span, state.source)
             outer, state.step = state.step, step
             for stmt in body:
                 stmt(env)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import INT, Fn, Resolver, Scope
+from pipec.dsl.limits import MAX_STEP_CELLS
 from pipec.dsl.spec import WeightSpec
 from pipec.errors import EvalError
 
@@ -269,6 +270,9 @@ def _count(decls: WeightDecls, env: list, what: str, minimum: int, source: str) 
     value = fn(env)
     if value < minimum:
         raise EvalError(f"`{what}` must be at least {minimum}, got {value}", node.value.span, source)
+    if value > MAX_STEP_CELLS:  # more steps ahead, or buffers, than any order has steps: a mistake
+        raise EvalError(f"`{what}` must be at most {MAX_STEP_CELLS:,} (pipec's limit on steps), got {value:,}",
+                        node.value.span, source)
     return value
 
 

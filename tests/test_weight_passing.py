@@ -354,3 +354,35 @@ def test_lowering_is_deterministic_and_checked_after_frees():
     compiled = compile_spec(spec)
     assert any(a.op == ops.FREE_W for row in compiled.program.ranks for a in row)
     assert any(a.op == ops.FREE_F for row in compiled.program.ranks for a in row)
+
+
+# ------------------------------------------------------------------ hostile sizes
+
+
+_STEPS = """
+schedule far(P: ranks = 2, N: microbatches = 2) {{
+  stages 1
+  home microbatch m on rank m
+  own layer l on rank 0
+  weights direct
+  {extra}
+  order rank r {{
+    at step 0 {{ F(0, r) }}
+    at step {last} {{ B(0, r) }}
+  }}
+}}
+"""
+
+
+def test_a_step_beyond_the_step_grid_limit_is_a_located_error_not_a_hang(tmp_path):
+    from pipec.errors import EvalError
+    with pytest.raises(EvalError, match=r"step 1000000000000 on 2 rank\(s\) makes .* more than pipec's limit"):
+        _compile_source(tmp_path, _STEPS.format(extra="", last=10**12))
+
+
+def test_prefetch_further_than_the_order_goes_posts_everything_first(tmp_path):
+    from pipec.errors import EvalError
+    program = _compile_source(tmp_path, _STEPS.format(extra="prefetch 500", last=3)).program
+    assert program.weights.prefetch == program.weights.num_steps == 4
+    with pytest.raises(EvalError, match=r"`prefetch` must be at most 2,000,000"):
+        _compile_source(tmp_path, _STEPS.format(extra="prefetch 100000000000", last=3))

@@ -1,0 +1,168 @@
+"""The network a simulation prices transfers on: two levels, shared links.
+
+Ranks sit on nodes (``CostModel.node_size`` consecutive devices per node). A
+transfer from one device to another uses the link between them (the cost
+file's default link inside a node, ``inter_node`` between nodes, a ``pairs``
+entry where one is given); between nodes it also goes through the sending
+node's NIC and the receiving node's NIC (``links.nic``), which every device of
+the node shares. Without ``links.contention`` and without a NIC a transfer
+takes ``latency + bytes / bandwidth`` whatever else is moving (pipec's
+classic model). With them, transfers that share a resource share its
+bandwidth:
+
+* the resources of a transfer: its directed link (with ``contention``) and,
+  between nodes, the two NICs (with ``nic``, always shared: that is what a NIC is);
+* a transfer moves at the rate of its slowest resource (cut-through) and holds
+  every resource it uses for ``bytes / that rate``, then arrives ``latency``
+  later;
+* each resource keeps a calendar of the intervals it is busy; a transfer ready
+  at t takes the earliest window at or after t that is free on all its
+  resources. Two transfers of b bytes posted at once on one link of bandwidth
+  w arrive at b / w and 2 b / w, as two flows sharing it fairly would finish
+  in total; a window left free between reservations is used by a later one
+  that fits.
+
+The simulator asks in the order it runs ranks, not strictly in time order;
+gap-filling keeps a transfer asked later but ready earlier from waiting behind
+one that is ready later. Collectives are sets of such transfers (``hops``,
+``ring_hops``): a ring step of its members at once, a broadcast or reduce
+pipelined along a ring, an all-gather or reduce-scatter as n - 1 ring steps of
+1/n of the value. ``traffic`` counts bytes on the same hops.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from fractions import Fraction
+from typing import Sequence
+
+from pipec.compiler.costs import CostModel, Link, Number, exact_ratio
+
+# The collectives of ``ring_hops``.
+BROADCAST, REDUCE, ALL_GATHER, REDUCE_SCATTER = "broadcast", "reduce", "all_gather", "reduce_scatter"
+
+
+class Network:
+    """The resources of one simulation and their calendars."""
+
+    def __init__(self, costs: CostModel):
+        self.costs = costs
+        self.shared = costs.contention or costs.nic is not None
+        self.busy: dict[tuple, list[tuple[Number, Number]]] = {}
+
+    def transfer(self, src: int, dst: int, nbytes: Number, ready: Number) -> Number:
+        """When ``nbytes`` from device ``src`` to device ``dst``, ready at ``ready``, have arrived.
+
+        Args:
+            src, dst: devices (a program's ranks mapped through its devices).
+            nbytes: the bytes moved.
+            ready: when the transfer may start (both sides posted, the data made).
+        Returns:
+            the arrival time; ``ready`` for a device to itself.
+        """
+        if src == dst:
+            return ready
+        link = self.costs.link_between(src, dst)
+        resources, rate = self._resources(src, dst, link)
+        if not self.shared or not nbytes or rate is None:
+            return ready + link.time(nbytes)
+        hold = exact_ratio(nbytes, rate)
+        start = self._window(resources, ready, hold)
+        for resource in resources:
+            insort(self.busy.setdefault(resource, []), (start, start + hold))
+        return start + hold + link.latency + self._nic_latency(src, dst)
+
+    def hops(self, hops: Sequence[tuple[int, int]], nbytes: Number, start: Number, steps: int = 1) -> Number:
+        """When transfers of ``nbytes`` over every (src, dst) of ``hops``, all ready at ``start``, are done,
+        run as ``steps`` pipelined steps (each step after the first adds the slowest hop's latency).
+
+        Returns:
+            ``start`` when there is no hop.
+        """
+        if not hops:
+            return start
+        end = max(self.transfer(src, dst, nbytes, start) for src, dst in hops)
+        slowest = max(self.costs.link_between(src, dst).latency for src, dst in hops)
+        return end + (steps - 1) * slowest
+
+    def collective(self, kind: str, members: Sequence[int], nbytes: Number, start: Number,
+                   root: int | None = None) -> Number:
+        """When a collective of ``members`` (devices, ascending) that starts at ``start`` has ended,
+        as the rings of ``ring_hops``."""
+        hops, share, steps = ring_hops(kind, members, root)
+        return self.hops(hops, _plain(share * Fraction(nbytes)), start, steps)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _resources(self, src: int, dst: int, link: Link) -> tuple[list[tuple], Number | None]:
+        """The resources a transfer holds and the rate it moves at (None: infinite)."""
+        costs = self.costs
+        resources: list[tuple] = []
+        rates = [link.bandwidth]
+        if costs.contention:
+            resources.append(("link", src, dst))
+        if costs.nic is not None and costs.node_size and src // costs.node_size != dst // costs.node_size:
+            resources += [("nic out", src // costs.node_size), ("nic in", dst // costs.node_size)]
+            rates.append(costs.nic.bandwidth)
+        known = [rate for rate in rates if rate is not None]
+        return resources, (min(known) if known else None)
+
+    def _nic_latency(self, src: int, dst: int) -> Number:
+        costs = self.costs
+        if costs.nic is not None and costs.node_size and src // costs.node_size != dst // costs.node_size:
+            return costs.nic.latency
+        return 0
+
+    def _window(self, resources: list[tuple], ready: Number, hold: Number) -> Number:
+        """The earliest start at or after ``ready`` at which every resource is free for ``hold``."""
+        start = ready
+        while True:
+            latest = start
+            for resource in resources:
+                latest = max(latest, _free_from(self.busy.get(resource, ()), start, hold))
+            if latest == start:
+                return start
+            start = latest
+
+
+def ring_hops(kind: str, members: Sequence[int], root: int | None = None
+              ) -> tuple[list[tuple[int, int]], Fraction, int]:
+    """How a collective of ``members`` runs as a ring over them in the given order: its hops
+    (src, dst), the share of the value each hop carries, and its pipelined steps.
+
+    A broadcast is a chain from ``root`` along the ring (n - 1 hops of the whole
+    value), a reduce the same chain towards it; an all-gather or a
+    reduce-scatter goes round the whole ring in n - 1 steps of 1/n of the
+    value, (n - 1)/n on each of its n hops. One member: no hop.
+    """
+    n = len(members)
+    if n <= 1:
+        return [], Fraction(1), 1
+    order = list(members)
+    if root is not None and root in order:  # the chain starts at the root
+        at = order.index(root)
+        order = order[at:] + order[:at]
+    chain = list(zip(order, order[1:]))
+    if kind == BROADCAST:
+        return chain, Fraction(1), n - 1
+    if kind == REDUCE:
+        return [(dst, src) for src, dst in chain], Fraction(1), n - 1
+    if kind in (ALL_GATHER, REDUCE_SCATTER):
+        return chain + [(order[-1], order[0])], Fraction(n - 1, n), n - 1
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _free_from(calendar: Sequence[tuple[Number, Number]], start: Number, hold: Number) -> Number:
+    """The earliest time at or after ``start`` at which ``calendar`` (sorted, disjoint busy intervals)
+    has ``hold`` free."""
+    index = bisect_left(calendar, (start,))
+    if index and calendar[index - 1][1] > start:  # the interval before it is still busy at start
+        start = calendar[index - 1][1]
+    for busy_start, busy_end in calendar[index:]:
+        if busy_start >= start + hold:
+            return start
+        start = max(start, busy_end)
+    return start
+
+
+def _plain(value: Fraction) -> Number:
+    return int(value) if value.denominator == 1 else float(value)
