@@ -77,6 +77,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import NamedTuple
 
+from pipec.compiler import routes
 from pipec.compiler.ir import NO_PEER, Action, Program, WeightPlan, weight_communicators
 from pipec.compiler.ops import (
     ALLGATHER_W,
@@ -100,11 +101,17 @@ from pipec.compiler.ops import (
     WEIGHT_PASS,
     declare_pass,
 )
+from pipec.compiler.routes import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Hop, Leg
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import ScheduleError
 
 # Lanes of a boundary: legs due before its step, and legs posted ahead (K >= 1).
 DUE, AHEAD = 0, 1
+# What a route's legs become for each value moved: a hop's send and receive, a group step's collective.
+WEIGHTS, GRADIENTS = "weights", "gradients"
+_HOP_OPS = {WEIGHTS: (SEND_W, RECV_W), GRADIENTS: (SEND_G, RECV_G)}
+_GROUP_OPS = {(WEIGHTS, BROADCAST): BCAST_W, (WEIGHTS, ALL_GATHER): ALLGATHER_W,
+              (GRADIENTS, REDUCE): REDUCE_G, (GRADIENTS, REDUCE_SCATTER): REDUCESCATTER_G}
 PASSES = (FORWARD, BACKWARD)
 
 # Lowering reads which computes use weights (and in which pass) and which
@@ -227,16 +234,34 @@ class _Lowering:
         return {"direct": self.direct_weights, "staged": self.staged_weights,
                 "all_gather": self.gathered_weights, "ring": self.ring_weights}[self.plan.route]()
 
+    def placed(self, legs: tuple[Leg, ...], value: str, layer: int, step: int,
+               boundaries: list[int]) -> list[_Leg]:
+        """A route's legs (``routes.py``) as parts: leg i of the route at ``boundaries[i]``.
+
+        A ``Hop`` is a send and its receive of the value (weights or a gradient
+        partial); a ``GroupStep`` the value's collective on every rank of it.
+        """
+        out: list[_Leg] = []
+        for leg, boundary in zip(legs, boundaries):
+            if isinstance(leg, Hop):
+                send_op, recv_op = _HOP_OPS[value]
+                out += self.hop(send_op, recv_op, leg.src, leg.dst, layer, step, boundary, self.lane)
+            else:
+                root = leg.root if leg.root >= 0 else NO_PEER
+                out += self.collective(_GROUP_OPS[value, leg.op], leg.ranks, layer, step, boundary, self.lane, root)
+        return out
+
     def direct_weights(self) -> list[_Leg]:
         out: list[_Leg] = []
         owners, layers = self.plan.owners, self.order.layers
         for r in range(self.P):
             for t in range(self.T):
                 for layer in sorted(layers[r][t]):
-                    owner = owners[layer]
-                    if owner != r and not (t and layer in layers[r][t - 1]):
-                        (b,) = self.weight_boundaries(t, 1)
-                        out += self.hop(SEND_W, RECV_W, owner, r, layer, t, b, self.lane)
+                    if t and layer in layers[r][t - 1]:
+                        continue  # r keeps the copy it ran at step t - 1
+                    legs = routes.direct(owners[layer], (r,))
+                    out += self.placed(legs, WEIGHTS, layer, t, self.weight_boundaries(t, len(legs)))
+                    if legs:
                         self.keep((r,), layer, t)
         return out
 
@@ -269,16 +294,9 @@ class _Lowering:
                     if layer in before:
                         continue  # the group keeps the copy it ran at step t - 1
                     owner = plan.owners[layer]
-                    if plan.groups[owner] == group:
-                        (b,) = self.weight_boundaries(t, 1)
-                        out += self.collective(BCAST_W, members, layer, t, b, self.lane, owner)
-                        self.keep([r for r in members if r != owner], layer, t, running)
-                    else:
-                        staging = plan.staging_rank(owner, group)
-                        first, second = self.weight_boundaries(t, 2)
-                        out += self.hop(SEND_W, RECV_W, owner, staging, layer, t, first, self.lane)
-                        out += self.collective(BCAST_W, members, layer, t, second, self.lane, staging)
-                        self.keep(members, layer, t, running)
+                    legs = routes.staged_broadcast(owner, members, plan.staging_rank(owner, group))
+                    out += self.placed(legs, WEIGHTS, layer, t, self.weight_boundaries(t, len(legs)))
+                    self.keep([r for r in members if r != owner], layer, t, running)
                 before = now
         return out
 
@@ -291,8 +309,8 @@ class _Lowering:
             now = self.shared_layers(everyone, t, "weights all_gather (a collective of every rank)")
             for layer in now:
                 if layer not in before:
-                    (b,) = self.weight_boundaries(t, 1)
-                    out += self.collective(ALLGATHER_W, everyone, layer, t, b, self.lane)
+                    legs = routes.all_gather(everyone)
+                    out += self.placed(legs, WEIGHTS, layer, t, self.weight_boundaries(t, len(legs)))
                     self.keep(everyone, layer, t, running)
             before = now
         return out
@@ -405,10 +423,8 @@ class _Lowering:
         out: list[_Leg] = []
         for r in range(self.P):
             for t, layer in self.run_ends(self.order.contributes[r]):
-                owner = self.plan.owners[layer]
-                if owner != r:
-                    (b,) = self.gradient_boundaries(t, 1)
-                    out += self.hop(SEND_G, RECV_G, r, owner, layer, t, b, self.lane)
+                legs = routes.direct(r, (self.plan.owners[layer],))  # nothing on the owner
+                out += self.placed(legs, GRADIENTS, layer, t, self.gradient_boundaries(t, len(legs)))
         return out
 
     def reduced_gradients(self) -> list[_Leg]:
@@ -422,11 +438,10 @@ class _Lowering:
             together = [set().union(*(self.order.contributes[r][t] for r in members)) for t in range(self.T)]
             for t, layer in self.run_ends(together):
                 owner = plan.owners[layer]
-                root = owner if plan.groups[owner] == group else plan.staging_rank(owner, group)
-                first, second = self.gradient_boundaries(t, 2)
-                reduces += self.collective(REDUCE_G, members, layer, t, first, self.lane, root)
-                if root != owner:
-                    hops += self.hop(SEND_G, RECV_G, root, owner, layer, t, second, self.lane)
+                legs = routes.reduce_to_owner(members, owner, plan.staging_rank(owner, group))
+                placed = self.placed(legs, GRADIENTS, layer, t, self.gradient_boundaries(t, len(legs)))
+                for leg in placed:
+                    (reduces if leg.action.op == REDUCE_G else hops).append(leg)
         return reduces + hops
 
     def scattered_gradients(self) -> list[_Leg]:
@@ -434,8 +449,8 @@ class _Lowering:
         everyone = tuple(range(self.P))
         together = [set().union(*(self.order.contributes[r][t] for r in everyone)) for t in range(self.T)]
         for t, layer in self.run_ends(together):
-            (b,) = self.gradient_boundaries(t, 1)
-            out += self.collective(REDUCESCATTER_G, everyone, layer, t, b, self.lane)
+            legs = routes.reduce_scatter(everyone)
+            out += self.placed(legs, GRADIENTS, layer, t, self.gradient_boundaries(t, len(legs)))
         return out
 
     def ring_gradients(self) -> list[_Leg]:

@@ -93,7 +93,7 @@ VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
     ValueKind("wstash", "weight-gradient inputs", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE,
               COUNT_WAITING_W),
     ValueKind("wgrad", "weight gradient", ACTIVATION_PASSING, ("chunk",), SIZE_WEIGHT, DTYPE_FP32, route="all_reduce"),
-    # weight passing (the weight-passing issue adds its ops)
+    # weight passing (docs/weights.md)
     # A copy of a layer's weights delivered to a rank for a step; a partial sum
     # of a layer's weight gradient on its way to the layer's owner.
     ValueKind("weight", "weight", WEIGHT_PASSING, ("layer", "step"), SIZE_WEIGHT, DTYPE_COMPUTE,

@@ -13,7 +13,8 @@ Policies, each a pure function of the producer rank and the consumers:
   value (today's activation and gradient hand-off; a consumer on the
   producer's own rank is a local hand-off, no leg).
 * ``ring``: a chain through the consumers in order, each hop reading the value
-  and forwarding it (WeiPipe's weights, ring attention's KV blocks).
+  and forwarding it (ring attention's KV blocks; WeiPipe's ring is systolic,
+  every rank stepping its slot at once: ``lower_weights`` has it).
 * ``staged_broadcast``: owner -> staging rank of a group by one hop, then a
   broadcast from the staging rank inside the group (TawPipe's weights).
 * ``reduce_to_owner``: a reduce inside a group to its root, then one hop to
