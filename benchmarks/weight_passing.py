@@ -1,6 +1,13 @@
-"""Weight passing against activation passing and FSDP: the simulator's prediction for TawPipe's cluster.
+"""Weight passing against activation passing and FSDP: step times here, and the prediction for TawPipe's cluster.
 
-TawPipe's paper trains a LLaMA-2 model (48 layers, sequence 16384, global batch
+Part 1, measured: the step time of ``weipipe``, ``tawpipe`` (G = 2), ``fsdp``
+and ``1f1b`` training the same built-in model (``--config``) on 4 CPU ranks
+(``pipec run``, gloo), side by side in one run: the median over steps 2..K of
+a step's span on the trace (first instruction start to last end, every rank).
+On 2 cores the 4 ranks time-share, so the figures compare the schedules'
+overheads more than their parallelism.
+
+Part 2, predicted. TawPipe's paper trains a LLaMA-2 model (48 layers, sequence 16384, global batch
 1536 sequences, activation checkpointing, bf16) on 3 nodes of 8 GPUs joined by
 10 GbE, and reports tokens per GPU per second:
 
@@ -24,7 +31,8 @@ Assumptions, stated once (change them with the flags):
 * GPUs of a node talk over ``--intra-gbs`` (100) GB/s links.
 
 Usage:
-    python benchmarks/weight_passing.py [--hidden 4096,1024] [--microbatch 1,2,4,8]
+    python benchmarks/weight_passing.py [--steps 6] [--config dim=128 ...] [--skip-measured]
+        [--hidden 4096,1024] [--microbatch 1,2,4,8]
         [--efficiency 0.25,0.5,0.75,1.0] [--tflops 150] [--intra-gbs 100] [--json FILE]
 """
 from __future__ import annotations
@@ -32,7 +40,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 from pipec.compiler.costs import costs_from_json
@@ -52,6 +64,52 @@ SCHEDULES = {  # name -> extra -D values
     "1f1b": {},
     "fsdp": {},
 }
+
+
+# Part 1: the schedules run here (name -> -D values), on 4 ranks.
+MEASURED = {
+    "weipipe": {"P": 4, "N": 8},
+    "tawpipe": {"P": 4, "N": 8, "G": 2},
+    "fsdp": {"P": 4, "N": 8},
+    "1f1b": {"P": 4, "N": 8},
+}
+DEFAULT_CONFIG = ["dim=128", "heads=4", "hidden=256", "seq_len=64", "microbatch_size=4", "layers=8"]
+
+
+def measure(name: str, defines: dict, steps: int, config: list[str], folder: str) -> list[float]:
+    """Step times (seconds) of ``pipec run NAME`` on 4 gloo ranks, from its trace, the first step left out."""
+    trace = os.path.join(folder, f"{name}.json")
+    command = [sys.executable, "-m", "pipec", "run", name, "--steps", str(steps), "--trace", trace]
+    command += [arg for key, value in defines.items() for arg in ("-D", f"{key}={value}")]
+    command += [arg for item in config for arg in ("--config", item)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"pipec run {name} failed:\n{done.stdout}{done.stderr}")
+    with open(trace) as handle:
+        events = json.load(handle)["traceEvents"]
+    spans: dict[int, list[float]] = {}
+    for event in events:
+        step = event.get("args", {}).get("step")
+        if event.get("ph") == "X" and isinstance(step, int):
+            first, last = spans.get(step, (math.inf, -math.inf))
+            spans[step] = (min(first, event["ts"]), max(last, event["ts"] + event["dur"]))
+    return [(end - start) / 1e6 for step, (start, end) in sorted(spans.items()) if step > 1]
+
+
+def measured_part(args) -> dict:
+    print(f"Part 1: step time on 4 CPU ranks (gloo), the same model ({' '.join(args.config)}), "
+          f"median of steps 2..{args.steps}")
+    out = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, defines in MEASURED.items():
+            times = measure(name, defines, args.steps, args.config, folder)
+            out[name] = statistics.median(times)
+    base = out["1f1b"]
+    for name, seconds in out.items():
+        print(f"  {name:>8} {' '.join(f'{k}={v}' for k, v in MEASURED[name].items()):<14} "
+              f"{seconds * 1e3:8.1f} ms   x{seconds / base:.2f} of 1f1b")
+    return out
 
 
 def stage_costs(hidden: int, microbatch: int, efficiency: float, tflops: float, intra_gbs: float) -> dict:
@@ -82,6 +140,9 @@ def predict(name: str, hidden: int, microbatch: int, efficiency: float, tflops: 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--config", action="append", default=None)
+    parser.add_argument("--skip-measured", action="store_true")
     parser.add_argument("--hidden", default="4096,1024")
     parser.add_argument("--microbatch", default="1,2,4,8")
     parser.add_argument("--efficiency", default="0.25,0.5,0.75,1.0")
@@ -89,6 +150,9 @@ def main(argv=None) -> int:
     parser.add_argument("--intra-gbs", type=float, default=100.0)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
+    args.config = args.config or DEFAULT_CONFIG
+    measured = {} if args.skip_measured else measured_part(args)
+    print("\nPart 2: predicted on TawPipe's cluster (3 nodes x 8 GPUs, 10 GbE)")
     out = []
     started = time.perf_counter()
     for hidden in map(int, args.hidden.split(",")):
@@ -118,7 +182,7 @@ def main(argv=None) -> int:
     print(f"\n({time.perf_counter() - started:.1f} s)")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(out, handle, indent=1)
+            json.dump({"measured_s": measured, "predicted": out}, handle, indent=1)
     return 0
 
 

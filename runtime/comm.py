@@ -13,9 +13,15 @@ that differ between backends and the one thing that must never differ:
   by polling ``is_completed`` of everything still outstanding.
 * How a failed wait is reported: ``RuntimeFault`` naming the rank, the
   instruction index and text, how long it waited and for which rank(s).
-* The communicators: ``replica_groups`` calls ``dist.new_group`` for every
+* The communicators: ``replica_groups`` (activation passing) and
+  ``communicator_groups`` (weight passing) call ``dist.new_group`` for every
   communicator of the program (``Program.communicators``) in list order, on
   every rank, members or not, as torch.distributed requires.
+
+Weight passing's exchanges post point-to-point parts with ``post_p2p`` (a
+group and a tag per kind, so that each kind keeps its own FIFO channel) and
+their collectives with ``start_broadcast``, ``start_reduce``,
+``start_all_gather`` and ``start_reduce_scatter``, all asynchronous.
 """
 from __future__ import annotations
 
@@ -215,9 +221,112 @@ def start_allreduce(flat: torch.Tensor, replicas: ReplicaGroup) -> list[dist.Wor
     return [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=replicas.group, async_op=True)]
 
 
+# ------------------------------------------------------------ weight passing
+
+
+def communicator_groups(program: Program, rank: int) -> dict[int, ReplicaGroup]:
+    """Create the program's communicators once, keyed by their id (weight passing); collective.
+
+    Weight passing's communicators have keys that repeat across purposes (the
+    ring, group 0 and the world all have key 0), so they are named by id.
+    Each group this rank is in is then used once (a barrier, members only, in
+    list order): NCCL wants every member in a group's first operation, and a
+    batch of point-to-point operations may otherwise be a group's first.
+
+    Args:
+        program: the compiled program (the same on every rank).
+        rank: this rank.
+    Returns:
+        communicator id -> its ``ReplicaGroup``, for the communicators this
+        rank is in that span two or more ranks (a collective of one member
+        moves nothing).
+    """
+    mine: dict[int, ReplicaGroup] = {}
+    for communicator in program.communicators:
+        ranks = list(communicator.ranks)
+        if len(ranks) < 2:
+            continue
+        group = dist.new_group(ranks)  # every rank, in the program's order: new_group is collective
+        if rank in ranks:
+            mine[communicator.id] = ReplicaGroup(group, tuple(r for r in ranks if r != rank))
+    for communicator_id in sorted(mine):  # one global order: no two ranks wait on each other's group
+        dist.barrier(group=mine[communicator_id].group)
+    return mine
+
+
+def post_p2p(ops: Sequence[tuple[bool, torch.Tensor, int, int]], group=None) -> list[dist.Work]:
+    """Post point-to-point operations of one group together (``batch_isend_irecv``); their works.
+
+    Args:
+        ops: (is_send, tensor, peer's global rank, tag), in posting order. gloo
+            matches messages FIFO per (pair, tag); NCCL ignores tags and
+            matches per pair in posting order, which the program's order gives.
+        group: the process group (None: the default one).
+    """
+    p2p = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, group, tag)
+           for is_send, tensor, peer, tag in ops]
+    return list(dist.batch_isend_irecv(p2p)) if p2p else []
+
+
+def start_broadcast(tensor: torch.Tensor, root: int, group: ReplicaGroup) -> list[dist.Work]:
+    """Start broadcasting ``tensor`` from global rank ``root`` to the group (in place on the others)."""
+    return [dist.broadcast(tensor, src=root, group=group.group, async_op=True)]
+
+
+def start_reduce(tensor: torch.Tensor, root: int, group: ReplicaGroup) -> list[dist.Work]:
+    """Start the sum reduce of every member's ``tensor`` into the root's (the others' may be overwritten)."""
+    return [dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=group.group, async_op=True)]
+
+
+# torch >= 2.13 names the single-tensor collectives *_single; earlier ones *_into_tensor / *_tensor.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Set when the backend turned the single-tensor form down (an older gloo): the list or all-reduce form then.
+_FALLBACK: set[str] = set()
+
+
+def start_all_gather(output: torch.Tensor, shard: torch.Tensor, group: ReplicaGroup) -> list[dist.Work]:
+    """Start gathering every member's ``shard`` into ``output`` (members in rank order, one shard each)."""
+    if "all_gather" not in _FALLBACK:
+        try:
+            return [_ALL_GATHER_SINGLE(output, shard, group=group.group, async_op=True)]
+        except (RuntimeError, NotImplementedError):  # refused at the call, the same way on every rank
+            _FALLBACK.add("all_gather")
+    pieces = list(output.chunk(output.numel() // shard.numel()))
+    return [dist.all_gather(pieces, shard, group=group.group, async_op=True)]
+
+
+def start_reduce_scatter(flat: torch.Tensor, index: int, group: ReplicaGroup) -> tuple[list[dist.Work], torch.Tensor]:
+    """Start the sum reduce-scatter of every member's ``flat``; this member keeps piece ``index``.
+
+    Args:
+        flat: this member's tensor, ``members`` equal pieces long; may be overwritten.
+        index: this member's place in the group (its piece).
+        group: the group.
+    Returns:
+        (works, the tensor that holds this member's piece of the sum once they are done).
+    """
+    members = len(group.peers) + 1
+    piece = flat.numel() // members
+    if "reduce_scatter" not in _FALLBACK:
+        output = torch.empty(piece, dtype=flat.dtype, device=flat.device)
+        try:
+            return [_REDUCE_SCATTER_SINGLE(output, flat, group=group.group, async_op=True)], output
+        except (RuntimeError, NotImplementedError):  # refused at the call, the same way on every rank
+            _FALLBACK.add("reduce_scatter")
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group.group, async_op=True)
+    return [work], flat[index * piece:(index + 1) * piece]
+
+
 __all__ = [
     "ReplicaGroup",
     "Site",
+    "communicator_groups",
+    "post_p2p",
+    "start_all_gather",
+    "start_broadcast",
+    "start_reduce",
+    "start_reduce_scatter",
     "WAIT_RULES",
     "await_blocking",
     "await_stream",

@@ -25,6 +25,12 @@ computes the parameters' gradients from those alone (``split_backward``), so
 I + W does the work of one B. Weight gradients accumulate into ``.grad``,
 which for every parameter is a view into its chunk's flat buffer, so a
 replicated chunk's all-reduce is one call on one tensor, and zeroing is one fill.
+
+Weight passing (``Program.weights`` set) keeps this loop and this step state;
+``runtime.weights`` supplies its F, B, I and W (run on the weights the program
+delivered, activations never leaving the rank), the EXCHANGE, EXCHANGE_WAIT
+and FREE_W handlers, and what happens after the list (gradients to the
+owners' masters) before the optimizer step.
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ from pipec.compiler.ir import (
     stage_tables,
 )
 from pipec.errors import ProgramError, RuntimeFault
-from pipec.runtime import comm, split_backward
+from pipec.runtime import comm, split_backward, weights
 
 # Kinds of a hand-off tensor (``ops.MESSAGE_KIND_CODE``): the low bits of its key.
 ACT, GRAD = ops.MESSAGE_KIND_CODE["act"], ops.MESSAGE_KIND_CODE["grad"]
@@ -96,6 +102,7 @@ class RankContext:
         producer: per communication op, stage id -> the producer stage of the
             tensor it carries (the stage its rule's ``where`` names).
         iteration: the current training step, counted from 1 (for messages).
+        weights: for a weight-passing program, its ``weights.WeightContext``; else None.
     """
 
     program: Program
@@ -119,6 +126,7 @@ class RankContext:
     next: list[int]
     producer: dict[str, list[int]]
     iteration: int = 0
+    weights: weights.WeightContext | None = None
 
 
 def make_context(
@@ -145,27 +153,38 @@ def make_context(
             ``stage_modules``); modules already on ``device``.
         loss_fn, make_optimizer: the model spec's.
         activation_shape: the shape of what one stage hands the next for one
-            microbatch (its gradient has the same shape).
+            microbatch (its gradient has the same shape); unused under weight
+            passing, where activations never leave their rank (pass ``()``).
         device, dtype: where and in what messages live.
         backend: "gloo" or "nccl"; chooses how waits meet their deadline.
         timeout: longest wait of one instruction, seconds.
         synchronize: see ``RankContext``.
         groups: replica subgroups already made (``comm.replica_groups``); made here when None.
+            For a weight-passing program: its communicators (``comm.communicator_groups``).
     Returns:
         the ``RankContext``. Every parameter's ``.grad`` is now a zeroed view
         into its chunk's flat buffer: never set it to None (``run_step`` zeroes it).
+        Under weight passing only the masters this rank keeps (the owned layers',
+        or its shards) have one, and only they are in the optimizer.
     Raises:
-        ProgramError: an instruction with no handler.
+        ProgramError: an instruction with no handler, or one of the other family.
     """
     row = list(program.ranks[rank])
-    for index, action in enumerate(row):
-        if action.op not in HANDLERS:
-            raise ProgramError(f"the runtime has no handler for '{action.op}'", rank, index, program.grid())
-    chunk_modules: dict[int, nn.Module] = {}
-    for stage, module in stages.items():
-        chunk_modules.setdefault(program.stages[stage].position, module)
-    flat_grads = {chunk: _bind_flat_grads(module) for chunk, module in chunk_modules.items()}
-    parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
+    _check_handlers(program, rank, row)
+    handlers = dict(HANDLERS)
+    replicas: dict[int, comm.ReplicaGroup] = {}
+    weight_context = None
+    if program.weights is not None:  # weight passing: every layer here, masters only where owned
+        weight_context = weights.make_weight_context(program, rank, stages, torch.device(device), groups)
+        flat_grads, parameters = weight_context.grads, weight_context.parameters()
+        handlers.update(weights.COMPUTE_HANDLERS)
+    else:
+        chunk_modules: dict[int, nn.Module] = {}
+        for stage, module in stages.items():
+            chunk_modules.setdefault(program.stages[stage].position, module)
+        flat_grads = {chunk: _bind_flat_grads(module) for chunk, module in chunk_modules.items()}
+        parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
+        replicas = groups if groups is not None else comm.replica_groups(program, rank)
     tables = stage_tables(program)
     wait, blocking = comm.wait_rule(backend)
     return RankContext(
@@ -177,19 +196,30 @@ def make_context(
         optimizer=make_optimizer(parameters) if parameters else None,
         flat_grads=flat_grads,
         stage_params={stage: _trainable(module) for stage, module in stages.items()},
-        replicas=groups if groups is not None else comm.replica_groups(program, rank),
+        replicas=replicas,
         activation_shape=tuple(activation_shape),
         dtype=dtype,
         device=torch.device(device),
         timeout=timeout,
         wait=wait,
         blocking=blocking,
-        handlers=dict(HANDLERS),
+        handlers=handlers,
         synchronize=synchronize,
         prev=tables.prev,
         next=tables.next,
         producer={op: tables.neighbour(rule.where) for op, rule in PART_RULES.items()},
+        weights=weight_context,
     )
+
+
+def _check_handlers(program: Program, rank: int, row: list[Action]) -> None:
+    """Every instruction has a handler, and those of weight passing appear only in a weight-passing program."""
+    for index, action in enumerate(row):
+        if action.op not in HANDLERS:
+            raise ProgramError(f"the runtime has no handler for '{action.op}'", rank, index, program.grid())
+        if program.weights is None and action.op in ops.WEIGHT_OPS:
+            raise ProgramError(f"'{action.op}' moves weights, but the program has no weight plan (owners, "
+                               "routes): it is not a weight-passing program", rank, index, program.grid())
 
 
 def stage_modules(program: Program, rank: int, build: Callable[[int], nn.Module]) -> dict[int, nn.Module]:
@@ -254,6 +284,7 @@ class _Step:
             (NCCL): their deadline is checked when the step ends.
         waited: seconds spent waiting for messages so far in this step.
         loss: sum of this rank's scaled microbatch losses, or None.
+        weights: under weight passing, the step's ``weights.WeightStep``; else None.
     """
 
     ctx: RankContext
@@ -269,6 +300,7 @@ class _Step:
     streamed: list = field(default_factory=list)
     waited: float = 0.0
     loss: torch.Tensor | None = None
+    weights: weights.WeightStep | None = None
 
     def key(self, kind: int, producer: int, mb: int) -> int:
         return (producer * self.num_microbatches + mb) * _NUM_KINDS + kind
@@ -426,6 +458,9 @@ def _allreduce_wait(step: _Step, action: Action, index: int) -> None:
 
 
 # The dispatch table: one handler per op, each (step, action, index) -> None.
+# A weight-passing program's F, B, I and W are ``weights.COMPUTE_HANDLERS``
+# (``make_context`` puts them in its context's table), and an EXCHANGE posts
+# its parts through ``weights.PART_POSTERS``.
 HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     F: _forward,
     B: _backward,
@@ -439,8 +474,9 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     BATCH: _batch,
     ALLREDUCE_GRAD: _allreduce_start,
     ALLREDUCE_WAIT: _allreduce_wait,
+    **weights.HANDLERS,
 }
-ops.declare_pass("runtime interpreter", HANDLERS)
+ops.declare_pass("runtime interpreter", set(HANDLERS) | set(weights.PART_POSTERS))
 
 
 def run_step(
@@ -472,6 +508,8 @@ def run_step(
         raise ValueError("run_step: program, rank and stages must be the context's")
     inputs, targets = batch
     step = _Step(context, inputs, targets, program.num_microbatches)
+    if context.weights is not None:
+        step.weights = weights.WeightStep()
     for flat in context.flat_grads.values():
         flat.zero_()
     handlers = context.handlers
@@ -487,6 +525,8 @@ def run_step(
         append((index, start, perf_counter(), step.waited - before))
     end = len(context.row)
     _finish(step, end)
+    if step.weights is not None:
+        weights.finish_step(step, end)
     start = perf_counter()
     if context.optimizer is not None:
         context.optimizer.step()

@@ -531,7 +531,7 @@ def load_model_spec(text: str) -> ModelSpec:
 
 
 def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatches: int, seed: int,
-                    shape: tuple[int, ...], name: str) -> None:
+                    shape: tuple[int, ...] | None, name: str) -> None:
     """Check, before any worker starts, that the model cuts into ``num_chunks`` and that chunk 0's output
     has the shape the receivers will allocate.
 
@@ -545,7 +545,9 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
         num_chunks: the program's chunk count.
         num_microbatches: the program's microbatch count.
         seed: the run's seed.
-        shape: what one chunk hands the next per microbatch.
+        shape: what one chunk hands the next per microbatch; None when nothing
+            is handed between ranks (weight passing): the output must still be
+            one tensor (a backward differentiates it), of any shape.
         name: how to name the spec in messages (``--model``'s text).
     Raises:
         UsageError: ``model spec NAME: ...`` naming the function at fault: a
@@ -572,7 +574,7 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
     if not isinstance(output, torch.Tensor):
         raise UsageError(f"model spec {name}: chunk 0 outputs a {type(output).__name__}, not one tensor "
                          f"(a chunk hands the next one fp32 tensor of activation_shape(config))")
-    if tuple(output.shape) != tuple(shape):
+    if shape is not None and tuple(output.shape) != tuple(shape):
         raise UsageError(f"model spec {name}: activation_shape {tuple(shape)} does not match what chunk 0 "
                          f"outputs {tuple(output.shape)} for one microbatch (fix activation_shape(config), "
                          f"or the config's sizes)")

@@ -6,11 +6,13 @@ alone as rank 0 of 1), gets the program: from ``--program FILE``, the JSON
 ``pipec run`` compiled once for all workers, or else by compiling the target
 itself (compilation is deterministic, so every rank gets the same program),
 joins the process group on its device (on GPU the one the program's device map
-gives it), builds only its own chunks, and runs K training steps through the
+gives it), builds only its own chunks (under weight passing, where every rank
+runs every layer, that is every chunk), and runs K training steps through the
 interpreter. Rank 0 prints
 ``step k loss X`` per step (k from 1; the loss of the whole batch, the mean of
 its microbatch losses). ``--save`` gathers the chunks' parameters to rank 0
-(one copy of replicated chunks) and writes the whole model's state_dict;
+(one copy of replicated chunks; under weight passing each layer from its
+owner) and writes the whole model's state_dict;
 ``--trace`` gathers every instruction's timing to rank 0 as one Chrome trace.
 
 A fault (a wait past ``--timeout``, a peer that died) prints
@@ -191,7 +193,7 @@ class Plan:
     program: object
     spec: object
     config: object
-    activation_shape: tuple[int, ...]
+    activation_shape: tuple[int, ...] | None  # None: weight passing (activations stay on their rank)
     inject: Injection | None = None
 
 
@@ -213,37 +215,41 @@ def make_plan(args, world: int) -> Plan:
     config = override_config(spec.config, args.config)
     if getattr(args, "program", None):
         # `pipec run` checked the model before starting the workers (check_plan_model): only the cheap part here
-        shape = _checked_cut(spec, config, program.num_chunks)
+        shape = _checked_cut(spec, config, program)
     else:  # under torchrun nothing was checked before: say what is wrong before joining the group
         shape = check_plan_model(spec, config, program, args.seed, args.model)
     inject = parse_injection(args.inject) if args.inject else None
     return Plan(program, spec, config, shape, inject)
 
 
-def _checked_cut(spec, config, num_chunks: int) -> tuple[int, ...]:
-    """The activation shape, after checking that the built-in model's layers split into ``num_chunks``."""
+def _checked_cut(spec, config, program) -> tuple[int, ...] | None:
+    """The activation shape, after checking that the built-in model's layers split into the program's chunks.
+
+    None for a weight-passing program: its activations never leave their rank,
+    so no receiver allocates one and the spec need not say its shape.
+    """
     from pipec.runtime.model import ModelConfig, chunk_layers
 
     if isinstance(config, ModelConfig):
         try:  # the cut must be even: say so before joining the group
-            chunk_layers(config, 0, num_chunks)
+            chunk_layers(config, 0, program.num_chunks)
         except UsageError as error:
             raise UsageError(f"{error} (--config layers=N sets the model's layer count)") from None
-    return _activation_shape(spec, config)
+    return None if program.weights is not None else _activation_shape(spec, config)
 
 
-def check_plan_model(spec, config, program, seed: int, name: str) -> tuple[int, ...]:
+def check_plan_model(spec, config, program, seed: int, name: str) -> tuple[int, ...] | None:
     """Check that the model spec cuts into ``program``'s chunks and that chunk 0's output has the activation
     shape (``runtime.model.check_model_cut``: chunk 0 built and run on one microbatch).
 
     Returns:
-        the activation shape.
+        the activation shape; None for a weight-passing program (``_checked_cut``).
     Raises:
         UsageError: ``model spec NAME: ...``, naming the function at fault.
     """
     from pipec.runtime.model import check_model_cut
 
-    shape = _checked_cut(spec, config, program.num_chunks)
+    shape = _checked_cut(spec, config, program)
     check_model_cut(spec, config, program.num_chunks, program.num_microbatches, seed, shape, name)
     return shape
 
@@ -438,7 +444,7 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     synchronize = torch.cuda.synchronize if (args.trace and device.type == "cuda") else None
     context = make_context(
         program, rank, stages,
-        loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, activation_shape=plan.activation_shape,
+        loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, activation_shape=plan.activation_shape or (),
         device=device, backend=args.backend, timeout=args.timeout, synchronize=synchronize,
     )
     if plan.inject and plan.inject.kind != _LATE:
@@ -468,7 +474,10 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     if args.trace:
         _write_trace(args, context, recorded, t0, world)
     if args.save:
-        _save(args.save, stages, rank, world)
+        if context.weights is not None:
+            _save_weights(args.save, context, rank, world)
+        else:
+            _save(args.save, stages, rank, world)
     return losses
 
 
@@ -501,8 +510,6 @@ def _write_trace(args, context, recorded, t0: float, world: int) -> None:
 
 def _save(path: str, stages, rank: int, world: int) -> None:
     """Gather one copy of every chunk's parameters on rank 0 and save the whole model's state_dict."""
-    import torch
-
     state = {}
     for module in {id(m): m for m in stages.values()}.values():
         for name, tensor in module.state_dict().items():
@@ -513,11 +520,27 @@ def _save(path: str, stages, rank: int, world: int) -> None:
         for part in gathered:
             for name, tensor in part.items():
                 merged.setdefault(name, tensor)  # replicas are equal: keep the first copy
-        from pipec.compiler.atomic_write import atomic_writer
+        _write_model(path, merged)
 
-        with atomic_writer(path, binary=True, what="the saved model") as out:  # the old file stays whole until then
-            torch.save(merged, out)
-        print(f"saved: {path}", flush=True)
+
+def _save_weights(path: str, context, rank: int, world: int) -> None:
+    """Weight passing: gather each layer from its owner (under all_gather, every rank's shard of it) on
+    rank 0 and save the whole model's state_dict, with the same keys as ``_save``."""
+    from pipec.runtime import weights
+
+    gathered = _gather(weights.owned_state(context.weights), rank, world)
+    if rank == 0:
+        _write_model(path, weights.merged_state(context.weights, gathered))
+
+
+def _write_model(path: str, state: dict) -> None:
+    import torch
+
+    from pipec.compiler.atomic_write import atomic_writer
+
+    with atomic_writer(path, binary=True, what="the saved model") as out:  # the old file stays whole until then
+        torch.save(state, out)
+    print(f"saved: {path}", flush=True)
 
 
 class Injection(NamedTuple):
