@@ -205,14 +205,21 @@ def replica_groups(program: Program, rank: int) -> dict[int, ReplicaGroup]:
         or more ranks. Replicas on a single rank share one module and need no
         all-reduce.
     """
+    groups = _new_groups(program, rank)
+    return {program.communicators[communicator_id].key: group for communicator_id, group in groups.items()}
+
+
+def _new_groups(program: Program, rank: int) -> dict[int, ReplicaGroup]:
+    """Every communicator of two or more ranks made a process group, on every rank in the program's
+    order (``new_group`` is collective); communicator id -> group, for those this rank is in."""
     mine: dict[int, ReplicaGroup] = {}
     for communicator in program.communicators:
         ranks = list(communicator.ranks)
         if len(ranks) < 2:
             continue
-        group = dist.new_group(ranks)  # every rank, in the program's order: new_group is collective
+        group = dist.new_group(ranks)
         if rank in ranks:
-            mine[communicator.key] = ReplicaGroup(group, tuple(r for r in ranks if r != rank))
+            mine[communicator.id] = ReplicaGroup(group, tuple(r for r in ranks if r != rank))
     return mine
 
 
@@ -241,14 +248,7 @@ def communicator_groups(program: Program, rank: int) -> dict[int, ReplicaGroup]:
         rank is in that span two or more ranks (a collective of one member
         moves nothing).
     """
-    mine: dict[int, ReplicaGroup] = {}
-    for communicator in program.communicators:
-        ranks = list(communicator.ranks)
-        if len(ranks) < 2:
-            continue
-        group = dist.new_group(ranks)  # every rank, in the program's order: new_group is collective
-        if rank in ranks:
-            mine[communicator.id] = ReplicaGroup(group, tuple(r for r in ranks if r != rank))
+    mine = _new_groups(program, rank)
     for communicator_id in sorted(mine):  # one global order: no two ranks wait on each other's group
         dist.barrier(group=mine[communicator_id].group)
     return mine

@@ -62,6 +62,7 @@ from pipec.compiler.ir import (
 )
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.runtime import comm, split_backward, weights
+from pipec.runtime.flat import bind_flat_grads
 
 # Kinds of a hand-off tensor (``ops.MESSAGE_KIND_CODE``): the low bits of its key.
 ACT, GRAD = ops.MESSAGE_KIND_CODE["act"], ops.MESSAGE_KIND_CODE["grad"]
@@ -182,7 +183,7 @@ def make_context(
         chunk_modules: dict[int, nn.Module] = {}
         for stage, module in stages.items():
             chunk_modules.setdefault(program.stages[stage].position, module)
-        flat_grads = {chunk: _bind_flat_grads(module) for chunk, module in chunk_modules.items()}
+        flat_grads = {chunk: bind_flat_grads(_trainable(module)) for chunk, module in chunk_modules.items()}
         parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
         replicas = groups if groups is not None else comm.replica_groups(program, rank)
     tables = stage_tables(program)
@@ -244,23 +245,6 @@ def stage_modules(program: Program, rank: int, build: Callable[[int], nn.Module]
 
 def _trainable(module: nn.Module) -> list[torch.Tensor]:
     return [p for p in module.parameters() if p.requires_grad]
-
-
-def _bind_flat_grads(module: nn.Module) -> torch.Tensor:
-    """Make every parameter's ``.grad`` a view into one zeroed buffer; return the buffer.
-
-    Autograd accumulates into an existing ``.grad`` in place, so the views stay
-    bound for the whole run.
-    """
-    params = _trainable(module)
-    if not params:
-        return torch.zeros(0)
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return flat
 
 
 # ------------------------------------------------------------------ one step

@@ -54,6 +54,7 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, WeightPlan
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.runtime import comm
+from pipec.runtime.flat import bind_flat_grads
 
 ACT, GRAD = ops.MESSAGE_KIND_CODE["act"], ops.MESSAGE_KIND_CODE["grad"]
 FORWARD, BACKWARD = ops.FORWARD, ops.BACKWARD
@@ -203,11 +204,11 @@ def make_weight_context(program: Program, rank: int, stages: dict[int, nn.Module
     if plan.owners is None:
         owned = tuple(sorted(modules))
         shards = {layer: _shard_of(modules[layer], layouts[layer], rank) for layer in owned}
-        grads = {layer: _bind_flat_grads([shard]) for layer, shard in shards.items()}
+        grads = {layer: bind_flat_grads([shard]) for layer, shard in shards.items()}
     else:
         owned = tuple(layer for layer in sorted(modules) if plan.owners[layer] == rank)
         shards = {}
-        grads = {layer: _bind_flat_grads([p for _, p in trainable(modules[layer])]) for layer in owned}
+        grads = {layer: bind_flat_grads([p for _, p in trainable(modules[layer])]) for layer in owned}
     successor = predecessor = rank
     if plan.route == "ring" or plan.gradients == "ring":
         successor, predecessor = (rank + plan.ring_by) % num_ranks, (rank - plan.ring_by) % num_ranks
@@ -228,22 +229,6 @@ def _shard_of(module: nn.Module, layout: LayerLayout, rank: int) -> torch.Tensor
     padded = torch.zeros(layout.padded, dtype=flat.dtype, device=flat.device)
     padded[:layout.size] = flat
     return padded[rank * layout.shard:(rank + 1) * layout.shard].clone().requires_grad_(True)
-
-
-def _bind_flat_grads(params: list[torch.Tensor]) -> torch.Tensor:
-    """Make every parameter's ``.grad`` a view into one zeroed buffer (the masters' dtype); return the buffer.
-
-    ``run_step`` zeroes it at each step's start (the interpreter's ``flat_grads``);
-    the owners' gradients are added into it after the list (``finish_step``).
-    """
-    if not params:
-        return torch.zeros(0)
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return flat
 
 
 def _ring_takes(program: Program, successor: int, layer_of: list[int]) -> dict[tuple[int, str, int], int]:

@@ -386,3 +386,46 @@ def test_prefetch_further_than_the_order_goes_posts_everything_first(tmp_path):
     assert program.weights.prefetch == program.weights.num_steps == 4
     with pytest.raises(EvalError, match=r"`prefetch` must be at most 2,000,000"):
         _compile_source(tmp_path, _STEPS.format(extra="prefetch 100000000000", last=3))
+
+
+# ------------------------------------------------------------------ what moves per step
+
+
+def _taken_per_boundary(program: Program, rank: int) -> dict[int, list[str]]:
+    """Exchange number // 2 (the boundary) -> the values this rank takes there (ring steps naming a layer,
+    receives, broadcasts off their root)."""
+    out: dict[int, list[str]] = {}
+    for action in program.ranks[rank]:
+        if action.op != ops.EXCHANGE:
+            continue
+        for part in action.parts:
+            takes = (part.op in (ops.SHIFT_F, ops.SHIFT_B, ops.SHIFT_G) and part.stage >= 0) \
+                or part.op in (ops.RECV_W, ops.RECV_G) or (part.op == ops.BCAST_W and part.peer != rank)
+            if takes:
+                out.setdefault(action.mb // 2, []).append(part.op)
+    return out
+
+
+def test_weipipe_moves_three_weight_sized_values_a_step_and_tawpipe_two():
+    """The paper's 36 H^2 against 24 H^2 per step for a LLaMA layer of 12 H^2 (weights as big as gradients):
+    in WeiPipe's steady state a rank takes its forward slot, its backward slot and a gradient partial each
+    step; in TawPipe a group takes one layer's weights and gives one gradient each backward step."""
+    weipipe = program_of("weipipe", P=4, N=16)
+    steady = [ops_ for boundary, ops_ in _taken_per_boundary(weipipe, 1).items() if 8 <= boundary <= 14]
+    assert steady and all(sorted(ops_) == [ops.SHIFT_B, ops.SHIFT_F, ops.SHIFT_G] for ops_ in steady)
+
+    P, G = 8, 2
+    tawpipe = program_of("tawpipe", P=P, G=G, N=P)
+    S = P // G
+    inter = {}
+    for rank, row in enumerate(tawpipe.ranks):
+        for action in row:
+            if action.op != ops.EXCHANGE:
+                continue
+            for part in action.parts:
+                if part.op in (ops.SEND_W, ops.SEND_G) and rank // S != part.peer // S:
+                    inter.setdefault((part.mb, part.peer // S if part.op == ops.SEND_W else rank // S), []).append(
+                        part.op)
+    # per (step, group): at most one layer in and one gradient out over the inter-node links
+    assert max(len(moved) for moved in inter.values()) <= 2
+    assert any(sorted(moved) == [ops.SEND_G, ops.SEND_W] for moved in inter.values())
