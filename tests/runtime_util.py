@@ -171,3 +171,15 @@ if __name__ == "__main__":
 
     _batch_main(json.loads(sys.argv[1]))
     end_process(0)  # as a worker ends: no interpreter teardown after the group is left
+
+
+# How close a pipelined run's parameters must come to one process's (fp32, a few steps).
+TOLERANCE = 1e-5
+
+
+def assert_same_parameters(got: dict, want: dict, label: str, tolerance: float = TOLERANCE) -> None:
+    """``got`` (a saved state dict) has the whole model's keys and every parameter within ``tolerance`` of ``want``."""
+    assert sorted(got) == sorted(want), f"{label}: saved keys differ from the whole model's"
+    worst = max(want, key=lambda name: (got[name] - want[name]).abs().max().item())
+    diff = (got[worst] - want[worst]).abs().max().item()
+    assert diff <= tolerance, f"{label}: {worst} differs from the one-process run by {diff:.3g} (> {tolerance})"

@@ -18,11 +18,10 @@ import torch
 from pipec.compiler.driver import compile_target, shipped_schedules
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
-from runtime_util import launch_batch, launch_workers
+from runtime_util import assert_same_parameters, launch_batch, launch_workers
 
 STEPS = 3
 SEED = 7
-TOLERANCE = 1e-5
 # Hard limit of one world size's batch of runs; a hang fails instead of stalling.
 BATCH_DEADLINE_S = 240.0
 WORLD_SIZES = (2, 4)
@@ -67,13 +66,6 @@ def reference(num_microbatches: int):
     if key not in _references:
         _references[key] = reference_run(ModelConfig(), STEPS, num_microbatches, SEED)
     return _references[key]
-
-
-def assert_same_parameters(got: dict, want: dict, label: str) -> None:
-    assert sorted(got) == sorted(want), f"{label}: saved keys differ from the whole model's"
-    worst = max(want, key=lambda name: (got[name] - want[name]).abs().max().item())
-    diff = (got[worst] - want[worst]).abs().max().item()
-    assert diff <= TOLERANCE, f"{label}: {worst} differs from the one-process run by {diff:.3g} (> {TOLERANCE})"
 
 
 @pytest.mark.parametrize("name,ranks", CASES, ids=[_case_id(*case) for case in CASES])

@@ -46,11 +46,10 @@ from pipec.errors import UsageError
 from pipec.runtime.model import LLAMA, ModelConfig, build_chunk
 from pipec.runtime.reference import reference_run
 from pipec.runtime.weights import flat_weights, layer_layout, params_from_flat
-from runtime_util import launch_batch, launch_workers
+from runtime_util import assert_same_parameters, launch_batch, launch_workers
 
 STEPS = 3
 SEED = 7
-TOLERANCE = 1e-5
 # Hard limit of one world size's batch of runs; a hang fails instead of stalling.
 BATCH_DEADLINE_S = 240.0
 
@@ -267,13 +266,6 @@ def reference(name: str, user_model):
         config = ModelConfig() if model is None else model_spec.config
         _references[key] = reference_run(config, STEPS, spec.num_microbatches, SEED, spec=model_spec)
     return _references[key]
-
-
-def assert_same_parameters(got: dict, want: dict, label: str) -> None:
-    assert sorted(got) == sorted(want), f"{label}: saved keys differ from the whole model's"
-    worst = max(want, key=lambda name: (got[name] - want[name]).abs().max().item())
-    diff = (got[worst] - want[worst]).abs().max().item()
-    assert diff <= TOLERANCE, f"{label}: {worst} differs from the one-process run by {diff:.3g} (> {TOLERANCE})"
 
 
 # ------------------------------------------------------------------ exactness
