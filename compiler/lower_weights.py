@@ -47,10 +47,10 @@ Weight routes (``WeightPlan.route``), for each use of layer l at step t on rank 
   layer; of r0's other slot when that holds the layer at t0 or t0 - 1 and is
   there by then (WeiPipe starts the backward slot from the last forward);
   else of the owner's master at the latest step in [0, t0] at which the owner
-  holds the diagonal's slot (the copy then rides the ring to r0). When the
-  owner holds it at none, the order and the owners do not fit the ring: an
-  error saying so. Rings take prefetch 0 or 1 (a slot cannot be passed on
-  before it arrived).
+  holds the diagonal's slot (the copy then rides the ring to r0); else the
+  owner sends r0 a copy one leg earlier and r0 fills the slot from it (as
+  WeiPipe's prologue swap does). Rings take prefetch 0 or 1 (a slot cannot be
+  passed on before it arrived).
 
 Gradient routes (``WeightPlan.gradients``), for the contributions (B, W) of layer l:
 
@@ -367,13 +367,13 @@ class _Lowering:
                     start = t0
                 else:
                     passes_owner = [t for t in range(t0 + 1) if self.at(diagonal, t) == owner]
-                    if not passes_owner:
-                        raise self.error(
-                            f"rank {r0}, step {t0}: runs layer {layer} {pass_}, but the ring slot it holds never "
-                            f"passes layer {layer}'s owner (rank {owner}) before that step, so no copy can enter "
-                            f"it: own the layer on a rank the slot passes (rank (r - {self.plan.ring_by} * t) "
-                            f"mod {self.P} is the same for every (rank r, step t) of one slot)")
-                    start = passes_owner[-1]  # the owner copies its master into the slot then
+                    if passes_owner:
+                        start = passes_owner[-1]  # the owner copies its master into the slot then
+                    else:  # the owner sends r0 a copy one leg earlier, and r0 fills the slot from it
+                        start = t0
+                        hop, _fill = self.weight_boundaries(t0, 2)
+                        out += self.placed(routes.direct(owner, (r0,)), WEIGHTS, layer, t0, [hop])
+                        self.frees.append((r0, t0 - K, self.part(r0, FREE_W, layer, t0)))
                 live[pass_][diagonal] = (start, last)
                 filler = self.at(diagonal, start)
                 fills.append(_Leg(start - K, self.lane, filler, self.part(filler, FILL_OF_PASS[pass_], layer, start)))

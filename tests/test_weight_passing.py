@@ -11,6 +11,7 @@ compiled programs and must each be named.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import replace
 from fractions import Fraction
 
@@ -429,3 +430,19 @@ def test_weipipe_moves_three_weight_sized_values_a_step_and_tawpipe_two():
     # per (step, group): at most one layer in and one gradient out over the inter-node links
     assert max(len(moved) for moved in inter.values()) <= 2
     assert any(sorted(moved) == [ops.SEND_G, ops.SEND_W] for moved in inter.values())
+
+
+def test_a_ring_slot_the_owner_never_holds_starts_from_a_copy_the_owner_sends(tmp_path):
+    """WeiPipe with the public code's owners (layer l on rank l): no forward slot passes its layer's owner
+    before its first use, so the owner sends that rank a copy, which fills the slot and is dropped."""
+    source = (Path(__file__).parent.parent / "schedules" / "weipipe.pipe").read_text()
+    path = tmp_path / "own_l.pipe"
+    path.write_text(source.replace("own layer l on rank (P - l) % P", "own layer l on rank l"))
+    for P in (2, 3, 4, 5):
+        program = compile_target(str(path), {"P": P, "N": 2 * P}).program
+        sends = [p for row in program.ranks for a in row if a.op == ops.EXCHANGE for p in a.parts
+                 if p.op == ops.SEND_W]
+        assert bool(sends) == (P > 2)  # at P = 2 the two owner maps are the same
+        assert all(p.peer != rank for rank, row in enumerate(program.ranks) for a in row
+                   if a.op == ops.EXCHANGE for p in a.parts if p.op == ops.SEND_W)
+        assert simulate(program).bubble_fraction() == Fraction(P - 1, 2 * P + P - 1)

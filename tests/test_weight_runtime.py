@@ -72,7 +72,7 @@ def weight_spec(name: str, P: int, L: int, order, steps, *, route: str, gradient
         split_backward=split, tasks=task_kinds(), order=order, weights=weights, task_steps=steps)
 
 
-def weipipe(P: int, A: int, prefetch: int = 0) -> ScheduleSpec:
+def weipipe(P: int, A: int, prefetch: int = 0, owners=None) -> ScheduleSpec:
     """WeiPipe: P layers, A microbatches per rank; rank r's forward of microbatch r + jP runs layer
     (t - r) mod P at step t, its backward follows P steps later in reverse, both slots on the ring."""
     order, steps = [[] for _ in range(P)], [[] for _ in range(P)]
@@ -86,7 +86,7 @@ def weipipe(P: int, A: int, prefetch: int = 0) -> ScheduleSpec:
                 order[r].append(("F", r * P + k % P, r + k // P * P))
                 steps[r].append(t)
     return weight_spec("weipipe", P, P, order, steps, route="ring", gradients="ring",
-                       owners=[(P - layer) % P for layer in range(P)], prefetch=prefetch)
+                       owners=owners or [(P - layer) % P for layer in range(P)], prefetch=prefetch)
 
 
 def layer_by_layer(name: str, P: int, A: int, L: int, start, **weights) -> ScheduleSpec:
@@ -203,6 +203,8 @@ CASES = {
     "user-weipipe-P2": (2, weipipe(2, 2), "NO_SHAPE"),
     "weipipe-P4": (4, weipipe(4, 2), None),
     "weipipe-prefetch1-P4": (4, weipipe(4, 2, prefetch=1), None),
+    # owner l = rank l, the public code's map: the first copies reach their slots by sends
+    "weipipe-own-l-P4": (4, weipipe(4, 2, prefetch=1, owners=list(range(4))), None),
     "direct-prefetch2-P4": (4, direct(4, 1, 4, prefetch=2), None),
     "tawpipe-P4": (4, tawpipe(4, 1, 4), None),
     "tawpipe-prefetch1-P4": (4, tawpipe(4, 1, 4, prefetch=1), None),
