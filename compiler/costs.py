@@ -25,6 +25,7 @@ typo never silently falls back to a default)::
         "inter_node": {"latency": 0.05, "bandwidth": 25.0},
         "pairs": {"0-1": {"latency": 0.0, "bandwidth": 400.0}},
         "nic": {"latency": 0.0, "bandwidth": 25.0},
+        "port": {"bandwidth": 50.0},
         "contention": true
       },
       "allreduce": {"latency": 0.01, "bandwidth": 100.0, "bytes": 64.0},
@@ -49,6 +50,8 @@ typo never silently falls back to a default)::
   default link). ``pairs`` overrides the link of one pair of ranks in both
   directions (``"a-b"``); fields it omits come from the link the pair would use
   otherwise. A message between a rank and itself is free (a local hand-off).
+  ``port``: a switch port per device that every transfer out of (and into) it
+  shares, whatever its peer: a switch with a per-rank port limit.
   ``nic`` (needs ``node_size``): the network interface a node's devices share
   for every transfer to or from another node; ``contention``: transfers that
   share a link share its bandwidth. Either makes the simulator reserve
@@ -164,6 +167,8 @@ class CostModel:
         contention: transfers that share a link share its bandwidth (``compiler.network``).
         nic: the network interface every device of a node shares for its inter-node transfers
             (``compiler.network``), or None for none.
+        port: a device's switch port, shared by all its transfers out and all in
+            (``compiler.network``), or None for none.
         allreduce_link: the link a ring all-reduce runs over.
         allreduce_bytes: the gradient bytes of one model chunk.
         post: the time a rank spends posting one message.
@@ -183,6 +188,7 @@ class CostModel:
     pairs: tuple[tuple[int, int, Link], ...] = ()
     contention: bool = False
     nic: Link | None = None
+    port: Link | None = None
     allreduce_link: Link = Link()
     allreduce_bytes: Number = 0
     post: Number = 0
@@ -348,7 +354,7 @@ class _Reader:
 
     def links_section(self, value: Any) -> dict[str, Any]:
         latency, bandwidth, given = self.link(value, "links", extra=("bytes", "node_size", "inter_node", "pairs", "post",
-                                                                   "contention", "nic"))
+                                                                   "contention", "nic", "port"))
         default = Link().overridden(latency, bandwidth)
         sizes = self.table(given.get("bytes", {}), "links.bytes", MESSAGE_KINDS)
         message_bytes = tuple((kind, self.number(sizes[kind], _join("links.bytes", kind)) if kind in sizes else 0) for kind in MESSAGE_KINDS)
@@ -379,7 +385,12 @@ class _Reader:
                 raise self.fail("links.nic", "a NIC is shared by the devices of a node: give links.node_size too")
             nic_latency, nic_bandwidth, _ = self.link(given["nic"], "links.nic")
             nic = Link(nic_latency or 0, nic_bandwidth)
+        port = None
+        if "port" in given:
+            port_latency, port_bandwidth, _ = self.link(given["port"], "links.port")
+            port = Link(port_latency or 0, port_bandwidth)
         return {
+            "port": port,
             "contention": contention,
             "nic": nic,
             "link": default,

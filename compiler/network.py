@@ -3,15 +3,18 @@
 Ranks sit on nodes (``CostModel.node_size`` consecutive devices per node). A
 transfer from one device to another uses the link between them (the cost
 file's default link inside a node, ``inter_node`` between nodes, a ``pairs``
-entry where one is given); between nodes it also goes through the sending
-node's NIC and the receiving node's NIC (``links.nic``), which every device of
-the node shares. Without ``links.contention`` and without a NIC a transfer
+entry where one is given: a full mesh with per-link bandwidth); between nodes
+it also goes through the sending node's NIC and the receiving node's NIC
+(``links.nic``), which every device of the node shares; behind a switch it
+goes out of the sender's port and into the receiver's (``links.port``), which
+every transfer of that device shares. Without ``links.contention`` and without a NIC a transfer
 takes ``latency + bytes / bandwidth`` whatever else is moving (pipec's
 classic model). With them, transfers that share a resource share its
 bandwidth:
 
-* the resources of a transfer: its directed link (with ``contention``) and,
-  between nodes, the two NICs (with ``nic``, always shared: that is what a NIC is);
+* the resources of a transfer: its directed link (with ``contention``),
+  between nodes the two NICs (with ``nic``, always shared: that is what a NIC
+  is), and the two ports (with ``port``);
 * a transfer moves at the rate of its slowest resource (cut-through) and holds
   every resource it uses for ``bytes / that rate``, then arrives ``latency``
   later;
@@ -27,7 +30,8 @@ gap-filling keeps a transfer asked later but ready earlier from waiting behind
 one that is ready later. Collectives are sets of such transfers (``hops``,
 ``ring_hops``): a ring step of its members at once, a broadcast or reduce
 pipelined along a ring, an all-gather or reduce-scatter as n - 1 ring steps of
-1/n of the value. ``traffic`` counts bytes on the same hops.
+1/n of the value. ``traffic`` counts bytes on the same hops. ``usage`` reports
+how busy the directed links were while anything moved.
 """
 from __future__ import annotations
 
@@ -46,8 +50,10 @@ class Network:
 
     def __init__(self, costs: CostModel):
         self.costs = costs
-        self.shared = costs.contention or costs.nic is not None
+        self.shared = costs.contention or costs.nic is not None or costs.port is not None
         self.busy: dict[tuple, list[tuple[Number, Number]]] = {}
+        # every transfer that took time, as (src, dst, start, arrival): the links' use, for ``usage``
+        self.moved: list[tuple[int, int, Number, Number]] = []
 
     def transfer(self, src: int, dst: int, nbytes: Number, ready: Number) -> Number:
         """When ``nbytes`` from device ``src`` to device ``dst``, ready at ``ready``, have arrived.
@@ -64,12 +70,47 @@ class Network:
         link = self.costs.link_between(src, dst)
         resources, rate = self._resources(src, dst, link)
         if not self.shared or not nbytes or rate is None:
-            return ready + link.time(nbytes)
-        hold = exact_ratio(nbytes, rate)
-        start = self._window(resources, ready, hold)
-        for resource in resources:
-            insort(self.busy.setdefault(resource, []), (start, start + hold))
-        return start + hold + link.latency + self._nic_latency(src, dst)
+            start, arrival = ready, ready + link.time(nbytes)
+        else:
+            hold = exact_ratio(nbytes, rate)
+            start = self._window(resources, ready, hold)
+            for resource in resources:
+                insort(self.busy.setdefault(resource, []), (start, start + hold))
+            arrival = start + hold + link.latency + self._nic_latency(src, dst)
+        self.record(src, dst, start, arrival)
+        return arrival
+
+    def record(self, src: int, dst: int, start: Number, arrival: Number) -> None:
+        """Note that a transfer used the link ``src`` -> ``dst`` from ``start`` to ``arrival``."""
+        if arrival > start:
+            self.moved.append((src, dst, start, arrival))
+
+    def usage(self, devices: int) -> dict[str, Number] | None:
+        """How busy the links were while anything moved, or None when nothing took time.
+
+        Returns:
+            ``communication``: the time during which at least one transfer was
+            under way; ``utilisation``: the mean share of the ``devices * (devices - 1)``
+            directed links busy during that time (a ring step of every device: 1 / (devices - 1);
+            an all-to-all exchange: 1).
+        """
+        if not self.moved or devices < 2:
+            return None
+        spans = sorted((start, arrival) for _, _, start, arrival in self.moved)
+        communication, (open_start, open_end) = 0, spans[0]
+        for start, arrival in spans[1:]:
+            if start > open_end:
+                communication += open_end - open_start
+                open_start, open_end = start, arrival
+            else:
+                open_end = max(open_end, arrival)
+        communication += open_end - open_start
+        links: dict[tuple[int, int], list[tuple[Number, Number]]] = {}
+        for src, dst, start, arrival in self.moved:
+            links.setdefault((src, dst), []).append((start, arrival))
+        busy = sum(_covered(intervals) for intervals in links.values())
+        utilisation = busy / (communication * devices * (devices - 1))
+        return {"communication": _number(communication), "utilisation": float(utilisation)}
 
     def hops(self, hops: Sequence[tuple[int, int]], nbytes: Number, start: Number, steps: int = 1) -> Number:
         """When transfers of ``nbytes`` over every (src, dst) of ``hops``, all ready at ``start``, are done,
@@ -103,6 +144,9 @@ class Network:
         if costs.nic is not None and costs.node_size and src // costs.node_size != dst // costs.node_size:
             resources += [("nic out", src // costs.node_size), ("nic in", dst // costs.node_size)]
             rates.append(costs.nic.bandwidth)
+        if costs.port is not None:
+            resources += [("port out", src), ("port in", dst)]
+            rates.append(costs.port.bandwidth)
         known = [rate for rate in rates if rate is not None]
         return resources, (min(known) if known else None)
 
@@ -162,6 +206,23 @@ def _free_from(calendar: Sequence[tuple[Number, Number]], start: Number, hold: N
             return start
         start = max(start, busy_end)
     return start
+
+
+def _covered(intervals: list[tuple[Number, Number]]) -> Number:
+    """The total length of the union of ``intervals``."""
+    total, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def _number(value) -> Number:
+    return value if isinstance(value, int) else float(value)
 
 
 def _plain(value: Fraction) -> Number:

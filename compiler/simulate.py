@@ -119,6 +119,7 @@ class SimResult:
     ranks: list[RankStats]
     timeline: list[list[Slot]]
     traffic: dict[str, dict[str, Number]] | None = None
+    links: dict[str, Number] | None = None
 
     def bubble_fraction(self) -> Fraction:
         """The bubble ratio as an exact fraction of the simulated totals.
@@ -143,7 +144,8 @@ class SimResult:
         """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations", "peak_waiting_w"}],
         "traffic"} as plain numbers; each rank also has "peak_bytes" (size class -> bytes) when the simulation
         was given sizes, and "peak_weight_buffers" for weight passing; "traffic" is the bytes one step moves
-        per value kind and link class (``compiler.traffic``)."""
+        per value kind and link class (``compiler.traffic``); "links", when transfers took time, how long
+        anything moved and the mean share of directed links busy meanwhile (``Network.usage``)."""
         out = {
             "makespan": _plain(self.makespan),
             "bubble_ratio": float(self.bubble_ratio),
@@ -151,6 +153,8 @@ class SimResult:
         }
         if self.traffic is not None:
             out["traffic"] = self.traffic
+        if self.links is not None:
+            out["links"] = self.links
         return out
 
 
@@ -556,6 +560,8 @@ class _Simulation:
                         delay = arrival - sent_at
                     else:
                         arrival = sent_at + delay
+                        if delay:
+                            network.record(devices[sent[2]], devices[posted[2]], sent_at, arrival)
                     if delay:
                         comm_slots[posted[2]].append(new_tuple(Slot, (sent_at, arrival, posted[4], True)))
                     key = posted[1]
@@ -763,7 +769,7 @@ class _Simulation:
             # compute slots are already in start order; sorting is needed only to merge comms in
             timeline.append(sorted(compute + comms, key=itemgetter(0)) if comms else compute)
         moved = traffic(self.program, self.sizes or self.costs.sizes, node_map(self.program, self.costs.node_size))
-        return SimResult(makespan, float(bubble), ranks, timeline, moved)
+        return SimResult(makespan, float(bubble), ranks, timeline, moved, self.network.usage(self.num_ranks))
 
     def _error(self, kind: type, message: str, rank: int, step: int) -> Exception:
         return kind(message, rank=rank, step=step, grid=self.program.grid())

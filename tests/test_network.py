@@ -95,3 +95,45 @@ def test_simulate_json_traffic_uses_the_cost_files_nodes(tmp_path):
     assert two_nodes["weight"]["inter"] > 0
     assert sum(one_node["weight"].values()) == sum(two_nodes["weight"].values())
     json.dumps(two_nodes)
+
+
+_EVERYONE_AT_ONCE = """
+schedule everyone_at_once(P: ranks = 8, N: microbatches = P) {
+  stages P
+  home microbatch m on rank m
+  own layer l on rank l
+  weights direct
+  order rank r {
+    at step 0 { for l in 0 .. P { F(l, r) } }
+    at step 1 { for l in 0 .. P { B(P - 1 - l, r) } }
+  }
+}
+"""
+
+
+def _links(program, **links):
+    return simulate(program, costs_from_json({"links": {"bandwidth": 1, **links}, "sizes": {"weight": 4}})).links
+
+
+def test_link_utilisation_is_every_link_for_an_exchange_of_all_with_all_and_one_in_n_minus_1_for_a_ring(tmp_path):
+    path = tmp_path / "all.pipe"
+    path.write_text(_EVERYONE_AT_ONCE)
+    everyone = compile_target(str(path)).program  # every rank fetches the 7 layers it does not own at once
+    full_mesh = _links(everyone)
+    assert full_mesh == {"communication": 8, "utilisation": 1.0}  # weights in (4), gradients out (4)
+    ring = _links(compile_target("fsdp", {"P": 8, "N": 8}).program)  # ring all-gathers and reduce-scatters
+    assert ring["utilisation"] == pytest.approx(1 / 7)
+
+
+def test_a_switch_port_per_rank_takes_the_all_to_all_advantage_away(tmp_path):
+    path = tmp_path / "all.pipe"
+    path.write_text(_EVERYONE_AT_ONCE)
+    everyone = compile_target(str(path)).program
+    behind_ports = _links(everyone, port={"bandwidth": 1})
+    assert behind_ports["communication"] == 7 * 8  # each port carries its 7 transfers one after another
+    assert behind_ports["utilisation"] == pytest.approx(1 / 7)
+    assert costs_from_json({"links": {"port": {"bandwidth": 3}}}).port == Link(0, 3)
+
+
+def test_nothing_moving_reports_no_link_use():
+    assert simulate(compile_target("weipipe", {"P": 4, "N": 8}).program).links is None

@@ -44,6 +44,9 @@ def run(args) -> int:
             + (f", W waiting at most {stats.peak_waiting_w}" if split else "")
             + (f", peak bytes {describe_peak_bytes(stats.peak_bytes)}" if stats.peak_bytes else "")
         )
+    if result.links is not None:
+        lines.append(f"  links: something moved for {_num(result.links['communication'])}, "
+                     f"directed links busy {result.links['utilisation']:.3f} of the time meanwhile")
     write_output("\n".join(lines), None)
     return 0
 
