@@ -254,7 +254,7 @@ _HANDLERS.update({op: "post_exchange" for op in ops.EXCHANGE_OPS})
 _HANDLERS.update({op: "wait_exchange" for op in ops.EXCHANGE_WAIT_OPS})
 _HANDLERS.update({op: "drop_copy" for op in ops.DROP_COPY_OPS})
 _EXCHANGE_PARTS = frozenset(ops.EXCHANGE_PART_OPS)
-# What a collective part is priced as (``CostModel.collective``).
+# What a collective part is priced as (``Network.collective``; a ring step as its hops).
 _COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "shift", ops.BCAST_W: BROADCAST,
                     ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER}
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})  # their ``peer`` is the root
@@ -755,7 +755,8 @@ class _Simulation:
     # -- results and reports -------------------------------------------------------
 
     def _result(self) -> SimResult:
-        allreduce_ends = [t for t in self.ready[_ALLREDUCE * self.space:] if t is not None]
+        first = _ALLREDUCE * self.space  # the all-reduce ends, one key per chunk (weight passing's parts follow)
+        allreduce_ends = [t for t in self.ready[first:first + max(self.program.num_chunks, 1)] if t is not None]
         makespan = max(self.clock + allreduce_ends, default=0)
         byte_peaks = peak_bytes(self.program, self.sizes) if self.sizes is not None else [None] * self.num_ranks
         borrowed = (peak_weight_buffers(self.program) if self.program.weights is not None
