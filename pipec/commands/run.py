@@ -52,6 +52,8 @@ from pipec.errors import UsageError, printable
 MONITOR_INTERVAL_S = 0.5
 # A worker that ignores SIGTERM for this long is killed.
 SHUTDOWN_TIMEOUT_S = 5
+# How often a closing launcher wakes stopped workers (SIGCONT) so that they act on its SIGTERM.
+_CONTINUE_EVERY_S = 0.1
 # How often the output follower polls the workers' stdout files.
 FOLLOW_INTERVAL_S = 0.05
 # A worker's fault message: "rank R, step S (INSTR): ..." (runtime.worker's RuntimeFault).
@@ -476,9 +478,11 @@ def _prompt_shutdown() -> Iterator[None]:
     ``shutdown_timeout`` reaches only the agent's last shutdown, not this
     one). A worker that hangs in Python answers SIGTERM at once, but a stopped
     one cannot: the run would end half a minute after the fault was named.
-    Here every close waits at most ``SHUTDOWN_TIMEOUT_S`` and first sends the
-    still-running workers' process groups SIGCONT, so that a stopped worker
-    acts on the SIGTERM (and says it was stopped by the launcher).
+    Here every close waits at most ``SHUTDOWN_TIMEOUT_S`` and, for as long as
+    it waits, sends the still-running workers' process groups SIGCONT every
+    ``_CONTINUE_EVERY_S``, so that a stopped worker acts on the SIGTERM (and
+    says it was stopped by the launcher): once is not enough, since a worker
+    may stop itself just after a SIGCONT and before the SIGTERM arrives.
     """
     try:
         from torch.distributed.elastic.multiprocessing.api import PContext
@@ -488,11 +492,24 @@ def _prompt_shutdown() -> Iterator[None]:
     original = PContext.close
 
     def close(self, death_sig=None, timeout=SHUTDOWN_TIMEOUT_S):
-        for handler in (getattr(self, "subprocess_handlers", None) or {}).values():
-            if handler.proc.poll() is None:
-                with contextlib.suppress(OSError):  # each worker leads its own process group
-                    os.killpg(handler.proc.pid, signal.SIGCONT)
-        return original(self, death_sig, min(timeout, SHUTDOWN_TIMEOUT_S))
+        handlers = list((getattr(self, "subprocess_handlers", None) or {}).values())
+        closed = threading.Event()
+
+        def keep_continuing() -> None:
+            while not closed.is_set():
+                for handler in handlers:
+                    if handler.proc.poll() is None:
+                        with contextlib.suppress(OSError):  # each worker leads its own process group
+                            os.killpg(handler.proc.pid, signal.SIGCONT)
+                closed.wait(_CONTINUE_EVERY_S)
+
+        continuer = threading.Thread(target=keep_continuing, name="pipec-continue-workers", daemon=True)
+        continuer.start()
+        try:
+            return original(self, death_sig, min(timeout, SHUTDOWN_TIMEOUT_S))
+        finally:
+            closed.set()
+            continuer.join()
 
     PContext.close = close
     try:
