@@ -575,8 +575,18 @@ def _inject(context, injection: Injection) -> None:
 
 
 def _hang(step, action, index) -> None:
+    """Hang in Python, as a worker stuck in a loop would: it still answers SIGTERM at once.
+
+    Short sleeps, not one long one: a signal the kernel hands to another thread
+    (gloo's, torch's) only sets Python's flag, and the main thread runs the
+    handler when it next wakes; asleep for an hour it would not, and the
+    launcher would have to SIGKILL it.
+    """
     while True:
-        time.sleep(3600)
+        time.sleep(_HANG_TICK_S)
+
+
+_HANG_TICK_S = 0.05
 
 
 def _stop(step, action, index) -> None:
