@@ -196,34 +196,22 @@ def test_more_borrowed_buffers_than_the_bound_is_named():
         compile_spec(spec)
 
 
-_RING_AND_GROUPS = """
-schedule ring_and_groups(P: ranks = 4, N: microbatches = 2 * P) {
-  let A = N / P
-  stages P
-  home microbatch m on rank m % P
-  group rank r in r / 2
-  own layer l on rank (P - l) % P
-  weights ring by 1
-  gradients reduce
-  prefetch 1
-  order rank r {
-    for t in 0 .. A * P + 2 * P - 1 {
-      let k = t - r
-      at step t {
-        if k >= P and k < A * P + P { B(P - 1 - k % P, r + (k / P - 1) * P) }
-        if k >= 0 and k < A * P { F(k % P, r + k / P * P) }
-      }
-    }
-  }
-}
-"""
+def _weipipe_variant(tmp_path, *changes: tuple[str, str]) -> str:
+    """The shipped weipipe.pipe with some declarations replaced (its order written once, in schedules/)."""
+    source = (Path(__file__).parent.parent / "schedules" / "weipipe.pipe").read_text()
+    for old, new in changes:
+        assert old in source, old
+        source = source.replace(old, new)
+    path = tmp_path / "weipipe_variant.pipe"
+    path.write_text(source)
+    return str(path)
 
 
 def test_two_communicators_met_in_different_orders_deadlock_and_are_named(tmp_path):
     """A ring step (every rank) and a group reduce in one exchange: one rank swaps them."""
-    path = tmp_path / "ring_and_groups.pipe"
-    path.write_text(_RING_AND_GROUPS)
-    program = compile_target(str(path)).program  # as lowered: one order everywhere, proven
+    # WeiPipe's ring, its gradients reduced in groups of two instead
+    path = _weipipe_variant(tmp_path, ("gradients ring", "gradients reduce\n  group rank r in r / 2"))
+    program = compile_target(path).program  # as lowered: one order everywhere, proven
     rank = 0
     row = list(program.ranks[rank])
     index = next(i for i, a in enumerate(row) if a.op == ops.EXCHANGE
@@ -435,11 +423,9 @@ def test_weipipe_moves_three_weight_sized_values_a_step_and_tawpipe_two():
 def test_a_ring_slot_the_owner_never_holds_starts_from_a_copy_the_owner_sends(tmp_path):
     """WeiPipe with the public code's owners (layer l on rank l): no forward slot passes its layer's owner
     before its first use, so the owner sends that rank a copy, which fills the slot and is dropped."""
-    source = (Path(__file__).parent.parent / "schedules" / "weipipe.pipe").read_text()
-    path = tmp_path / "own_l.pipe"
-    path.write_text(source.replace("own layer l on rank (P - l) % P", "own layer l on rank l"))
+    path = _weipipe_variant(tmp_path, ("own layer l on rank (P - l) % P", "own layer l on rank l"))
     for P in (2, 3, 4, 5):
-        program = compile_target(str(path), {"P": P, "N": 2 * P}).program
+        program = compile_target(path, {"P": P, "N": 2 * P}).program
         sends = [p for row in program.ranks for a in row if a.op == ops.EXCHANGE for p in a.parts
                  if p.op == ops.SEND_W]
         assert bool(sends) == (P > 2)  # at P = 2 the two owner maps are the same
