@@ -12,7 +12,7 @@ front end resolves schedules against the rule table's task kinds
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Mapping
 
@@ -23,6 +23,7 @@ from pipec.compiler.guarded_read import SOURCE, looks_like_program, read_text, s
 from pipec.compiler.ir import Program
 from pipec.compiler.liveness import insert_frees
 from pipec.compiler.lower_comms import insert_communication
+from pipec.compiler.lower_rings import lower_rings
 from pipec.compiler.lower_weights import insert_weight_exchanges
 from pipec.compiler.memory_counts import Number, check_sizes
 from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS
@@ -149,6 +150,10 @@ def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Prog
         proved every task present once, in range and at home; an order whose
         dependencies cannot be met is kept as it is for the checks to name.
     """
+    if spec.rings is not None:  # sequence rings: the order and its exchanges come from the rings
+        program = lower_rings(spec)
+        compute = replace(program, ranks=[[a for a in row if a.is_compute] for row in program.ranks])
+        return compute, program
     compute = compute_program(spec, costs)
     if spec.weights is not None:  # weight passing: weights move, activations stay home
         return compute, insert_weight_exchanges(compute, spec)
@@ -182,7 +187,11 @@ def compile_spec(
         if missing:
             raise ValueError(f"a byte budget for {missing[0]!r} needs its size: the cost model gives none (sizes)")
     compute, program = lower_spec(spec, costs)
-    program = insert_frees(program)
+    if program.rings is not None and (memory_budget is not None or byte_budget is not None):
+        raise UsageError(f"'{spec.name}' is a sequence ring: its memory is KV buffers, which the ring check bounds "
+                         "(two per piece under `kv again`); activation and byte budgets do not apply to it")
+    if program.rings is None:  # a ring's buffers are replaced by its exchanges, not freed
+        program = insert_frees(program)
     check_all(program, semantics="rendezvous", memory_budget=memory_budget, byte_budget=byte_budget, sizes=sizes)
     return Compiled(spec, compute, program)
 

@@ -26,6 +26,7 @@ of ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Iterable, NamedTuple
 
 # The op names and what each op does live in the rule table (``ops.py``);
@@ -237,6 +238,99 @@ def weight_communicators(plan: WeightPlan, num_ranks: int) -> list[Communicator]
     return out
 
 
+# How a sequence ring's KV and dKV move (docs/rings.md).
+KV_ROUTES = ("again", "kept")        # KV goes round again in backward, or every rank keeps what it saw
+DKV_ROUTES = ("behind", "direct")    # dK, dV partials ride the ring behind KV, or go straight home
+TRANSFERS = ("p2p", "all_to_all")    # an exchange's moves: one batch of point-to-point, or one all_to_all
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """How a sequence-ring program cuts the sequence and moves KV (ring, zigzag, TASP attention).
+
+    The sequence of S tokens is cut into ``chunks`` equal chunks (chunk c is
+    tokens [c S/C, (c+1) S/C)); the queries, keys and values of chunk c live on
+    rank ``holders[c]``. Each chunk's KV is cut into ``pieces`` equal pieces
+    along the sequence. A rank's **bundle** (s, p) is piece p of every chunk
+    rank s holds, in ascending chunk order: the unit that travels. Piece p
+    travels ring ``rings[p % len(rings)]``, a cycle over every rank: its i-th
+    rank sends to its (i+1)-th.
+
+    A **block** is a query chunk against one KV piece; an instruction names it
+    by ``stage`` = query chunk and ``mb`` = ``block(kv_chunk, piece)``.
+
+    Attributes:
+        chunks: C.
+        holders: chunk -> rank.
+        pieces: KV pieces per chunk.
+        rings: the rings, each a tuple of every rank once.
+        causal: the causal mask (key j visible to query i iff j <= i), else full attention.
+        kv: ``again`` (KV goes round again in backward) or ``kept`` (each rank
+            keeps every bundle it received in forward).
+        dkv: ``behind`` (each bundle's dK, dV partial rides its ring one
+            exchange behind, every rank adding its blocks, until it is home) or
+            ``direct`` (every rank sends its partial of each bundle straight home).
+        transfer: ``p2p`` or ``all_to_all`` (see ``TRANSFERS``).
+        note: what the compiler wants a user to know about the rings (n = 4, 6).
+    """
+
+    chunks: int
+    holders: tuple[int, ...]
+    pieces: int
+    rings: tuple[tuple[int, ...], ...]
+    causal: bool
+    kv: str = "again"
+    dkv: str = "behind"
+    transfer: str = "p2p"
+    note: str = ""
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.rings[0])
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """The chunks ``rank`` holds, ascending (its bundles' order)."""
+        return tuple(c for c, r in enumerate(self.holders) if r == rank)
+
+    def ring_of(self, piece: int) -> tuple[int, ...]:
+        return self.rings[piece % len(self.rings)]
+
+    def next_on(self, piece: int, rank: int) -> int:
+        """The rank ``rank`` sends piece ``piece``'s bundles to."""
+        ring = self.ring_of(piece)
+        return ring[(ring.index(rank) + 1) % len(ring)]
+
+    def prev_on(self, piece: int, rank: int) -> int:
+        """The rank ``rank`` receives piece ``piece``'s bundles from."""
+        ring = self.ring_of(piece)
+        return ring[(ring.index(rank) - 1) % len(ring)]
+
+    def block(self, kv_chunk: int, piece: int) -> int:
+        return kv_chunk * self.pieces + piece
+
+    def unblock(self, block: int) -> tuple[int, int]:
+        """(kv chunk, piece) of a block number."""
+        return divmod(block, self.pieces)
+
+    def visible(self, q_chunk: int, kv_chunk: int, piece: int) -> bool:
+        """Whether some query of ``q_chunk`` sees some key of the piece: the block is not fully masked."""
+        if not self.causal:
+            return True
+        first_key = kv_chunk * self.pieces + piece          # in units of a piece
+        last_query = (q_chunk + 1) * self.pieces - 1        # the piece holding the chunk's last query
+        return first_key <= last_query
+
+    def block_area(self, q_chunk: int, kv_chunk: int, piece: int) -> Fraction:
+        """The block's share of a whole chunk x chunk block that the mask leaves (1 unmasked, 1/2 a
+        diagonal), exact: counted in piece x piece squares, a square on the diagonal as half."""
+        n = self.pieces
+        if not self.causal:
+            return Fraction(1, n)
+        key = kv_chunk * n + piece  # in pieces: the chunk's queries are [q n, (q + 1) n)
+        halves = sum(2 if key < query else 1 if key == query else 0 for query in range(q_chunk * n, (q_chunk + 1) * n))
+        return Fraction(halves, 2 * n * n)
+
+
 @dataclass
 class Program:
     """A compiled (or imported) schedule: one instruction list per rank.
@@ -258,6 +352,8 @@ class Program:
             weight plan (``weight_communicators``) when not given.
         weights: for a weight-passing program, where its weights live and how
             they move; None for activation passing.
+        rings: for a sequence-ring program, how the sequence is cut and KV
+            moves; None otherwise.
     """
 
     name: str
@@ -272,10 +368,13 @@ class Program:
     source: str = ""
     communicators: list[Communicator] = field(default_factory=list)
     weights: WeightPlan | None = None
+    rings: RingPlan | None = None
 
     def __post_init__(self) -> None:
         if not self.communicators:
-            if self.weights is not None:
+            if self.rings is not None:  # one all_to_all meets every rank
+                self.communicators = [Communicator(0, tuple(range(self.num_ranks)), WORLD, 0)]
+            elif self.weights is not None:
                 self.communicators = weight_communicators(self.weights, self.num_ranks)
             else:
                 self.communicators = replica_communicators(self.stages, self.pipelines)

@@ -79,6 +79,7 @@ from pipec.compiler.ops import (
     SELF,
     TASK_CODE,
     VALUE_KINDS,
+    SEQUENCE_RING,
     WEIGHT_PASSING,
     consumers,
     declare_pass,
@@ -656,7 +657,8 @@ def _is_receive(code: int) -> int:
 declare_pass("lower_comms", set(COMPUTE_OPS) | set(_SEND_OF_KIND) | set(_RECV_OF_KIND) | {BATCH}
              | set(_COLLECTIVE_OF_PURPOSE.values()) | set(_WAIT_OF_PURPOSE.values())
              | {op for op in RULES if RULES[op].category == FREE}  # frees: kept where they stand
-             # weight passing is lowered by ``lower_weights``; its ops never reach this pass
-             | {op for op in RULES if RULES[op].family == WEIGHT_PASSING})
+             # weight passing and sequence rings are lowered by ``lower_weights`` and
+             # ``lower_rings``; their ops never reach this pass
+             | {op for op in RULES if RULES[op].family in (WEIGHT_PASSING, SEQUENCE_RING)})
 
 __all__ = ["insert_communication"]

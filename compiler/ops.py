@@ -225,9 +225,13 @@ SHIFT_F, SHIFT_B, SHIFT_G = "SHIFT_F", "SHIFT_B", "SHIFT_G"
 FILL_F, FILL_B = "FILL_F", "FILL_B"
 FREE_W = "FREE_W"
 BCAST_W, ALLGATHER_W, REDUCE_G, REDUCESCATTER_G = "BCAST_W", "ALLGATHER_W", "REDUCE_G", "REDUCESCATTER_G"
+AF, AB = "AF", "AB"
+SEND_KV, RECV_KV, SEND_DKV, RECV_DKV = "SEND_KV", "RECV_KV", "SEND_DKV", "RECV_DKV"
+ALLTOALL_KV, ALLTOALL_DKV = "ALLTOALL_KV", "ALLTOALL_DKV"
 
 _AP = ACTIVATION_PASSING
 _WP = WEIGHT_PASSING
+_SR = SEQUENCE_RING
 _COMPUTE_CSV = (KEEP, KEEP)
 _COMM_CSV = (DROP, KEEP)
 _PEER_FIELDS = ("stage", "mb", "peer")
@@ -314,6 +318,32 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
     OpRule(REDUCESCATTER_G, PART_COLLECTIVE, _WP, reads=(Use("wgrad_partial"),), writes=(Use("wgrad_partial"),),
            fields=("stage", "mb"), communicator=WORLD,
            doc="sum every rank's partial of the layer's weight gradient, each rank keeping its shard"),
+    # -- sequence rings (docs/rings.md). A block is a query chunk (``stage``)
+    # against one KV piece: ``mb`` = kv chunk * pieces + piece. AF folds the
+    # block's (out, lse) into its query chunk's running result; AB reads the
+    # chunk's global (out, lse), adds the block's dQ to the chunk's and its
+    # dK, dV to the rank's partial of the KV bundle (holder, piece).
+    OpRule(AF, COMPUTE, _SR, reads=(Use("kv"),), writes=(Use("stats"),), torch=_COMPUTE_CSV, trace="compute",
+           unit_cost=1, doc="attention forward of a query chunk against a KV piece (one block)"),
+    OpRule(AB, COMPUTE, _SR, reads=(Use("stats"), Use("kv")), writes=(Use("dkv"),), torch=_COMPUTE_CSV,
+           trace="compute", unit_cost=2, doc="attention backward of one block: dQ kept, dK and dV into the partial"),
+    # A KV bundle (holder s, piece p) is piece p of every chunk rank s holds;
+    # a part names it by ``stage`` = s and ``mb`` = p. Point-to-point parts of
+    # one exchange are posted as one batch (batch_isend_irecv); an ALLTOALL
+    # part carries its sends and receives as its own ``parts``, moved by one
+    # all_to_all of every rank.
+    OpRule(SEND_KV, PART_SEND, _SR, carries=Use("kv"), fields=_PEER_FIELDS,
+           doc="send this rank's copy of a KV bundle along its ring"),
+    OpRule(RECV_KV, PART_RECV, _SR, carries=Use("kv"), fields=_PEER_FIELDS,
+           doc="receive a KV bundle (usable once its exchange is waited)"),
+    OpRule(SEND_DKV, PART_SEND, _SR, carries=Use("dkv"), fields=_PEER_FIELDS,
+           doc="send this rank's dK, dV partial of a bundle on (it leaves this rank)"),
+    OpRule(RECV_DKV, PART_RECV, _SR, carries=Use("dkv"), fields=_PEER_FIELDS,
+           doc="receive a dK, dV partial of a bundle and add it to this rank's (at the wait)"),
+    OpRule(ALLTOALL_KV, PART_COLLECTIVE, _SR, reads=(Use("kv"),), writes=(Use("kv"),), fields=("mb", "parts"),
+           communicator=WORLD, doc="one all_to_all of every rank moving the KV sends and receives it holds"),
+    OpRule(ALLTOALL_DKV, PART_COLLECTIVE, _SR, reads=(Use("dkv"),), writes=(Use("dkv"),), fields=("mb", "parts"),
+           communicator=WORLD, doc="one all_to_all of every rank moving the dK, dV partials it holds"),
 )}
 
 OPS: tuple[str, ...] = tuple(RULES)
@@ -370,6 +400,9 @@ EXCHANGE_WAIT_OPS = ops_of(EXCHANGE_WAIT_OF)
 EXCHANGE_PART_OPS = ops_of(*EXCHANGE_PART_CATEGORIES)
 WEIGHT_OPS = ops_of(*WEIGHT_CATEGORIES)
 DROP_COPY_OPS = ops_of(DROP_COPY)
+# Sequence rings: the attention blocks, and the parts that move KV and dKV.
+RING_COMPUTE_OPS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if RULES[op].family == SEQUENCE_RING)
+RING_PART_OPS: tuple[str, ...] = tuple(op for op in EXCHANGE_PART_OPS if RULES[op].family == SEQUENCE_RING)
 # The compute ops that run on a layer's weights (a borrowed copy under weight
 # passing), each with the pass whose copy it reads: the ops that make the
 # activation run forward, the others backward (a ring keeps one slot per pass).

@@ -172,6 +172,11 @@ def _plain(value: Number) -> Number:
     return value if isinstance(value, int) else float(value)
 
 
+def _exact(value: Number) -> Number:
+    """An exact time: an int when whole, else as it is (unit costs of masked blocks stay Fractions)."""
+    return int(value) if isinstance(value, Fraction) and value.denominator == 1 else value
+
+
 # ----------------------------------------------------------------- key spaces
 #
 # The ``ready`` table holds the time each value is available, indexed by
@@ -224,7 +229,7 @@ _ALLREDUCE = _NUM_PRODUCED + len(ops.MESSAGE_KINDS)
 # ends; then the input is not waited for.
 _COMPUTE_RULES = {
     op: (_SPACE_OF_OP[op], ACTIVATION_DELTA.get(op, 0), tuple((dep.kind, dep.where) for dep in ops.DEPENDENCIES[op]))
-    for op in ops.COMPUTE_OPS
+    for op in ops.COMPUTE_OPS if op not in ops.RING_COMPUTE_OPS
 }
 # Marks an op that is not a SEND/RECV where only those may stand.
 _NOT_A_MESSAGE = object()
@@ -253,10 +258,12 @@ _HANDLERS = {op: _COLLECTIVE_HANDLERS[rule.category, rule.communicator] for op, 
 _HANDLERS.update({op: "post_exchange" for op in ops.EXCHANGE_OPS})
 _HANDLERS.update({op: "wait_exchange" for op in ops.EXCHANGE_WAIT_OPS})
 _HANDLERS.update({op: "drop_copy" for op in ops.DROP_COPY_OPS})
+_HANDLERS.update({op: "attention_block" for op in ops.RING_COMPUTE_OPS})
 _EXCHANGE_PARTS = frozenset(ops.EXCHANGE_PART_OPS)
 # What a collective part is priced as (``Network.collective``; a ring step as its hops).
 _COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "shift", ops.BCAST_W: BROADCAST,
-                    ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER}
+                    ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER,
+                    ops.ALLTOALL_KV: "all_to_all", ops.ALLTOALL_DKV: "all_to_all"}
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})  # their ``peer`` is the root
 ops.declare_pass("simulate", [*_COMPUTE_RULES, *_COMM_RULES, *_BATCH_OPS, *_FREE_OPS, *_HANDLERS, *_EXCHANGE_PARTS])
 
@@ -312,6 +319,7 @@ class _Simulation:
         self.pc = [0] * self.num_ranks
         self.clock: list[Number] = [0] * self.num_ranks
         self.busy: list[Number] = [0] * self.num_ranks
+        self.handled_busy: list[Number] = [0] * self.num_ranks  # compute run by handlers (attention blocks)
         self.live = [0] * self.num_ranks
         self.peak = [0] * self.num_ranks
         self.parked_on = [-1] * self.num_ranks
@@ -664,7 +672,12 @@ class _Simulation:
         if kind is None or not self.sizes and not self.costs.sizes:
             return 0
         sizes = self.sizes if self.sizes is not None else self.costs.sizes
-        return sizes.get(ops.VALUE_KINDS[kind].size_class, 0)
+        size = sizes.get(ops.VALUE_KINDS[kind].size_class, 0)
+        plan = self.program.rings
+        if plan is not None and ops.VALUE_KINDS[kind].size_class == ops.SIZE_KV and 0 <= part.stage < plan.num_ranks:
+            # ``kv`` is one chunk's keys and values; a bundle is one piece of each chunk of its holder
+            return _plain(Fraction(size) * len(plan.chunks_of(part.stage)) / plan.pieces)
+        return size
 
     def post_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number:
         """EXCHANGE: post every part at ``clock`` and go on. A point-to-point part completes when
@@ -719,7 +732,12 @@ class _Simulation:
             return
         start = max(time for time, _, _, _ in members)
         kind, nbytes = _COLLECTIVE_KIND[part.op], self._part_bytes(part)
-        if kind == "shift":  # a ring step: each member that takes a slot takes it from r - ring_by
+        if kind == "all_to_all":  # every member's sends at once, each over its own link
+            hops = [(self.devices[r], self.devices[inner.peer]) for _, _, r, p in members for inner in p.parts
+                    if ops.RULES[inner.op].category == ops.PART_SEND]
+            sizes = {self._part_bytes(inner) for _, _, _, p in members for inner in p.parts}
+            end = self.network.hops(hops, max(sizes, default=0), start)
+        elif kind == "shift":  # a ring step: each member that takes a slot takes it from r - ring_by
             by, size = self.program.weights.ring_by, self.num_ranks
             hops = [(self.devices[(r - by) % size], self.devices[r]) for _, _, r, p in members if p.stage >= 0]
             end = self.network.hops(hops, nbytes, start)
@@ -743,6 +761,20 @@ class _Simulation:
                 return None
         return max([clock] + [self.ready[key] for key in keys])
 
+    def attention_block(self, rank: int, step: int, action: Action, clock: Number) -> Number:
+        """AF, AB: one attention block, priced by the area the mask leaves of it (a whole chunk x chunk
+        block costs the op's cost, a diagonal one half, a piece its share). Its inputs are on the rank:
+        KV by the exchanges waited before it, a backward's statistics by the forwards before it."""
+        plan = self.program.rings
+        if plan is None or not (0 <= action.stage < plan.chunks and 0 <= action.mb < plan.chunks * plan.pieces):
+            raise self._error(WellFormedError, f"{action.text()}: no block of a sequence ring", rank, step)
+        cost = self.costs.compute(action.op, 0)
+        area = plan.block_area(action.stage, *plan.unblock(action.mb))
+        duration = _exact(area * cost) if isinstance(cost, int) else float(area) * cost
+        self.slots[rank].append(Slot(clock, clock + duration, action, False))
+        self.handled_busy[rank] += duration
+        return clock + duration
+
     def drop_copy(self, rank: int, step: int, action: Action, clock: Number) -> Number:
         """FREE_W: memory bookkeeping only; it takes no time."""
         return clock
@@ -757,14 +789,15 @@ class _Simulation:
     def _result(self) -> SimResult:
         first = _ALLREDUCE * self.space  # the all-reduce ends, one key per chunk (weight passing's parts follow)
         allreduce_ends = [t for t in self.ready[first:first + max(self.program.num_chunks, 1)] if t is not None]
-        makespan = max(self.clock + allreduce_ends, default=0)
+        makespan = _exact(max(self.clock + allreduce_ends, default=0))
         byte_peaks = peak_bytes(self.program, self.sizes) if self.sizes is not None else [None] * self.num_ranks
         borrowed = (peak_weight_buffers(self.program) if self.program.weights is not None
                     else [None] * self.num_ranks)
+        busy_times = [_exact(inline + handled) for inline, handled in zip(self.busy, self.handled_busy)]
         ranks = [RankStats(busy, makespan - busy, peak, peak_waiting_w(row), in_bytes, buffers)
                  for busy, peak, row, in_bytes, buffers
-                 in zip(self.busy, self.peak, self.program.ranks, byte_peaks, borrowed)]
-        bubble = 1 - sum(self.busy) / (makespan * self.num_ranks) if makespan else 0.0
+                 in zip(busy_times, self.peak, self.program.ranks, byte_peaks, borrowed)]
+        bubble = 1 - sum(busy_times) / (makespan * self.num_ranks) if makespan else 0.0
         timeline = []
         for compute, comms in zip(self.slots, self.comm_slots):
             # compute slots are already in start order; sorting is needed only to merge comms in

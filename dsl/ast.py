@@ -259,6 +259,56 @@ class WeightCount(Node):
 
 
 @dataclass(frozen=True)
+class Sequence(Node):
+    """``sequence chunks E``: the sequence is cut into E equal chunks; makes the schedule a sequence ring."""
+
+    count: Expr
+
+
+@dataclass(frozen=True)
+class Hold(Node):
+    """``hold chunk c on rank E``: the rank that holds chunk c's queries, keys and values."""
+
+    var: str
+    var_span: Span
+    rank: Expr
+
+
+@dataclass(frozen=True)
+class Mask(Node):
+    """``mask full``, ``mask causal`` or ``mask causal when E`` (causal where E holds, else full)."""
+
+    mode: str  # full | causal
+    when: Expr | None
+
+
+@dataclass(frozen=True)
+class Rings(Node):
+    """``rings shift E``, ``rings hamilton`` or ``rings rails E, E``: the rings KV travels on.
+
+    ``values`` holds every value written (how many each kind takes is the resolver's to check).
+    """
+
+    kind: str  # shift | hamilton | rails
+    values: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class Pieces(Node):
+    """``pieces E``: the KV pieces each chunk is cut into."""
+
+    value: Expr
+
+
+@dataclass(frozen=True)
+class RingMode(Node):
+    """``kv again|kept``, ``dkv behind|direct`` or ``transfer p2p|all_to_all``."""
+
+    what: str  # kv | dkv | transfer
+    mode: str
+
+
+@dataclass(frozen=True)
 class ExplicitOrder(Node):
     rank_var: str
     rank_span: Span
@@ -318,7 +368,8 @@ class SortedOrder(Node):
 
 Decl = (
     Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | ExplicitOrder | GreedyOrder
-    | SortedOrder | Home | Own | Group | Weights | Gradients | WeightCount
+    | SortedOrder | Home | Own | Group | Weights | Gradients | WeightCount | Sequence | Hold | Mask | Rings | Pieces
+    | RingMode
 )
 
 

@@ -39,6 +39,13 @@ BYTES_PER_TASK_TEXT = "about 1.3 KiB each to compile and simulate"
 # Weight passing walks every step of every rank (idle or not: a ring steps on
 # all of them), so its step grid, ranks x steps, has the task grid's bound.
 MAX_STEP_CELLS = MAX_TASKS
+# Sequence rings: the compiler runs a forward and a backward task for each
+# visible block (a query chunk against a KV piece): chunks x chunks x pieces
+# blocks under a full mask, C (C + 1) / 2 x pieces under a causal one. That
+# grid has the task grid's bound; the chunks alone are bounded first, before
+# the holder of each is evaluated: 2 x 1,000^2 = MAX_TASKS, the most chunks a
+# full mask fits.
+MAX_CHUNKS = 1_000
 # Ranks: a program has per-rank lists and per-pair tables (P^2 entries, about
 # 160 MB at P = 4096, compiled in under 2 s).
 MAX_RANKS = 4096

@@ -297,6 +297,9 @@ _TERMINAL_TEXT = {
     "PARAM_TYPE": "a type (ranks, microbatches, chunks, int, bool)", "BACKWARD_MODE": "full or split",
     "WEIGHT_ROUTE": "a weight route (ring, direct, staged, all_gather)",
     "GRADIENT_ROUTE": "a gradient route (ring, direct, reduce, reduce_scatter)",
+    "MASK_MODE": "a mask (full, causal)", "RING_KIND": "rings (shift, hamilton, rails)",
+    "KV_ROUTE": "a KV route (again, kept)", "DKV_ROUTE": "a dKV route (behind, direct)",
+    "TRANSFER_KIND": "a transfer (p2p, all_to_all)",
 "LESSTHAN": "'<'", "MORETHAN": "'>'",
 }
 
@@ -512,6 +515,33 @@ class _ToAst(Transformer_NonRecursive):
 
     def buffers(self, meta, children):
         return ast.WeightCount(self._span(meta), "buffers", children[0])
+
+    def sequence(self, meta, children):
+        return ast.Sequence(self._span(meta), children[0])
+
+    def hold(self, meta, children):
+        var, rank = children
+        return ast.Hold(self._span(meta), str(var), _span_of(self.path, var), rank)
+
+    def mask(self, meta, children):
+        mode, when = children
+        return ast.Mask(self._span(meta), str(mode), when)
+
+    def rings(self, meta, children):
+        kind, *values = children
+        return ast.Rings(self._span(meta), str(kind), tuple(v for v in values if v is not None))
+
+    def pieces(self, meta, children):
+        return ast.Pieces(self._span(meta), children[0])
+
+    def kv(self, meta, children):
+        return ast.RingMode(self._span(meta), "kv", str(children[0]))
+
+    def dkv(self, meta, children):
+        return ast.RingMode(self._span(meta), "dkv", str(children[0]))
+
+    def transfer(self, meta, children):
+        return ast.RingMode(self._span(meta), "transfer", str(children[0]))
 
     def order_explicit(self, meta, children):
         var, body = children

@@ -5,9 +5,13 @@ whose expressions and statements are compiled into closures
 (``pipec.dsl.evaluate``), or raises every error it found at once: unknown
 names, type mismatches, a missing ``stages``, a missing or second order,
 parameters without the ``ranks``/``microbatches`` roles, tasks of the wrong
-backward mode, keys or priorities given twice, and the rules of weight passing
+backward mode, keys or priorities given twice, the rules of weight passing
 (``pipec.dsl.weights``: ``weights`` without ``home``, a task outside every
-``at step``, ``own`` with ``all_gather``, routes that do not pair, ...).
+``at step``, ``own`` with ``all_gather``, routes that do not pair, ...) and
+those of sequence rings (``pipec.dsl.rings``: ``sequence`` without ``hold``,
+``mask`` or ``rings``, a declaration of another family beside it, ...). A
+sequence ring has no stages, places, order or microbatches parameter: the
+compiler derives its layout and order.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Callable
 from pipec.dsl import ast
 from pipec.dsl.evaluate import BOOL, INT, KEY, Resolver, Scope
 from pipec.dsl.order_body import assign_statement, branch_statement, loop_statement, OrderState
+from pipec.dsl.rings import OTHER_DECLS, RING_DECLS, check_ring_rules, resolve_ring_decl
 from pipec.dsl.schedule import DEFAULT_PREFER, ResolvedSchedule
 from pipec.dsl.spec import TaskKinds
 from pipec.dsl.weights import WEIGHT_DECLS, check_weight_rules, resolve_weight_decl
@@ -39,6 +44,9 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
     resolver.functions = {d.name: d for d in schedule.decls if isinstance(d, ast.FuncDef)}
     out = ResolvedSchedule(schedule, path, source, resolver, tasks=tasks)
     scope = Scope()
+    # Read before anything: a sequence ring needs no microbatches parameter,
+    # and the other families' declarations are refused in it, not resolved.
+    ring = out.ring_decls.ring = any(isinstance(d, ast.Sequence) for d in schedule.decls)
     _resolve_params(out, schedule, scope)
 
     backward_nodes = [d for d in schedule.decls if isinstance(d, ast.Backward)]
@@ -54,11 +62,18 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
     out.weight_decls.passing = any(isinstance(d, ast.Weights) for d in schedule.decls)
 
     for decl in schedule.decls:
-        _resolve_decl(out, decl, scope)
+        if not (ring and isinstance(decl, OTHER_DECLS)):
+            _resolve_decl(out, decl, scope)
 
+    if ring:  # its layout and order are derived: only its own rules apply
+        check_ring_rules(resolver, out.ring_decls, schedule)
+        if resolver.errors:
+            _raise_all(resolver.errors)
+        return out
     if out.stages.node is None:
         resolver.error("a schedule needs `stages EXPR` (how many stages each pipeline has)", schedule.span)
     check_weight_rules(resolver, out.weight_decls, schedule)
+    check_ring_rules(resolver, out.ring_decls, schedule)  # ring declarations without `sequence`
     if not out.places and out.weight_decls.home is None:
         resolver.error("a schedule needs at least one `place stage s on rank EXPR`", schedule.span)
     if not orders:
@@ -89,6 +104,8 @@ def _resolve_params(out: ResolvedSchedule, schedule: ast.Schedule, scope: Scope)
         if len(holders) == 1:
             setattr(out, attr, holders[0].name)
         elif not holders:
+            if role == "microbatches" and out.ring_decls.ring:
+                continue  # a sequence ring has no microbatches
             resolver.error(f"a schedule needs one parameter of type `{role}`", schedule.span)
         else:
             resolver.error(f"only one parameter may have type `{role}`", holders[1].span)
@@ -139,6 +156,8 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
         pass  # read before the walk: tasks need to know it
     elif isinstance(decl, WEIGHT_DECLS):
         resolve_weight_decl(resolver, out.weight_decls, decl, scope)
+    elif isinstance(decl, RING_DECLS):
+        resolve_ring_decl(resolver, out.ring_decls, decl, scope)
     elif isinstance(decl, ast.ExplicitOrder):
         if out.explicit is None and out.greedy is None and out.sorted is None:
             inner = scope.child()

@@ -9,7 +9,9 @@ evaluates the weight-passing declarations (``pipec.dsl.weights``), and produces
 the order: an explicit order runs its loops once per rank
 (``pipec.dsl.order_body``) and every task is checked where it is written, so a
 mistake points at its line; a sorted order sorts each rank's tasks by key; a
-policy is handed over for the list scheduler.
+policy is handed over for the list scheduler. A sequence ring
+(``pipec.dsl.rings``) has no order: its ``RingSpec`` is evaluated instead, one
+stage per chunk on the chunk's holder, and the compiler derives the order.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pipec.dsl.evaluate import Fn, Resolver
 from pipec.dsl.limits import (
     BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, check_int,
 )
+from pipec.dsl.rings import RingDecls, ring_spec
 from pipec.dsl.spec import GreedyPolicy, ScheduleSpec, TaskKinds
 from pipec.dsl.weights import WeightDecls, home_pipelines, weight_spec
 from pipec.errors import EvalError, RequireError, ScheduleError, Span, UsageError
@@ -87,6 +90,8 @@ class ResolvedSchedule:
     device_map: tuple[ast.DeviceMap, int, Fn] | None = None
     # home, own, group, weights, gradients, prefetch, buffers (weight passing)
     weight_decls: WeightDecls = field(default_factory=WeightDecls)
+    # sequence, hold, mask, rings, pieces, kv, dkv, transfer (sequence rings)
+    ring_decls: RingDecls = field(default_factory=RingDecls)
     tasks: TaskKinds | None = None
     backward_mode: str = ""
     split_backward: bool = False
@@ -99,7 +104,7 @@ class ResolvedSchedule:
     prefer: tuple[str, ...] = DEFAULT_PREFER
     in_order: tuple[str, ...] = ()  # kinds a greedy policy runs in priority order
     ranks_param: str = ""
-    microbatches_param: str = ""
+    microbatches_param: str = ""  # "" for a sequence ring without one
     _state: "OrderState | None" = None
     budget: Budget = field(default_factory=Budget)
     # Operations of one run of the explicit order's body (its loops apart), and
@@ -155,6 +160,8 @@ class ResolvedSchedule:
             else:
                 env[slot] = fn(env)
 
+        if self.ring_decls.ring:
+            return self._evaluate_ring(env, values)
         P = values[self.ranks_param]
         N = values[self.microbatches_param]
         S = self._positive(self.stages.fn(env), "the number of stages", self.stages.node)
@@ -197,6 +204,32 @@ class ResolvedSchedule:
         else:
             spec.order_span = self.greedy.span
             spec.policy = self._policy(env, spec)
+        return spec
+
+    def _evaluate_ring(self, env: list, values: dict) -> ScheduleSpec:
+        """A sequence ring: its ``RingSpec``, one pipeline of one stage per chunk (a query chunk) on the
+        chunk's holder, one microbatch unless a ``microbatches`` parameter says otherwise, no order."""
+        P = values[self.ranks_param]
+        N = values[self.microbatches_param] if self.microbatches_param else 1
+        rings = ring_spec(self.ring_decls, env, P, self.resolver, self.budget,
+                          f"{self.name} at {_format_values(values)}")
+        spec = ScheduleSpec(
+            name=self.name,
+            path=self.path,
+            source=self.source,
+            params=values,
+            num_ranks=P,
+            num_microbatches=N,
+            num_stages=rings.chunks,
+            num_pipelines=1,
+            mb_pipeline=[0] * N,
+            placement=[list(rings.holders)],
+            devices=self._devices(env, P),
+            split_backward=False,
+            tasks=self.tasks,
+        )
+        spec.rings = rings
+        spec.order_span = self.ring_decls.sequence[0].span  # the order is derived from it
         return spec
 
     def _check_size(self, values: dict, S: int, pipelines: int) -> None:

@@ -122,6 +122,35 @@ class WeightSpec:
     buffers: int | None
 
 
+@dataclass(frozen=True)
+class RingSpec:
+    """How a sequence-ring schedule cuts the sequence and moves KV (``sequence chunks E`` and its companions).
+
+    Attributes:
+        chunks: how many equal chunks the sequence is cut into (``sequence chunks E``).
+        holders: chunk -> the rank holding it (``hold chunk c on rank E``).
+        causal: the causal mask (``mask causal [when E]``), else full (``mask full``).
+        rings: which rings carry KV: ``shift`` (one ring r -> r + by),
+            ``hamilton`` (the arc-disjoint Hamiltonian rings of every rank) or
+            ``rails`` (rail rings of ``nodes`` x ``per_node`` ranks).
+        ring_args: ``shift``: (by,); ``hamilton``: (); ``rails``: (nodes, per_node).
+        pieces: KV pieces per chunk (``pieces E``), or None for one per ring.
+        kv: ``again`` or ``kept`` (``kv ROUTE``; again when absent).
+        dkv: ``behind`` or ``direct`` (``dkv ROUTE``; behind when absent).
+        transfer: ``p2p`` or ``all_to_all`` (``transfer KIND``; p2p when absent).
+    """
+
+    chunks: int
+    holders: tuple[int, ...]
+    causal: bool
+    rings: str
+    ring_args: tuple[int, ...]
+    pieces: int | None = None
+    kv: str = "again"
+    dkv: str = "behind"
+    transfer: str = "p2p"
+
+
 @dataclass
 class ScheduleSpec:
     """A schedule evaluated with concrete parameters.
@@ -146,6 +175,10 @@ class ScheduleSpec:
             ROUTE``); None otherwise.
         task_steps: for a weight-passing schedule, per rank the step (``at
             step E``) of each task of ``order[r]`` (same length); None otherwise.
+        rings: for a sequence-ring schedule (``sequence chunks E``), how the
+            sequence is cut and KV moves; None otherwise. Its order is derived
+            by the compiler (``compiler/lower_rings.py``): ``order`` and
+            ``policy`` are None.
     """
 
     name: str
@@ -167,6 +200,7 @@ class ScheduleSpec:
     notes: list[str] = field(default_factory=list)
     weights: WeightSpec | None = None
     task_steps: list[list[int]] | None = None
+    rings: RingSpec | None = None
 
     def stage_id(self, pipeline: int, position: int) -> int:
         return pipeline * self.num_stages + position

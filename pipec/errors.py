@@ -230,7 +230,14 @@ class BudgetError(ProgramError):
 class RouteError(ProgramError):
     """A weight or gradient not where it must be (weight passing): a task runs a layer whose
     weights this rank does not hold, a copy is dropped while its send is in flight, a
-    gradient is added to while it travels, lost, or folded into its owner twice."""
+    gradient is added to while it travels, lost, or folded into its owner twice; for sequence
+    rings the same of KV bundles and dK, dV partials."""
+
+
+class CoverageError(ProgramError):
+    """Attention blocks that do not cover the mask exactly once (sequence rings): a visible block
+    never computed, one computed twice, a fully masked one computed, or a backward before its
+    query's forward is complete."""
 
 
 class CostFileError(PipecError):

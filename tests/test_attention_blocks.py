@@ -5,6 +5,12 @@ order and merged in the stable form, reproduces
 ``torch.nn.functional.scaled_dot_product_attention`` and its gradients to
 1e-12; in float32 to 5e-6 of the largest magnitude. This is the arithmetic
 every ring schedule (ring, zigzag, TASP) runs on its ranks.
+
+The position-based helpers (a block placed by the global positions of its
+first query and first key, split into skipped rows, a causal square and whole
+rows) do the same with every chunk's keys cut into 1, 2 or 3 pieces (TASP),
+and with query and key cuts that do not line up at all; rows that see no key
+leave the running result as it was, without NaN.
 """
 from __future__ import annotations
 
@@ -13,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from pipec.runtime.attention import (
-    DIAGONAL, SKIPPED, WHOLE, block_forward, block_kind, chunked_attention, merge, zigzag_chunks,
+    DIAGONAL, SKIPPED, WHOLE, Segment, _math_backward, _math_forward, _segment_backward, _segment_forward,
+    block_backward_at, block_forward, block_forward_at, block_kind, block_segments, chunk_cuts, chunked_attention,
+    empty_result, merge, merge_rows, pieced_attention, zigzag_chunks,
 )
 
 
@@ -92,3 +100,78 @@ def test_zigzag_gives_every_rank_the_same_causal_work(ranks):
     contiguous = [sum(2 if block_kind(r, j, True) == WHOLE else 1 if block_kind(r, j, True) == DIAGONAL else 0
                       for j in range(ranks)) for r in range(ranks)]
     assert contiguous == [2 * r + 1 for r in range(ranks)]
+
+
+# ---------------------------------------------------------------- by positions
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("chunks, pieces", [(1, 1), (2, 1), (2, 2), (3, 2), (2, 3), (4, 3)])
+def test_pieces_by_position_reproduce_whole_attention_in_float64(chunks, pieces, causal):
+    """Query chunks against key pieces, each block split by global positions: SDPA to 1e-12."""
+    q, k, v, grad = _inputs(torch.float64)
+    length = q.shape[-2]
+    got = pieced_attention(q, k, v, grad, chunk_cuts(length, chunks), chunk_cuts(length, chunks, pieces), causal)
+    for name, mine, want in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, grad, causal)):
+        assert (mine - want).abs().max().item() <= 1e-12, name
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuts_that_do_not_line_up_and_any_order_still_reproduce_whole_attention(causal):
+    """Query blocks [0, 5) [5, 11) [11, 24) against key blocks [0, 3) [3, 9) [9, 14) [14, 24), met backwards:
+    some queries start inside a key block (a whole part before the diagonal), some rows see nothing."""
+    q, k, v, grad = _inputs(torch.float64)
+    got = pieced_attention(q, k, v, grad, [0, 5, 11, 24], [0, 3, 9, 14, 24], causal, order=[3, 2, 1, 0])
+    for name, mine, want in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, grad, causal)):
+        assert (mine - want).abs().max().item() <= 1e-12, name
+
+
+def test_float32_pieces_stay_within_five_millionths_of_the_largest_magnitude():
+    q, k, v, grad = _inputs(torch.float32, length=48)
+    got = pieced_attention(q, k, v, grad, chunk_cuts(48, 4), chunk_cuts(48, 4, 3), True)
+    for name, mine, want in zip(("out", "dq", "dk", "dv"), got,
+                                _reference(*(t.double() for t in (q, k, v, grad)), True)):
+        assert (mine.double() - want).abs().max().item() <= 5e-6 * want.abs().max().item(), name
+
+
+def test_a_block_splits_into_skipped_rows_a_causal_square_and_whole_rows():
+    # queries 8..15 against the piece 10..11: rows 8, 9 see nothing, 10..11 the square, 12..15 the whole piece
+    assert block_segments(8, 8, 10, 2, True) == (Segment((2, 4), (0, 2), True), Segment((4, 8), (0, 2), False))
+    assert block_segments(8, 8, 8, 2, True) == (Segment((0, 2), (0, 2), True), Segment((2, 8), (0, 2), False))
+    assert block_segments(8, 8, 14, 2, True) == (Segment((6, 8), (0, 2), True),)
+    assert block_segments(8, 8, 0, 4, True) == (Segment((0, 8), (0, 4), False),)      # every key before
+    assert block_segments(8, 8, 16, 4, True) == ()                                       # every key after
+    assert block_segments(8, 8, 16, 4, False) == (Segment((0, 8), (0, 4), False),)
+    # queries starting inside the keys: the keys before them whole, then the square
+    assert block_segments(5, 6, 3, 6, True) == (Segment((0, 4), (0, 2), False), Segment((0, 4), (2, 6), True),
+                                                Segment((4, 6), (0, 6), False))
+
+
+def test_rows_that_see_nothing_leave_the_running_result_finite():
+    q, k, v, _ = _inputs(torch.float64)
+    queries = q[..., 8:16, :]
+    assert block_forward_at(queries, k[..., 16:20, :], v[..., 16:20, :], 8, 16, True) is None
+    block = block_forward_at(queries, k[..., 12:14, :], v[..., 12:14, :], 8, 12, True)
+    assert block.first == 4 and block.out.shape[-2] == 4
+    out, lse = empty_result(queries)
+    merge_rows(out, lse, block)
+    assert torch.equal(out[..., :4, :], torch.zeros_like(out[..., :4, :])) and torch.isneginf(lse[..., :4]).all()
+    earlier = block_forward_at(queries, k[..., :8, :], v[..., :8, :], 8, 0, True)
+    merge_rows(out, lse, earlier)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    dq, dk, dv = block_backward_at(torch.ones_like(queries), queries, k[..., 16:20, :], v[..., 16:20, :], out, lse,
+                                   8, 16, True)
+    assert not dq.any() and not dk.any() and not dv.any()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_matmul_path_for_other_devices_matches_the_cpu_kernel(causal):
+    """Off the CPU (a ring under NCCL) a segment is computed by matmuls; on the CPU they agree to 1e-13."""
+    q, k, v, grad = (t[..., :8, :] for t in _inputs(torch.float64))
+    want = _segment_forward(q, k, v, causal, None)
+    got = _math_forward(q, k, v, causal, None)
+    for mine, theirs in zip(got, want):
+        assert (mine - theirs).abs().max().item() <= 1e-13
+    for mine, theirs in zip(_math_backward(grad, q, k, v, *want, causal, None),
+                            _segment_backward(grad, q, k, v, *want, causal, None)):
+        assert (mine - theirs).abs().max().item() <= 1e-13

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from pipec.compiler import ops
+
 from pipec.compiler.checks import peak_activations
 from pipec.compiler.checks.memory import peak_waiting_w
-from pipec.compiler.driver import compile_target, shipped_schedules
+from pipec.compiler.driver import compile_target, resolve_target, shipped_schedules
 from pipec.compiler.emit import write_torch_csv
 from pipec.compiler.import_torch import prepare_imported, read_torch_csv
 from pipec.compiler.simulate import simulate
@@ -30,7 +32,7 @@ from pipec.errors import PipecError
 
 GOLDEN = Path(__file__).parent / "golden"
 SIZES = ((4, 8), (6, 12), (8, 16))
-COMPUTE = frozenset("FBIW")
+COMPUTE = frozenset(ops.COMPUTE_OPS)  # F, B, I, W; AF, AB
 
 
 def _digest(text: str) -> str:
@@ -38,8 +40,10 @@ def _digest(text: str) -> str:
 
 
 def _record(name: str, P: int, N: int) -> dict:
+    declared = {param.name for param, _, _ in resolve_target(name).params}
+    defines = {key: value for key, value in (("P", P), ("N", N)) if key in declared}  # rings have no N
     try:
-        compiled = compile_target(name, {"P": P, "N": N})
+        compiled = compile_target(name, defines)
     except PipecError as error:
         return {"error": str(error).splitlines()[0]}
     program = compiled.program
@@ -48,7 +52,7 @@ def _record(name: str, P: int, N: int) -> dict:
         "compute_order": [" ".join(a.text() for a in row if a.op in COMPUTE) for row in program.ranks],
         "program": _digest("\n".join(" ".join(a.text() for a in row) for row in program.ranks)),
         "instructions": program.instruction_count(),
-        "makespan": result.makespan,
+        "makespan": result.makespan if isinstance(result.makespan, int) else str(result.makespan),
         "bubble": str(result.bubble_fraction()),
         "peak_activations": peak_activations(program),
         "peak_waiting_w": [peak_waiting_w(row) for row in program.ranks],

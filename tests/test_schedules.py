@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from pipec.compiler.checks import peak_activations
-from pipec.compiler.driver import compile_target, shipped_schedules
+from pipec.compiler.driver import compile_target, resolve_target, shipped_schedules
 from pipec.compiler.ir import COMM_OPS, BATCH
 from pipec.compiler.ops import EXCHANGE
 from pipec.compiler.simulate import simulate
@@ -165,7 +165,8 @@ def test_bitpipe_bottom_of_v_is_local():
 @pytest.mark.parametrize("name", sorted(shipped_schedules()))
 @pytest.mark.parametrize("P,N", [(2, 4), (4, 8)])
 def test_every_shipped_schedule_compiles_checks_and_simulates(name, P, N):
-    compiled, result = run(name, P=P, N=N)
+    declared = {param.name for param, _, _ in resolve_target(name).params}
+    compiled, result = run(name, **{key: value for key, value in (("P", P), ("N", N)) if key in declared})
     program = compiled.program
     assert program.num_ranks == P
     assert 0 <= result.bubble_ratio < 1

@@ -8,6 +8,10 @@
 * ``check_deadlock``: every rank reaches its end ("rendezvous" or "async").
 * ``check_weights`` (weight passing): every copy and gradient where it must
   be, collectives in one order, no deadlock, buffers within their bound.
+* ``check_rings`` (sequence rings): every visible attention block computed
+  exactly once forward and backward, every KV bundle where it must be, every
+  dK, dV contribution home once, messages matched, no deadlock; it stands in
+  for the checks above, which speak of stages and microbatches.
 * ``check_memory`` / ``peak_activations``: live activations per rank, and
   live bytes per size class given the bytes of one value of each.
 
@@ -23,6 +27,7 @@ from pipec.compiler.checks.conflict import check_conflict
 from pipec.compiler.checks.deadlock import ASYNC, RENDEZVOUS, SEMANTICS, check_deadlock
 from pipec.compiler.checks.matching import MessageLog, check_matching, describe_tensor, scan_messages
 from pipec.compiler.checks.memory import check_memory, peak_activations
+from pipec.compiler.checks.rings import RingReport, check_rings
 from pipec.compiler.checks.weights import WeightReport, check_weights
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.checks.wellformed import (
@@ -60,6 +65,9 @@ def check_all(
     """
     if semantics not in SEMANTICS:
         raise ValueError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
+    if program.rings is not None:  # sequence rings: one symbolic run proves coverage, routes, matching, deadlock
+        check_rings(program)
+        return
     tables = stage_tables(program)
     tasks = locate_tasks(program, tables)
     check_well_formed(program, tasks=tasks, tables=tables)
@@ -84,7 +92,9 @@ __all__ = [
     "check_deadlock",
     "check_matching",
     "check_memory",
+    "check_rings",
     "check_weights",
+    "RingReport",
     "WeightReport",
     "check_well_formed",
     "describe_tensor",

@@ -12,6 +12,8 @@ The format, version 1::
      "owners": [rank, ...] | null,
      "weights": {"groups", "route", "ring_by", "gradients", "prefetch",
                  "buffers", "num_steps"} | null,
+     "rings": {"chunks", "holders", "pieces", "rings", "causal", "kv", "dkv",
+               "transfer", "note"},                  (sequence rings only)
      "ranks": [[instruction, ...], ...]}
 
 An instruction is ``{"op", "text", "stage", "mb", "peer", "parts"}``: ``op`` and
@@ -27,6 +29,35 @@ changes one but not the other is caught instead of silently believed.
 as in files written before it existed: the program then derives them.
 ``owners`` (the owner rank of each layer) and ``weights`` (the rest of
 ``Program.weights``) are null for activation passing, and may be absent.
+``params`` values are integers or booleans (a ring schedule's ``causal``).
+
+``rings`` is ``Program.rings`` (a ``RingPlan``) of a sequence-ring program
+(ring, zigzag, TASP attention) and is written only for one: absent (or null)
+means another family, so their files are as before. Its fields: ``chunks`` (C,
+1..``dsl.limits.MAX_CHUNKS``), ``holders`` (chunk -> rank, every rank holding
+C / P chunks), ``pieces`` (>= 1), ``rings`` (a non-empty list of rings, each
+every rank once), ``causal`` (a boolean), ``kv`` / ``dkv`` / ``transfer``
+(``ir.KV_ROUTES``, ``ir.DKV_ROUTES``, ``ir.TRANSFERS``) and ``note`` (a
+string). The rest of the header must say what ``lower_rings.ring_program``
+makes of the plan: stage c is query chunk c on ``holders[c]``, the blocks
+(``chunks * pieces``; at most ``dsl.limits.MAX_TASKS`` attention tasks) are
+the microbatches, ``weights`` is null, and ``communicators``, when given,
+include one of every rank (``WORLD``: the all_to_all meets there). A ring
+program holds only its family's instructions and the exchanges (``AF``,
+``AB``, ``EXCHANGE``, ``EXCHANGE_WAIT``), and another program none of them.
+An ``EXCHANGE``'s parts are ``SEND_KV``, ``RECV_KV``, ``SEND_DKV``,
+``RECV_DKV`` (``stage`` the holder rank of the bundle, ``mb`` its piece) or an
+``ALLTOALL_KV`` / ``ALLTOALL_DKV`` holding such sends and receives as its own
+``parts``: the one place parts nest two deep (a ``BATCH`` holds no
+all_to_all, an all_to_all no other). A field a ring instruction's rule does
+not list must be absent (or -1). For example (zigzag, P = 2)::
+
+    "rings": {"chunks": 4, "holders": [0, 1, 1, 0], "pieces": 1, "rings": [[0, 1]],
+              "causal": true, "kv": "again", "dkv": "behind", "transfer": "all_to_all", "note": ""}
+    {"op": "EXCHANGE", "text": "((0SEND_KV0;1RECV_KV0)ALLTOALL_KV0)EXCHANGE0", "mb": 0,
+     "parts": [{"op": "ALLTOALL_KV", "text": "(0SEND_KV0;1RECV_KV0)ALLTOALL_KV0", "mb": 0,
+                "parts": [{"op": "SEND_KV", "text": "0SEND_KV0", "stage": 0, "mb": 0, "peer": 1},
+                          {"op": "RECV_KV", "text": "1RECV_KV0", "stage": 1, "mb": 0, "peer": 1}]}]}
 
 ``pipec compile`` writes it with ``write_program_json``: compact, streamed
 rank by rank, a newline before each rank's instructions (the same document as
@@ -43,14 +74,19 @@ import json
 from typing import Any, TextIO
 
 from pipec.compiler import ops
-from pipec.compiler.guarded_read import INT_LIMIT
+from pipec.compiler.guarded_read import INT_LIMIT, quote
 from pipec.compiler.ir import (
+    DKV_ROUTES,
     GRADIENT_ROUTES,
+    KV_ROUTES,
     NO_PEER,
+    TRANSFERS,
     WEIGHT_ROUTES,
+    WORLD,
     Action,
     Communicator,
     Program,
+    RingPlan,
     StageInfo,
     WeightPlan,
 )
@@ -75,11 +111,26 @@ _REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
                      (ops.BATCH_OF,), ops.WEIGHT_CATEGORIES)
     for op in ops.ops_of(*category)
 }
-# The ops a posting instruction may hold: a BATCH sends and receives, an EXCHANGE its parts.
+# Sequence rings: the sends and receives that move KV and dK, dV partials, and
+# the all_to_all parts that hold them (the one part with parts of its own).
+_RING_MOVES = tuple(op for op in ops.RING_PART_OPS if ops.RULES[op].category in (ops.PART_SEND, ops.PART_RECV))
+_ALLTOALL_OPS = tuple(op for op in ops.RING_PART_OPS if "parts" in ops.RULES[op].fields)
+# The ops a posting instruction may hold: a BATCH sends and receives, an EXCHANGE
+# its parts, an all_to_all the ring's sends and receives; and how messages say so.
 _PARTS_OF = {op: ops.COMM_OPS for op in ops.ops_of(ops.BATCH_OF)}
 _PARTS_OF.update({op: ops.EXCHANGE_PART_OPS for op in ops.EXCHANGE_OPS})
-# Weight passing's ops number steps and exchanges in ``mb``, not microbatches.
+_PARTS_OF.update({op: _RING_MOVES for op in _ALLTOALL_OPS})
+_PARTS_WORDS = {op: "sends and receives" for op in ops.ops_of(ops.BATCH_OF)}
+_PARTS_WORDS.update({op: "the parts of an exchange (weight passing's or a sequence ring's)" for op in ops.EXCHANGE_OPS})
+_PARTS_WORDS.update({op: f"the sends and receives of KV and dK, dV partials ({', '.join(_RING_MOVES)})"
+                     for op in _ALLTOALL_OPS})
+# Weight passing's ops (and the exchanges sequence rings share) number steps
+# and exchanges in ``mb``, not microbatches.
 _STEP_NUMBERED = frozenset(ops.WEIGHT_OPS)
+# The instructions of a sequence-ring program: its family's, and the exchanges
+# that post and wait its parts. No other program may hold the family's ops.
+_RING_FAMILY = frozenset(op for op, rule in ops.RULES.items() if rule.family == ops.SEQUENCE_RING)
+_RING_PROGRAM_OPS = _RING_FAMILY | frozenset(ops.EXCHANGE_OPS) | frozenset(ops.EXCHANGE_WAIT_OPS)
 ops.declare_pass("json program", _REQUIRED_FIELDS)
 # What collectives' communicators may be for (``ops.OpRule.communicator``).
 _PURPOSES = tuple(dict.fromkeys(rule.communicator for rule in ops.RULES.values() if rule.communicator))
@@ -158,7 +209,16 @@ def _header_to_json(program: Program) -> dict:
             "ring_by": program.weights.ring_by, "gradients": program.weights.gradients,
             "prefetch": program.weights.prefetch, "buffers": program.weights.buffers,
             "num_steps": program.weights.num_steps},
+        # only for a sequence ring: the other families' files stay as they were
+        **({} if program.rings is None else {"rings": _rings_to_json(program.rings)}),
     }
+
+
+def _rings_to_json(plan: RingPlan) -> dict:
+    """``Program.rings`` as the header's ``rings`` object."""
+    return {"chunks": plan.chunks, "holders": list(plan.holders), "pieces": plan.pieces,
+            "rings": [list(ring) for ring in plan.rings], "causal": plan.causal, "kv": plan.kv, "dkv": plan.dkv,
+            "transfer": plan.transfer, "note": plan.note}
 
 
 def _instruction_to_json(action: Action) -> dict:
@@ -246,8 +306,8 @@ def program_from_json(data: dict) -> Program:
         raise ImportError_("field \"source\" must be a string")
     params = _get(data, "params", dict)
     for key, value in params.items():
-        if type(value) is not int:
-            raise ImportError_(f"parameter {key!r} must be an integer, got {value!r}")
+        if type(value) not in (int, bool):
+            raise ImportError_(f"parameter {quote(key)} must be an integer or a boolean, got {quote(value)}")
     num_ranks = _get_int(data, "num_ranks", low=1)
     num_microbatches = _get_int(data, "num_microbatches", low=0)
     stages = _read_stages(_get(data, "stages", list), num_ranks)
@@ -265,11 +325,19 @@ def program_from_json(data: dict) -> Program:
     communicators = []
     if "communicators" in data:
         communicators = _read_communicators(_get(data, "communicators", list), num_ranks)
+    if data.get("rings") is not None and data.get("weights") is not None:
+        raise ImportError_("a program has one family: \"rings\" (a sequence ring) and \"weights\" (weight passing) "
+                           "cannot both be set")
     weights = _read_weights(data, num_ranks, len(pipelines[0]) if pipelines else 0)
+    rings = _read_rings(data, num_ranks, stages, num_microbatches, weights)
+    if rings is not None and communicators and not any(
+            c.purpose == WORLD and c.ranks == tuple(range(num_ranks)) for c in communicators):
+        raise ImportError_(f"communicators: a sequence ring's all_to_all meets every rank, but none of the "
+                           f"{len(communicators)} communicators is {WORLD!r} over all {num_ranks} ranks")
     raw_ranks = _get(data, "ranks", list)
     if len(raw_ranks) != num_ranks:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
-    limits = (len(stages), num_microbatches, num_ranks)
+    limits = _op_limits(len(stages), num_microbatches, num_ranks, rings)
     ranks = []
     with paused_gc():
         for r, row in enumerate(raw_ranks):
@@ -289,6 +357,7 @@ def program_from_json(data: dict) -> Program:
         source=source,
         communicators=communicators,
         weights=weights,
+        rings=rings,
     )
 
 
@@ -312,7 +381,7 @@ def _read_int_list(values: list, what: str, bound: int | None) -> list[int]:
     for i, v in enumerate(values):
         if type(v) is not int or v < 0 or (bound is not None and v >= bound):
             limit = f" in 0..{bound - 1}" if bound is not None else " >= 0"
-            raise ImportError_(f"\"{what}\"[{i}] must be an integer{limit}, got {v!r}")
+            raise ImportError_(f"\"{what}\"[{i}] must be an integer{limit}, got {quote(v)}")
     return list(values)
 
 
@@ -415,7 +484,104 @@ def _read_weights(data: dict, num_ranks: int, num_layers: int) -> WeightPlan | N
                       numbers["num_steps"])
 
 
-def _read_row(row: list, rank: int, limits: tuple[int, int, int], raw_ranks: list) -> list[Action]:
+def _read_rings(data: dict, num_ranks: int, stages: list[StageInfo], num_microbatches: int,
+                weights: WeightPlan | None) -> RingPlan | None:
+    """``Program.rings`` from ``rings`` (absent or null for the other families), checked against the header."""
+    raw = data.get("rings")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ImportError_("field \"rings\" must be an object or null")
+    if weights is not None:  # program_from_json says so before reading the weights
+        raise ImportError_("a program has one family: \"rings\" and \"weights\" cannot both be set")
+    # the language's bounds (imported here: the other families never load the front end for them)
+    from pipec.dsl.limits import MAX_CHUNKS, MAX_TASKS
+
+    chunks = raw.get("chunks")
+    if type(chunks) is not int or not 1 <= chunks <= MAX_CHUNKS:
+        raise ImportError_(f"rings.chunks must be an integer in 1..{MAX_CHUNKS:,}, got {quote(chunks)}")
+    holders = raw.get("holders")
+    if not isinstance(holders, list) or len(holders) != chunks:
+        raise ImportError_(f"rings.holders must list the rank holding each of the {chunks} chunks")
+    holders = tuple(_read_int_list(holders, "rings.holders", num_ranks))
+    counts = [0] * num_ranks
+    for rank in holders:
+        counts[rank] += 1
+    if chunks % num_ranks or any(count != chunks // num_ranks for count in counts):
+        rank = min(range(num_ranks), key=counts.__getitem__)
+        raise ImportError_(f"rings.holders: rank {rank} holds {counts[rank]} of the {chunks} chunks, but every one "
+                           f"of the {num_ranks} ranks holds the same share of the sequence")
+    causal = raw.get("causal")
+    if type(causal) is not bool:
+        raise ImportError_(f"rings.causal must be true or false, got {quote(causal)}")
+    pieces = raw.get("pieces")
+    if type(pieces) is not int or pieces < 1:
+        raise ImportError_(f"rings.pieces must be an integer >= 1, got {quote(pieces)}")
+    pairs = chunks * (chunks + 1) // 2 if causal else chunks * chunks
+    if 2 * pairs * pieces > MAX_TASKS:
+        raise ImportError_(f"rings: {chunks} chunks of {pieces:,} pieces are {2 * pairs * pieces:,} attention tasks "
+                           f"(a forward and a backward per visible block); pipec's limit is {MAX_TASKS:,}")
+    rings = raw.get("rings")
+    if not isinstance(rings, list) or not rings:
+        raise ImportError_("rings.rings must be a non-empty list of rings, each listing every rank once")
+    everyone = list(range(num_ranks))
+    for i, ring in enumerate(rings):
+        if not isinstance(ring, list) or len(ring) != num_ranks or any(type(r) is not int for r in ring) \
+                or sorted(ring) != everyone:
+            raise ImportError_(f"rings.rings[{i}] must list each of the {num_ranks} ranks once (a ring over "
+                               f"every rank), got {quote(ring)}")
+    routes = {}
+    for key, known in (("kv", KV_ROUTES), ("dkv", DKV_ROUTES), ("transfer", TRANSFERS)):
+        value = raw.get(key)
+        if type(value) is not str or value not in known:
+            raise ImportError_(f"rings.{key} is {quote(value)}; known: {', '.join(known)}")
+        routes[key] = value
+    note = raw.get("note", "")
+    if not isinstance(note, str):
+        raise ImportError_(f"rings.note must be a string, got {quote(note)}")
+    # what lower_rings.ring_program makes of the plan: the checks and the simulator count on it
+    if len(stages) != chunks:
+        raise ImportError_(f"a sequence ring's stages are its query chunks: {chunks} chunks, but {len(stages)} stages")
+    for info in stages:
+        if info.rank != holders[info.id]:
+            raise ImportError_(f"stage {info.id} (query chunk {info.id}) is on rank {info.rank}, but "
+                               f"rings.holders[{info.id}] is {holders[info.id]}")
+    if num_microbatches != chunks * pieces:
+        raise ImportError_(f"a sequence ring's microbatches are its blocks, chunks x pieces = {chunks * pieces:,}; "
+                           f"\"num_microbatches\" is {num_microbatches:,}")
+    return RingPlan(chunks, holders, pieces, tuple(tuple(ring) for ring in rings), causal, routes["kv"],
+                    routes["dkv"], routes["transfer"], note)
+
+
+# What an instruction's fields may hold, per op: (required fields, then the
+# bounds of stage, mb and peer: each lies in -1..bound-1, -1 being "none").
+_Limits = dict
+
+
+def _op_limits(num_stages: int, num_microbatches: int, num_ranks: int, plan: RingPlan | None) -> _Limits:
+    """The ops this program may hold, each with its required fields and its fields' bounds.
+
+    A sequence ring holds its family's ops and the exchanges (a field its rule
+    does not list must be absent: bound 0); a KV or dK, dV move names a
+    bundle, ``stage`` its holder rank and ``mb`` its piece. Any other program
+    holds every other op, as before.
+    """
+    limits: _Limits = {}
+    for op, required in _REQUIRED_FIELDS.items():
+        if (op not in _RING_PROGRAM_OPS) if plan is not None else (op in _RING_FAMILY):
+            continue
+        mb_bound = INT_LIMIT if op in _STEP_NUMBERED else num_microbatches
+        bounds = [num_stages, mb_bound, num_ranks]
+        if plan is not None:
+            if op in _RING_MOVES:
+                bounds = [num_ranks, plan.pieces, num_ranks]
+            fields = ops.RULES[op].fields
+            bounds = [bound if key in fields else 0 for key, bound in zip(("stage", "mb", "peer"), bounds)]
+        limits[op] = (required, *bounds)
+    return limits
+
+
+def _read_row(row: list, rank: int, limits: _Limits, raw_ranks: list) -> list[Action]:
     actions = []
     for step, obj in enumerate(row):
         try:
@@ -429,22 +595,19 @@ class _BadInstruction(Exception):
     """Internal: what is wrong with one instruction; located by the caller."""
 
 
-def _read_instruction(obj: Any, limits: tuple[int, int, int], inside: str | None) -> Action:
+def _read_instruction(obj: Any, limits: _Limits, inside: str | None) -> Action:
     if not isinstance(obj, dict):
-        raise _BadInstruction(f"an instruction must be an object, got {obj!r}")
+        raise _BadInstruction(f"an instruction must be an object, got {quote(obj)}")
     get = obj.get
     op = get("op")
-    required = _REQUIRED_FIELDS.get(op) if isinstance(op, str) else None
-    if required is None:
-        raise _BadInstruction(f"unknown op {op!r}; known: {', '.join(_REQUIRED_FIELDS)}")
+    entry = limits.get(op) if isinstance(op, str) else None
+    if entry is None:
+        raise _BadInstruction(_not_an_op(op, limits))
     if inside is not None and op not in _PARTS_OF[inside]:
-        what = "sends and receives" if inside == ops.BATCH else "the parts of weight passing's exchanges"
-        raise _BadInstruction(f"a {inside} may only hold {what}, not {op}")
+        raise _BadInstruction(f"{_a(inside)} may only hold {_PARTS_WORDS[inside]}, not {op}")
     if inside is None and op in ops.EXCHANGE_PART_OPS:
         raise _BadInstruction(f"{op} is a part of an EXCHANGE, not an instruction of its own")
-    num_stages, num_microbatches, num_ranks = limits
-    if op in _STEP_NUMBERED:  # mb is a step or an exchange number: any integer >= -1
-        num_microbatches = INT_LIMIT
+    required, num_stages, num_microbatches, num_ranks = entry
     stage, mb, peer = get("stage", -1), get("mb", -1), get("peer", -1)
     # one combined test for the common, valid case; _index says what is wrong otherwise
     if not (type(stage) is int and type(mb) is int and type(peer) is int
@@ -459,22 +622,51 @@ def _read_instruction(obj: Any, limits: tuple[int, int, int], inside: str | None
     if "parts" in required:
         raw_parts = obj["parts"]
         if not isinstance(raw_parts, list) or not raw_parts:
-            raise _BadInstruction(f"a {op} needs a non-empty list \"parts\"")
+            raise _BadInstruction(f"{_a(op)} needs a non-empty list \"parts\"")
         parts = tuple(_read_instruction(p, limits, inside=op) for p in raw_parts)
     elif "parts" in obj:
-        raise _BadInstruction(f"only a BATCH or an EXCHANGE has \"parts\", not {op}")
+        raise _BadInstruction(f"only a BATCH, an EXCHANGE or an all_to_all ({', '.join(_ALLTOALL_OPS)}) has "
+                              f"\"parts\", not {op}")
     action = _make_action((stage, op, mb, peer, parts))
     text = get("text")
     if text != action.text():
-        raise _BadInstruction(f"\"text\" is {text!r} but the fields say {action.text()!r}")
+        raise _BadInstruction(f"\"text\" is {quote(text)} but the fields say {action.text()!r}")
     return action
+
+
+def _not_an_op(op: Any, limits: _Limits) -> str:
+    """Why ``op`` is no instruction of this program: unknown, or another family's."""
+    if isinstance(op, str) and op in _REQUIRED_FIELDS:
+        if op in _RING_FAMILY:
+            return (f"{op} is an instruction of a sequence ring, and this program is none (its header has no "
+                    "\"rings\")")
+        return f"{op} is not an instruction of a sequence ring (its ops: {', '.join(limits)})"
+    return f"unknown op {quote(op)}; known: {', '.join(limits)}"
+
+
+def _a(op: str) -> str:
+    """``op`` with its article: a BATCH, an EXCHANGE."""
+    return f"an {op}" if op[:1] in "AEIOU" else f"a {op}"
+
+
+# What a sequence ring's fields name, for messages: a block is a query chunk
+# against a KV piece, a move's bundle its holder rank's piece.
+_FIELD_WORDS = {
+    **{op: {"stage": "the query chunk", "mb": "the block"} for op in ops.RING_COMPUTE_OPS},
+    **{op: {"stage": "the bundle's holder rank", "mb": "its KV piece"} for op in _RING_MOVES},
+}
 
 
 def _index(obj: dict, key: str, bound: int) -> None:
     """Raise if an optional index field is neither absent/-1 nor an int in 0..bound-1."""
     value = obj.get(key, -1)
     if type(value) is not int or not -1 <= value < bound:
-        raise _BadInstruction(f"\"{key}\" must be an integer in 0..{bound - 1}, got {value!r}")
+        op = obj.get("op")
+        if bound == 0:
+            raise _BadInstruction(f"{op} has no \"{key}\" (absent, or -1), got {quote(value)}")
+        words = _FIELD_WORDS.get(op, {}).get(key)
+        named = f"\"{key}\" ({words})" if words else f"\"{key}\""
+        raise _BadInstruction(f"{named} must be an integer in 0..{bound - 1}, got {quote(value)}")
 
 
 def _raw_grid(raw_ranks: list) -> list[list[str]]:

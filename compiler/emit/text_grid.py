@@ -4,6 +4,10 @@
     rank 0 | 0F0  0SEND_F0  0F1  ...
     rank 1 | 1RECV_F0  1F0  ...
 
+A sequence ring's header names its chunks, KV pieces, rings and routes
+instead of stages and microbatches; its exchanges print with their parts
+nested, ``((0SEND_KV0;1RECV_KV0)ALLTOALL_KV0)EXCHANGE0``.
+
 Each column (step) is as wide as its widest token, so a step lines up across
 ranks. Steps are positions in each rank's list, not times: the simulator's
 timeline is what ``render`` draws.
@@ -38,11 +42,27 @@ def format_text_grid(program: Program) -> str:
 
 
 def _header(program: Program) -> str:
-    params = ", ".join(f"{k}={v}" for k, v in sorted(program.params.items()))
+    params = ", ".join(f"{k}={_value(v)}" for k, v in sorted(program.params.items()))
     name = program.name or "(unnamed)"
     if params:
         name += f" ({params})"
+    plan = program.rings
+    if plan is not None:  # a sequence ring: its stages are query chunks, its microbatches blocks
+        return (
+            f"schedule {name}: {program.num_ranks} ranks, {plan.chunks} chunks of {_count(plan.pieces, 'KV piece')} "
+            f"on {_count(len(plan.rings), 'ring')} ({'causal' if plan.causal else 'full'} mask; kv {plan.kv}, "
+            f"dkv {plan.dkv}, transfer {plan.transfer}), {program.instruction_count()} instructions"
+        )
     return (
         f"schedule {name}: {program.num_ranks} ranks, {len(program.stages)} stages, "
         f"{program.num_microbatches} microbatches, {program.instruction_count()} instructions"
     )
+
+
+def _value(value) -> str:
+    """A parameter as the language writes it (a ring schedule's ``causal`` is ``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -132,13 +132,19 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
     Returns:
         the CSV text, one line per rank, ``\\n``-terminated.
     Raises:
-        UsageError: the program passes weights, has several pipelines (replicated stages), or
+        UsageError: the program passes weights, is a sequence ring, has several pipelines (replicated stages), or
             an op torch cannot express.
     """
     if program.weights is not None:
         raise UsageError(
             f"{program.name or 'this program'} passes weights between ranks (weight passing); torch's schedule "
             "CSV moves activations between the stages of one pipeline and has no form for it"
+        )
+    if program.rings is not None:
+        raise UsageError(
+            f"{program.name or 'this program'} is a sequence ring (ring attention: KV moves between ranks holding "
+            "chunks of one sequence); torch's schedule CSV moves activations between the stages of one pipeline "
+            "and has no form for it"
         )
     if len(program.pipelines) != 1:
         raise UsageError(

@@ -74,7 +74,7 @@ def write_timeline(
         raise UsageError(f"'{path}' is not a timeline form: use .svg, .html or .json")
     with paused_gc():  # a few hundred thousand small objects, no cycles
         if form == TRACE_FORM:
-            text = json.dumps(chrome_trace(result, program), separators=(",", ":"))
+            text = json.dumps(chrome_trace(result, program), separators=(",", ":"), default=float)  # exact Fraction times
         else:
             text = TIMELINE_FORMS[form](make_drawing(result, program, measured, unit))
     _write(path, text)

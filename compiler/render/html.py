@@ -39,7 +39,7 @@ def timeline_html(drawing: Drawing) -> str:
         "span": max(panel.makespan for panel in drawing.panels),
     }
     # "</" would end the script element early; "<\/" is the same JSON string
-    data_json = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    data_json = json.dumps(data, separators=(",", ":"), allow_nan=False, default=float)  # exact Fraction times.replace("</", "<\\/")
     return render(
         "timeline.html.j2",
         heading=drawing.heading,

@@ -22,6 +22,8 @@ KINDS = {
     ops.B: (135, "backward"),
     ops.I: (30, "backward, input gradient"),
     ops.W: (282, "backward, weight gradient"),
+    ops.AF: (186, "attention forward block"),
+    ops.AB: (350, "attention backward block"),
 }
 # The compute ops with a colour, and every other op (drawn by its category).
 ops.declare_pass("drawing style", [op for op in ops.COMPUTE_OPS if op in KINDS]

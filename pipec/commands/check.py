@@ -2,7 +2,9 @@
 
 TARGET may also be a compiled program (``pipec compile --format json``),
 recognised by its content: it is read through the guarded reader and gets the
-same checks (``check_all``) and the same one-line answer.
+same checks (``check_all``) and the same one-line answer. A sequence ring
+(``Program.rings``) is proved by ``check_rings`` (through ``check_all``), and
+its line says what that proved instead of activation counts.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ def run(args) -> int:
         costs = load_costs(args)
         compiled = compile_from_args(args, costs)
         name, program = compiled.spec.name, compiled.program
+    if program.rings is not None:  # sequence rings: check_all ran check_rings, which proves other things
+        write_output(_rings_ok(name, program), None)
+        return 0
     peaks = peak_activations(program)
     in_bytes = ""
     sizes = costs.sizes if costs is not None else {}
@@ -48,6 +53,23 @@ def run(args) -> int:
         None,
     )
     return 0
+
+
+def _rings_ok(name: str, program) -> str:
+    """The one line for a sequence-ring program that passed ``check_rings``: what it proved.
+
+    Blocks, KV and partials are what a ring moves and computes; it has no
+    stages' activations, so their counts (all zero) are not shown.
+    """
+    plan = program.rings
+    blocks = sum(1 for q in range(plan.chunks) for kv in range(plan.chunks) for piece in range(plan.pieces)
+                 if plan.visible(q, kv, piece))
+    pieces = f"{plan.pieces} KV piece{'s' if plan.pieces != 1 else ''}"
+    return (f"ok: {name} ({describe_params(program.params)}): {program.num_ranks} ranks, {plan.chunks} chunks of "
+            f"{pieces} on {len(plan.rings)} ring{'s' if len(plan.rings) != 1 else ''}, "
+            f"{program.instruction_count()} instructions; each of the {blocks} visible blocks computed once forward "
+            "and once backward, KV where every block runs, every dK, dV contribution home once, messages matched, "
+            "deadlock-free" + (f"\nnote: {plan.note}" if plan.note else ""))
 
 
 def _checked_program_file(args):

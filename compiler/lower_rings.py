@@ -1,0 +1,184 @@
+"""Lowering of a sequence-ring schedule (ring, zigzag, TASP attention) into per-rank instructions.
+
+Contract: ``ring_plan(spec.rings, P)`` turns the evaluated declarations into a
+``RingPlan`` (the rings themselves from ``compiler/rings.py``);
+``lower_rings(spec)`` returns the whole ``Program``: the per-rank order of
+attention blocks, forward then backward, with the exchanges that move KV and
+dK, dV partials. The result is unchecked: ``checks.rings`` proves it.
+
+The order is systolic. Every ring holds one bundle (a rank's KV piece) per
+rank; at each of the n steps of a pass, rank r computes every visible block of
+its queries against the bundles it holds then, while the next bundles are
+already on their way (the exchange that brings step t + 1's KV is posted before
+step t's blocks and waited after them: KV moves during compute). After n - 1
+ring steps every bundle has visited every rank once, so every visible block is
+computed exactly once.
+
+* ``kv again`` (ring_flash_attn's backward): backward starts again from each
+  rank's own KV and moves it round once more; ``kv kept``: every rank keeps
+  the bundles forward brought it (n per piece) and backward moves no KV.
+* ``dkv behind``: the partial of the bundle a rank holds in backward step t
+  leaves for the next rank after step t's blocks, and the partial of step
+  t + 1's bundle arrives from the previous one; each rank adds its blocks into
+  it; after n hops the partial of a rank's own bundle comes home with every
+  contribution. The incoming partial is waited (and folded) before the
+  rank's own partial leaves, one step later. ``dkv direct``: each rank keeps
+  one partial per bundle and, after its last block, sends each straight home.
+* ``transfer all_to_all`` moves an exchange's KV (or dKV) sends and receives
+  with one all_to_all of every rank instead of a batch of point-to-point.
+"""
+from __future__ import annotations
+
+from math import gcd
+
+from pipec.compiler import ops
+from pipec.compiler.ir import Action, Program, RingPlan, StageInfo
+from pipec.compiler.rings import hamiltonian_rings, rail_rings
+from pipec.dsl.spec import RingSpec, ScheduleSpec
+from pipec.errors import UsageError
+
+ops.declare_pass("lower_rings", ops.OPS)  # emits the ring ops; the other families never reach it
+
+
+def ring_plan(spec: RingSpec, num_ranks: int) -> RingPlan:
+    """The ``RingPlan`` of evaluated ring declarations on ``num_ranks`` ranks.
+
+    Raises:
+        UsageError: rings the ranks cannot form (the front end checks the
+            declarations; this guards programs built by hand).
+    """
+    note = ""
+    if spec.rings == "shift":
+        by = spec.ring_args[0] % num_ranks
+        if gcd(by, num_ranks) != 1:
+            raise UsageError(f"rings shift {spec.ring_args[0]} does not visit every one of {num_ranks} ranks")
+        cycles = (tuple(i * by % num_ranks for i in range(num_ranks)),)
+    elif spec.rings == "hamilton":
+        found = hamiltonian_rings(num_ranks)
+        cycles, note = found.cycles, found.note
+    elif spec.rings == "rails":
+        nodes, per_node = spec.ring_args
+        if nodes * per_node != num_ranks:
+            raise UsageError(f"rail rings of {nodes} x {per_node} ranks do not cover {num_ranks} ranks")
+        found = rail_rings(nodes, per_node)
+        cycles, note = found.cycles, found.note
+    else:
+        raise UsageError(f"unknown rings {spec.rings!r}")
+    if note:
+        note = f"rings: {note}; KV uses the {len(cycles)} rings found"
+    pieces = spec.pieces if spec.pieces is not None else len(cycles)
+    return RingPlan(spec.chunks, tuple(spec.holders), pieces, tuple(tuple(c) for c in cycles), spec.causal,
+                    spec.kv, spec.dkv, spec.transfer, note)
+
+
+def ring_program(plan: RingPlan, ranks: list[list[Action]], name: str = "", params: dict | None = None,
+                 source: str = "") -> Program:
+    """A ``Program`` of the ring family around per-rank instruction lists.
+
+    Stages are the query chunks (stage c: chunk c on its holder, a pipeline of
+    its own); ``mb`` of a block ranges over ``chunks * pieces``.
+    """
+    stages = [StageInfo(c, rank, c, 0) for c, rank in enumerate(plan.holders)]
+    blocks = plan.chunks * plan.pieces
+    return Program(name, plan.num_ranks, blocks, stages, [[c] for c in range(plan.chunks)], [0] * blocks,
+                   ranks, dict(params or {}), source=source, rings=plan)
+
+
+def lower_rings(spec: ScheduleSpec) -> Program:
+    """The program of an evaluated ring schedule (module docstring)."""
+    return lower_plan(ring_plan(spec.rings, spec.num_ranks), spec.name, spec.params, spec.path)
+
+
+def lower_plan(plan: RingPlan, name: str = "", params: dict | None = None, source: str = "") -> Program:
+    """The program of a ``RingPlan`` (module docstring)."""
+    rows = [_Lowering(plan, rank).run() for rank in range(plan.num_ranks)]
+    return ring_program(plan, rows, name, params, source)
+
+
+class _Lowering:
+    """One rank's list. Every rank builds its exchanges in the same sequence, so numbers agree."""
+
+    def __init__(self, plan: RingPlan, rank: int):
+        self.plan, self.rank = plan, rank
+        self.n = plan.num_ranks
+        self.row: list[Action] = []
+        self.exchanges = 0
+
+    def holder_at(self, piece: int, step: int) -> int:
+        """Whose bundle of ``piece`` this rank holds at ``step`` of a pass: ``step`` hops back on its ring."""
+        ring = self.plan.ring_of(piece)
+        return ring[(ring.index(self.rank) - step) % self.n]
+
+    def blocks_at(self, step: int, op: str) -> list[Action]:
+        """Every visible block of this rank's queries against the bundles it holds at ``step``."""
+        plan, out = self.plan, []
+        for q in plan.chunks_of(self.rank):
+            for piece in range(plan.pieces):
+                for kv in plan.chunks_of(self.holder_at(piece, step)):
+                    if plan.visible(q, kv, piece):
+                        out.append(Action(q, op, plan.block(kv, piece)))
+        return out
+
+    def exchange(self, parts: list[Action], kind: str) -> int | None:
+        """Post ``parts`` as one exchange (a batch, or one all_to_all); its number, or None when empty."""
+        if not parts:
+            return None
+        number = self.exchanges
+        self.exchanges += 1
+        if self.plan.transfer == "all_to_all":
+            collective = ops.ALLTOALL_KV if kind == "kv" else ops.ALLTOALL_DKV
+            parts = [Action(-1, collective, number, -1, tuple(parts))]
+        self.row.append(Action(-1, ops.EXCHANGE, number, -1, tuple(parts)))
+        return number
+
+    def wait(self, number: int | None) -> None:
+        if number is not None:
+            self.row.append(Action(-1, ops.EXCHANGE_WAIT, number))
+
+    def shift(self, step: int, send: str, recv: str) -> list[Action]:
+        """Every ring's move after ``step``: send the bundle held at ``step``, take the one of ``step`` + 1."""
+        parts = []
+        for piece in range(self.plan.pieces):
+            parts.append(Action(self.holder_at(piece, step), send, piece, self.plan.next_on(piece, self.rank)))
+            parts.append(Action(self.holder_at(piece, step + 1), recv, piece, self.plan.prev_on(piece, self.rank)))
+        return parts
+
+    def run(self) -> list[Action]:
+        last = self.n - 1
+        for step in range(self.n):  # forward
+            moving = self.exchange(self.shift(step, ops.SEND_KV, ops.RECV_KV), "kv") if step < last else None
+            self.row += self.blocks_at(step, ops.AF)
+            self.wait(moving)
+        partials = None
+        for step in range(self.n):  # backward
+            moving = None
+            if self.plan.kv == "again" and step < last:
+                moving = self.exchange(self.shift(step, ops.SEND_KV, ops.RECV_KV), "kv")
+            self.row += self.blocks_at(step, ops.AB)
+            self.wait(moving)
+            if self.plan.dkv == "behind":
+                self.wait(partials)  # step's incoming partial folded before this rank's leaves
+                partials = self.exchange(self.shift(step, ops.SEND_DKV, ops.RECV_DKV), "dkv")
+        if self.plan.dkv == "direct":
+            partials = self.exchange(self.direct_partials(), "dkv")
+        self.wait(partials)
+        return self.row
+
+    def direct_partials(self) -> list[Action]:
+        """``dkv direct``: this rank's partial of each other rank's bundle it added to goes home; its own
+        bundles' partials come from every rank that added to them. Sends first, in holder order."""
+        plan, sends, recvs = self.plan, [], []
+        for piece in range(plan.pieces):
+            for other in range(self.n):
+                if other == self.rank:
+                    continue
+                if _adds_to(plan, self.rank, other, piece):
+                    sends.append(Action(other, ops.SEND_DKV, piece, other))
+                if _adds_to(plan, other, self.rank, piece):
+                    recvs.append(Action(self.rank, ops.RECV_DKV, piece, other))
+        return sends + recvs
+
+
+def _adds_to(plan: RingPlan, rank: int, holder: int, piece: int) -> bool:
+    """Whether ``rank``'s queries see some key of ``holder``'s bundle of ``piece`` (so it has a partial of it)."""
+    return any(plan.visible(q, kv, piece) for q in plan.chunks_of(rank) for kv in plan.chunks_of(holder))

@@ -1,0 +1,326 @@
+"""The sequence-ring declarations (ring attention, zigzag ring attention, TASP): resolved, checked, evaluated.
+
+In this family the sequence is cut into equal chunks and every rank holds some
+of them (their queries, keys and values); KV travels on rings so that each
+rank's queries meet every KV chunk they may see. Nothing is ordered by hand:
+the compiler derives each rank's order of attention blocks (at each step,
+every visible block of the rank's queries with the KV it holds then). The
+front end hands it a ``RingSpec``; the ``ScheduleSpec`` around it has one
+stage per chunk (a query chunk), placed on the chunk's holder, one pipeline,
+and no order or policy. The declarations:
+
+* ``sequence chunks E``: makes the schedule a sequence ring;
+* ``hold chunk c on rank E``, ``mask full`` / ``mask causal [when E]``;
+* ``rings shift E``, ``rings hamilton``, ``rings rails E, E``;
+* ``pieces E``, ``kv again|kept``, ``dkv behind|direct``, ``transfer p2p|all_to_all``.
+
+Contract: ``resolve_ring_decl`` compiles one declaration; ``check_ring_rules``
+reports, before any parameter, every rule that ties them (``sequence`` needs
+``hold``, ``mask`` and ``rings``; the others need ``sequence``; a ring
+schedule has no declaration of the other families); ``ring_spec`` evaluates
+them with the parameters, raising ``EvalError`` at the expression whose value
+is out of range.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import gcd
+from typing import TYPE_CHECKING
+
+from pipec.dsl import ast
+from pipec.dsl.evaluate import BOOL, INT, Fn, Resolver, Scope
+from pipec.dsl.limits import BYTES_PER_TASK_TEXT, MAX_CHUNKS, MAX_TASKS
+from pipec.dsl.spec import RingSpec
+from pipec.errors import EvalError, Span
+
+if TYPE_CHECKING:
+    from pipec.dsl.schedule import Budget
+
+RING_DECLS = (ast.Sequence, ast.Hold, ast.Mask, ast.Rings, ast.Pieces, ast.RingMode)
+
+# The declarations of the other families (activation and weight passing),
+# which a ring schedule cannot hold, and how each is named in messages.
+OTHER_FAMILIES = {
+    ast.Stages: "stages", ast.Pipelines: "pipelines", ast.Route: "route microbatch", ast.Place: "place",
+    ast.Backward: "backward", ast.ExplicitOrder: "order rank", ast.GreedyOrder: "order greedy",
+    ast.SortedOrder: "order sorted", ast.Home: "home", ast.Own: "own", ast.Group: "group",
+    ast.Weights: "weights", ast.Gradients: "gradients", ast.WeightCount: None,  # prefetch | buffers
+}
+OTHER_DECLS = tuple(OTHER_FAMILIES)
+
+# What each kind of ring takes after its name, and how to say so.
+_RING_VALUES = {
+    "shift": ("a ring offset",), "hamilton": (), "rails": ("a number of nodes", "a number of ranks per node"),
+}
+_RING_ARITY = {
+    "shift": "`rings shift` takes one value, the ring's offset: `rings shift EXPR`",
+    "hamilton": "`rings hamilton` takes no value: its rings are the arc-disjoint Hamiltonian rings of the ranks",
+    "rails": "`rings rails` takes two values, the nodes and the ranks per node: `rings rails EXPR, EXPR`",
+}
+
+# A mode not declared: KV goes round again in backward, dK and dV ride behind it, point to point.
+DEFAULT_MODES = {"kv": "again", "dkv": "behind", "transfer": "p2p"}
+
+# How each declaration is named in messages.
+_WORD = {ast.Sequence: "sequence", ast.Hold: "hold", ast.Mask: "mask", ast.Rings: "rings", ast.Pieces: "pieces"}
+
+
+@dataclass
+class RingDecls:
+    """A schedule's sequence-ring declarations, each compiled (None when absent).
+
+    Attributes:
+        sequence: ``sequence chunks E`` and the closure of ``E``.
+        hold: the declaration, its variable's slot and its value's closure.
+        mask: the declaration and the closure of its ``when`` (None without one).
+        rings: the declaration and the closures of its values.
+        pieces: ``pieces E`` and the closure of ``E``.
+        modes: ``kv`` / ``dkv`` / ``transfer`` -> its declaration.
+        ring: the schedule is a sequence ring (it declares ``sequence``),
+            known before the declarations are walked: parameters and the
+            other families' declarations need it.
+    """
+
+    sequence: tuple[ast.Sequence, Fn] | None = None
+    hold: tuple[ast.Hold, int, Fn] | None = None
+    mask: tuple[ast.Mask, Fn | None] | None = None
+    rings: tuple[ast.Rings, tuple[Fn, ...]] | None = None
+    pieces: tuple[ast.Pieces, Fn] | None = None
+    modes: dict[str, ast.RingMode] = field(default_factory=dict)
+    ring: bool = False
+
+    def declared(self) -> list[ast.Node]:
+        """Every declaration held, in text order (messages about them come in that order)."""
+        nodes = [entry[0] for entry in (self.sequence, self.hold, self.mask, self.rings, self.pieces) if entry]
+        nodes += list(self.modes.values())
+        return sorted(nodes, key=lambda node: (node.span.line, node.span.col))
+
+
+def resolve_ring_decl(resolver: Resolver, decls: RingDecls, decl: ast.Node, scope: Scope) -> None:
+    """Compile one sequence-ring declaration into ``decls``; a second one of a kind is an error.
+
+    Args:
+        resolver: the schedule's resolver (errors are collected there).
+        decls: where the compiled declaration goes.
+        decl: one of ``RING_DECLS``.
+        scope: the names visible at the declaration.
+    """
+    first = _same_kind(decls, decl)
+    if first is not None:
+        resolver.error(f"`{_word(decl)}` is already declared at line {first.span.line}", decl.span)
+        return
+    if isinstance(decl, ast.Sequence):
+        decls.sequence = (decl, resolver.expect(decl.count, scope, INT, "a number of chunks"))
+    elif isinstance(decl, ast.Hold):
+        inner = scope.child()
+        slot = resolver.bind(inner, decl.var, INT, decl.var_span).slot
+        decls.hold = (decl, slot, resolver.expect(decl.rank, inner, INT, "a holder rank"))
+    elif isinstance(decl, ast.Mask):
+        when = None
+        if decl.when is not None and decl.mode == "full":
+            resolver.error("`when` says where the mask is causal: write `mask causal when EXPR`; `mask full` "
+                           "takes no condition", decl.when.span)
+        elif decl.when is not None:
+            when = resolver.expect(decl.when, scope, BOOL, "a `when` condition")
+        decls.mask = (decl, when)
+    elif isinstance(decl, ast.Rings):
+        wanted = _RING_VALUES[decl.kind]
+        if len(decl.values) != len(wanted):
+            extra = decl.values[len(wanted)] if len(decl.values) > len(wanted) else decl
+            resolver.error(_RING_ARITY[decl.kind], extra.span)
+        decls.rings = (decl, tuple(resolver.expect(value, scope, INT, what)
+                                   for value, what in zip(decl.values, wanted)))
+    elif isinstance(decl, ast.Pieces):
+        decls.pieces = (decl, resolver.expect(decl.value, scope, INT, "a number of pieces"))
+    else:
+        decls.modes[decl.what] = decl
+
+
+def _same_kind(decls: RingDecls, decl: ast.Node) -> ast.Node | None:
+    """The declaration of ``decl``'s kind already held, or None."""
+    if isinstance(decl, ast.RingMode):
+        return decls.modes.get(decl.what)
+    held = getattr(decls, _word(decl))
+    return None if held is None else held[0]
+
+
+def _word(decl: ast.Node) -> str:
+    return decl.what if isinstance(decl, ast.RingMode) else _WORD[type(decl)]
+
+
+# ------------------------------------------------------------ resolve-time rules
+
+
+def check_ring_rules(resolver: Resolver, decls: RingDecls, schedule: ast.Schedule) -> None:
+    """Report every broken rule between the declarations that needs no parameter value.
+
+    Args:
+        resolver: collects the errors.
+        decls: the schedule's sequence-ring declarations, resolved.
+        schedule: the whole schedule (the other families' declarations too).
+    """
+    if decls.sequence is None:
+        for node in decls.declared():
+            resolver.error(f"`{_word(node)}` belongs to sequence rings: it needs `sequence chunks EXPR` (the "
+                           "chunks the sequence is cut into)", node.span)
+        return
+    sequence = decls.sequence[0]
+    other = next((decl for decl in schedule.decls if isinstance(decl, OTHER_DECLS)), None)
+    if other is not None:
+        word = OTHER_FAMILIES[type(other)] or other.what
+        resolver.error(f"`{word}` cannot be written in a sequence ring (`sequence` at line {sequence.span.line}): "
+                       "the sequence ring family derives its order (the compiler computes each rank's order of "
+                       "attention blocks: at each step, every visible block of the rank's queries with the KV it "
+                       "holds then) and its layout (`hold`)", other.span)
+    if decls.hold is None:
+        resolver.error("a sequence ring needs `hold chunk c on rank EXPR` (the rank that holds each chunk's "
+                       "queries, keys and values)", sequence.span)
+    if decls.mask is None:
+        resolver.error("a sequence ring needs its mask written, `mask full`, `mask causal` or `mask causal when "
+                       "EXPR`: none is assumed, so that no schedule gets full attention by accident", sequence.span)
+    if decls.rings is None:
+        resolver.error("a sequence ring needs `rings shift EXPR`, `rings hamilton` or `rings rails EXPR, EXPR` "
+                       "(the rings KV travels on)", sequence.span)
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def ring_spec(decls: RingDecls, env: list, P: int, resolver: Resolver, budget: "Budget", label: str) -> RingSpec:
+    """Evaluate the sequence-ring declarations into a ``RingSpec``.
+
+    Args:
+        decls: the declarations (``sequence``, ``hold``, ``mask`` and ``rings`` among them).
+        env: the schedule's slots, parameters and lets set.
+        P: the ranks (the ring's size).
+        resolver, budget: for the expressions' costs and the evaluation budget.
+        label: the schedule and its parameter values, for the size message.
+    Returns:
+        the ``RingSpec``, defaults filled in.
+    Raises:
+        EvalError: chunks outside 1..MAX_CHUNKS or not a multiple of P, a
+            holder outside 0..P-1, ranks holding unequal shares, a ring offset
+            not coprime with P, rails that do not make P ranks, hamilton rings
+            on one rank, fewer than one piece, more attention tasks than
+            MAX_TASKS.
+    """
+    source = resolver.source
+    node, fn = decls.sequence
+    chunks = fn(env)
+    if chunks < 1:
+        raise EvalError(f"the sequence is cut into at least 1 chunk, not {chunks}", node.count.span, source)
+    if chunks > MAX_CHUNKS:
+        raise EvalError(f"the sequence is cut into {chunks:,} chunks; pipec's limit is {MAX_CHUNKS:,} (a rank "
+                        "runs a forward and a backward for every pair of a query chunk and a KV chunk it sees)",
+                        node.count.span, source)
+    if chunks % P != 0:
+        raise EvalError(f"{_chunks(chunks)} cannot be shared equally by {P} ranks: ring attention gives every rank "
+                        "the same share of the sequence", node.count.span, source)
+    holders = _holders(decls, env, chunks, P, resolver, budget)
+    mask, when = decls.mask
+    causal = mask.mode == "causal" and (when is None or bool(when(env)))
+    kind, ring_args, ring_count = _rings(decls, env, P, source)
+    pieces = None
+    if decls.pieces is not None:
+        pieces_node, pieces_fn = decls.pieces
+        pieces = pieces_fn(env)
+        if pieces < 1:
+            raise EvalError(f"`pieces` must be at least 1, got {pieces}", pieces_node.value.span, source)
+    _check_blocks(decls, chunks, causal, pieces, ring_count, label, source)
+    modes = {what: mode.mode for what, mode in decls.modes.items()}
+    return RingSpec(chunks=chunks, holders=holders, causal=causal, rings=kind, ring_args=ring_args, pieces=pieces,
+                    kv=modes.get("kv", DEFAULT_MODES["kv"]), dkv=modes.get("dkv", DEFAULT_MODES["dkv"]),
+                    transfer=modes.get("transfer", DEFAULT_MODES["transfer"]))
+
+
+def _holders(decls: RingDecls, env: list, chunks: int, P: int, resolver: Resolver,
+             budget: "Budget") -> tuple[int, ...]:
+    """``hold chunk c on rank E`` for every chunk: each a rank, every rank holding ``chunks / P``."""
+    node, slot, fn = decls.hold
+    source = resolver.source
+    budget.charge(chunks, resolver.cost(node.rank), "the holder of each chunk", node.span, source)
+    holders = []
+    for c in range(chunks):
+        env[slot] = c
+        rank = fn(env)
+        if not 0 <= rank < P:
+            raise EvalError(f"chunk {c} is held by rank {rank}, outside 0..{P - 1}", node.rank.span, source)
+        holders.append(rank)
+    counts = [0] * P
+    for rank in holders:
+        counts[rank] += 1
+    share = chunks // P
+    if any(count != share for count in counts):
+        most = max(range(P), key=counts.__getitem__)
+        fewest = min(range(P), key=counts.__getitem__)
+        raise EvalError(f"rank {most} holds {_chunks(counts[most])} and rank {fewest} holds "
+                        f"{_chunks(counts[fewest])}: ring attention gives every rank the same share of the sequence "
+                        f"({_chunks(share)} each)", node.rank.span, source)
+    return tuple(holders)
+
+
+def _rings(decls: RingDecls, env: list, P: int, source: str) -> tuple[str, tuple[int, ...], int]:
+    """``rings ...``: its kind, its values and how many rings it makes (at most).
+
+    Raises:
+        EvalError: a shift not coprime with P, rails that are not P ranks, hamilton on one rank.
+    """
+    node, fns = decls.rings
+    values = tuple(fn(env) for fn in fns)
+    if node.kind == "shift":
+        by = values[0]
+        if P > 1 and by % P == 0:
+            raise EvalError(f"the ring offset is {by}, a multiple of the {P} ranks: every rank would pass its KV to "
+                            "itself", node.values[0].span, source)
+        common = gcd(by % P, P)
+        if common != 1:
+            raise EvalError(f"the ring offset {by} shares the factor {common} with the {P} ranks: the ring "
+                            f"r -> r + {by} would visit only {P // common} of them; pick an offset coprime with {P}",
+                            node.values[0].span, source)
+        return "shift", values, 1
+    if node.kind == "rails":
+        for value, expr, what in zip(values, node.values, ("node", "rank per node")):
+            if value < 1:
+                raise EvalError(f"rails have at least 1 {what}, not {value}", expr.span, source)
+        nodes, per_node = values
+        if nodes * per_node != P:
+            raise EvalError(f"rails of {nodes} nodes x {per_node} ranks per node are {nodes * per_node:,} ranks, "
+                            f"not the ring's {P}", _cover(node.values[0].span, node.values[1].span), source)
+        return "rails", values, per_node  # one ring per rank of a node
+    if P < 2:
+        raise EvalError("`rings hamilton` needs at least 2 ranks (its rings run over the links between them), "
+                        f"not {P}", node.span, source)
+    return "hamilton", (), P - 1  # the most arc-disjoint Hamiltonian rings of P ranks
+
+
+def _check_blocks(decls: RingDecls, chunks: int, causal: bool, pieces: int | None, ring_count: int, label: str,
+                  source: str) -> None:
+    """Refuse, before anything is built, more attention tasks than pipec's limit.
+
+    A block is a query chunk against a KV piece: chunks x chunks pairs of
+    chunks under a full mask, C (C + 1) / 2 under a causal one, times the
+    pieces of a chunk (one per ring when ``pieces`` is not written); each
+    block is a forward and a backward task.
+    """
+    pairs = chunks * (chunks + 1) // 2 if causal else chunks * chunks
+    per_chunk = ring_count if pieces is None else pieces
+    blocks = pairs * per_chunk
+    if 2 * blocks <= MAX_TASKS:
+        return
+    mask = "pairs of chunks under the causal mask" if causal else "pairs of chunks"
+    if pieces is None:
+        where, written = decls.sequence[0].count.span, ", one per ring"
+    else:
+        where, written = decls.pieces[0].value.span, ""
+    raise EvalError(f"{label} has {2 * blocks:,} attention tasks, a forward and a backward for each of {blocks:,} "
+                    f"blocks ({pairs:,} {mask} x {per_chunk:,} KV pieces{written}); pipec's limit is "
+                    f"{MAX_TASKS:,} tasks ({BYTES_PER_TASK_TEXT})", where, source)
+
+
+def _chunks(count: int) -> str:
+    return f"{count} chunk" if count == 1 else f"{count} chunks"
+
+
+def _cover(first: Span, last: Span) -> Span:
+    """The span from the start of ``first`` to the end of ``last``."""
+    return Span(first.file, first.line, first.col, last.end_line, last.end_col)
