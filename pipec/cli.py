@@ -39,6 +39,7 @@ COMMANDS = (
     "costs",
     "import_torch",
     "rings",
+    "attention",
 )
 
 

@@ -23,6 +23,28 @@ backward on CPU; the same entry points the CUDA flash kernel offers):
   every ring schedule is held to, and a check of the arithmetic itself against
   ``torch.nn.functional.scaled_dot_product_attention``.
 
+The ring runtime (``runtime/rings.py``) cuts each chunk's keys and values
+into pieces, and a block of one piece against a query chunk is in general none
+of the three chunk-level kinds. The position-based helpers place a block by
+the global positions of its first query and first key instead:
+
+* ``block_segments``: the rectangles a block's visible part splits into,
+  rows that see nothing left out, each rectangle whole or a top-left causal
+  square (``is_causal=True``);
+* ``block_forward_at``: the block's (out, lse) over the rows that see some
+  key (None when none does), its segments merged;
+* ``empty_result`` and ``merge_rows``: a query chunk's running result, whose
+  rows no block has reached yet hold out 0 and lse -inf, and a block's rows
+  folded into it without producing -inf - -inf;
+* ``block_backward_at``: the block's dq, dk, dv from the queries' global
+  output and log-sum-exp, zero where the mask hides everything;
+* ``pieced_attention``: a whole attention computed block by block with every
+  key chunk cut into pieces (``chunked_attention``'s counterpart for TASP).
+
+On the CPU the kernels are torch's flash-attention entry points; on other
+devices (a ring run under NCCL) the same arithmetic is done with matmuls
+(``_math_forward``, ``_math_backward``), in the accumulating dtype.
+
 Tensors are laid out as torch's attention takes them: (batch, heads, length,
 head dim); a log-sum-exp is (batch, heads, length).
 """
@@ -49,6 +71,11 @@ def block_kind(q_chunk: int, kv_chunk: int, causal: bool) -> str:
 def _accumulating(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results are merged in: fp32, or the inputs' when wider (float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the CPU flash kernel's log-sum-exp: the inputs' for fp32 and fp64, fp32 for fp16 and bf16."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
@@ -98,7 +125,7 @@ def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if kind == SKIPPED:
         raise ValueError("a skipped block contributes no gradient")
     dtype = q.dtype
-    dq, dk, dv = _backward_kernel(grad_out.to(dtype), q, k, v, out.to(dtype), lse.to(dtype), 0.0,
+    dq, dk, dv = _backward_kernel(grad_out.to(dtype), q, k, v, out.to(dtype), lse.to(_lse_dtype(dtype)), 0.0,
                                   kind == DIAGONAL, scale=scale)
     wide = _accumulating(dtype)
     return dq.to(wide), dk.to(wide), dv.to(wide)
@@ -164,5 +191,259 @@ def zigzag_chunks(ranks: int) -> list[tuple[int, int]]:
     return [(r, 2 * ranks - 1 - r) for r in range(ranks)]
 
 
-__all__ = ["DIAGONAL", "SKIPPED", "WHOLE", "ChunkedResult", "block_backward", "block_forward", "block_kind",
-           "chunked_attention", "merge", "zigzag_chunks"]
+# ------------------------------------------------------------- by positions
+#
+# A block placed by the global positions of its first query and first key:
+# what the ring runtime runs when a chunk's keys are cut into pieces.
+
+
+class Segment(NamedTuple):
+    """One rectangle of a block's visible part, in the block's local rows and keys.
+
+    Attributes:
+        rows: query rows [start, end) of the block.
+        keys: key rows [start, end) of the block.
+        causal: a square whose row i sees keys 0..i (``is_causal=True``, top-left); else every key.
+    """
+
+    rows: tuple[int, int]
+    keys: tuple[int, int]
+    causal: bool
+
+
+def block_segments(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool) -> tuple[Segment, ...]:
+    """The rectangles a block's visible part splits into, by global positions.
+
+    Queries are positions [q_start, q_start + q_len), keys [k_start, k_start + k_len);
+    under ``causal`` key j is visible to query i iff j <= i. The rows split into
+    those that see nothing (left out), the rows on the keys' diagonal (a
+    causal square; when the queries start inside the keys, the keys before
+    them are a whole rectangle over the same rows) and the rows after every
+    key (whole). Segments over the same rows come next to each other.
+
+    Returns:
+        the segments, rows ascending; empty when no query sees any key.
+    """
+    if q_len <= 0 or k_len <= 0:
+        return ()
+    if not causal:
+        return (Segment((0, q_len), (0, k_len), False),)
+    q_end, k_end = q_start + q_len, k_start + k_len
+    first = max(q_start, k_start)  # the first query that sees a key
+    if first >= q_end:
+        return ()
+    square_end = max(first, min(q_end, k_end))
+    out = []
+    if square_end > first:
+        rows = (first - q_start, square_end - q_start)
+        if first > k_start:  # keys before the first query: seen whole by the diagonal's rows
+            out.append(Segment(rows, (0, first - k_start), False))
+        out.append(Segment(rows, (first - k_start, square_end - k_start), True))
+    if q_end > square_end:
+        out.append(Segment((square_end - q_start, q_len), (0, k_len), False))
+    return tuple(out)
+
+
+class BlockOutput(NamedTuple):
+    """A block's forward over the query rows that see some key.
+
+    Attributes:
+        first: the first such row; every row from it to the block's last sees some key.
+        out: (B, H, rows, D) in the accumulating dtype.
+        lse: (B, H, rows) likewise.
+    """
+
+    first: int
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def _on_cpu(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu"
+
+
+def _segment_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _on_cpu(q):
+        return _math_forward(q, k, v, causal, scale)
+    out, lse = _forward_kernel(q, k, v, 0.0, causal, scale=scale)
+    wide = _accumulating(q.dtype)
+    return out.to(wide), lse.to(wide)
+
+
+def _segment_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float | None):
+    if not _on_cpu(q):
+        return _math_backward(grad_out, q, k, v, out, lse, causal, scale)
+    dtype = q.dtype
+    dq, dk, dv = _backward_kernel(grad_out.to(dtype), q, k, v, out.to(dtype), lse.to(_lse_dtype(dtype)), 0.0,
+                                  causal, scale=scale)
+    wide = _accumulating(dtype)
+    return dq.to(wide), dk.to(wide), dv.to(wide)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
+    """Scaled scores q k^T in the accumulating dtype, -inf above the top-left diagonal under ``causal``."""
+    wide = _accumulating(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * scale
+    if causal:
+        rows, keys = scores.shape[-2:]
+        hidden = torch.ones(rows, keys, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def _math_forward(q, k, v, causal: bool, scale: float | None):
+    """The flash kernel's (out, lse) by matmuls, in the accumulating dtype (any device)."""
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(scores.dtype)
+    return out, lse
+
+
+def _math_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float | None):
+    """The flash kernel's backward by matmuls, from the global (out, lse), in the accumulating dtype."""
+    scores = _scores(q, k, causal, scale)
+    wide = scores.dtype
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    grad_out, out = grad_out.to(wide), out.to(wide)
+    probs = torch.exp(scores - lse.to(wide).unsqueeze(-1))
+    dv = probs.transpose(-2, -1) @ grad_out
+    dprobs = grad_out @ v.to(wide).transpose(-2, -1)
+    dscores = probs * (dprobs - (grad_out * out).sum(-1, keepdim=True))
+    return (dscores @ k.to(wide)) * scale, (dscores.transpose(-2, -1) @ q.to(wide)) * scale, dv
+
+
+def block_forward_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int, causal: bool,
+                     scale: float | None = None) -> BlockOutput | None:
+    """One block's attention by global positions: its (out, lse) over the rows that see some key.
+
+    Args:
+        q: (B, H, Lq, D) queries at positions [q_start, q_start + Lq).
+        k, v: (B, H, Lk, D) keys and values at positions [k_start, k_start + Lk).
+        causal: the causal mask (key j visible to query i iff j <= i), else full attention.
+        scale: the softmax scale; 1/sqrt(D) when None.
+    Returns:
+        a ``BlockOutput`` (accumulating dtype), or None when no query sees any key.
+    """
+    segments = block_segments(q_start, q.shape[-2], k_start, k.shape[-2], causal)
+    if not segments:
+        return None
+    outs, lses, rows, out, lse = [], [], None, None, None
+    for segment in segments:
+        if segment.rows != rows and out is not None:
+            outs.append(out)
+            lses.append(lse)
+            out = lse = None
+        rows = segment.rows
+        (r0, r1), (c0, c1) = segment.rows, segment.keys
+        out, lse = merge(out, lse, *_segment_forward(q[..., r0:r1, :], k[..., c0:c1, :], v[..., c0:c1, :],
+                                                     segment.causal, scale))
+    outs.append(out)
+    lses.append(lse)
+    first = segments[0].rows[0]
+    if len(outs) == 1:
+        return BlockOutput(first, outs[0], lses[0])
+    return BlockOutput(first, torch.cat(outs, dim=-2), torch.cat(lses, dim=-1))
+
+
+def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query chunk's running (out, lse) before any block: out 0 and lse -inf, in the accumulating dtype."""
+    wide = _accumulating(q.dtype)
+    return (torch.zeros(q.shape, dtype=wide, device=q.device),
+            torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device))
+
+
+def merge_rows(out: torch.Tensor, lse: torch.Tensor, block: BlockOutput) -> None:
+    """Fold a block's rows into a running (out, lse) in place (the stable form of ``merge``).
+
+    Rows the running result has not met yet (lse -inf) take the block's as
+    they are, so no -inf - -inf (NaN) arises; rows before ``block.first`` are untouched.
+    """
+    rows_out, rows_lse = out[..., block.first:, :], lse[..., block.first:]
+    fresh = torch.isneginf(rows_lse)
+    weight = torch.sigmoid(block.lse - rows_lse).unsqueeze(-1)  # 1 where the running rows are fresh
+    merged_lse = torch.where(fresh, block.lse, rows_lse - F.logsigmoid(rows_lse - block.lse))
+    rows_out.sub_(weight * (rows_out - block.out))
+    rows_lse.copy_(merged_lse)
+
+
+def block_backward_at(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, q_start: int, k_start: int, causal: bool, scale: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's (dq, dk, dv) by global positions, from the queries' global output and log-sum-exp.
+
+    Args:
+        grad_out, q: (B, H, Lq, D) at positions [q_start, q_start + Lq).
+        k, v: (B, H, Lk, D) at positions [k_start, k_start + Lk).
+        out, lse: the global (every block merged) output and log-sum-exp of these queries.
+        causal: the causal mask, else full attention.
+    Returns:
+        dq (Lq rows), dk and dv (Lk rows) in the accumulating dtype; zero where the mask hides everything.
+    """
+    wide = _accumulating(q.dtype)
+    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+    dk = torch.zeros(k.shape, dtype=wide, device=k.device)
+    dv = torch.zeros(v.shape, dtype=wide, device=v.device)
+    for segment in block_segments(q_start, q.shape[-2], k_start, k.shape[-2], causal):
+        (r0, r1), (c0, c1) = segment.rows, segment.keys
+        bq, bk, bv = _segment_backward(grad_out[..., r0:r1, :], q[..., r0:r1, :], k[..., c0:c1, :], v[..., c0:c1, :],
+                                       out[..., r0:r1, :], lse[..., r0:r1], segment.causal, scale)
+        dq[..., r0:r1, :] += bq
+        dk[..., c0:c1, :] += bk
+        dv[..., c0:c1, :] += bv
+    return dq, dk, dv
+
+
+def pieced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                     query_cuts: Sequence[int], key_cuts: Sequence[int], causal: bool,
+                     order: Sequence[int] | None = None) -> ChunkedResult:
+    """Attention of the whole sequence, block by block by global positions, forward and backward.
+
+    Args:
+        q, k, v, grad_out: (B, H, L, D).
+        query_cuts: where the query blocks start and end, ascending from 0 to L
+            (``[0, 8, 16]``: two query blocks of 8).
+        key_cuts: likewise for the key/value blocks (a ring's pieces:
+            ``chunk_cuts(L, chunks, pieces)``); they need not line up with the queries'.
+        causal: the causal mask, else full attention.
+        order: the order the key blocks are met in (the result must not depend on it).
+    Returns:
+        out, dq, dk, dv over the whole sequence, in the accumulating dtype.
+    """
+    spans = list(zip(query_cuts[:-1], query_cuts[1:]))
+    keys = list(zip(key_cuts[:-1], key_cuts[1:]))
+    order = range(len(keys)) if order is None else order
+    results = []
+    for q0, q1 in spans:
+        out, lse = empty_result(q[..., q0:q1, :])
+        for j in order:
+            k0, k1 = keys[j]
+            block = block_forward_at(q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], q0, k0, causal)
+            if block is not None:
+                merge_rows(out, lse, block)
+        results.append((out, lse))
+    wide = _accumulating(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=wide) for t in (q, k, v))
+    for (q0, q1), (out, lse) in zip(spans, results):
+        for j in order:
+            k0, k1 = keys[j]
+            bq, bk, bv = block_backward_at(grad_out[..., q0:q1, :], q[..., q0:q1, :], k[..., k0:k1, :],
+                                           v[..., k0:k1, :], out, lse, q0, k0, causal)
+            dq[..., q0:q1, :] += bq
+            dk[..., k0:k1, :] += bk
+            dv[..., k0:k1, :] += bv
+    return ChunkedResult(torch.cat([out for out, _ in results], dim=-2), dq, dk, dv)
+
+
+def chunk_cuts(length: int, chunks: int, pieces: int = 1) -> list[int]:
+    """The cuts of a sequence of ``length`` into ``chunks`` equal chunks of ``pieces`` equal pieces each."""
+    if length % (chunks * pieces):
+        raise ValueError(f"a sequence of {length} cannot be cut into {chunks} chunks of {pieces} equal pieces")
+    size = length // (chunks * pieces)
+    return [i * size for i in range(chunks * pieces + 1)]
+
+
+__all__ = ["DIAGONAL", "SKIPPED", "WHOLE", "BlockOutput", "ChunkedResult", "Segment", "block_backward",
+           "block_backward_at", "block_forward", "block_forward_at", "block_kind", "block_segments", "chunk_cuts",
+           "chunked_attention", "empty_result", "merge", "merge_rows", "pieced_attention", "zigzag_chunks"]

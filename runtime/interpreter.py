@@ -61,7 +61,7 @@ from pipec.compiler.ir import (
     stage_tables,
 )
 from pipec.errors import ProgramError, RuntimeFault
-from pipec.runtime import comm, split_backward, weights
+from pipec.runtime import comm, rings, split_backward, weights
 from pipec.runtime.flat import bind_flat_grads
 
 # Kinds of a hand-off tensor (``ops.MESSAGE_KIND_CODE``): the low bits of its key.
@@ -460,7 +460,9 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     ALLREDUCE_WAIT: _allreduce_wait,
     **weights.HANDLERS,
 }
-ops.declare_pass("runtime interpreter", set(HANDLERS) | set(weights.PART_POSTERS))
+# Sequence rings run through ``runtime/rings.py``'s handlers: its blocks, exchanges and their parts.
+ops.declare_pass("runtime interpreter", set(HANDLERS) | set(weights.PART_POSTERS) | set(rings.HANDLERS)
+                 | set(ops.RING_PART_OPS))
 
 
 def run_step(
