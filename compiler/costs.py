@@ -169,6 +169,8 @@ class CostModel:
             (``compiler.network``), or None for none.
         port: a device's switch port, shared by all its transfers out and all in
             (``compiler.network``), or None for none.
+        rails: a device's own rail NIC, shared by all its transfers to and from other nodes
+            (rail-optimised nodes: device i of every node on rail i; ``compiler.network``), or None.
         allreduce_link: the link a ring all-reduce runs over.
         allreduce_bytes: the gradient bytes of one model chunk.
         post: the time a rank spends posting one message.
@@ -189,6 +191,7 @@ class CostModel:
     contention: bool = False
     nic: Link | None = None
     port: Link | None = None
+    rails: Link | None = None
     allreduce_link: Link = Link()
     allreduce_bytes: Number = 0
     post: Number = 0
@@ -354,7 +357,7 @@ class _Reader:
 
     def links_section(self, value: Any) -> dict[str, Any]:
         latency, bandwidth, given = self.link(value, "links", extra=("bytes", "node_size", "inter_node", "pairs", "post",
-                                                                   "contention", "nic", "port"))
+                                                                   "contention", "nic", "port", "rails"))
         default = Link().overridden(latency, bandwidth)
         sizes = self.table(given.get("bytes", {}), "links.bytes", MESSAGE_KINDS)
         message_bytes = tuple((kind, self.number(sizes[kind], _join("links.bytes", kind)) if kind in sizes else 0) for kind in MESSAGE_KINDS)
@@ -389,8 +392,16 @@ class _Reader:
         if "port" in given:
             port_latency, port_bandwidth, _ = self.link(given["port"], "links.port")
             port = Link(port_latency or 0, port_bandwidth)
+        rails = None
+        if "rails" in given:
+            if not node_size:
+                raise self.fail("links.rails", "a rail joins the devices of one index on every node: give "
+                                "links.node_size too")
+            rail_latency, rail_bandwidth, _ = self.link(given["rails"], "links.rails")
+            rails = Link(rail_latency or 0, rail_bandwidth)
         return {
             "port": port,
+            "rails": rails,
             "contention": contention,
             "nic": nic,
             "link": default,

@@ -312,6 +312,11 @@ class RingPlan:
         """(kv chunk, piece) of a block number."""
         return divmod(block, self.pieces)
 
+    def bundle_share(self, holder: int) -> Fraction:
+        """A bundle of ``holder``'s in units of one chunk's keys and values (the cost file's ``kv`` size):
+        one piece of each chunk it holds."""
+        return Fraction(len(self.chunks_of(holder)), self.pieces)
+
     def visible(self, q_chunk: int, kv_chunk: int, piece: int) -> bool:
         """Whether some query of ``q_chunk`` sees some key of the piece: the block is not fully masked."""
         if not self.causal:

@@ -136,8 +136,11 @@ class _Lowering:
             self.row.append(Action(-1, ops.EXCHANGE_WAIT, number))
 
     def shift(self, step: int, send: str, recv: str) -> list[Action]:
-        """Every ring's move after ``step``: send the bundle held at ``step``, take the one of ``step`` + 1."""
+        """Every ring's move after ``step``: send the bundle held at ``step``, take the one of ``step`` + 1.
+        A ring of one rank moves nothing: that rank holds every bundle and every partial is home."""
         parts = []
+        if self.n == 1:
+            return parts
         for piece in range(self.plan.pieces):
             parts.append(Action(self.holder_at(piece, step), send, piece, self.plan.next_on(piece, self.rank)))
             parts.append(Action(self.holder_at(piece, step + 1), recv, piece, self.plan.prev_on(piece, self.rank)))

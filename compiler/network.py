@@ -7,14 +7,16 @@ entry where one is given: a full mesh with per-link bandwidth); between nodes
 it also goes through the sending node's NIC and the receiving node's NIC
 (``links.nic``), which every device of the node shares; behind a switch it
 goes out of the sender's port and into the receiver's (``links.port``), which
-every transfer of that device shares. Without ``links.contention`` and without a NIC a transfer
+every transfer of that device shares; on rail-optimised nodes (``links.rails``)
+a transfer between nodes goes out of the sender's own rail NIC and into the
+receiver's, which every inter-node transfer of that device shares. Without ``links.contention`` and without a NIC a transfer
 takes ``latency + bytes / bandwidth`` whatever else is moving (pipec's
 classic model). With them, transfers that share a resource share its
 bandwidth:
 
 * the resources of a transfer: its directed link (with ``contention``),
   between nodes the two NICs (with ``nic``, always shared: that is what a NIC
-  is), and the two ports (with ``port``);
+  is) and the two rails (with ``rails``), and the two ports (with ``port``);
 * a transfer moves at the rate of its slowest resource (cut-through) and holds
   every resource it uses for ``bytes / that rate``, then arrives ``latency``
   later;
@@ -50,7 +52,7 @@ class Network:
 
     def __init__(self, costs: CostModel):
         self.costs = costs
-        self.shared = costs.contention or costs.nic is not None or costs.port is not None
+        self.shared = costs.contention or any(link is not None for link in (costs.nic, costs.port, costs.rails))
         self.busy: dict[tuple, list[tuple[Number, Number]]] = {}
         # every transfer that took time, as (src, dst, start, arrival): the links' use, for ``usage``
         self.moved: list[tuple[int, int, Number, Number]] = []
@@ -147,14 +149,18 @@ class Network:
         if costs.port is not None:
             resources += [("port out", src), ("port in", dst)]
             rates.append(costs.port.bandwidth)
+        if costs.rails is not None and src // costs.node_size != dst // costs.node_size:
+            resources += [("rail out", src), ("rail in", dst)]
+            rates.append(costs.rails.bandwidth)
         known = [rate for rate in rates if rate is not None]
         return resources, (min(known) if known else None)
 
     def _nic_latency(self, src: int, dst: int) -> Number:
+        """The latency the node's NIC and the devices' rails add to a transfer between nodes."""
         costs = self.costs
-        if costs.nic is not None and costs.node_size and src // costs.node_size != dst // costs.node_size:
-            return costs.nic.latency
-        return 0
+        if not costs.node_size or src // costs.node_size == dst // costs.node_size:
+            return 0
+        return sum(link.latency for link in (costs.nic, costs.rails) if link is not None)
 
     def _window(self, resources: list[tuple], ready: Number, hold: Number) -> Number:
         """The earliest start at or after ``ready`` at which every resource is free for ``hold``."""

@@ -675,8 +675,7 @@ class _Simulation:
         size = sizes.get(ops.VALUE_KINDS[kind].size_class, 0)
         plan = self.program.rings
         if plan is not None and ops.VALUE_KINDS[kind].size_class == ops.SIZE_KV and 0 <= part.stage < plan.num_ranks:
-            # ``kv`` is one chunk's keys and values; a bundle is one piece of each chunk of its holder
-            return _plain(Fraction(size) * len(plan.chunks_of(part.stage)) / plan.pieces)
+            return _plain(size * plan.bundle_share(part.stage))
         return size
 
     def post_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number:

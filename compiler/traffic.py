@@ -4,7 +4,9 @@
 (no timing), what crosses links:
 
 * a point-to-point message (a send, or a send inside a batch or an exchange)
-  moves one value of its kind over the link from its rank to its peer;
+  moves one value of its kind over the link from its rank to its peer (a
+  sequence ring's KV or dKV bundle: one piece of each chunk of its holder,
+  ``RingPlan.bundle_share``); an all_to_all moves each of its sends so;
 * a ring step moves, on each link r -> r + ring_by, the slot the next rank
   takes (nothing where that rank takes nothing);
 * a collective of n ranks runs as a ring over its members in rank order
@@ -84,7 +86,12 @@ def _count(program: Program, rank: int, part: Action, add, seen: set, counted_st
     if rule is None:
         return
     if op in _SENDS:
-        add(rule.carries.kind, rank, part.peer, Fraction(1))
+        plan = program.rings
+        share = plan.bundle_share(part.stage) if plan is not None and 0 <= part.stage < plan.num_ranks else Fraction(1)
+        add(rule.carries.kind, rank, part.peer, share)
+    elif part.parts:  # an all_to_all of a sequence ring: its sends, each over its own link
+        for inner in part.parts:
+            _count(program, rank, inner, add, seen, counted_steps)
     elif op in _RING_STEPS:
         if part.stage >= 0:  # this rank takes a slot: it crossed the link from its predecessor
             giver = (rank - program.weights.ring_by) % program.num_ranks

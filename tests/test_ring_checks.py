@@ -247,3 +247,10 @@ def test_the_kth_all_to_all_must_be_the_same_on_every_rank():
     changed = row[i]._replace(parts=(collective._replace(op=ops.ALLTOALL_DKV),))
     with pytest.raises(MatchError, match="all_to_all is ALLTOALL_DKV"):
         check_rings(plant(program, 2, lambda r: r[:i] + [changed] + r[i + 1:]))
+
+
+def test_a_ring_of_one_rank_moves_nothing():
+    for routes in ROUTES:
+        program = lower_plan(RingPlan(2, (0, 0), 1, ((0,),), True, **routes))
+        assert [a.text() for a in program.ranks[0]] == ["0AF0", "1AF0", "1AF1", "0AB0", "1AB0", "1AB1"]
+        assert check_rings(program).blocks == 3

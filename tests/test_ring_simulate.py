@@ -6,10 +6,14 @@ attention and a contiguous ring gives rank r a busy time proportional to
 2r + 1; on a full mesh of n = 8 ranks with equal per-link bandwidth TASP keeps
 every directed link busy while KV moves (utilisation 1) where a ring keeps
 1/7 of them, and moves a step's KV 7 times faster; behind a per-rank switch
-port the advantage disappears.
+port the advantage disappears; on nodes joined by rails the rail rings of
+``tasp_rails`` cross between nodes on every rail at once.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from fractions import Fraction
 
 import pytest
@@ -73,3 +77,48 @@ def test_behind_a_switch_port_per_rank_the_advantage_disappears():
     port = Link(0, 7)  # a rank's port moves as much as all its 7 links of the mesh together
     ring, tasp = simulate(shapes["zigzag"], _links(port)), simulate(shapes["tasp"], _links(port))
     assert ring.links["communication"] == pytest.approx(tasp.links["communication"])
+
+
+def _simulate_cli(tmp_path, target: list[str], links: dict) -> dict:
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"compute": {"AF": 0, "AB": 0}, "links": links, "sizes": {"kv": 8}}))
+    done = subprocess.run([sys.executable, "-m", "pipec", "simulate", *target, "--costs", str(costs), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_on_rail_nodes_the_rail_rings_use_every_rail_where_one_ring_crosses_on_two(tmp_path):
+    # 2 nodes of 4 ranks; links inside a node fast, each device's rail NIC slow: the inter-node hops decide
+    links = {"latency": 0, "bandwidth": 100, "node_size": 4, "inter_node": {"latency": 0, "bandwidth": 100},
+             "rails": {"bandwidth": 1}, "contention": True}
+    ring = _simulate_cli(tmp_path, ["zigzag_ring", "-D", "P=8"], links)
+    rails = _simulate_cli(tmp_path, ["tasp:tasp_rails", "-D", "M=2", "-D", "K=4"], links)
+    mesh = _simulate_cli(tmp_path, ["tasp", "-D", "P=8"], links)
+    # one ring crosses between the nodes on 2 of its 8 hops, each carrying a whole bundle through one rail;
+    # the 4 rail rings cross on every rail at once with a quarter of it each
+    assert ring["links"]["communication"] == pytest.approx(4 * rails["links"]["communication"])
+    # Hamiltonian rings of all 8 ranks cross between nodes on many arcs that share the rails
+    assert mesh["links"]["communication"] > rails["links"]["communication"]
+
+
+def test_rails_need_nodes(tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"links": {"rails": {"bandwidth": 1}}}))
+    done = subprocess.run([sys.executable, "-m", "pipec", "simulate", "zigzag_ring", "--costs", str(costs)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "links.rails" in done.stderr and "node_size" in done.stderr
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_traffic_counts_each_bundle_by_its_chunks_and_pieces(P):
+    from pipec.compiler.traffic import traffic
+
+    sizes = {"kv": 8}
+    for name, program in programs(P).items():
+        chunks = program.rings.chunks // P  # per rank
+        moved = traffic(program, sizes, lambda rank: 0)
+        # KV goes round twice (forward, again in backward): n - 1 hops of every rank's chunks, each time;
+        # dK, dV partials n hops; pieces only cut the same bytes into more messages
+        assert moved["kv"]["intra"] == 2 * (P - 1) * P * chunks * 8, name
+        assert moved["dkv"]["intra"] == P * P * chunks * 8, name

@@ -38,8 +38,8 @@ def timeline_html(drawing: Drawing) -> str:
         # one time axis for every panel: the longest makespan sets its scale
         "span": max(panel.makespan for panel in drawing.panels),
     }
-    # "</" would end the script element early; "<\/" is the same JSON string
-    data_json = json.dumps(data, separators=(",", ":"), allow_nan=False, default=float)  # exact Fraction times.replace("</", "<\\/")
+    # "</" would end the script element early; "<\/" is the same JSON string; exact (Fraction) times as floats
+    data_json = json.dumps(data, separators=(",", ":"), allow_nan=False, default=float).replace("</", "<\\/")
     return render(
         "timeline.html.j2",
         heading=drawing.heading,
