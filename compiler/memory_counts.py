@@ -150,6 +150,53 @@ def weight_buffer_counts(row: Iterable[Action], rank: int) -> Iterator[int]:
         yield live
 
 
+def kv_buffer_counts(row: Iterable[Action], rank: int, kept: bool) -> Iterator[int]:
+    """The received KV bundles alive after each instruction of one rank's sequence-ring list.
+
+    A receive's buffer lives from the post of its exchange; at the exchange's
+    wait it becomes the bundle held for its piece, which under ``kv again``
+    (``kept`` False) drops the one held before; under ``kv kept`` nothing is
+    dropped. The rank's own bundles are its inputs, not counted.
+
+    Args:
+        row: rank ``rank``'s instructions.
+        rank: whose list it is.
+        kept: the plan's ``kv`` is ``kept``.
+    Returns:
+        an iterator of running counts, one per instruction.
+    """
+    live = 0
+    held: set[int] = set()                          # pieces with a received bundle held
+    arriving: dict[int, list[int]] = {}             # exchange -> the pieces its receives bring
+    for action in row:
+        if action.op == ops.EXCHANGE:
+            pieces = arriving.setdefault(action.mb, [])
+            for part in action.parts:
+                for leaf in part.parts or (part,):
+                    if leaf.op == ops.RECV_KV and leaf.stage != rank:
+                        pieces.append(leaf.mb)
+                        live += 1
+        elif action.op == ops.EXCHANGE_WAIT:
+            for piece in arriving.pop(action.mb, ()):
+                if not kept and piece in held:
+                    live -= 1
+                held.add(piece)
+        yield live
+
+
+def peak_kv_bytes(program: Program, kv_size: Number) -> list[Number]:
+    """Per rank, the most bytes of keys and values alive at once: its own chunks' and the received
+    bundles' (``kv_size``: one chunk's K and V; ``RingPlan.bundle_share``)."""
+    plan = program.rings
+    out = []
+    for rank, row in enumerate(program.ranks):
+        received = max(kv_buffer_counts(row, rank, plan.kv == "kept"), default=0)
+        share = plan.bundle_share(rank)  # every rank holds as many chunks: every bundle weighs the same
+        total = (len(plan.chunks_of(rank)) + received * share) * kv_size
+        out.append(int(total) if total.denominator == 1 else float(total))
+    return out
+
+
 def peak_weight_buffers(program: Program) -> list[int]:
     """Per rank, the most borrowed weight buffers alive at once (0 for activation passing)."""
     return [max(weight_buffer_counts(row, rank), default=0) for rank, row in enumerate(program.ranks)]
@@ -184,6 +231,10 @@ def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, 
         ValueError: an unknown size class or a negative size.
     """
     check_sizes(sizes)
+    if program.rings is not None:  # a sequence ring's memory is its keys and values
+        kv = peak_kv_bytes(program, sizes[ops.SIZE_KV]) if ops.SIZE_KV in sizes else [0] * len(program.ranks)
+        return [{size_class: kv[rank] if size_class == ops.SIZE_KV else 0 for size_class in sizes}
+                for rank in range(len(program.ranks))]
     buffers = peak_weight_buffers(program) if program.weights is not None else [0] * len(program.ranks)
     return [{size_class: size * (peak_count(row, SIZE_CLASS_DELTAS[size_class])
                                  + (borrowed if size_class == ops.SIZE_WEIGHT else 0))
@@ -204,6 +255,8 @@ __all__ = [
     "peak_activations",
     "peak_bytes",
     "peak_count",
+    "peak_kv_bytes",
+    "kv_buffer_counts",
     "peak_waiting_w",
     "peak_weight_buffers",
     "weight_buffer_counts",

@@ -173,8 +173,11 @@ def _plain(value: Number) -> Number:
 
 
 def _exact(value: Number) -> Number:
-    """An exact time: an int when whole, else as it is (unit costs of masked blocks stay Fractions)."""
-    return int(value) if isinstance(value, Fraction) and value.denominator == 1 else value
+    """A time as results report it: attention blocks are priced in exact Fractions (a diagonal block
+    is half a unit), kept exact while simulating; a result is an int when whole, else a float."""
+    if isinstance(value, Fraction):
+        return int(value) if value.denominator == 1 else float(value)
+    return value
 
 
 # ----------------------------------------------------------------- key spaces
@@ -769,7 +772,7 @@ class _Simulation:
             raise self._error(WellFormedError, f"{action.text()}: no block of a sequence ring", rank, step)
         cost = self.costs.compute(action.op, 0)
         area = plan.block_area(action.stage, *plan.unblock(action.mb))
-        duration = _exact(area * cost) if isinstance(cost, int) else float(area) * cost
+        duration = area * cost if isinstance(cost, int) else float(area) * cost  # exact under integer costs
         self.slots[rank].append(Slot(clock, clock + duration, action, False))
         self.handled_busy[rank] += duration
         return clock + duration
@@ -788,19 +791,23 @@ class _Simulation:
     def _result(self) -> SimResult:
         first = _ALLREDUCE * self.space  # the all-reduce ends, one key per chunk (weight passing's parts follow)
         allreduce_ends = [t for t in self.ready[first:first + max(self.program.num_chunks, 1)] if t is not None]
-        makespan = _exact(max(self.clock + allreduce_ends, default=0))
+        exact_makespan = max(self.clock + allreduce_ends, default=0)
+        makespan = _exact(exact_makespan)
         byte_peaks = peak_bytes(self.program, self.sizes) if self.sizes is not None else [None] * self.num_ranks
         borrowed = (peak_weight_buffers(self.program) if self.program.weights is not None
                     else [None] * self.num_ranks)
-        busy_times = [_exact(inline + handled) for inline, handled in zip(self.busy, self.handled_busy)]
-        ranks = [RankStats(busy, makespan - busy, peak, peak_waiting_w(row), in_bytes, buffers)
+        exact_busy = [inline + handled for inline, handled in zip(self.busy, self.handled_busy)]
+        ranks = [RankStats(_exact(busy), _exact(exact_makespan - busy), peak, peak_waiting_w(row), in_bytes, buffers)
                  for busy, peak, row, in_bytes, buffers
-                 in zip(busy_times, self.peak, self.program.ranks, byte_peaks, borrowed)]
-        bubble = 1 - sum(busy_times) / (makespan * self.num_ranks) if makespan else 0.0
+                 in zip(exact_busy, self.peak, self.program.ranks, byte_peaks, borrowed)]
+        bubble = 1 - sum(exact_busy) / (exact_makespan * self.num_ranks) if exact_makespan else 0.0
         timeline = []
         for compute, comms in zip(self.slots, self.comm_slots):
             # compute slots are already in start order; sorting is needed only to merge comms in
-            timeline.append(sorted(compute + comms, key=itemgetter(0)) if comms else compute)
+            lane = sorted(compute + comms, key=itemgetter(0)) if comms else compute
+            if self.program.rings is not None:  # exact block times, reported as plain numbers
+                lane = [slot._replace(start=_exact(slot.start), end=_exact(slot.end)) for slot in lane]
+            timeline.append(lane)
         moved = traffic(self.program, self.sizes or self.costs.sizes, node_map(self.program, self.costs.node_size))
         return SimResult(makespan, float(bubble), ranks, timeline, moved, self.network.usage(self.num_ranks))
 

@@ -122,3 +122,14 @@ def test_traffic_counts_each_bundle_by_its_chunks_and_pieces(P):
         # dK, dV partials n hops; pieces only cut the same bytes into more messages
         assert moved["kv"]["intra"] == 2 * (P - 1) * P * chunks * 8, name
         assert moved["dkv"]["intra"] == P * P * chunks * 8, name
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_peak_kv_bytes_are_three_shares_under_kv_again_and_every_share_under_kv_kept(P):
+    # a rank's own chunks, plus per piece the bundle it reads and the one arriving (kv again), or every
+    # other rank's bundle (kv kept); "kv" is one chunk's keys and values
+    for name, program in programs(P).items():
+        own = program.rings.chunks // P * 8
+        assert [r.peak_bytes["kv"] for r in simulate(program, sizes={"kv": 8}).ranks] == [3 * own] * P, name
+        kept = lower_plan(RingPlan(**{**program.rings.__dict__, "kv": "kept"}))
+        assert [r.peak_bytes["kv"] for r in simulate(kept, sizes={"kv": 8}).ranks] == [P * own] * P, name

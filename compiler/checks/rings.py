@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program
+from pipec.compiler.memory_counts import kv_buffer_counts
 from pipec.errors import CoverageError, DeadlockError, MatchError, RouteError, WellFormedError
 
 ops.declare_pass("sequence rings", ops.OPS)  # runs the ring ops; any other op is refused by name
@@ -100,11 +101,9 @@ class _Rank:
         self.open: dict[int, list[_Part]] = {}
         self.received: dict[int, tuple[int, int] | None] = {p: None for p in range(pieces)}  # again: per piece
         self.kept: set[tuple[int, int]] = set()
-        self.arriving: Counter = Counter()     # piece -> KV receives posted, not waited
         self.sending: Counter = Counter()      # bundle -> KV sends in flight
         self.partials: dict[tuple[int, int], Counter] = {}
         self.incoming: Counter = Counter()     # bundle -> dKV receives posted, not waited
-        self.peak = 0
         self.waiting_on = None
 
 
@@ -144,7 +143,7 @@ class _Run:
         if stuck:
             raise self.deadlock(stuck)
         self.finish()
-        return RingReport([s.peak for s in self.ranks], sum(len(b) for b in self.expected.values()))
+        return RingReport(self.buffers(), sum(len(b) for b in self.expected.values()))
 
     def advance(self, state: _Rank) -> bool:
         row = self.program.ranks[state.rank]
@@ -205,16 +204,13 @@ class _Run:
                 raise self.error(RouteError, f"{action.text()} sends {_bundle_text(bundle)}, which this rank does "
                                  "not hold now", state.rank, state.pc)
             state.sending[bundle] += 1
-        elif action.op == ops.RECV_KV:
-            state.arriving[action.mb] += 1
-            self.count_buffers(state)
         elif action.op == ops.SEND_DKV:
             if state.incoming[bundle]:
                 raise self.error(RouteError, f"{action.text()} sends this rank's partial of {_bundle_text(bundle)} "
                                  "while another partial of it is still arriving: that one would be left "
                                  "behind, its contributions lost", state.rank, state.pc)
             part.content = state.partials.pop(bundle, Counter())
-        else:  # RECV_DKV
+        elif action.op == ops.RECV_DKV:
             state.incoming[bundle] += 1
         if part.inside is None:
             sender, receiver = (state.rank, action.peer) if action.op in _SENDS else (action.peer, state.rank)
@@ -300,7 +296,6 @@ class _Run:
         if action.op == ops.SEND_KV:
             state.sending[bundle] -= 1
         elif action.op == ops.RECV_KV:
-            state.arriving[action.mb] -= 1
             self.deliver(state, bundle)
         elif action.op == ops.RECV_DKV:
             state.incoming[bundle] -= 1
@@ -318,22 +313,24 @@ class _Run:
                                  f"{_bundle_text(old)} while that one is still being sent: a stale buffer "
                                  "reused", state.rank, state.pc)
             state.received[bundle[1]] = bundle
-        self.count_buffers(state)
 
     def holds(self, state: _Rank, bundle: tuple[int, int]) -> bool:
         return bundle[0] == state.rank or bundle in state.kept or state.received.get(bundle[1]) == bundle
 
-    def count_buffers(self, state: _Rank) -> None:
-        if self.plan.kv == "kept":
-            live = len(state.kept) + sum(state.arriving.values())
-        else:
-            for piece, arriving in state.arriving.items():
-                if arriving + (state.received[piece] is not None) > 2:
-                    raise self.error(RouteError, f"{arriving} KV bundles of piece {piece} are arriving while one is "
-                                     "held: more than the two buffers a ring keeps per piece (one read, one "
-                                     "arriving)", state.rank, state.pc)
-            live = sum(1 for b in state.received.values() if b is not None) + sum(state.arriving.values())
-        state.peak = max(state.peak, live)
+    def buffers(self) -> list[int]:
+        """Peak received KV bundles per rank (``memory_counts.kv_buffer_counts``, the count ``simulate``
+        reports in bytes); under ``kv again`` at most two per piece: the one read and the one arriving."""
+        plan, peaks = self.plan, []
+        bound = None if plan.kv == "kept" else 2 * plan.pieces
+        for rank, row in enumerate(self.program.ranks):
+            peak = 0
+            for step, live in enumerate(kv_buffer_counts(row, rank, plan.kv == "kept")):
+                if bound is not None and live > bound:
+                    raise self.error(RouteError, f"{live} received KV bundles are alive here, more than the two "
+                                     f"buffers per piece a ring keeps ({bound}: one read, one arriving)", rank, step)
+                peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
 
     # -- blocks ------------------------------------------------------------------
 

@@ -38,18 +38,22 @@ def run(args) -> int:
     # a split backward: some op leaves a weight gradient waiting (I), counted in peak_waiting_w
     leaves_w_waiting = {op for op, delta in memory_deltas("waiting_w").items() if delta > 0}
     split = any(action.op in leaves_w_waiting for row in compiled.program.ranks for action in row)
+    rings = compiled.program.rings  # a sequence ring keeps no activations between stages: its memory is KV
     for rank, stats in enumerate(result.ranks):
         lines.append(
-            f"  rank {rank}: busy {_num(stats.busy)}, idle {_num(stats.idle)}, peak activations {stats.peak_activations}"
+            f"  rank {rank}: busy {_num(stats.busy)}, idle {_num(stats.idle)}"
+            + (f", peak activations {stats.peak_activations}" if rings is None else "")
             + (f", W waiting at most {stats.peak_waiting_w}" if split else "")
             + (f", peak bytes {describe_peak_bytes(stats.peak_bytes)}" if stats.peak_bytes else "")
         )
     if result.links is not None:
         lines.append(f"  links: something moved for {_num(result.links['communication'])}, "
                      f"directed links busy {result.links['utilisation']:.3f} of the time meanwhile")
+    if rings is not None and rings.note:
+        lines.append(f"note: {rings.note}")
     write_output("\n".join(lines), None)
     return 0
 
 
 def _num(value) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+    return str(int(value)) if float(value).is_integer() else f"{float(value):.4g}"
