@@ -11,12 +11,17 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from pipec.compiler.driver import resolve_target, shipped_schedules
+    from pipec.compiler.driver import load_target, resolve_target, shipped_schedules
+    from pipec.dsl import parse
 
     rows = []
     for name in shipped_schedules():
-        resolved = resolve_target(name)
-        rows.append({"name": name, "schedule": resolved.node.name, "params": resolved.describe_params()})
+        path, source, _ = load_target(name)
+        # a file's first schedule goes by the file's name, the others by FILE:NAME (tasp:tasp_rails)
+        for index, schedule in enumerate(parse(source, path).schedules):
+            target = name if index == 0 else f"{name}:{schedule.name}"
+            resolved = resolve_target(target)
+            rows.append({"name": target, "schedule": resolved.node.name, "params": resolved.describe_params()})
     if args.json:
         write_output(dump_json(rows), None)
         return 0
