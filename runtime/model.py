@@ -42,6 +42,9 @@ from torch import nn
 
 from pipec.errors import UsageError
 
+# An attention a caller injects: (q, k, v) -> out, each [batch, heads, seq, head_dim].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -175,14 +178,25 @@ class Attention(nn.Module):
         self.wqkv = _linear(config.dim, 3 * config.dim)
         self.wo = _linear(config.dim, config.dim)
 
-    def forward(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """x: [batch * seq, dim], sequences one after another; rotation: ``rotary_table``'s first ``seq`` rows."""
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
+        """x: [batch * seq, dim], sequences one after another; rotation: ``rotary_table``'s rows of their
+        positions (the first ``seq`` rows for whole sequences).
+
+        ``attend``: None, causal ``scaled_dot_product_attention`` over the
+        ``seq`` tokens given; else a function (q, k, v) -> out on
+        [batch, heads, seq, head_dim] tensors that does the attention (a
+        sequence ring's, whose tokens are a part of the sequence:
+        ``runtime/sequence.py``).
+        """
         tokens, dim = x.shape
         seq = rotation.shape[0]
         qkv = self.wqkv(x).view(tokens // seq, seq, 3, self.heads, dim // self.heads)
         # [batch, seq, 3, heads, head_dim] -> three of [batch, heads, seq, head_dim]
         q, k, v = apply_rotary(qkv, rotation).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if attend is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(tokens, dim))
 
 
@@ -209,9 +223,9 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.dim)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """x: [batch * seq, dim] -> the same shape."""
-        x = x + self.attn(self.attn_norm(x), rotation)
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, attend: Attend | None = None) -> torch.Tensor:
+        """x: [batch * seq, dim] -> the same shape; ``attend`` as ``Attention.forward``'s."""
+        x = x + self.attn(self.attn_norm(x), rotation, attend)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -227,6 +241,14 @@ class DecoderChunk(nn.Module):
     forward(x): token ids LongTensor [b, seq] when ``is_first``, else hidden states
     float [b, seq, dim]; returns logits [b, seq, vocab] when ``is_last``, else
     hidden states [b, seq, dim].
+
+    forward(x, positions, attend): the same on a part of each sequence (a
+    sequence ring's rank, ``runtime/sequence.py``): ``x`` holds the tokens at
+    ``positions`` (LongTensor [seq], global positions < ``config.seq_len``, in
+    the order of ``x``'s columns), rotary embeddings turn each by its global
+    position, and every layer's attention is ``attend(q, k, v)`` (see
+    ``Attention.forward``) instead of causal attention over the tokens given.
+    Without them (the default) nothing changes.
     """
 
     def __init__(self, config: ModelConfig, layers: range, is_first: bool, is_last: bool):
@@ -245,12 +267,19 @@ class DecoderChunk(nn.Module):
         # a pipelined run saves (its keys must be the parameters only).
         self.register_buffer("rotary", rotary_table(config.seq_len, config.head_dim), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                attend: Attend | None = None) -> torch.Tensor:
         batch, seq = x.shape[:2]
         x = self.embed(x.reshape(-1)) if self.is_first else x.reshape(batch * seq, -1)
-        rotation = self.rotary[:seq]
+        if positions is None:
+            rotation = self.rotary[:seq]
+        else:
+            if tuple(positions.shape) != (seq,):
+                raise ValueError(f"positions must be one per token of a sequence, ({seq},); "
+                                 f"got {tuple(positions.shape)}")
+            rotation = self.rotary[positions]
         for layer in self.layers.values():
-            x = layer(x, rotation)
+            x = layer(x, rotation, attend)
         if self.is_last:
             x = self.head(self.norm(x))
         return x.view(batch, seq, -1)

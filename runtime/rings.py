@@ -108,7 +108,8 @@ def run_ring_attention(program: Program, rank: int, q, k, v, grad_out, *, timeou
 
     Collective: every rank of the default process group calls it with the same
     program (the group's size is the program's rank count). A program without
-    exchanges (one rank) needs no group.
+    exchanges (one rank) needs no group. The whole list runs in one pass;
+    ``RingAttention`` runs the same list as a forward half and a backward half.
 
     Args:
         program: a sequence-ring program (``Program.rings`` set).
@@ -125,28 +126,143 @@ def run_ring_attention(program: Program, rank: int, q, k, v, grad_out, *, timeou
         UsageError: not a ring program, or inputs that do not fit it.
         RuntimeFault: a wait past ``timeout``, a failed peer, or a list the runtime cannot run.
     """
-    run = _RingRank(program, rank, q, k, v, grad_out, timeout, scale)
-    for index, action in enumerate(run.row):
-        handler = HANDLERS.get(action.op)
-        if handler is None:
-            if action.op in ops.RING_PART_OPS:
-                raise run.fault(index, f"{action.op} stands outside an exchange; a sequence ring posts it inside an "
-                                       "EXCHANGE")
-            raise run.fault(index, f"the sequence-ring runtime has no instruction {action.op!r} (it runs AF, AB, "
-                                   "EXCHANGE and EXCHANGE_WAIT)")
-        handler(run, action, index)
+    run = _RingRank(program, rank, timeout, scale)
+    run.load(q, k, v)
+    run.load_grad(grad_out)
+    run.run_range(0, len(run.row))
     return run.finish()
 
 
-def wait_within(works, timeout: float, site: comm.Site, wait=comm.await_blocking) -> None:
+class RingAttention:
+    """One attention call of a sequence-ring program on one rank, run as a forward and a backward half.
+
+    ``forward(q, k, v)`` runs the rank's list up to the backward's first
+    instruction (``forward_end``): every AF, and every forward exchange posted
+    and waited, so nothing of this call is in flight when it returns and the
+    next call's messages cannot meet this one's. ``backward(grad_out)`` runs
+    the rest (the AB blocks, the backward's KV and the dK, dV partials) and
+    returns this rank's gradients. Between the two, the object keeps what
+    the backward needs (the chunks' output and log-sum-exp, the inputs, and
+    under ``kv kept`` every bundle forward brought). A call is used once:
+    ``torch.autograd.Function`` (``runtime/sequence.py``) makes one per
+    attention of every layer.
+
+    Collective as ``run_ring_attention``: every rank runs its halves in the same
+    order of calls, so that the programs' messages line up.
+
+    Args:
+        program: a sequence-ring program (``Program.rings`` set).
+        rank: this rank.
+        timeout: the longest wait of one instruction, seconds.
+        scale: the softmax scale; 1/sqrt(D) when None.
+        iteration: the training step a fault message names (None: it names none).
+        label: which call this is (``attention 3``), for fault messages: an
+            instruction's text is followed by ``, in LABEL's forward`` (or backward).
+    Raises:
+        UsageError: not a ring program, a rank outside it, a bad timeout, or a
+            process group of another size.
+    """
+
+    def __init__(self, program: Program, rank: int, *, timeout: float, scale: float | None = None,
+                 iteration: int | None = None, label: str | None = None):
+        self._run = _RingRank(program, rank, timeout, scale, iteration)
+        self._label = label
+        self._stage = "new"
+
+    def forward(self, q, k, v) -> torch.Tensor:
+        """Run the forward half on this rank's chunks of q, k, v (B, H, S_local, D) (or mappings chunk -> tensor).
+
+        Returns:
+            the attention output of this rank's queries, (B, H, S_local, D), its chunks
+            in ascending order, in the inputs' dtype.
+        Raises:
+            UsageError: called twice, or inputs that do not fit the program.
+            RuntimeFault: a wait past the timeout, a failed peer, or a list whose forward
+                cannot be run apart from its backward.
+        """
+        if self._stage != "new":
+            raise UsageError("RingAttention.forward runs once per call; make a new RingAttention for another")
+        run = self._run
+        run.label = f"{self._label}'s forward" if self._label else None
+        run.load(q, k, v)
+        end = forward_end(run)
+        run.run_range(0, end)
+        run.settle()
+        self._stage = "forward"
+        return torch.cat([run.output(c, end)[0] for c in run.mine], dim=-2).to(run.dtype)
+
+    def backward(self, grad_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the backward half with the output's gradient of this rank's queries (forward's layout).
+
+        Returns:
+            (dq, dk, dv) of this rank's chunks, each (B, H, S_local, D) in the inputs' dtype;
+            dk, dv hold every rank's contributions.
+        Raises:
+            UsageError: called before forward or twice, or a gradient that does not fit.
+            RuntimeFault: as ``forward``, and a partial the list leaves away from home.
+        """
+        if self._stage != "forward":
+            raise UsageError("RingAttention.backward runs once, after forward")
+        run = self._run
+        run.label = f"{self._label}'s backward" if self._label else None
+        run.load_grad(grad_out)
+        self._stage = "done"
+        run.run_range(forward_end(run), len(run.row))
+        result = self.result = run.finish()
+        return tuple(result.local(name).to(run.dtype) for name in ("dq", "dk", "dv"))
+
+
+def forward_end(run: "_RingRank") -> int:
+    """Where rank ``run.rank``'s list stops being forward: the index of its backward's first instruction.
+
+    The lowering puts every forward instruction (AF blocks, the forward KV
+    exchanges and their waits) before every backward one. The backward starts
+    at its first AB, or earlier at the post of an exchange that is still open
+    there (the backward's first KV exchange, posted before its first blocks);
+    the forward half must also leave no exchange open, and hold every AF.
+
+    Raises:
+        RuntimeFault: an exchange never waited, or an AF at or after the backward's start.
+    """
+    if run.split is not None:
+        return run.split
+    row = run.row
+    first_ab = next((i for i, action in enumerate(row) if action.op == ops.AB), len(row))
+    posted: dict[int, int] = {}
+    waited: dict[int, int] = {}
+    for index, action in enumerate(row):
+        if action.op == ops.EXCHANGE:
+            posted.setdefault(action.mb, index)
+        elif action.op == ops.EXCHANGE_WAIT:
+            waited.setdefault(action.mb, index)
+    for number, index in posted.items():
+        if number not in waited:
+            raise run.fault(index, f"exchange {number} is never waited")
+    end = min([first_ab] + [index for number, index in posted.items() if index < first_ab <= waited[number]])
+    # no exchange of the forward half may still be open at its end
+    while any(index < end <= waited[number] for number, index in posted.items()):
+        end = min(index for number, index in posted.items() if index < end <= waited[number])
+    late = next((i for i in range(end, len(row)) if row[i].op == ops.AF), None)
+    if late is not None:
+        raise run.fault(late, f"a forward block comes after the backward's first instruction (step {end}): this "
+                              "list cannot run its forward and its backward apart")
+    run.split = end
+    return end
+
+
+def wait_within(works, timeout: float, site: comm.Site, wait=comm.await_blocking, *,
+                training: bool = False) -> None:
     """Wait for ``works`` within ``timeout`` seconds (``comm``'s rules); a ``RuntimeFault`` past it.
 
-    A ring runs one forward and backward, not training steps: the fault's
-    message leaves out ``comm``'s training step.
+    A ring run outside training runs one forward and backward, not training
+    steps: the fault's message leaves out ``comm``'s training step unless
+    ``training`` (sequence-parallel training, ``runtime/sequence.py``).
     """
     try:
         wait(works, timeout, site)
     except RuntimeFault as fault:
+        if training:
+            raise
         message = fault.message.removesuffix(f"; training step {site.iteration}")
         raise RuntimeFault(message, fault.rank, fault.step, fault.instruction, fault.peer) from None
 
@@ -168,9 +284,10 @@ class _Exchange:
 
 
 class _RingRank:
-    """One rank's state while it runs its list."""
+    """One rank's state while it runs its list (``load`` the inputs first, ``load_grad`` before the backward)."""
 
-    def __init__(self, program: Program, rank: int, q, k, v, grad_out, timeout: float, scale: float | None):
+    def __init__(self, program: Program, rank: int, timeout: float, scale: float | None,
+                 iteration: int | None = None):
         plan = program.rings
         if plan is None:
             raise UsageError(f"{program.name or 'the program'} is not a sequence-ring program (no rings): "
@@ -181,28 +298,12 @@ class _RingRank:
             raise UsageError(f"the timeout must be a positive number of seconds, got {timeout}")
         self.program, self.plan, self.rank = program, plan, rank
         self.row = program.ranks[rank]
-        self.timeout, self.scale = timeout, scale
+        self.timeout, self.scale, self.iteration = timeout, scale, iteration
+        self.split: int | None = None
+        self.label: str | None = None  # where in training this call runs, for fault messages
         self.mine = plan.chunks_of(rank)
-        self.q = self._chunks(q, "q")
-        self.k = self._chunks(k, "k")
-        self.v = self._chunks(v, "v")
-        self.grad_out = self._chunks(grad_out, "grad_out") if grad_out is not None else None
-        first = self.q[self.mine[0]] if self.mine else None
-        if first is None:
-            raise UsageError(f"rank {rank} holds no chunk of the sequence; every rank of a ring holds one")
-        self.dtype, self.device = first.dtype, first.device
-        self.wide = _accumulating(self.dtype)
-        self.batch, self.heads, self.chunk, self.dim = first.shape
-        if self.chunk % plan.pieces:
-            raise UsageError(f"a chunk of {self.chunk} tokens cannot be cut into {plan.pieces} equal pieces")
-        self.piece = self.chunk // plan.pieces
-        for name, chunks in (("q", self.q), ("k", self.k), ("v", self.v), ("grad_out", self.grad_out or {})):
-            for c, tensor in chunks.items():
-                if tuple(tensor.shape) != (self.batch, self.heads, self.chunk, self.dim) or tensor.dtype != self.dtype:
-                    raise UsageError(f"{name} of chunk {c} is {tuple(tensor.shape)} {tensor.dtype}; every chunk must "
-                                     f"be {(self.batch, self.heads, self.chunk, self.dim)} {self.dtype}")
+        self.grad_out = None
         # bundles: own per piece; received (kv again: per piece, (bundle, tensor)) or kept (bundle -> tensor)
-        self.own = {p: self._bundle_of_own(p) for p in range(plan.pieces)}
         self.received: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
         self.kept: dict[tuple[int, int], torch.Tensor] = {}
         self.out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -218,6 +319,51 @@ class _RingRank:
                              f"rank {rank}'s list")
         self.wait_fn, self.blocking = comm.wait_rule(self.backend or "gloo")
         self.streamed: list = []
+
+    def load(self, q, k, v) -> None:
+        """Take this rank's chunks of the queries, keys and values, and make its own bundles."""
+        plan, rank = self.plan, self.rank
+        self.q = self._chunks(q, "q")
+        self.k = self._chunks(k, "k")
+        self.v = self._chunks(v, "v")
+        first = self.q[self.mine[0]] if self.mine else None
+        if first is None:
+            raise UsageError(f"rank {rank} holds no chunk of the sequence; every rank of a ring holds one")
+        self.dtype, self.device = first.dtype, first.device
+        self.wide = _accumulating(self.dtype)
+        self.batch, self.heads, self.chunk, self.dim = first.shape
+        if self.chunk % plan.pieces:
+            raise UsageError(f"a chunk of {self.chunk} tokens cannot be cut into {plan.pieces} equal pieces")
+        self.piece = self.chunk // plan.pieces
+        for name, chunks in (("q", self.q), ("k", self.k), ("v", self.v)):
+            self._check_shapes(name, chunks)
+        self.own = {p: self._bundle_of_own(p) for p in range(plan.pieces)}
+
+    def load_grad(self, grad_out) -> None:
+        """Take this rank's chunks of the output's gradient (None: a backward block will say it has none)."""
+        if grad_out is None:
+            return
+        self.grad_out = self._chunks(grad_out, "grad_out")
+        self._check_shapes("grad_out", self.grad_out)
+
+    def _check_shapes(self, name: str, chunks: dict[int, torch.Tensor]) -> None:
+        for c, tensor in chunks.items():
+            if tuple(tensor.shape) != (self.batch, self.heads, self.chunk, self.dim) or tensor.dtype != self.dtype:
+                raise UsageError(f"{name} of chunk {c} is {tuple(tensor.shape)} {tensor.dtype}; every chunk must "
+                                 f"be {(self.batch, self.heads, self.chunk, self.dim)} {self.dtype}")
+
+    def run_range(self, start: int, stop: int) -> None:
+        """Run instructions ``start`` .. ``stop - 1`` of the list."""
+        for index in range(start, stop):
+            action = self.row[index]
+            handler = HANDLERS.get(action.op)
+            if handler is None:
+                if action.op in ops.RING_PART_OPS:
+                    raise self.fault(index, f"{action.op} stands outside an exchange; a sequence ring posts it "
+                                            "inside an EXCHANGE")
+                raise self.fault(index, f"the sequence-ring runtime has no instruction {action.op!r} (it runs AF, "
+                                        "AB, EXCHANGE and EXCHANGE_WAIT)")
+            handler(self, action, index)
 
     def _chunks(self, given, name: str) -> dict[int, torch.Tensor]:
         if isinstance(given, Mapping):
@@ -245,10 +391,13 @@ class _RingRank:
 
     def fault(self, index: int, message: str, peer: int | None = None) -> RuntimeFault:
         text = self.row[index].text() if 0 <= index < len(self.row) else "the end of the list"
-        return RuntimeFault(message, self.rank, index, text, peer)
+        return RuntimeFault(message, self.rank, index, self._labelled(text), peer)
 
     def site(self, index: int, text: str, peers: tuple[int, ...]) -> comm.Site:
-        return comm.Site(self.rank, index, text, peers, 1)
+        return comm.Site(self.rank, index, self._labelled(text), peers, self.iteration or 1)
+
+    def _labelled(self, text: str) -> str:
+        return f"{text}, in {self.label}" if self.label else text
 
     # -- bundles and partials ----------------------------------------------------------
 
@@ -288,14 +437,24 @@ class _RingRank:
 
     # -- the end -----------------------------------------------------------------
 
+    def settle(self) -> None:
+        """NCCL: check the deadline of every stream wait so far (gloo waited at each EXCHANGE_WAIT)."""
+        for works, site, _ in self.streamed:
+            wait_within(works, self.timeout, site, comm.settle, training=self.iteration is not None)
+        self.streamed.clear()
+
+    def output(self, chunk: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``chunk``'s (out, lse); a fault at ``index`` when no forward block of it was computed."""
+        if chunk not in self.out:
+            raise self.fault(index, f"no block of chunk {chunk}'s queries was computed forward: it has no output")
+        return self.out[chunk]
+
     def finish(self) -> RingResult:
         end = len(self.row)
         if self.open:
             number, ex = next(iter(self.open.items()))
             raise self.fault(ex.index, f"exchange {number} is never waited")
-        for works, site, _ in self.streamed:  # NCCL: the deadline of every stream wait, checked now
-            wait_within(works, self.timeout, site, comm.settle)
-        self.streamed.clear()
+        self.settle()
         away = sorted(b for b in self.partials if b[0] != self.rank)
         if away:
             holder, piece = away[0]
@@ -303,9 +462,7 @@ class _RingRank:
                                   "rank: it never went home")
         out, lse, dq, dk, dv = {}, {}, {}, {}, {}
         for c in self.mine:
-            if c not in self.out:
-                raise self.fault(end, f"no block of chunk {c}'s queries was computed forward: it has no output")
-            out[c], lse[c] = self.out[c]
+            out[c], lse[c] = self.output(c, end)
             dq[c] = self.dq.get(c)
             if dq[c] is None:
                 dq[c] = torch.zeros(self.q[c].shape, dtype=self.wide, device=self.device)
@@ -515,7 +672,7 @@ def exchange_wait(run: _RingRank, action: Action, index: int) -> None:
     if ex.works:
         text = f"{run.row[index].text()}, for {run.row[ex.index].text()} of step {ex.index}"
         site = run.site(index, text, tuple(sorted(ex.peers)))
-        wait_within(ex.works, run.timeout, site, run.wait_fn)
+        wait_within(ex.works, run.timeout, site, run.wait_fn, training=run.iteration is not None)
         if not run.blocking:  # NCCL: the stream waits; the buffers live until the deadline is checked
             run.streamed.append((ex.works, site, ex.keep))
     for arrive in ex.arrivals:
@@ -530,4 +687,5 @@ HANDLERS: dict[str, Callable[[_RingRank, Action, int], None]] = {
 }
 
 
-__all__ = ["HANDLERS", "RingResult", "chunk_length", "own_chunks", "run_ring_attention", "wait_within"]
+__all__ = ["HANDLERS", "RingAttention", "RingResult", "chunk_length", "forward_end", "own_chunks", "run_ring_attention",
+           "wait_within"]

@@ -14,6 +14,9 @@ its microbatch losses). ``--save`` gathers the chunks' parameters to rank 0
 (one copy of replicated chunks; under weight passing each layer from its
 owner) and writes the whole model's state_dict;
 ``--trace`` gathers every instruction's timing to rank 0 as one Chrome trace.
+A sequence-ring program (``Program.rings``) trains sequence-parallel instead
+(``runtime/sequence.py``: every rank builds the whole model and runs it on its
+chunks of the sequence, attention through the ring; no ``--trace``).
 
 A fault (a wait past ``--timeout``, a peer that died) prints
 ``rank R, step S (INSTR): waited T s for rank Q ...`` to stderr and ends the
@@ -218,6 +221,10 @@ def make_plan(args, world: int) -> Plan:
         shape = _checked_cut(spec, config, program)
     else:  # under torchrun nothing was checked before: say what is wrong before joining the group
         shape = check_plan_model(spec, config, program, args.seed, args.model)
+    if program.rings is not None:
+        from pipec.runtime.sequence import check_ring_options
+
+        check_ring_options(args, program)
     inject = parse_injection(args.inject) if args.inject else None
     return Plan(program, spec, config, shape, inject)
 
@@ -226,10 +233,18 @@ def _checked_cut(spec, config, program) -> tuple[int, ...] | None:
     """The activation shape, after checking that the built-in model's layers split into the program's chunks.
 
     None for a weight-passing program: its activations never leave their rank,
-    so no receiver allocates one and the spec need not say its shape.
+    so no receiver allocates one and the spec need not say its shape; None
+    for a sequence-ring program too, after checking that it can train the
+    model (``sequence.check_ring_model``: the built-in model, a causal mask,
+    a ``seq_len`` its chunks and pieces cut).
     """
     from pipec.runtime.model import ModelConfig, chunk_layers
 
+    if program.rings is not None:
+        from pipec.runtime.sequence import check_ring_model
+
+        check_ring_model(spec, config, program)
+        return None
     if isinstance(config, ModelConfig):
         try:  # the cut must be even: say so before joining the group
             chunk_layers(config, 0, program.num_chunks)
@@ -439,6 +454,10 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     from pipec.runtime.model import split_microbatches
 
     program, spec, config = plan.program, plan.spec, plan.config
+    if program.rings is not None:  # sequence parallel: every rank runs the whole model on its tokens
+        from pipec.runtime.sequence import train_ring
+
+        return train_ring(args, plan, rank, world, device)
     stages = stage_modules(program, rank,
                            lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, args.seed).to(device))
     synchronize = torch.cuda.synchronize if (args.trace and device.type == "cuda") else None

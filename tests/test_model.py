@@ -138,6 +138,47 @@ def test_chunks_in_sequence_compute_the_full_model_exactly(num_chunks):
             assert torch.allclose(parameter.grad, full_grads[name], rtol=0, atol=1e-6), name
 
 
+def _causal(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_positions_and_attend_of_the_whole_sequence_are_the_default_forward_bit_for_bit():
+    """The sequence-ring hook (``forward(x, positions, attend)``) with every position and the model's own
+    attention computes what ``forward(x)`` does, forward and backward."""
+    inputs, targets = synthetic_batch(CONFIG, 0, 1, seed=2)
+    results = []
+    for hooked in (False, True):
+        model = build_model(CONFIG, 2)
+        extra = {"positions": torch.arange(CONFIG.seq_len), "attend": _causal} if hooked else {}
+        logits = model(inputs, **extra)
+        loss_fn(logits, targets).backward()
+        results.append((logits, {name: p.grad for name, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    assert torch.equal(got, want)
+    assert all(torch.equal(got_grads[name], want_grads[name]) for name in want_grads)
+
+
+def test_positions_turn_each_token_by_its_global_position():
+    """The sequence reversed, given with its positions, and attention that puts the tokens back in order:
+    the whole model's outputs, reversed. With the positions of their new places instead, they differ."""
+    model = build_model(CONFIG, 3)
+    inputs, _ = synthetic_batch(CONFIG, 1, 1, seed=3)
+    order = torch.arange(CONFIG.seq_len).flip(0)
+    back = torch.argsort(order)
+
+    def attend(q, k, v):  # q, k, v hold the tokens at ``order``: attend in ascending positions, then return
+        return _causal(q[..., back, :], k[..., back, :], v[..., back, :])[..., order, :]
+
+    with torch.no_grad():
+        want = model(inputs)[:, order]
+        got = model(inputs[:, order], positions=order, attend=attend)
+        wrong = model(inputs[:, order], positions=torch.arange(CONFIG.seq_len), attend=attend)
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (wrong - want).abs().max().item() > 1e-2
+    with pytest.raises(ValueError, match="one per token"):
+        model(inputs, positions=torch.arange(3), attend=attend)
+
+
 def test_a_chunk_survives_pickling():
     chunk = build_chunk(CONFIG, 1, 4, seed=0)
     copy = pickle.loads(pickle.dumps(chunk))
