@@ -41,9 +41,13 @@ the global positions of its first query and first key instead:
 * ``pieced_attention``: a whole attention computed block by block with every
   key chunk cut into pieces (``chunked_attention``'s counterpart for TASP).
 
-On the CPU the kernels are torch's flash-attention entry points; on other
-devices (a ring run under NCCL) the same arithmetic is done with matmuls
-(``_math_forward``, ``_math_backward``), in the accumulating dtype.
+On the CPU the kernels are torch's flash-attention entry points; on a CUDA
+device, for the inputs its flash kernel takes (fp16 or bf16, a head dim that
+is a multiple of 8 up to 256), torch's CUDA flash kernel and its backward
+(``_cuda_flash``: no GPU was lent to this project's checks, so this path is
+proven by its arguments, not its numbers); elsewhere (fp32 or fp64 on a GPU)
+the same arithmetic with matmuls (``_math_forward``, ``_math_backward``), in
+the accumulating dtype.
 
 Tensors are laid out as torch's attention takes them: (batch, heads, length,
 head dim); a log-sum-exp is (batch, heads, length).
@@ -59,6 +63,8 @@ WHOLE, DIAGONAL, SKIPPED = "whole", "diagonal", "skipped"
 
 _forward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_cuda_forward_kernel = torch.ops.aten._scaled_dot_product_flash_attention
+_cuda_backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_backward
 
 
 def block_kind(q_chunk: int, kv_chunk: int, causal: bool) -> str:
@@ -262,8 +268,33 @@ def _on_cpu(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
 
+def _cuda_flash(q: torch.Tensor) -> bool:
+    """Whether torch's CUDA flash kernel takes these inputs: half precision on a CUDA device, a head dim
+    that is a multiple of 8 up to 256."""
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+
+
+def _flash_cuda_forward(q, k, v, causal: bool, scale: float | None):
+    """(out, lse) of torch's CUDA flash kernel, in the accumulating dtype (its lse is fp32 already)."""
+    out, lse = _cuda_forward_kernel(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out.float(), lse.float()
+
+
+def _flash_cuda_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float | None):
+    """The CUDA flash kernel's backward from the global (out, lse): dense inputs (no cumulative
+    sequence lengths), no dropout (so no random state)."""
+    dtype, empty = q.dtype, q.new_empty(0, dtype=torch.int64)
+    dq, dk, dv = _cuda_backward_kernel(
+        grad_out.to(dtype), q, k, v, out.to(dtype), lse.float().contiguous(), empty, empty, q.shape[-2], k.shape[-2],
+        0.0, causal, empty, empty, scale=scale)
+    return dq.float(), dk.float(), dv.float()
+
+
 def _segment_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                      scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if _cuda_flash(q):
+        return _flash_cuda_forward(q, k, v, causal, scale)
     if not _on_cpu(q):
         return _math_forward(q, k, v, causal, scale)
     out, lse = _forward_kernel(q, k, v, 0.0, causal, scale=scale)
@@ -272,6 +303,8 @@ def _segment_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 def _segment_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float | None):
+    if _cuda_flash(q):
+        return _flash_cuda_backward(grad_out, q, k, v, out, lse, causal, scale)
     if not _on_cpu(q):
         return _math_backward(grad_out, q, k, v, out, lse, causal, scale)
     dtype = q.dtype

@@ -175,3 +175,39 @@ def test_the_matmul_path_for_other_devices_matches_the_cpu_kernel(causal):
     for mine, theirs in zip(_math_backward(grad, q, k, v, *want, causal, None),
                             _segment_backward(grad, q, k, v, *want, causal, None)):
         assert (mine - theirs).abs().max().item() <= 1e-13
+
+
+# -------------------------------------------------- the CUDA flash kernel's plumbing
+
+def test_the_cuda_flash_path_hands_its_kernel_what_it_takes(monkeypatch):
+    """No GPU here: the CUDA kernels are stood in for by the CPU ones, behind a check of every argument the
+    CUDA entry points take (dense inputs, no dropout, the global output and an fp32 log-sum-exp), so that
+    the plumbing of the CUDA path (``_cuda_flash``) runs, and must give the CPU path's result."""
+    from pipec.runtime import attention
+
+    calls = {"forward": 0, "backward": 0}
+
+    def forward(q, k, v, dropout, causal, debug_mask, *, scale=None):
+        assert dropout == 0.0 and debug_mask is False and q.dtype == torch.bfloat16
+        calls["forward"] += 1
+        out, lse = attention._forward_kernel(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float(), None, None, q.shape[-2], k.shape[-2], None, None, None
+
+    def backward(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout, causal, seed, offset, *, scale=None):
+        assert cum_q.numel() == cum_k.numel() == seed.numel() == offset.numel() == 0
+        assert (max_q, max_k) == (q.shape[-2], k.shape[-2]) and dropout == 0.0
+        assert lse.dtype == torch.float32 and out.dtype == grad.dtype == q.dtype == torch.bfloat16
+        calls["backward"] += 1
+        return attention._backward_kernel(grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(1, 2, 24, 8, generator=generator).to(torch.bfloat16) for _ in range(4))
+    cuts = chunk_cuts(24, 3, 2)
+    want = pieced_attention(q, k, v, grad, chunk_cuts(24, 3), cuts, True)
+    monkeypatch.setattr(attention, "_cuda_flash", lambda tensor: True)
+    monkeypatch.setattr(attention, "_cuda_forward_kernel", forward)
+    monkeypatch.setattr(attention, "_cuda_backward_kernel", backward)
+    got = pieced_attention(q, k, v, grad, chunk_cuts(24, 3), cuts, True)
+    assert calls["forward"] and calls["backward"]
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
