@@ -26,7 +26,7 @@ from pipec.compiler.lower_comms import insert_communication
 from pipec.compiler.lower_rings import lower_rings
 from pipec.compiler.lower_weights import insert_weight_exchanges
 from pipec.compiler.memory_counts import Number, check_sizes
-from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS
+from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS, RING_COMPUTE_OPS, RULES
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
 from pipec.dsl.spec import TaskKinds
 from pipec.errors import UsageError
@@ -111,6 +111,9 @@ def task_kinds(family: str = ACTIVATION_PASSING) -> TaskKinds:
 
     A task set with one alternative is always run (F); one with modes is the
     ``backward`` declaration's choice; one with an empty alternative is optional.
+    The sequence ring family's computes (AF, AB) come along, for a ring's
+    written order: forward the ones that read no value a compute of the family
+    makes, backward the others (AB reads the statistics AF makes).
     """
     always: list[str] = []
     backward: dict[str, tuple[str, ...]] = {}
@@ -123,7 +126,11 @@ def task_kinds(family: str = ACTIVATION_PASSING) -> TaskKinds:
         else:
             always += task_set.alternatives[0]
     in_family = set(always) | set(optional) | {op for kinds in backward.values() for op in kinds}
-    return TaskKinds(tuple(op for op in COMPUTE_OPS if op in in_family), tuple(always), backward, tuple(optional))
+    made = {use for op in RING_COMPUTE_OPS for use in RULES[op].writes}
+    ring_forward = tuple(op for op in RING_COMPUTE_OPS if not made & set(RULES[op].reads))
+    ring_backward = tuple(op for op in RING_COMPUTE_OPS if op not in ring_forward)
+    return TaskKinds(tuple(op for op in COMPUTE_OPS if op in in_family), tuple(always), backward, tuple(optional),
+                     ring_forward, ring_backward)
 
 
 def resolve_target(target: str) -> ResolvedSchedule:

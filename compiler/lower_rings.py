@@ -14,6 +14,12 @@ step t's blocks and waited after them: KV moves during compute). After n - 1
 ring steps every bundle has visited every rank once, so every visible block is
 computed exactly once.
 
+A schedule may write the blocks instead (``spec.order`` with ``spec.task_steps``:
+step t < n is forward step t, n <= t < 2n backward step t - n): then a step's
+blocks are exactly the ones written at it, in written order; the exchanges are
+the same, at the same places. Whether each block finds its KV, and whether
+every visible block is computed once each way, is the check's to say.
+
 * ``kv again`` (ring_flash_attn's backward): backward starts again from each
   rank's own KV and moves it round once more; ``kv kept``: every rank keeps
   the bundles forward brought it (n per piece) and backward moves no KV.
@@ -85,24 +91,64 @@ def ring_program(plan: RingPlan, ranks: list[list[Action]], name: str = "", para
 
 
 def lower_rings(spec: ScheduleSpec) -> Program:
-    """The program of an evaluated ring schedule (module docstring)."""
-    return lower_plan(ring_plan(spec.rings, spec.num_ranks), spec.name, spec.params, spec.path)
+    """The program of an evaluated ring schedule (module docstring): its written order's, or the derived one."""
+    plan = ring_plan(spec.rings, spec.num_ranks)
+    written = None if spec.order is None else written_steps(plan, spec.order, spec.task_steps)
+    return lower_plan(plan, spec.name, spec.params, spec.path, written)
 
 
-def lower_plan(plan: RingPlan, name: str = "", params: dict | None = None, source: str = "") -> Program:
-    """The program of a ``RingPlan`` (module docstring)."""
-    rows = [_Lowering(plan, rank).run() for rank in range(plan.num_ranks)]
+def written_steps(plan: RingPlan, order: list[list[tuple[str, int, int]]],
+                  steps: list[list[int]] | None) -> list[list[list[Action]]]:
+    """A written order's blocks by rank and step: ``[rank][step]``, 2n steps (forward, then backward).
+
+    Args:
+        order: per rank its blocks ``(kind, query chunk, block)``, as written.
+        steps: per rank the step of each block (same lengths).
+    Raises:
+        UsageError: an order of another shape, a step outside 0..2n-1, a kind
+            of no pass or at a step of the other pass (the front end refuses
+            each where it is written; this guards specs built by hand).
+    """
+    n = plan.num_ranks
+    if steps is None or len(order) != n or len(steps) != n or any(len(o) != len(s) for o, s in zip(order, steps)):
+        raise UsageError(f"a ring's written order needs, for each of its {n} ranks, its blocks and the step of each")
+    out: list[list[list[Action]]] = []
+    for rank, (tasks, at) in enumerate(zip(order, steps)):
+        row: list[list[Action]] = [[] for _ in range(2 * n)]
+        for (kind, q, block), step in zip(tasks, at):
+            if not 0 <= step < 2 * n:
+                raise UsageError(f"rank {rank}'s {kind} of query chunk {q} is at step {step}, outside 0..{2 * n - 1}")
+            if (kind, step < n) not in ((ops.AF, True), (ops.AB, False)):
+                raise UsageError(f"rank {rank}'s {kind} of query chunk {q} at step {step}: a ring's steps 0..{n - 1} "
+                                 f"run {ops.AF}, its steps {n}..{2 * n - 1} {ops.AB}")
+            row[step].append(Action(q, kind, block))
+        out.append(row)
+    return out
+
+
+def lower_plan(plan: RingPlan, name: str = "", params: dict | None = None, source: str = "",
+               written: list[list[list[Action]]] | None = None) -> Program:
+    """The program of a ``RingPlan`` (module docstring); ``written``: the blocks of each rank's steps
+    (``written_steps``), or None for the derived order."""
+    rows = [_Lowering(plan, rank, None if written is None else written[rank]).run() for rank in range(plan.num_ranks)]
     return ring_program(plan, rows, name, params, source)
 
 
 class _Lowering:
     """One rank's list. Every rank builds its exchanges in the same sequence, so numbers agree."""
 
-    def __init__(self, plan: RingPlan, rank: int):
+    def __init__(self, plan: RingPlan, rank: int, written: list[list[Action]] | None = None):
         self.plan, self.rank = plan, rank
         self.n = plan.num_ranks
         self.row: list[Action] = []
         self.exchanges = 0
+        self.written = written  # the blocks of each of the 2n steps, or None: derived
+
+    def blocks(self, step: int, op: str) -> list[Action]:
+        """The blocks of ``step`` of the ``op`` pass: the written ones, or every visible one (``blocks_at``)."""
+        if self.written is None:
+            return self.blocks_at(step, op)
+        return self.written[step if op == ops.AF else self.n + step]
 
     def holder_at(self, piece: int, step: int) -> int:
         """Whose bundle of ``piece`` this rank holds at ``step`` of a pass: ``step`` hops back on its ring."""
@@ -150,14 +196,14 @@ class _Lowering:
         last = self.n - 1
         for step in range(self.n):  # forward
             moving = self.exchange(self.shift(step, ops.SEND_KV, ops.RECV_KV), "kv") if step < last else None
-            self.row += self.blocks_at(step, ops.AF)
+            self.row += self.blocks(step, ops.AF)
             self.wait(moving)
         partials = None
         for step in range(self.n):  # backward
             moving = None
             if self.plan.kv == "again" and step < last:
                 moving = self.exchange(self.shift(step, ops.SEND_KV, ops.RECV_KV), "kv")
-            self.row += self.blocks_at(step, ops.AB)
+            self.row += self.blocks(step, ops.AB)
             self.wait(moving)
             if self.plan.dkv == "behind":
                 self.wait(partials)  # step's incoming partial folded before this rank's leaves

@@ -114,11 +114,17 @@ class FuncDef(Node):
 
 @dataclass(frozen=True)
 class Task(Node):
-    """``F(stage, mb)``; the stage is the position along the microbatch's pipeline."""
+    """``F(stage, mb)``; the stage is the position along the microbatch's pipeline.
+
+    In a sequence ring, ``AF(q, kv)`` / ``AF(q, kv, piece)``: ``stage`` is the
+    query chunk, ``mb`` the KV chunk and ``piece`` the KV piece (None when
+    not written: piece 0). Only a ring's tasks take a piece (the resolver says so).
+    """
 
     kind: str
     stage: Expr
     mb: Expr
+    piece: Expr | None = None
 
 
 @dataclass(frozen=True)

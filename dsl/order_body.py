@@ -6,6 +6,15 @@ schedule's flat ``env``; these are the closures for loops, branches, lets,
 and checks each one where it is written (range, home rank, duplicates, and in
 a weight-passing schedule a step that never goes back) and, at the end, that
 none is missing, so every mistake is reported at the statement responsible.
+
+A sequence ring's written order is collected the same way, each block checked
+where it is written for what the front end knows: its chunks and piece in
+range, its queries held by the rank, its step in 0..2P-1, a forward block at a
+forward step (0..P-1) and a backward one at a backward step (P..2P-1), steps
+that never go back. Whether the rank holds the block's KV then, whether every
+visible block is computed once forward and once backward and nothing else, is
+the compiler's ring check to prove (``compiler/checks/rings.py``): it knows the
+rings.
 """
 from __future__ import annotations
 
@@ -13,7 +22,8 @@ from typing import Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import Fn, Resolver
-from pipec.dsl.limits import MAX_OPERATIONS, MAX_STEP_CELLS
+from pipec.dsl.limits import MAX_OPERATIONS, MAX_STEP_CELLS, MAX_TASKS
+from pipec.dsl.rings import written_pieces
 from pipec.dsl.schedule import Budget, of_pipeline
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import EvalError, ScheduleError
@@ -35,6 +45,22 @@ class OrderState:
         """
         self.spec = spec
         self.home = home
+        self.orders: list[list[tuple[str, int, int]]] = []
+        self.rank = 0
+        self.out: list = []
+        # Weight passing and a ring's written order: per rank the step of each
+        # task (None otherwise), the step of the `at step` block running, and
+        # the steps of the rank running.
+        self.steps: list[list[int]] | None = [] if spec.weights is not None or spec.rings is not None else None
+        self.step: int | None = None
+        self.step_out: list[int] = []
+        self.last_text = ""  # the rank's task emitted last, as written (for the steps' message)
+        # A sequence ring: its blocks' numbering, and how many blocks were written in all; no task grid.
+        self.rings = spec.rings
+        if spec.rings is not None:
+            self.pieces = written_pieces(spec.rings)
+            self.written = 0
+            return
         self.N = spec.num_microbatches
         self.S = spec.num_stages
         self.stage_rank = [r for row in spec.placement for r in row]
@@ -44,14 +70,6 @@ class OrderState:
         # the task limit, whatever the number of pipelines).
         self.seen = bytearray(len(spec.tasks.kinds) * self.S * self.N)
         self.kind_index = {kind: index for index, kind in enumerate(spec.tasks.kinds)}
-        self.orders: list[list[tuple[str, int, int]]] = []
-        self.rank = 0
-        self.out: list = []
-        # Weight passing: per rank the step of each task (None otherwise), the
-        # step of the `at step` block running, and the steps of the rank running.
-        self.steps: list[list[int]] | None = [] if spec.weights is not None else None
-        self.step: int | None = None
-        self.step_out: list[int] = []
 
     def begin_rank(self, rank: int) -> None:
         self.rank = rank
@@ -70,6 +88,10 @@ class OrderState:
             if step < 0:
                 raise EvalError(f"a step is 0 or more; this one is {step}", node.step.span, state.source)
             ranks = state.spec.num_ranks
+            if state.rings is not None and step >= 2 * ranks:
+                raise EvalError(f"step {step} is past a sequence ring's last on {ranks} rank(s): its steps are "
+                                f"0..{ranks - 1} forward and {ranks}..{2 * ranks - 1} backward (every ring visits "
+                                "every rank once a pass)", node.step.span, state.source)
             if (step + 1) * ranks > MAX_STEP_CELLS:
                 raise EvalError(
                     f"step {step} on {ranks} rank(s) makes {step + 1:,} x {ranks} step cells, more than pipec's "
@@ -86,9 +108,8 @@ class OrderState:
         """Record the step of the task being emitted (``text``); a rank's steps never go back."""
         out = self.step_out
         if out and self.step < out[-1]:
-            kind, sid, m = self.out[-1]
             raise ScheduleError(
-                f"{text} is at step {self.step} on rank {self.rank}, after {kind}({sid % self.S}, {m}) at step "
+                f"{text} is at step {self.step} on rank {self.rank}, after {self.last_text} at step "
                 f"{out[-1]}: the steps of a rank never go back",
                 node.span,
                 self.source,
@@ -134,8 +155,53 @@ class OrderState:
                 )
             if state.steps is not None:
                 state.check_step(node, f"{kind}({s}, {m})")
+                state.last_text = f"{kind}({s}, {m})"
             state.seen[key] = 1
             state.out.append((kind, sid, m))
+
+        return emit
+
+    def ring_emitter(self, node: ast.Task, q_fn: Fn, kv_fn: Fn, piece_fn: Fn | None,
+                     forward: bool) -> Callable[[list], None]:
+        """A block of a sequence ring's written order, ``KIND(q, kv[, piece])``, emitted as
+        ``(KIND, q, kv * pieces + piece)`` at the step of its ``at step``; ``forward``: KIND is a
+        forward block (written at steps 0..P-1), else a backward one (P..2P-1)."""
+        kind = node.kind
+        state = self
+
+        def emit(env):
+            rings, ranks = state.rings, state.spec.num_ranks
+            q, kv = q_fn(env), kv_fn(env)
+            piece = 0 if piece_fn is None else piece_fn(env)
+            text = f"{kind}({q}, {kv})" if piece_fn is None else f"{kind}({q}, {kv}, {piece})"
+            for value, expr, what in ((q, node.stage, "query chunk"), (kv, node.mb, "KV chunk")):
+                if not 0 <= value < rings.chunks:
+                    raise EvalError(f"{text}: {what} {value} is outside 0..{rings.chunks - 1}", expr.span,
+                                    state.source)
+            if not 0 <= piece < state.pieces:
+                why = "" if rings.pieces is not None else " (one ring: one piece per chunk unless `pieces` says more)"
+                raise EvalError(f"{text}: piece {piece} is outside 0..{state.pieces - 1}{why}", node.piece.span,
+                                state.source)
+            holder = rings.holders[q]
+            if holder != state.rank:
+                raise ScheduleError(f"{text} runs on rank {state.rank}, but chunk {q} is held by rank {holder}: a "
+                                    "block runs on the rank that holds its queries", node.span, state.source)
+            if forward and state.step >= ranks:
+                raise ScheduleError(f"{text} is at step {state.step}, a backward step ({ranks}..{2 * ranks - 1} on "
+                                    f"{ranks} rank(s)): {kind} is a forward block, written at steps 0..{ranks - 1}",
+                                    node.span, state.source)
+            if not forward and state.step < ranks:
+                raise ScheduleError(f"{text} is at step {state.step}, a forward step (0..{ranks - 1} on {ranks} "
+                                    f"rank(s)): {kind} is a backward block, written at steps {ranks}..{2 * ranks - 1}"
+                                    ", after every forward block", node.span, state.source)
+            state.written += 1
+            if state.written > MAX_TASKS:
+                raise EvalError(f"the order writes more than {MAX_TASKS:,} blocks in all (pipec's limit on tasks; "
+                                "a ring computes each visible block once forward and once backward)", node.span,
+                                state.source)
+            state.check_step(node, text)
+            state.last_text = text
+            state.out.append((kind, q, kv * state.pieces + piece))
 
         return emit
 
@@ -149,7 +215,12 @@ class OrderState:
         return "an earlier step"
 
     def finish(self, node: ast.ExplicitOrder) -> None:
-        """Every task of the family must appear (optional ones may): report the first one missing."""
+        """Every task of the family must appear (optional ones may): report the first one missing.
+
+        A sequence ring's blocks are the ring check's to count (which are visible is the mask's and the
+        pieces', where each KV is when is the rings')."""
+        if self.rings is not None:
+            return
         spec = self.spec
         kinds = spec.required_kinds
         expected = len(kinds) * len(spec.mb_pipeline) * self.S

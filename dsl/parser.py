@@ -220,9 +220,10 @@ _EXAMPLES = {
         "schedule s(P: ranks) { require P > 1 }",
         "schedule s(P: ranks) { require P > 1 stages P }",
     ],
-    "a task is `F(stage, microbatch)` (also B, I, W) with exactly two arguments": [
+    "a task is `F(stage, microbatch)` (also B, I, W), or in a sequence ring `AF(q, kv)` or `AF(q, kv, piece)` "
+    "(also AB)": [
         "schedule s(P: ranks) { order rank r { F(r) } }",
-        "schedule s(P: ranks) { order rank r { F(r, 0, 1) } }",
+        "schedule s(P: ranks) { order rank r { F(r, 0, 1, 2) } }",
     ],
     "`=` assigns only in `let`; compare with `==`": [
         "schedule s(P: ranks) { require P = 2 : \"x\" }",
@@ -439,8 +440,8 @@ class _ToAst(Transformer_NonRecursive):
         return tuple(c for c in children if isinstance(c, ast.Node))
 
     def task(self, meta, children):
-        kind, stage, mb = children
-        return ast.Task(self._span(meta), str(kind), stage, mb)
+        kind, stage, mb, piece = children
+        return ast.Task(self._span(meta), str(kind), stage, mb, piece)
 
     def for_loop(self, meta, children):
         var, start, stop, step, body = children

@@ -10,8 +10,9 @@ backward mode, keys or priorities given twice, the rules of weight passing
 ``at step``, ``own`` with ``all_gather``, routes that do not pair, ...) and
 those of sequence rings (``pipec.dsl.rings``: ``sequence`` without ``hold``,
 ``mask`` or ``rings``, a declaration of another family beside it, ...). A
-sequence ring has no stages, places, order or microbatches parameter: the
-compiler derives its layout and order.
+sequence ring has no stages, places or microbatches parameter: the compiler
+derives its layout, and its order unless ``order rank r`` writes it, every
+block in an ``at step`` and of the ring's task kinds (``TaskKinds.ring``).
 """
 from __future__ import annotations
 
@@ -65,8 +66,11 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
         if not (ring and isinstance(decl, OTHER_DECLS)):
             _resolve_decl(out, decl, scope)
 
-    if ring:  # its layout and order are derived: only its own rules apply
+    if ring:  # its layout is derived, its order too unless written: only its own rules apply
         check_ring_rules(resolver, out.ring_decls, schedule)
+        written = [d for d in orders if isinstance(d, ast.ExplicitOrder)]
+        for extra in written[1:]:
+            resolver.error(f"a schedule has one order; another is at line {written[0].span.line}", extra.span)
         if resolver.errors:
             _raise_all(resolver.errors)
         return out
@@ -199,8 +203,13 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope, inside: ast.
             fn, type_ = resolver.expr(stmt.value, scope)
             slot = resolver.bind(scope, stmt.name, type_, stmt.name_span).slot
             compiled.append(assign_statement(slot, fn))
+        elif isinstance(stmt, ast.Task) and out.ring_decls.ring:
+            compiled.append(_resolve_ring_task(out, stmt, scope, inside))
         elif isinstance(stmt, ast.Task):
             _check_kind(out, stmt)
+            if stmt.piece is not None:
+                resolver.error(f"{stmt.kind}(...) takes two arguments, a stage and a microbatch; a third, a KV "
+                               f"piece, is for a sequence ring's {' and '.join(out.tasks.ring)}", stmt.piece.span)
             if inside is None and out.weight_decls.passing:
                 resolver.error(f"{stmt.kind}(...) is outside every `at step`: in a weight-passing schedule "
                                "every task belongs to a step, `at step EXPR { ... }`", stmt.span)
@@ -226,10 +235,27 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope, inside: ast.
     return compiled
 
 
+def _resolve_ring_task(out: ResolvedSchedule, stmt: ast.Task, scope: Scope, inside: ast.AtStep | None) -> Callable:
+    """A block of a sequence ring's written order: ``KIND(q, kv)`` or ``KIND(q, kv, piece)``, in an ``at step``."""
+    resolver, tasks = out.resolver, out.tasks
+    if stmt.kind not in tasks.ring:
+        forward = " or ".join(f"{kind}(q, kv[, piece])" for kind in tasks.ring_forward)
+        backward = " or ".join(f"{kind}(q, kv[, piece])" for kind in tasks.ring_backward)
+        resolver.error(f"there is no task {stmt.kind}(...) in a sequence ring: its order writes attention blocks, "
+                       f"{forward} forward and {backward} backward", stmt.span)
+    if inside is None:
+        resolver.error(f"{stmt.kind}(...) is outside every `at step`: in a sequence ring's order every block "
+                       "belongs to a step, `at step EXPR { ... }` (0..P-1 forward, P..2P-1 backward)", stmt.span)
+    q_fn = resolver.expect(stmt.stage, scope, INT, "a block's query chunk")
+    kv_fn = resolver.expect(stmt.mb, scope, INT, "a block's KV chunk")
+    piece_fn = None if stmt.piece is None else resolver.expect(stmt.piece, scope, INT, "a block's KV piece")
+    return out._state.ring_emitter(stmt, q_fn, kv_fn, piece_fn, stmt.kind in tasks.ring_forward)
+
+
 def _resolve_at_step(out: ResolvedSchedule, stmt: ast.AtStep, scope: Scope, outer: ast.AtStep | None) -> Callable:
-    """``at step E { ... }``: only with `weights`, never inside another."""
+    """``at step E { ... }``: only with `weights` or in a sequence ring, never inside another."""
     resolver = out.resolver
-    if not out.weight_decls.passing:
+    if not out.weight_decls.passing and not out.ring_decls.ring:
         resolver.error("`at step` belongs to weight passing: it needs `weights ROUTE` (ring, direct, staged or "
                        "all_gather)", stmt.span)
     if outer is not None:
@@ -246,7 +272,7 @@ def _body_cost(resolver: Resolver, body: tuple) -> int:
         if isinstance(stmt, ast.Let):
             cost += 1 + resolver.cost(stmt.value)
         elif isinstance(stmt, ast.Task):
-            cost += 1 + resolver.cost(stmt.stage) + resolver.cost(stmt.mb)
+            cost += 1 + resolver.cost(stmt.stage) + resolver.cost(stmt.mb) + resolver.cost(stmt.piece)
         elif isinstance(stmt, ast.For):
             cost += 1 + resolver.cost(stmt.start) + resolver.cost(stmt.stop) + resolver.cost(stmt.step)
         elif isinstance(stmt, ast.If):
@@ -261,7 +287,10 @@ def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
     tasks, mode = out.tasks, out.backward_mode
     if stmt.kind in tasks.allowed(mode):
         return
-    if stmt.kind not in tasks.kinds:
+    if stmt.kind in tasks.ring:
+        out.resolver.error(f"{stmt.kind}(...) is a sequence ring's task (an attention block): it needs `sequence "
+                           "chunks EXPR`", stmt.span)
+    elif stmt.kind not in tasks.kinds:
         out.resolver.error(f"there is no task {stmt.kind}(...) (tasks: {', '.join(tasks.kinds)})", stmt.span)
     elif mode != tasks.default_mode:
         mine = " then ".join(f"{kind}(...)" for kind in tasks.backward[mode])

@@ -2,12 +2,15 @@
 
 In this family the sequence is cut into equal chunks and every rank holds some
 of them (their queries, keys and values); KV travels on rings so that each
-rank's queries meet every KV chunk they may see. Nothing is ordered by hand:
-the compiler derives each rank's order of attention blocks (at each step,
-every visible block of the rank's queries with the KV it holds then). The
-front end hands it a ``RingSpec``; the ``ScheduleSpec`` around it has one
-stage per chunk (a query chunk), placed on the chunk's holder, one pipeline,
-and no order or policy. The declarations:
+rank's queries meet every KV chunk they may see. By default the compiler
+derives each rank's order of attention blocks (at each step, every visible
+block of the rank's queries with the KV it holds then); a schedule may write
+it instead, ``order rank r { at step E { AF(q, kv[, piece]) ... } }`` (steps
+0..P-1 forward, P..2P-1 backward; resolved with the order body,
+``pipec.dsl.resolve``, run by ``pipec.dsl.order_body``). The front end hands
+the compiler a ``RingSpec``; the ``ScheduleSpec`` around it has one stage per
+chunk (a query chunk), placed on the chunk's holder, one pipeline, no policy,
+and the written order if any. The declarations:
 
 * ``sequence chunks E``: makes the schedule a sequence ring;
 * ``hold chunk c on rank E``, ``mask full`` / ``mask causal [when E]``;
@@ -17,7 +20,8 @@ and no order or policy. The declarations:
 Contract: ``resolve_ring_decl`` compiles one declaration; ``check_ring_rules``
 reports, before any parameter, every rule that ties them (``sequence`` needs
 ``hold``, ``mask`` and ``rings``; the others need ``sequence``; a ring
-schedule has no declaration of the other families); ``ring_spec`` evaluates
+schedule has no declaration of the other families, and its written order
+needs its pieces known); ``ring_spec`` evaluates
 them with the parameters, raising ``EvalError`` at the expression whose value
 is out of range.
 """
@@ -39,10 +43,11 @@ if TYPE_CHECKING:
 RING_DECLS = (ast.Sequence, ast.Hold, ast.Mask, ast.Rings, ast.Pieces, ast.RingMode)
 
 # The declarations of the other families (activation and weight passing),
-# which a ring schedule cannot hold, and how each is named in messages.
+# which a ring schedule cannot hold, and how each is named in messages. An
+# explicit order (`order rank r`) is not among them: a ring may write its own.
 OTHER_FAMILIES = {
     ast.Stages: "stages", ast.Pipelines: "pipelines", ast.Route: "route microbatch", ast.Place: "place",
-    ast.Backward: "backward", ast.ExplicitOrder: "order rank", ast.GreedyOrder: "order greedy",
+    ast.Backward: "backward", ast.GreedyOrder: "order greedy",
     ast.SortedOrder: "order sorted", ast.Home: "home", ast.Own: "own", ast.Group: "group",
     ast.Weights: "weights", ast.Gradients: "gradients", ast.WeightCount: None,  # prefetch | buffers
 }
@@ -166,12 +171,18 @@ def check_ring_rules(resolver: Resolver, decls: RingDecls, schedule: ast.Schedul
         return
     sequence = decls.sequence[0]
     other = next((decl for decl in schedule.decls if isinstance(decl, OTHER_DECLS)), None)
-    if other is not None:
+    if isinstance(other, (ast.GreedyOrder, ast.SortedOrder)):
+        resolver.error(f"`{OTHER_FAMILIES[type(other)]}` cannot be written in a sequence ring (`sequence` at line "
+                       f"{sequence.span.line}): the compiler derives its order (each rank's attention blocks: at "
+                       "each step, every visible block of the rank's queries with the KV it holds then), or "
+                       "`order rank r { at step EXPR { AF(q, kv) ... } }` writes it block by block", other.span)
+    elif other is not None:
         word = OTHER_FAMILIES[type(other)] or other.what
         resolver.error(f"`{word}` cannot be written in a sequence ring (`sequence` at line {sequence.span.line}): "
                        "the sequence ring family derives its order (the compiler computes each rank's order of "
                        "attention blocks: at each step, every visible block of the rank's queries with the KV it "
                        "holds then) and its layout (`hold`)", other.span)
+    _check_written_order(resolver, decls, schedule)
     if decls.hold is None:
         resolver.error("a sequence ring needs `hold chunk c on rank EXPR` (the rank that holds each chunk's "
                        "queries, keys and values)", sequence.span)
@@ -181,6 +192,27 @@ def check_ring_rules(resolver: Resolver, decls: RingDecls, schedule: ast.Schedul
     if decls.rings is None:
         resolver.error("a sequence ring needs `rings shift EXPR`, `rings hamilton` or `rings rails EXPR, EXPR` "
                        "(the rings KV travels on)", sequence.span)
+
+
+def _check_written_order(resolver: Resolver, decls: RingDecls, schedule: ast.Schedule) -> None:
+    """A written order names blocks by piece: their number is needed before the compiler finds the rings.
+
+    ``rings shift`` is one ring, so one piece per chunk unless ``pieces``
+    says otherwise; under ``hamilton`` and ``rails`` the default is one piece
+    per ring, a count the compiler's ring search decides (hamilton finds fewer
+    than P - 1 rings on 4 and 6 ranks), so ``pieces`` must be written.
+    """
+    order = next((decl for decl in schedule.decls if isinstance(decl, ast.ExplicitOrder)), None)
+    if order is None or decls.pieces is not None or decls.rings is None or decls.rings[0].kind == "shift":
+        return
+    resolver.error(f"an order written block by block needs `pieces EXPR` under `rings {decls.rings[0].kind}` "
+                   f"(line {decls.rings[0].span.line}): its default, one piece per ring, depends on the rings the "
+                   "compiler finds, and a block names its piece", order.span)
+
+
+def written_pieces(spec: RingSpec) -> int:
+    """The pieces a written order's blocks are numbered with: ``pieces``, else one (``rings shift``: one ring)."""
+    return 1 if spec.pieces is None else spec.pieces
 
 
 # ------------------------------------------------------------------ evaluation

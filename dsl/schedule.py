@@ -10,8 +10,9 @@ the order: an explicit order runs its loops once per rank
 (``pipec.dsl.order_body``) and every task is checked where it is written, so a
 mistake points at its line; a sorted order sorts each rank's tasks by key; a
 policy is handed over for the list scheduler. A sequence ring
-(``pipec.dsl.rings``) has no order: its ``RingSpec`` is evaluated instead, one
-stage per chunk on the chunk's holder, and the compiler derives the order.
+(``pipec.dsl.rings``) evaluates its ``RingSpec`` instead, one stage per chunk
+on the chunk's holder; the compiler derives its order, unless the schedule
+writes one (run like any explicit order, each block with its step).
 """
 from __future__ import annotations
 
@@ -208,7 +209,8 @@ class ResolvedSchedule:
 
     def _evaluate_ring(self, env: list, values: dict) -> ScheduleSpec:
         """A sequence ring: its ``RingSpec``, one pipeline of one stage per chunk (a query chunk) on the
-        chunk's holder, one microbatch unless a ``microbatches`` parameter says otherwise, no order."""
+        chunk's holder, one microbatch unless a ``microbatches`` parameter says otherwise, and its written
+        order with each block's step (``order``, ``task_steps``) or none (the compiler derives it)."""
         P = values[self.ranks_param]
         N = values[self.microbatches_param] if self.microbatches_param else 1
         rings = ring_spec(self.ring_decls, env, P, self.resolver, self.budget,
@@ -229,7 +231,11 @@ class ResolvedSchedule:
             tasks=self.tasks,
         )
         spec.rings = rings
-        spec.order_span = self.ring_decls.sequence[0].span  # the order is derived from it
+        if self.explicit is not None:
+            spec.order_span = self.explicit[0].span
+            spec.order = self._run_explicit(env, spec)
+        else:
+            spec.order_span = self.ring_decls.sequence[0].span  # the order is derived from it
         return spec
 
     def _check_size(self, values: dict, S: int, pipelines: int) -> None:

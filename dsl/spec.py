@@ -29,12 +29,24 @@ class TaskKinds:
         backward: ``backward`` mode -> the kinds its backward is made of
             (``full``: B; ``split``: I then W); the first mode is the default.
         optional: kinds that may run at most once per (stage, microbatch).
+        ring_forward, ring_backward: the tasks of a sequence ring's order
+            (``AF``; ``AB`` today), its forward pass's and its backward's:
+            each is one block, ``KIND(q, kv[, piece])``, and a ring's order
+            writes only these, forward ones at its forward steps, backward
+            ones at its backward steps.
     """
 
     kinds: tuple[str, ...]
     always: tuple[str, ...]
     backward: dict[str, tuple[str, ...]]
     optional: tuple[str, ...] = ()
+    ring_forward: tuple[str, ...] = ()
+    ring_backward: tuple[str, ...] = ()
+
+    @property
+    def ring(self) -> tuple[str, ...]:
+        """Every task a sequence ring's order may write, forward ones first."""
+        return self.ring_forward + self.ring_backward
 
     @property
     def default_mode(self) -> str:
@@ -168,17 +180,22 @@ class ScheduleSpec:
         split_backward: the backward is split (``backward split``: I and W) or
             whole (B).
         tasks: the task vocabulary it was written against.
-        order: explicit order: per rank its tasks; None under a policy.
+        order: explicit order: per rank its tasks; None under a policy. In a
+            sequence ring, None when the compiler derives it, else per rank
+            its blocks ``(kind, query chunk, kv chunk * pieces + piece)`` as
+            written (``order rank r { at step E { AF(q, kv, p) } }``).
         policy: the list-scheduling policy; None under an explicit order.
         order_span: where the order is written, for messages.
         weights: how weights move, for a weight-passing schedule (``weights
             ROUTE``); None otherwise.
-        task_steps: for a weight-passing schedule, per rank the step (``at
-            step E``) of each task of ``order[r]`` (same length); None otherwise.
+        task_steps: for a weight-passing schedule, or a sequence ring whose
+            order is written, per rank the step (``at step E``) of each task of
+            ``order[r]`` (same length); None otherwise. A ring's steps 0..P-1
+            are its forward pass's, P..2P-1 its backward's.
         rings: for a sequence-ring schedule (``sequence chunks E``), how the
             sequence is cut and KV moves; None otherwise. Its order is derived
-            by the compiler (``compiler/lower_rings.py``): ``order`` and
-            ``policy`` are None.
+            by the compiler (``compiler/lower_rings.py``) unless the schedule
+            writes one (``order``, ``task_steps``); ``policy`` is None.
     """
 
     name: str

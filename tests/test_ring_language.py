@@ -247,8 +247,7 @@ schedule s(P: ranks = 2, N: microbatches = 1) {{
 
 OTHER = [
     ("stages 2", "stages"), ("pipelines 2", "pipelines"), ("route microbatch m to pipeline 0", "route microbatch"),
-    ("place stage s on rank 0", "place"), ("backward split", "backward"), ("order rank r { F(0, 0) }", "order rank"),
-    ("order greedy { }", "order greedy"), ("order sorted { key F(s, m) = m key B(s, m) = m }", "order sorted"),
+    ("place stage s on rank 0", "place"), ("backward split", "backward"),
     ("home microbatch m on rank 0", "home"), ("own layer l on rank 0", "own"), ("group rank r in 0", "group"),
     ("weights ring", "weights"), ("gradients ring", "gradients"), ("prefetch 1", "prefetch"),
     ("buffers 1", "buffers"),
@@ -264,8 +263,20 @@ def test_a_ring_holds_no_declaration_of_the_other_families(line, word):
                                     "queries with the KV it holds then) and its layout (`hold`)")
 
 
+@pytest.mark.parametrize("line, word", [
+    ("order greedy { }", "order greedy"), ("order sorted { key F(s, m) = m key B(s, m) = m }", "order sorted"),
+])
+def test_a_ring_orders_no_policy_and_no_keys(line, word):
+    # its order is derived, or written block by block (`order rank r`: tests/test_ring_order.py)
+    error = error_of(ResolveError, base("  mask causal\n", f"  mask causal\n  {line}\n"))
+    assert located(error, 5, 3) == (f"`{word}` cannot be written in a sequence ring (`sequence` at line 2): the "
+                                    "compiler derives its order (each rank's attention blocks: at each step, every "
+                                    "visible block of the rank's queries with the KV it holds then), or `order rank "
+                                    "r { at step EXPR { AF(q, kv) ... } }` writes it block by block")
+
+
 def test_only_the_first_declaration_of_another_family_is_reported():
-    text = base("  rings shift 1\n", "  rings shift 1\n  stages 2\n  place stage s on rank 0\n  order rank r { }\n")
+    text = base("  rings shift 1\n", "  rings shift 1\n  stages 2\n  place stage s on rank 0\n  order greedy { }\n")
     assert [(line, col) for line, col, _ in messages(error_of(ResolveError, text))] == [(6, 3)]
     # written before `sequence`, still refused
     text = "schedule s(P: ranks = 4) {\n  stages 2\n" + BASE.split("\n", 1)[1]
