@@ -4,12 +4,13 @@ Programs come from ``lower_plan(RingPlan(...))`` (proved by ``check_rings``
 first), so that every route is covered whatever the schedules write, and from
 the shipped ring schedules (ring_attention, zigzag_ring, tasp, tasp_rails)
 compiled as ``pipec`` compiles them; they run through
-``attention_checks`` (``pipec attention``'s core): P gloo worker processes,
-every rank drawing the same q, k, v and output gradient from the seed, one
-forward and backward (``runtime/rings.run_ring_attention``), rank 0 comparing
-out, dq, dk and dv with ``scaled_dot_product_attention`` and autograd in
-float64 on one process. The programs of one rank count share one set of
-processes, and every run has a hard limit, so a hang fails instead of stalling.
+``attention_checks`` (``pipec attention``'s core): P gloo worker processes
+(``runtime/ring_check``, started by ``pipec run``'s launcher), every rank
+drawing the same q, k, v and output gradient from the seed, one forward and
+backward (``runtime/rings.run_ring_attention``), rank 0 comparing out, dq, dk
+and dv with ``scaled_dot_product_attention`` and autograd in float64 on one
+process. The programs of one rank count share one set of processes, and every
+run has a hard limit, so a hang fails instead of stalling.
 
 * float64, to 1e-12: zigzag (causal) at P = 2 and 3; a contiguous ring with
   full attention at P = 3; TASP (zigzag holders, the Hamiltonian rings, KV
@@ -20,7 +21,8 @@ processes, and every run has a hard limit, so a hang fails instead of stalling.
 * float32 at P = 4, zigzag, TASP and the shipped tasp_rails (2 nodes of 2):
   within 5e-6 of the largest magnitude;
 * a rank that stops answering, and one that meets an op the runtime does not
-  know, end the run with the ranks' messages within seconds;
+  know, end the run with the ranks' messages (the launcher's report) within
+  seconds;
 * ``pipec attention`` refuses a program that is not a ring, a length its
   chunks and pieces do not cut, a wrong ``--nproc`` and ``--causal`` on full
   attention, with exit status 1; with the shipped zigzag_ring it prints JSON;
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 import time
 
 import pytest
@@ -159,6 +163,16 @@ def _with(program, rank: int, row: list[Action]):
     return dataclasses.replace(program, ranks=ranks)
 
 
+def _failure(caught) -> str:
+    """The launcher's report of a failed run; the run folder it keeps for the user (the workers' logs) removed."""
+    text = caught.value.render()
+    assert text.startswith("pipec attention: the run failed\n"), text
+    logs = re.search(r"^worker logs: (.+)$", text, re.MULTILINE)
+    assert logs, text
+    shutil.rmtree(logs.group(1), ignore_errors=True)
+    return text
+
+
 def test_a_rank_that_waits_for_a_message_never_sent_ends_the_run_at_the_timeout():
     """Rank 1 waits for a KV bundle rank 0 never sends: rank 1 stops at its timeout, and so the run, named."""
     program = lower_plan(zigzag(2), "zigzag")
@@ -168,7 +182,7 @@ def test_a_rank_that_waits_for_a_message_never_sent_ends_the_run_at_the_timeout(
     with pytest.raises(AttentionRunError) as caught:
         attention_check(broken, 2, 8, 2, 4, timeout=2.0)
     seconds = time.monotonic() - start
-    text = caught.value.render()
+    text = _failure(caught)
     assert "rank 1, step" in text and "EXCHANGE_WAIT99" in text, text
     assert "no answer within the timeout" in text, text
     assert seconds < 30, f"the run took {seconds:.1f} s to give up"
@@ -179,9 +193,10 @@ def test_an_op_the_runtime_does_not_know_is_named_and_the_others_stop():
     broken = _with(program, 0, [Action(-1, "FROBNICATE")] + list(program.ranks[0]))
     with pytest.raises(AttentionRunError) as caught:
         attention_check(broken, 2, 8, 2, 4, timeout=5.0)
-    text = caught.value.render()
+    text = _failure(caught)
     # a worker reads its program as the JSON reader reads any program: the op is refused there, by name
     assert "rank 0, step 0: unknown op 'FROBNICATE'" in text, text
+    assert "rank 0: exited with status 1" in text and "rank 1:" in text, text
 
 
 # ------------------------------------------------------------------ errors before any process

@@ -6,17 +6,21 @@
 TARGET (a ``.pipe`` file or a shipped schedule) is compiled as every command
 compiles it, or read and checked when it is a compiled program (``pipec
 compile --format json``), and must be a sequence-ring schedule (ring, zigzag,
-TASP attention). P worker processes (``python -m pipec.commands.attention``, each
-given its orders as JSON through a pipe this process made, one OpenMP thread
-per core share unless OMP_NUM_THREADS says otherwise) join a gloo group on
-this machine and run one forward and backward of attention over a sequence of
-S tokens (``runtime/rings.run_ring_attention``), every rank drawing the same
-random q, k, v and output gradient (B, H, S, D) from the seed and keeping its
-own chunks. Rank 0 gathers the results (``torch.distributed`` messages, never
-a shared file), compares them with one process and answers through its own
-pipe:
-``torch.nn.functional.scaled_dot_product_attention`` over the whole sequence
-in float64, its gradients by autograd, the mask the program's.
+TASP attention). This process writes the program (as ``pipec compile --format
+json`` does) and the jobs (``runtime/ring_check.jobs_to_json``) into a run
+folder and starts P workers, ``python -m pipec.runtime.ring_check JOBS``,
+through ``pipec run``'s launcher (``pipec.commands.run.launch``: torch's
+elastic launcher, the workers' logs in the run folder; one OpenMP thread per
+core share unless OMP_NUM_THREADS says otherwise). The workers join a gloo
+group on this machine and run one forward and backward of attention over a
+sequence of S tokens (``runtime/rings.run_ring_attention``), every rank
+drawing the same random q, k, v and output gradient (B, H, S, D) from the
+seed and keeping its own chunks. Rank 0 gathers the results
+(``torch.distributed`` messages, never a shared file), compares them with one
+process, ``torch.nn.functional.scaled_dot_product_attention`` over the whole
+sequence in float64, its gradients by autograd, the mask the program's, and
+prints its answer as one line of JSON behind ``ring_check.ANSWER_PREFIX``,
+which this process picks out of its output.
 
 The answer is the largest absolute difference of out, dq, dk and dv with the
 largest magnitude of each (so that a relative error can be read), as text or,
@@ -25,8 +29,9 @@ The status is 0 when the run finished (the numbers are for the user to
 judge), 1 on any error: a target that is not a ring schedule, a length the
 chunks and pieces do not cut evenly, ``--nproc`` other than the program's
 ranks, ``--causal`` for a program with full attention, or a worker that
-failed or waited past ``--timeout`` (the run then ends with the workers'
-messages, never a hang).
+failed or waited past ``--timeout`` (the run then ends with the launcher's
+report: the workers' fault lines, how each failed worker ended, where its
+logs are; never a hang).
 
 ``attention_check(program, ...)`` is the same run for a compiled ``Program``
 (``compiler/lower_rings.lower_plan``'s, say); ``attention_checks`` runs
@@ -36,48 +41,23 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
-import signal
-import subprocess
-import sys
+import shutil
 import tempfile
-import threading
-import time
-import traceback
-from typing import NamedTuple
 
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
-from pipec.errors import PipecError, RuntimeFault, UsageError
+from pipec.errors import PipecError, UsageError
+from pipec.runtime.ring_check import (ANSWER_PREFIX, DTYPES, FIELDS, JOBS_FILE, AttentionJob, job_inputs,
+                                      jobs_to_json, reference)
 
 DEFAULT_TIMEOUT_S = 60.0
-DTYPES = ("float32", "float64")
-# Starting a worker (importing torch) and joining the group: its own allowance, apart from --timeout.
-JOIN_ALLOWANCE_S = 120.0
-# After the first worker fails, how long the others may take to report their own failure before they are killed.
-_GRACE_S = 3.0
-_POLL_S = 0.2
-_RESULT_TAG = 7
-_FIELDS = ("out", "dq", "dk", "dv")
-# What a worker's store says when the free port was taken between the probe and its bind.
-_PORT_TAKEN = "address already in use"
-# How much of a worker's own output a failure without an answer shows.
-_TAIL_LINES = 12
+# The worker: ``python -m pipec.runtime.ring_check JOBS``.
+WORKER_MODULE = "pipec.runtime.ring_check"
+# What the run is called in the launcher's messages and report.
+COMMAND = "pipec attention"
 
 
 class AttentionRunError(PipecError):
     """The multi-process run did not finish: a worker failed, waited past its timeout, or never answered."""
-
-
-class AttentionJob(NamedTuple):
-    """One attention run: a ring program and the inputs drawn for it."""
-
-    program: object
-    seq: int
-    heads: int
-    head_dim: int
-    batch: int = 1
-    dtype: str = "float64"
-    seed: int = 0
 
 
 def register(sub) -> None:
@@ -215,9 +195,10 @@ def attention_checks(jobs: list[AttentionJob], nproc: int, timeout: float = DEFA
     """``attention_check`` of several runs of one rank count, one after the other in one set of processes.
 
     Args:
-        deadline_s: the parent's limit for the whole run, past which every
-            worker is killed; by default every wait's timeout, added up, and
-            allowances to start and compute (``_deadline_s``).
+        deadline_s: the limit of the whole run, past which every worker ends
+            itself (and the launcher stops the others); by default every
+            wait's timeout, added up, and allowances to start and compute
+            (``_deadline_s``).
     """
     jobs = [job._replace(dtype=_dtype_name(job.dtype)) for job in jobs]
     if not jobs:
@@ -227,24 +208,12 @@ def attention_checks(jobs: list[AttentionJob], nproc: int, timeout: float = DEFA
     if not timeout > 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout}")
     deadline_s = _deadline_s(jobs, timeout) if deadline_s is None else deadline_s
-    try:
-        return _launch(jobs, nproc, timeout, deadline_s)
-    except AttentionRunError as error:
-        if _PORT_TAKEN not in str(error).lower():
-            raise
-        return _launch(jobs, nproc, timeout, deadline_s)  # another process took the free port first: once more
+    if not deadline_s > 0:
+        raise UsageError(f"the run's deadline must be a positive number of seconds, got {deadline_s}")
+    return _launch(jobs, nproc, timeout, deadline_s)
 
 
 # ------------------------------------------------------------------ output
-
-
-def program_info(program) -> dict:
-    plan = program.rings
-    return {
-        "name": program.name, "params": dict(program.params), "ranks": program.num_ranks, "chunks": plan.chunks,
-        "holders": list(plan.holders), "pieces": plan.pieces, "rings": [list(ring) for ring in plan.rings],
-        "causal": plan.causal, "kv": plan.kv, "dkv": plan.dkv, "transfer": plan.transfer,
-    }
 
 
 def describe(result: dict) -> str:
@@ -260,351 +229,83 @@ def describe(result: dict) -> str:
         f"head dim {result['head_dim']}, {result['dtype']}, seed {result['seed']}",
         "largest |ring - one process| (reference: float64 SDPA and autograd), and largest |reference|:",
     ]
-    for name in _FIELDS:
+    for name in FIELDS:
         diff, scale = result[name], result["scale"][name]
         relative = f"  ({diff / scale:.2e} relative)" if scale > 0 else ""
         lines.append(f"  {name:<3} {diff:.3e}  of {scale:.4g}{relative}")
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ the workers
-
-
-def job_inputs(job: AttentionJob):
-    """The whole-sequence q, k, v, grad_out of a run: the same on every rank (drawn from the seed)."""
-    import torch
-
-    generator = torch.Generator().manual_seed(job.seed)
-    shape = (job.batch, job.heads, job.seq, job.head_dim)
-    dtype = getattr(torch, job.dtype)
-    return tuple(torch.randn(shape, generator=generator, dtype=dtype) for _ in range(4))
-
-
-def reference(q, k, v, grad_out, causal: bool):
-    """One process's out, dq, dk, dv in float64: SDPA over the whole sequence, autograd."""
-    import torch
-    import torch.nn.functional as F
-
-    leaves = [t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
-    out.backward(grad_out.to(torch.float64))
-    return (out.detach(), *(t.grad for t in leaves))
-
-
-def _worker_main(argv: list[str]) -> None:
-    """One rank (``python -m pipec.commands.attention JOB_FD ANSWER_FD``): its orders come as JSON through the
-    pipe the parent made (JOB_FD); it joins the group, runs every job (rank 0 compares) and answers, as JSON,
-    through the parent's other pipe (ANSWER_FD): ``("ok", answers or None)`` or ``("error", message)``."""
-    _die_with_parent()
-    job_fd, answer_fd = int(argv[0]), int(argv[1])
-    status, rank = 1, "?"
-    try:
-        with os.fdopen(job_fd, "rb") as orders:
-            rank, nproc, port, jobs, timeout = _orders_from_json(json.load(orders))
-        message = ("ok", _worker(rank, nproc, port, jobs, timeout))
-        status = 0
-    except RuntimeFault as fault:  # renders as "rank R, step S (INSTR): ..."
-        message = ("error", fault.render())
-    except PipecError as error:
-        message = ("error", f"rank {rank}: {error.render()}")
-    except BaseException as error:  # a bug, or the backend's own failure: say what and where
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        message = ("error", f"rank {rank}: {type(error).__name__}: {text}\n{traceback.format_exc()}")
-    try:
-        with os.fdopen(answer_fd, "w", encoding="utf-8") as answer:
-            json.dump(list(message), answer)
-    except OSError:
-        status = 1  # the parent is gone
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # no teardown of a group whose peers may be gone: it can hang
-
-
-def _orders_to_json(rank: int, nproc: int, port: int, jobs: list[AttentionJob], timeout: float) -> list:
-    """A worker's orders as plain JSON data (the programs as ``pipec compile --format json`` writes them)."""
-    from pipec.compiler.emit.json_program import program_to_json
-
-    return [rank, nproc, port, [{**job._asdict(), "program": program_to_json(job.program)} for job in jobs], timeout]
-
-
-def _orders_from_json(data: list) -> tuple:
-    """The orders ``_orders_to_json`` wrote (from the parent, through a pipe only it and this worker hold)."""
-    from pipec.compiler.emit.json_program import program_from_json
-
-    rank, nproc, port, jobs, timeout = data
-    return rank, nproc, port, [AttentionJob(**{**job, "program": program_from_json(job["program"])})
-                               for job in jobs], timeout
-
-
-def _die_with_parent() -> None:
-    """On Linux, have the kernel SIGKILL this worker when the parent dies, so that none is left behind."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent's own shutdown still stops the workers
-
-
-def _worker(rank: int, nproc: int, port: int, jobs: list[AttentionJob], timeout: float) -> list[dict] | None:
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc,
-                            timeout=timedelta(seconds=max(timeout, JOIN_ALLOWANCE_S)))
-    gathered = [_run_job(job, rank, nproc, timeout) for job in jobs]
-    _bounded_barrier(rank, nproc, timeout)
-    # the references after every rank is done: none of the others' waits counts rank 0's reference
-    return [compare(job, whole) for job, whole in zip(jobs, gathered)] if rank == 0 else None
-
-
-def _bounded_barrier(rank: int, nproc: int, timeout: float, what: str = "the closing barrier") -> None:
-    import torch.distributed as dist
-
-    from pipec.runtime import comm
-    from pipec.runtime.rings import wait_within
-
-    work = dist.barrier(async_op=True)
-    others = tuple(r for r in range(nproc) if r != rank)
-    wait_within([work], timeout, comm.Site(rank, -1, what, others, 1))
-
-
-def _run_job(job: AttentionJob, rank: int, nproc: int, timeout: float) -> dict | None:
-    """This rank's run of one job; on rank 0 every rank's results put together (``_FIELDS`` -> whole
-    sequence), elsewhere None."""
-    import torch
-    import torch.distributed as dist
-
-    from pipec.runtime import comm
-    from pipec.runtime.rings import own_chunks, run_ring_attention, wait_within
-
-    program = job.program
-    plan = program.rings
-    q, k, v, grad_out = job_inputs(job)
-    mine = [own_chunks(plan, rank, t) for t in (q, k, v, grad_out)]
-    _bounded_barrier(rank, nproc, timeout, "the barrier before the run")  # no rank's waits count another's drawing
-    result = run_ring_attention(program, rank, *mine, timeout=timeout)
-    if rank != 0:
-        flat = torch.cat([getattr(result, name)[c].reshape(-1) for c in result.chunks for name in _FIELDS])
-        work = dist.isend(flat.contiguous(), 0, tag=_RESULT_TAG)
-        site = comm.Site(rank, len(program.ranks[rank]), "sending the results to rank 0", (0,), 1)
-        wait_within([work], timeout, site)
-        return None
-    size = job.seq // plan.chunks
-    wide = result.out[result.chunks[0]].dtype
-    whole = {name: torch.zeros(q.shape, dtype=wide) for name in _FIELDS}
-    for c in result.chunks:
-        for name in _FIELDS:
-            whole[name][..., c * size:(c + 1) * size, :] = getattr(result, name)[c]
-    shape = (job.batch, job.heads, size, job.head_dim)
-    buffers = {other: torch.empty(len(plan.chunks_of(other)) * len(_FIELDS) * _numel(shape), dtype=wide)
-               for other in range(1, nproc)}
-    works = [dist.irecv(buffer, other, tag=_RESULT_TAG) for other, buffer in buffers.items()]  # all posted at once
-    site = comm.Site(0, len(program.ranks[0]), "gathering the results", tuple(buffers), 1)
-    wait_within(works, timeout, site)
-    for other, buffer in buffers.items():
-        pieces = iter(buffer.split(_numel(shape)))
-        for c in plan.chunks_of(other):
-            for name in _FIELDS:
-                whole[name][..., c * size:(c + 1) * size, :] = next(pieces).view(shape)
-    return whole
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def compare(job: AttentionJob, whole: dict) -> dict:
-    """The answer for one job: ``whole`` (out, dq, dk, dv over the sequence) against ``reference``."""
-    import torch
-
-    program = job.program
-    want = dict(zip(_FIELDS, reference(*job_inputs(job), program.rings.causal)))
-    answer = {name: (whole[name].to(torch.float64) - want[name]).abs().max().item() for name in _FIELDS}
-    answer["scale"] = {name: want[name].abs().max().item() for name in _FIELDS}
-    answer["program"] = program_info(program)
-    answer.update(seq=job.seq, batch=job.batch, heads=job.heads, head_dim=job.head_dim, dtype=job.dtype,
-                  seed=job.seed, reference="float64, one process (scaled_dot_product_attention, autograd)")
-    return answer
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# ------------------------------------------------------------------ the launch
 
 
 def _deadline_s(jobs: list[AttentionJob], timeout: float) -> float:
-    """The parent's last resort: every wait of every job at its full timeout, and time to compute.
+    """The run's last resort (each worker ends itself past it): joining the group, every wait of every job
+    at its full timeout, and time to compute.
 
     A worker's waits end at ``timeout`` and a failed worker ends its process,
-    so the parent normally learns of a failure from a worker's exit; this only
-    bounds a run that stops answering altogether.
+    so a failure normally ends the run at once; this only bounds a run that
+    stops answering altogether.
     """
+    from pipec.runtime.worker import JOIN_ALLOWANCE_S
+
     waits = sum(max(sum(1 for a in row if a.op == "EXCHANGE_WAIT") for row in job.program.ranks) + 3 for job in jobs)
     return JOIN_ALLOWANCE_S + timeout * waits + 300.0
 
 
 def _launch(jobs: list[AttentionJob], nproc: int, timeout: float, deadline_s: float) -> list[dict]:
-    """Start ``nproc`` workers (``python -m pipec.commands.attention``), collect their answers; on the first
-    failure give the others ``_GRACE_S`` to report theirs, then kill every one still running."""
-    port = _free_port()
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    workers: list[_Worker] = []
-    start = time.monotonic()
-    deadline = start + deadline_s
-    failed_at = None
-    selector = selectors.DefaultSelector()
+    """Write the programs and the jobs into a new run folder, launch ``nproc`` workers and take rank 0's answer.
+
+    Raises:
+        AttentionRunError: the launcher's report of a failed run (the folder, with the workers' logs, is kept),
+            or a run that ended without rank 0's answer.
+    """
+    from pipec.commands.run import launch
+
+    run_dir = tempfile.mkdtemp(prefix="pipec-attention-")
     try:
-        for rank in range(nproc):
-            workers.append(_Worker.start(rank, (rank, nproc, port, jobs, timeout), env, selector))
-        while True:
-            if all(w.answer is not None and w.answer[0] == "ok" for w in workers):
-                break
-            failed = any(w.answer is not None and w.answer[0] != "ok" for w in workers)
-            if failed and failed_at is None:
-                failed_at = time.monotonic()
-            finished = all(w.answer is not None for w in workers)
-            if finished or (failed_at is not None and time.monotonic() - failed_at > _GRACE_S):
-                break
-            if time.monotonic() > deadline:
-                break
-            for key, _ in selector.select(timeout=_POLL_S):
-                worker = key.data
-                chunk = os.read(worker.answer_fd, 1 << 16)
-                if chunk:
-                    worker.received += chunk
-                else:
-                    selector.unregister(worker.answer_fd)
-                    worker.finish()
-    finally:
-        for worker in workers:
-            worker.stop()
-        selector.close()
-    if all(w.answer is not None and w.answer[0] == "ok" for w in workers):
-        return workers[0].answer[1]
-    raise AttentionRunError(_failure_text(workers, time.monotonic() - start, time.monotonic() > deadline))
+        jobs_path = _write_jobs(jobs, run_dir, timeout, deadline_s)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    answers: list[str] = []
 
+    def on_line(rank: int, line: str) -> None:
+        if rank == 0 and line.startswith(ANSWER_PREFIX):
+            answers.append(line[len(ANSWER_PREFIX):])
 
-class _Worker:
-    """One worker process, the pipes the parent made for it, and what it answered."""
-
-    def __init__(self, rank: int, proc, answer_fd: int, stderr):
-        self.rank, self.proc, self.answer_fd, self.stderr = rank, proc, answer_fd, stderr
-        self.received = b""
-        self.answer: tuple | None = None  # ("ok", ...), ("error", text) or ("gone", None)
-        self.exitcode: int | None = None
-        self.tail: list[str] = []  # the last lines it wrote, read when it is stopped
-
-    @classmethod
-    def start(cls, rank: int, orders: tuple, env: dict, selector) -> "_Worker":
-        job_read, job_write = os.pipe()
-        answer_read, answer_write = os.pipe()
-        stderr = tempfile.TemporaryFile()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pipec.commands.attention", str(job_read), str(answer_write)],
-                pass_fds=(job_read, answer_write), stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-                env=env, start_new_session=True)
-        except OSError as error:
-            for fd in (job_read, job_write, answer_read, answer_write):
-                os.close(fd)
-            stderr.close()
-            raise AttentionRunError(f"cannot start worker {rank}: {error}") from None
-        os.close(job_read)
-        os.close(answer_write)
-        worker = cls(rank, proc, answer_read, stderr)
-        selector.register(answer_read, selectors.EVENT_READ, worker)
-        data = json.dumps(_orders_to_json(*orders)).encode()
-        threading.Thread(target=_feed, args=(job_write, data), daemon=True).start()  # a pipe holds 64 KiB
-        return worker
-
-    def finish(self) -> None:
-        """The answer pipe closed: the worker has answered (or died); take its answer and its status."""
-        try:
-            self.answer = tuple(json.loads(self.received)) if self.received else ("gone", None)
-        except Exception:  # a worker cut off mid-answer
-            self.answer = ("gone", None)
-        if not (isinstance(self.answer, tuple) and len(self.answer) == 2 and self.answer[0] in ("ok", "error", "gone")):
-            self.answer = ("error", f"rank {self.rank}: an unexpected answer")
-        try:
-            self.exitcode = self.proc.wait(timeout=_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        code = self.proc.wait()
-        if self.exitcode is None and self.answer is not None:
-            self.exitcode = code
-        try:
-            os.close(self.answer_fd)
-        except OSError:
-            pass
-        try:
-            self.stderr.seek(0)
-            text = self.stderr.read().decode("utf-8", "replace")
-            self.tail = [line for line in text.strip().splitlines() if line.strip()][-_TAIL_LINES:]
-        except (OSError, ValueError):
-            pass
-        finally:
-            self.stderr.close()
-
-
-def _feed(fd: int, data: bytes) -> None:
+    env = None if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    result = launch(["-m", WORKER_MODULE, jobs_path], nproc, on_line=on_line, echo=False, env=env, run_dir=run_dir,
+                    command=COMMAND)
+    if not result.ok:
+        raise AttentionRunError(result.report.rstrip("\n"))
     try:
-        with os.fdopen(fd, "wb") as pipe:
-            pipe.write(data)
-    except OSError:
-        pass  # the worker died before reading its orders: its exit says so
-
-
-def _failure_text(workers: list[_Worker], seconds: float, timed_out: bool) -> str:
-    """Every worker's failure, causes first: its own errors, then deaths without an answer, then the waits
-    that ran out (usually another rank's consequence), then the ranks stopped because of them."""
-    causes, deaths, waits, stopped = [], [], [], []
-    for worker in workers:
-        kind, text = worker.answer if worker.answer is not None else ("", None)
-        if kind == "ok":
-            continue
-        if kind == "error":
-            text = text.rstrip()
-            (waits if "): waited " in text.split("\n", 1)[0] else causes).append(text)
-        elif worker.answer is None:  # still running when the run was given up: killed then
-            stopped.append(f"rank {worker.rank}: no answer; stopped" if timed_out else
-                           f"rank {worker.rank}: stopped after another rank failed")
-        else:
-            code = worker.exitcode
-            how = (f"killed by signal {_signal_name(-code)}" if code is not None and code < 0 else
-                   f"exited with status {code}" if code is not None else "closed its answer pipe")
-            deaths.append("\n".join([f"rank {worker.rank}: {how} without an answer" + (":" if worker.tail else "")]
-                                    + [f"  {line}" for line in worker.tail]))
-    head = ("the ring attention run did not finish within its deadline" if timed_out and not (causes or waits)
-            else "the ring attention run failed")
-    return "\n".join([f"{head} ({seconds:.1f} s):"] + [f"  {line}" for text in causes + deaths + waits + stopped
-                                                         for line in text.splitlines()])
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
+        parsed = json.loads(answers[-1]) if answers else None
     except ValueError:
-        return str(number)
+        parsed = None
+    if not (isinstance(parsed, list) and len(parsed) == len(jobs) and all(isinstance(a, dict) for a in parsed)):
+        raise AttentionRunError(f"{COMMAND}: the workers ended, but rank 0 gave no answer for the "
+                                f"{len(jobs)} job{'s' if len(jobs) > 1 else ''}")
+    return parsed
+
+
+def _write_jobs(jobs: list[AttentionJob], folder: str, timeout: float, deadline_s: float) -> str:
+    """Write each distinct program (``pipec run``'s ``write_program``) and the jobs (``JOBS_FILE``) into
+    ``folder``, atomically; returns the jobs' file."""
+    from pipec.commands.run import write_program
+    from pipec.compiler.atomic_write import write_atomically
+
+    files: dict[int, str] = {}
+    for job in jobs:
+        if id(job.program) not in files:
+            name = f"program-{len(files)}.json"
+            write_program(job.program, folder, name)
+            files[id(job.program)] = name
+    path = os.path.join(folder, JOBS_FILE)
+    data = jobs_to_json(jobs, [files[id(job.program)] for job in jobs], timeout, deadline_s)
+    write_atomically(path, json.dumps(data), what="the attention jobs")
+    return path
 
 
 __all__ = ["AttentionJob", "AttentionRunError", "attention_check", "attention_checks", "check_job", "describe",
            "job_inputs", "reference", "register", "require_ring", "run"]
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1:])

@@ -175,6 +175,10 @@ def check_launch(args, program) -> int:
         _check_device_map(program, nproc)
     _check_outputs(args)
     _check_model(args.model, args.config, program, args.seed)
+    if program.rings is not None:  # sequence-parallel training: no --trace, no planted faults
+        from pipec.runtime.sequence import check_ring_options
+
+        check_ring_options(args, program)
     return nproc
 
 
@@ -294,9 +298,9 @@ def launch_program(program, arguments: list[str], nproc: int, **options) -> Laun
     return launch(["-m", WORKER_MODULE, *arguments, "--program", path], nproc, run_dir=run_dir, **options)
 
 
-def write_program(program, folder: str) -> str:
+def write_program(program, folder: str, name: str = PROGRAM_FILE) -> str:
     """Write ``program`` as JSON (``write_program_json``, as ``pipec compile --format json`` does)
-    to ``folder/program.json``, atomically.
+    to ``folder/NAME`` (``program.json``), atomically.
 
     The file appears whole or not at all (a temporary file in the same folder,
     then ``os.replace``), so a worker never reads half a program.
@@ -304,6 +308,7 @@ def write_program(program, folder: str) -> str:
     Args:
         program: the program to write.
         folder: an existing folder.
+        name: the file's name in it (``pipec attention`` writes one per program).
     Returns:
         the file's absolute path.
     Raises:
@@ -312,7 +317,7 @@ def write_program(program, folder: str) -> str:
     from pipec.compiler.atomic_write import atomic_writer
     from pipec.compiler.emit.json_program import write_program_json
 
-    path = os.path.abspath(os.path.join(folder, PROGRAM_FILE))
+    path = os.path.abspath(os.path.join(folder, name))
     with atomic_writer(path, what="the compiled program") as out:
         write_program_json(program, out)
     return path
@@ -326,6 +331,7 @@ def launch(
     echo: bool = True,
     env: dict[str, str] | None = None,
     run_dir: str | None = None,
+    command: str = "pipec run",
 ) -> LaunchResult:
     """Run ``python PYTHON_ARGS`` on ``nproc`` local workers through torch's elastic launcher.
 
@@ -340,6 +346,7 @@ def launch(
         run_dir: the run's folder, for the workers' logs (with whatever the
             caller put there, e.g. the program); None: a new temporary folder.
             Removed after a successful run.
+        command: how the report and the messages name the command (``pipec attention`` launches too).
     Returns:
         a ``LaunchResult``; every worker has exited when it returns.
     """
@@ -376,13 +383,13 @@ def launch(
             # we were told to stop; the agent has stopped the workers already
             sigval = getattr(stop, "sigval", signal.SIGINT)
             if sigval == signal.SIGINT:
-                sys.stderr.write(f"pipec run: interrupted\nworker logs: {log_dir}\n")
+                sys.stderr.write(f"{command}: interrupted\nworker logs: {log_dir}\n")
                 raise KeyboardInterrupt from None
-            report = f"pipec run: stopped by {signal.Signals(sigval).name}\nworker logs: {log_dir}\n"
+            report = f"{command}: stopped by {signal.Signals(sigval).name}\nworker logs: {log_dir}\n"
             return LaunchResult(ok=False, report=report)
         except RendezvousError as error:  # no worker ran: the launcher's own store could not start
             shutil.rmtree(log_dir, ignore_errors=True)
-            return LaunchResult(ok=False, report=f"pipec run: the launcher could not start the workers: {error}\n")
+            return LaunchResult(ok=False, report=f"{command}: the launcher could not start the workers: {error}\n")
         finally:
             follower.stop()
     if not exits:
@@ -390,12 +397,14 @@ def launch(
         shutil.rmtree(log_dir, ignore_errors=True)
         return LaunchResult(ok=True)
     faults = _distinct(line for rank in range(nproc) for line in _fault_lines(_read_stderr(log_dir, rank)))
-    return LaunchResult(ok=False, report=_failure_report(log_dir, nproc, exits, faults), exits=exits, faults=faults)
+    report = _failure_report(log_dir, nproc, exits, faults, command)
+    return LaunchResult(ok=False, report=report, exits=exits, faults=faults)
 
 
-def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: list[str]) -> str:
+def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: list[str],
+                    command: str = "pipec run") -> str:
     """The failure text: fault messages, then how each failed worker ended, then where the logs are."""
-    lines = ["pipec run: the run failed"] + [printable(fault) for fault in faults]
+    lines = [f"{command}: the run failed"] + [printable(fault) for fault in faults]
     for rank in sorted(exits):
         code = exits[rank]
         stderr = _read_stderr(log_dir, rank)
