@@ -1,12 +1,8 @@
 """The front end: parsing, resolution, evaluation and the checks made where a task is written."""
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 
-from pipec.compiler.driver import task_kinds
-from pipec.dsl import parse, resolve
 from pipec.errors import (
     EvalError,
     ParseError,
@@ -16,18 +12,7 @@ from pipec.errors import (
     SourceErrors,
     UsageError,
 )
-
-
-def spec_of(text: str, name: str | None = None, **params):
-    source = textwrap.dedent(text)
-    module = parse(source, "t.pipe")
-    return resolve(module.schedule(name), "t.pipe", source, task_kinds()).evaluate(params)
-
-
-def error_of(exc_type, text: str, **params):
-    with pytest.raises(exc_type) as info:
-        spec_of(text, **params)
-    return info.value
+from source_util import error_of, spec_of
 
 
 ONE_F_ONE_B = """

@@ -4,7 +4,6 @@ mistake reported where it is written."""
 from __future__ import annotations
 
 import re
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,33 +15,9 @@ from pipec.dsl import RingSpec, ast, parse, resolve
 from pipec.dsl import parser as parser_module
 from pipec.dsl.limits import MAX_CHUNKS, MAX_TASKS
 from pipec.errors import EvalError, ParseError, ResolveError, SourceErrors
+from source_util import error_of, located, messages, spec_of
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def spec_of(text: str, **params):
-    source = textwrap.dedent(text)
-    module = parse(source, "t.pipe")
-    return resolve(module.schedule(None), "t.pipe", source, task_kinds()).evaluate(params)
-
-
-def error_of(exc_type, text: str, **params):
-    with pytest.raises(exc_type) as info:
-        spec_of(text, **params)
-    return info.value
-
-
-def located(error, line: int, col: int) -> str:
-    """The error's message, after checking its place and that its rendering shows it."""
-    assert (error.span.file, error.span.line, error.span.col) == ("t.pipe", line, col), error.render()
-    assert error.render().startswith(f"t.pipe:{line}:{col}: {error.message}")
-    return error.message
-
-
-def messages(error) -> list[tuple[int, int, str]]:
-    """(line, col, message) of every error raised at once, in the order found."""
-    errors = error.errors if isinstance(error, SourceErrors) else [error]
-    return [(e.span.line, e.span.col, e.message) for e in errors]
 
 
 ZIGZAG = """\

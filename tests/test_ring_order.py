@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from pipec.cli import main
-from pipec.compiler.driver import compile_target, task_kinds
+from pipec.compiler.driver import compile_target
 from pipec.compiler.ir import Action
 from pipec.compiler.lower_rings import lower_plan, ring_plan, written_steps
-from pipec.dsl import parse, resolve
 from pipec.errors import CoverageError, EvalError, ParseError, ResolveError, RouteError, ScheduleError, UsageError
+from source_util import error_of, located, spec_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,25 +43,6 @@ def variant(old: str, new: str, text: str = ZIGZAG) -> str:
 def without_order(text: str) -> str:
     """The schedule with its order left out: the compiler derives it."""
     return text[:text.index("  order rank r")] + "}\n"
-
-
-def spec_of(text: str, **params):
-    source = textwrap.dedent(text)
-    module = parse(source, "t.pipe")
-    return resolve(module.schedule(None), "t.pipe", source, task_kinds()).evaluate(params)
-
-
-def error_of(exc_type, text: str, **params):
-    with pytest.raises(exc_type) as info:
-        spec_of(text, **params)
-    return info.value
-
-
-def located(error, line: int, col: int) -> str:
-    """The error's message, after checking its place and that its rendering shows it."""
-    assert (error.span.file, error.span.line, error.span.col) == ("t.pipe", line, col), error.render()
-    assert error.render().startswith(f"t.pipe:{line}:{col}: {error.message}")
-    return error.message
 
 
 def compiled(tmp_path: Path, text: str, **params):

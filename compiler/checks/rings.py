@@ -42,6 +42,7 @@ from collections import Counter, deque
 from typing import NamedTuple
 
 from pipec.compiler import ops
+from pipec.compiler.checks.symbolic import SymbolicRun
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import kv_buffer_counts
 from pipec.errors import CoverageError, DeadlockError, MatchError, RouteError, WellFormedError
@@ -107,9 +108,9 @@ class _Rank:
         self.waiting_on = None
 
 
-class _Run:
+class _Run(SymbolicRun):
     def __init__(self, program: Program):
-        self.program = program
+        super().__init__(program)
         self.plan = plan = program.rings
         self.P = program.num_ranks
         self.ranks = [_Rank(r, plan.pieces) for r in range(self.P)]
@@ -120,12 +121,6 @@ class _Run:
         self.backward: dict[int, set[int]] = {q: set() for q in range(plan.chunks)}
         self.expected = {q: {plan.block(kv, p) for kv in range(plan.chunks) for p in range(plan.pieces)
                              if plan.visible(q, kv, p)} for q in range(plan.chunks)}
-        self.grid = None
-
-    def error(self, cls, message: str, rank: int, step: int, marks=()):
-        if self.grid is None:
-            self.grid = self.program.grid()
-        return cls(message, rank, step, self.grid, marks)
 
     # -- driver ------------------------------------------------------------------
 
@@ -133,16 +128,7 @@ class _Run:
         if len(self.program.ranks) != self.P or any(len(ring) != self.P or sorted(ring) != list(range(self.P))
                                                    for ring in self.plan.rings):
             raise self.error(WellFormedError, "every ring must visit each of the program's ranks once", 0, 0)
-        moved = True
-        while moved:
-            moved = False
-            for state in self.ranks:
-                if self.advance(state):
-                    moved = True
-        stuck = [s for s in self.ranks if s.pc < len(self.program.ranks[s.rank])]
-        if stuck:
-            raise self.deadlock(stuck)
-        self.finish()
+        self.execute(self.ranks)
         return RingReport(self.buffers(), sum(len(b) for b in self.expected.values()))
 
     def advance(self, state: _Rank) -> bool:

@@ -43,6 +43,7 @@ from collections import Counter, deque
 from typing import NamedTuple
 
 from pipec.compiler import ops
+from pipec.compiler.checks.symbolic import SymbolicRun
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import weight_buffer_counts
 from pipec.errors import DeadlockError, MatchError, RouteError
@@ -123,9 +124,9 @@ def _ordinal(k: int) -> str:
     return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
-class _Run:
+class _Run(SymbolicRun):
     def __init__(self, program: Program):
-        self.program = program
+        super().__init__(program)
         self.plan = program.weights
         self.P = program.num_ranks
         self.ranks = [_Rank(r) for r in range(self.P)]
@@ -133,7 +134,6 @@ class _Run:
         self.meetings: dict[tuple[int, int], _Meeting] = {}
         self.scattered: dict[int, Counter] = {}
         self.expected: dict[int, Counter] = {}
-        self.grid = None
 
     # -- helpers -----------------------------------------------------------------
 
@@ -141,11 +141,6 @@ class _Run:
         if not 0 <= action.stage < len(self.program.stages):
             return -1
         return self.program.stages[action.stage].position
-
-    def error(self, cls, message: str, rank: int, step: int, marks=()):
-        if self.grid is None:
-            self.grid = self.program.grid()
-        return cls(message, rank, step, self.grid, marks)
 
     def owns(self, rank: int, layer: int) -> bool:
         owners = self.plan.owners
@@ -158,16 +153,7 @@ class _Run:
             for action in row:
                 if action.op in ops.GRADIENT_CONTRIBUTORS and 0 <= action.stage < len(self.program.stages):
                     self.expected.setdefault(self.layer(action), Counter())[(self.layer(action), action.mb)] += 1
-        moved = True
-        while moved:
-            moved = False
-            for state in self.ranks:
-                if self.advance(state):
-                    moved = True
-        stuck = [s for s in self.ranks if s.pc < len(self.program.ranks[s.rank])]
-        if stuck:
-            raise self.deadlock(stuck)
-        self.finish()
+        self.execute(self.ranks)
         return WeightReport(self.buffers())
 
     def buffers(self) -> list[int]:
