@@ -409,6 +409,22 @@ def seconds_arg(text: str) -> float:
 
 seconds_arg.__name__ = "seconds"
 
+# The largest value of a plain positive decimal option (--clip-grad-norm): far past any use, far from overflow.
+MAX_DECIMAL = 1e12
+
+
+def positive_decimal_arg(text: str) -> float:
+    """argparse type of a plain decimal above 0 and at most ``MAX_DECIMAL`` (not inf, nan or an exponent)."""
+    stripped = text.strip()
+    value = float(stripped) if _PLAIN_DECIMAL.fullmatch(stripped) and len(stripped) <= 40 else None
+    if value is None or not 0 < value <= MAX_DECIMAL:
+        raise argparse.ArgumentTypeError(
+            f"expected a decimal number above 0 and at most {MAX_DECIMAL:g}, got {quote(text, 40)}")
+    return value
+
+
+positive_decimal_arg.__name__ = "number"
+
 
 # ----------------------------------------------------------------- programs
 
@@ -451,6 +467,6 @@ def read_program(path: str, error: type[PipecError] = UsageError):
 
 __all__ = [
     "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PROGRAM", "SOURCE", "TORCH_CSV", "TRACE", "count_arg", "looks_like_program",
-    "parse_json_text", "plain_int", "positive_count_arg", "quote", "read_bytes", "read_json", "read_program",
+    "parse_json_text", "plain_int", "positive_count_arg", "positive_decimal_arg", "quote", "read_bytes", "read_json", "read_program",
     "read_text", "seconds_arg", "shown_path",
 ]

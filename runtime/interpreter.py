@@ -13,13 +13,18 @@ key; the consumer takes it from there when producer and consumer share the
 rank (a local hand-off, no message), or a SEND takes it and ships it. A RECV
 posts its receive into a fresh buffer of the activation's shape and files it
 in ``pending`` under the same key; the compute that reads it waits for it then
-(receives are posted early, waited at first use).
+(receives are posted early, waited at first use). What crosses a boundary is a
+payload (``runtime/payload.py``: a tensor, or a tuple or dict of tensors, of
+the boundary's ``Layout``); each boundary's ``Wire`` packs it into the one
+tensor a message carries, and its gradients likewise.
 
-Autograd. Each stage is its own graph: a stage's input is a leaf (the received
-or handed-off tensor, detached), so B or I yields the gradient to send back as
-that leaf's gradient. The last stage of a pipeline turns logits into
+Autograd. Each stage is its own graph: a stage's input leaves that carry a
+gradient are autograd leaves (the received or handed-off tensors, detached),
+so B or I yields the gradients to send back as those leaves' gradients. The last stage of a pipeline turns logits into
 ``loss_fn / N`` right after its forward, so microbatch gradients sum to the
-one-process gradient of the mean loss. I computes the input gradient and
+one-process gradient of the mean loss. Forwards run in the run's precision
+(``runtime/precision.py``: autocast under ``--dtype bf16``; parameters,
+gradients and their reductions stay fp32). I computes the input gradient and
 records the gradients where the paths to the parameters branch off; W later
 computes the parameters' gradients from those alone (``split_backward``), so
 I + W does the work of one B. Weight gradients accumulate into ``.grad``,
@@ -61,8 +66,9 @@ from pipec.compiler.ir import (
     stage_tables,
 )
 from pipec.errors import ProgramError, RuntimeFault
-from pipec.runtime import comm, rings, split_backward, weights
+from pipec.runtime import clipping, comm, payload, rings, split_backward, weights
 from pipec.runtime.flat import bind_flat_grads
+from pipec.runtime.precision import FP32, Precision
 
 # Kinds of a hand-off tensor (``ops.MESSAGE_KIND_CODE``): the low bits of its key.
 ACT, GRAD = ops.MESSAGE_KIND_CODE["act"], ops.MESSAGE_KIND_CODE["grad"]
@@ -91,8 +97,10 @@ class RankContext:
         stage_params: stage id -> its module's trainable parameters (for W).
         replicas: the replica subgroups this rank is in (``comm.replica_groups``),
             keyed by their communicator's key (the chunk); see ``_group_of``.
-        activation_shape: shape of every message (an activation or its gradient).
-        dtype, device: of the messages.
+        wires: chunk position c -> the ``payload.Wire`` of what chunk c hands
+            chunk c + 1 (and of its gradients); empty under weight passing.
+        device: where the modules, messages and batches live.
+        precision: the run's compute precision (autocast for the forwards).
         timeout: longest wait of one instruction, in seconds.
         wait: the backend's wait function (``comm.wait_rule``).
         blocking: whether ``wait`` blocks the CPU (else the step settles at its end).
@@ -104,6 +112,9 @@ class RankContext:
             tensor it carries (the stage its rule's ``where`` names).
         iteration: the current training step, counted from 1 (for messages).
         weights: for a weight-passing program, its ``weights.WeightContext``; else None.
+        clip_grad_norm: clip the gradients by their global norm over every
+            rank to this before each optimizer step (``runtime/clipping.py``); None: no clipping.
+        grad_norm: under clipping, the global gradient norm of the last step (before clipping).
     """
 
     program: Program
@@ -115,9 +126,9 @@ class RankContext:
     flat_grads: dict[int, torch.Tensor]
     stage_params: dict[int, list[torch.Tensor]]
     replicas: dict[int, comm.ReplicaGroup]
-    activation_shape: tuple[int, ...]
-    dtype: torch.dtype
+    wires: dict[int, payload.Wire]
     device: torch.device
+    precision: Precision
     timeout: float
     wait: Callable
     blocking: bool
@@ -128,6 +139,17 @@ class RankContext:
     producer: dict[str, list[int]]
     iteration: int = 0
     weights: weights.WeightContext | None = None
+    clip_grad_norm: float | None = None
+    grad_norm: float | None = None
+
+    def wire_of(self, kind: int, producer: int) -> payload.Wire | None:
+        """The wire of the value (kind, producer stage, ·): an activation leaves its producer's chunk, a
+        gradient goes back across the boundary before its producer's chunk. None under weight passing
+        (no activation leaves its rank)."""
+        if not self.wires:
+            return None
+        position = self.program.stages[producer].position
+        return self.wires[position if kind == ACT else position - 1]
 
 
 def make_context(
@@ -137,13 +159,16 @@ def make_context(
     *,
     loss_fn: Callable,
     make_optimizer: Callable,
-    activation_shape: Sequence[int],
+    activation_shape: Sequence[int] = (),
+    layouts: Sequence[payload.Layout] | payload.Layout | None = None,
+    precision: Precision = FP32,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     backend: str = "gloo",
     timeout: float = 60.0,
     synchronize: Callable[[], None] | None = None,
     groups: dict[int, comm.ReplicaGroup] | None = None,
+    clip_grad_norm: float | None = None,
 ) -> RankContext:
     """Prepare a rank to run steps; collective (it creates the replica subgroups).
 
@@ -154,14 +179,20 @@ def make_context(
             ``stage_modules``); modules already on ``device``.
         loss_fn, make_optimizer: the model spec's.
         activation_shape: the shape of what one stage hands the next for one
-            microbatch (its gradient has the same shape); unused under weight
-            passing, where activations never leave their rank (pass ``()``).
-        device, dtype: where and in what messages live.
+            microbatch when it is one tensor of ``dtype`` (its gradient has
+            the same shape); used when ``layouts`` is None.
+        layouts: what each chunk hands the next (``payload.Layout``): one per
+            chunk boundary (index c: chunk c's output), or one for all of them.
+            Both unused under weight passing, where activations never leave
+            their rank.
+        precision: the run's compute precision.
+        device, dtype: where modules and messages live; the dtype of ``activation_shape``'s tensor.
         backend: "gloo" or "nccl"; chooses how waits meet their deadline.
         timeout: longest wait of one instruction, seconds.
         synchronize: see ``RankContext``.
         groups: replica subgroups already made (``comm.replica_groups``); made here when None.
             For a weight-passing program: its communicators (``comm.communicator_groups``).
+        clip_grad_norm: see ``RankContext``; every rank of the run must pass the same.
     Returns:
         the ``RankContext``. Every parameter's ``.grad`` is now a zeroed view
         into its chunk's flat buffer: never set it to None (``run_step`` zeroes it).
@@ -188,6 +219,9 @@ def make_context(
         replicas = groups if groups is not None else comm.replica_groups(program, rank)
     tables = stage_tables(program)
     wait, blocking = comm.wait_rule(backend)
+    wires = {} if program.weights is not None else _wires(
+        program, payload.tensor_layout(activation_shape, dtype) if layouts is None else layouts,
+        torch.device(device), precision)
     return RankContext(
         program=program,
         rank=rank,
@@ -198,9 +232,9 @@ def make_context(
         flat_grads=flat_grads,
         stage_params={stage: _trainable(module) for stage, module in stages.items()},
         replicas=replicas,
-        activation_shape=tuple(activation_shape),
-        dtype=dtype,
+        wires=wires,
         device=torch.device(device),
+        precision=precision,
         timeout=timeout,
         wait=wait,
         blocking=blocking,
@@ -210,7 +244,18 @@ def make_context(
         next=tables.next,
         producer={op: tables.neighbour(rule.where) for op, rule in PART_RULES.items()},
         weights=weight_context,
+        clip_grad_norm=clip_grad_norm,
     )
+
+
+def _wires(program: Program, layouts, device: torch.device, precision: Precision) -> dict[int, payload.Wire]:
+    """Chunk position -> the wire of its output, for every boundary between two chunks."""
+    boundaries = range(program.num_chunks - 1)
+    if isinstance(layouts, payload.Layout):
+        layouts = [layouts] * len(boundaries)
+    if len(layouts) != len(boundaries):
+        raise ValueError(f"{len(layouts)} layouts for the {len(boundaries)} boundaries of {program.num_chunks} chunks")
+    return {c: payload.Wire(layouts[c], device, precision.wire_dtype) for c in boundaries}
 
 
 def _check_handlers(program: Program, rank: int, row: list[Action]) -> None:
@@ -258,9 +303,11 @@ class _Step:
         ctx: the rank's context.
         inputs, targets: per microbatch, the first stage's input and the loss targets.
         num_microbatches: N.
-        saved: stage * N + mb -> (input leaf or None, output or scaled loss).
-        produced: tensor key -> tensor made here, not yet consumed or sent.
-        pending: tensor key -> (buffer, works, index of its RECV, peer).
+        saved: stage * N + mb -> (its input leaves that carry a gradient (none
+            for a first stage), its output payload or scaled loss).
+        produced: tensor key -> what was made here, not yet consumed or sent:
+            an output payload (detached), or the list of its input's gradients.
+        pending: tensor key -> (receive buffer, works, index of its RECV, peer).
         weight_grads: stage * N + mb -> what its I left for its W (``split_backward``).
         sends: (works, tensor, index of its SEND, peer): waited when the step ends.
         reduces: communicator id -> (works, index of its ALLREDUCE_GRAD, its ReplicaGroup).
@@ -300,12 +347,16 @@ class _Step:
         if not self.ctx.blocking:
             self.streamed.append((works, site))
 
-    def take(self, kind: int, producer: int, mb: int, index: int) -> torch.Tensor:
-        """The tensor (kind, producer, mb): handed off here, or received (waited now)."""
+    def take(self, kind: int, producer: int, mb: int, index: int):
+        """The value (kind, producer, mb): handed off here, or received (waited now). An activation is
+        its payload, a gradient the list of the gradients of its payload's leaves that carry one."""
         key = self.key(kind, producer, mb)
-        tensor = self.produced.pop(key, None)
-        if tensor is not None:
-            return tensor
+        value = self.produced.pop(key, None)
+        wire = self.ctx.wire_of(kind, producer)
+        if value is not None:
+            if wire is None:  # weight passing: a stage of this rank's own pipeline made it
+                return value
+            return wire.hand_off(value) if kind == ACT else wire.hand_off_grads(value)
         entry = self.pending.pop(key, None)
         ctx = self.ctx
         if entry is None:
@@ -316,52 +367,82 @@ class _Step:
         buffer, works, posted, peer = entry
         text = f"{ctx.row[index].text()}, reading {ctx.row[posted].text()} of step {posted}"
         self.wait(works, self.site(index, text, (peer,)))
-        return buffer
+        return wire.unpack(buffer) if kind == ACT else wire.unpack_grads(buffer)
 
-    def new_buffer(self) -> torch.Tensor:
-        ctx = self.ctx
-        return torch.empty(ctx.activation_shape, dtype=ctx.dtype, device=ctx.device)
+    def new_buffer(self, kind: int, producer: int) -> torch.Tensor:
+        """A receive buffer for the value (kind, producer, ·)."""
+        wire = self.ctx.wire_of(kind, producer)
+        return wire.buffer() if kind == ACT else wire.grad_buffer()
+
+
+def _run_forward(step: _Step, stage: int, mb: int, index: int) -> tuple[list[torch.Tensor], object]:
+    """Run a stage's forward on microbatch ``mb`` (autograd on, in the run's precision).
+
+    Returns:
+        (its input leaves that carry a gradient: empty for a first stage; its
+        output payload, or on a pipeline's last stage its loss / N).
+    """
+    ctx = step.ctx
+    prev = ctx.prev[stage]
+    if prev < 0:
+        leaves, value = [], step.inputs[mb]
+    else:
+        value, leaves = payload.input_leaves(ctx.wire_of(ACT, prev).layout, step.take(ACT, prev, mb, index))
+    with ctx.precision.autocast(ctx.device):
+        out = payload.call(ctx.stages[stage], value)
+        if ctx.next[stage] < 0:
+            return leaves, ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
+    wire = ctx.wire_of(ACT, stage)
+    problem = payload.mismatch(wire.layout, out)
+    if problem is not None:
+        raise RuntimeFault(f"stage {stage}'s output for microbatch {mb} does not fit its boundary: {problem} "
+                           "(the model spec's activation_shape, or chunks whose outputs change from one "
+                           "microbatch to the next?)", ctx.rank, index, ctx.row[index].text())
+    return leaves, out
+
+
+def _keep_output(step: _Step, stage: int, mb: int, out) -> None:
+    """File a forward's result: a loss adds to the step's, an output waits for its consumer or its SEND."""
+    if step.ctx.next[stage] < 0:
+        step.loss = out.detach() if step.loss is None else step.loss + out.detach()
+    else:
+        step.produced[step.key(ACT, stage, mb)] = out
 
 
 def _forward(step: _Step, action: Action, index: int) -> None:
-    ctx = step.ctx
     stage, mb = action[0], action[2]
-    prev = ctx.prev[stage]
-    if prev < 0:
-        leaf = None
-        out = ctx.stages[stage](step.inputs[mb])
-    else:
-        leaf = step.take(ACT, prev, mb, index).requires_grad_()
-        out = ctx.stages[stage](leaf)
-    if ctx.next[stage] < 0:
-        out = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
-        step.loss = out.detach() if step.loss is None else step.loss + out.detach()
-    else:
-        step.produced[step.key(ACT, stage, mb)] = out.detach()
-    step.saved[stage * step.num_microbatches + mb] = (leaf, out)
+    leaves, out = _run_forward(step, stage, mb, index)
+    _keep_output(step, stage, mb, out)
+    step.saved[stage * step.num_microbatches + mb] = (leaves, out)
 
 
-def _output_grad(step: _Step, stage: int, mb: int, index: int) -> torch.Tensor | None:
-    """The gradient of a stage's output: None for a loss (a scalar), else the next stage's."""
+def _backward_roots(step: _Step, stage: int, mb: int, out, index: int) -> tuple[list, list | None]:
+    """What a stage's backward starts from: (its loss, None) on a last stage, else (the output leaves the
+    next stage sent gradients for, those gradients)."""
     after = step.ctx.next[stage]
-    return None if after < 0 else step.take(GRAD, after, mb, index)
+    if after < 0:
+        return [out], None
+    grads = step.take(GRAD, after, mb, index)
+    return payload.backward_roots(step.ctx.wire_of(ACT, stage).layout, out, grads)
 
 
 def _backward(step: _Step, action: Action, index: int) -> None:
     stage, mb = action[0], action[2]
-    leaf, out = step.saved[stage * step.num_microbatches + mb]
-    torch.autograd.backward(out, _output_grad(step, stage, mb, index))
-    if leaf is not None:
-        step.produced[step.key(GRAD, stage, mb)] = leaf.grad
+    leaves, out = step.saved[stage * step.num_microbatches + mb]
+    roots, grads = _backward_roots(step, stage, mb, out, index)
+    if roots:
+        torch.autograd.backward(roots, grads)
+    if step.ctx.prev[stage] >= 0:
+        step.produced[step.key(GRAD, stage, mb)] = payload.leaf_grads(leaves)
 
 
 def _input_grad(step: _Step, action: Action, index: int) -> None:
     stage, mb = action[0], action[2]
     slot = stage * step.num_microbatches + mb
-    leaf, out = step.saved[slot]
-    grad, step.weight_grads[slot] = split_backward.input_grad(
-        out, _output_grad(step, stage, mb, index), leaf, step.ctx.stage_params[stage])
-    if leaf is not None:  # a first stage has no input gradient: its W does all its backward
+    leaves, out = step.saved[slot]
+    roots, grads = _backward_roots(step, stage, mb, out, index)
+    grad, step.weight_grads[slot] = split_backward.input_grad(roots, grads, leaves, step.ctx.stage_params[stage])
+    if step.ctx.prev[stage] >= 0:  # a first stage has no input gradient: its W does all its backward
         step.produced[step.key(GRAD, stage, mb)] = grad
 
 
@@ -373,18 +454,23 @@ def _free(step: _Step, action: Action, index: int) -> None:
     step.saved.pop(action[0] * step.num_microbatches + action[2], None)
 
 
-def _message_key(step: _Step, part: Action) -> int:
-    """The key of the tensor a SEND or RECV carries (its kind from the op's rule, its producer from the table)."""
-    op = part[1]
-    return step.key(PART_RULES[op].code, step.ctx.producer[op][part[0]], part[2])
-
-
 def _outgoing(step: _Step, part: Action, index: int) -> torch.Tensor:
-    tensor = step.produced.pop(_message_key(step, part), None)
-    if tensor is None:
+    """The one dense tensor a SEND carries: the payload (or its gradients) packed by its boundary's wire."""
+    op = part[1]
+    rule, producer = PART_RULES[op], step.ctx.producer[op][part[0]]
+    value = step.produced.pop(step.key(rule.code, producer, part[2]), None)
+    if value is None:
         raise RuntimeFault("it sends a tensor this rank has not made (a program the checks did not pass?)",
                            step.ctx.rank, index, step.ctx.row[index].text())
-    return tensor.contiguous()  # a no-op for the usual outputs; NCCL and gloo need dense memory
+    wire = step.ctx.wire_of(rule.code, producer)
+    return wire.pack(value) if rule.code == ACT else wire.pack_grads(value)
+
+
+def _incoming(step: _Step, part: Action) -> tuple[int, torch.Tensor]:
+    """(the key, a fresh receive buffer) of what a RECV brings."""
+    op = part[1]
+    rule, producer = PART_RULES[op], step.ctx.producer[op][part[0]]
+    return step.key(rule.code, producer, part[2]), step.new_buffer(rule.code, producer)
 
 
 def _send(step: _Step, action: Action, index: int) -> None:
@@ -393,20 +479,22 @@ def _send(step: _Step, action: Action, index: int) -> None:
 
 
 def _recv(step: _Step, action: Action, index: int) -> None:
-    buffer = step.new_buffer()
-    step.pending[_message_key(step, action)] = (buffer, comm.post_recv(buffer, action[3]), index, action[3])
+    key, buffer = _incoming(step, action)
+    step.pending[key] = (buffer, comm.post_recv(buffer, action[3]), index, action[3])
 
 
 def _batch(step: _Step, action: Action, index: int) -> None:
     parts = action[4]
     sending = [PART_RULES[part[1]].is_send for part in parts]
-    tensors = [_outgoing(step, part, index) if is_send else step.new_buffer() for part, is_send in zip(parts, sending)]
+    incoming = {i: _incoming(step, part) for i, (part, is_send) in enumerate(zip(parts, sending)) if not is_send}
+    tensors = [_outgoing(step, part, index) if is_send else incoming[i][1]
+               for i, (part, is_send) in enumerate(zip(parts, sending))]
     works = comm.post_batch([(is_send, tensor, part[3]) for part, is_send, tensor in zip(parts, sending, tensors)])
-    for part, is_send, tensor, handles in zip(parts, sending, tensors, works):
+    for i, (part, is_send, tensor, handles) in enumerate(zip(parts, sending, tensors, works)):
         if is_send:
             step.sends.append((handles, tensor, index, part[3]))
         else:
-            step.pending[_message_key(step, part)] = (tensor, handles, index, part[3])
+            step.pending[incoming[i][0]] = (tensor, handles, index, part[3])
 
 
 def _group_of(ctx: RankContext, action: Action) -> tuple[int, comm.ReplicaGroup | None]:
@@ -486,7 +574,7 @@ def run_step(
         (loss, events): the sum of this rank's scaled microbatch losses (a 0-d
         tensor; None when it holds no last stage); and one ``Event``
         (index, start, end, waited) per instruction, ``perf_counter`` seconds,
-        the optimizer step last with index ``len(context.row)``.
+        the optimizer step (with the clipping before it) last with index ``len(context.row)``.
     Raises:
         RuntimeFault: a wait ran past ``context.timeout`` or a peer failed.
     """
@@ -514,6 +602,10 @@ def run_step(
     if step.weights is not None:
         weights.finish_step(step, end)
     start = perf_counter()
+    if context.clip_grad_norm is not None:  # every rank's gradients are complete now
+        everyone = tuple(r for r in range(program.num_ranks) if r != rank)
+        context.grad_norm = clipping.clip_gradients(
+            context, context.clip_grad_norm, step.site(end, "the step's gradient-norm all-reduce", everyone))
     if context.optimizer is not None:
         context.optimizer.step()
     if synchronize is not None:

@@ -560,13 +560,18 @@ def load_model_spec(text: str) -> ModelSpec:
 
 
 def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatches: int, seed: int,
-                    shape: tuple[int, ...] | None, name: str) -> None:
-    """Check, before any worker starts, that the model cuts into ``num_chunks`` and that chunk 0's output
-    has the shape the receivers will allocate.
+                    declared: "Layout | None", name: str, precision: "Precision | None" = None,
+                    passes_activations: bool = True) -> "list[Layout] | None":
+    """Check, before any worker joins, that the model cuts into ``num_chunks`` and what each chunk hands the
+    next; find that out when the spec does not declare it.
 
-    Builds chunk 0 and runs its forward (without gradients) on the first
-    microbatch of step 0's batch; with more than one chunk, its output must be
-    a tensor of ``shape`` (the spec's ``activation_shape(config)``).
+    Builds chunk 0 and runs its forward (autograd on, in ``precision``) on the
+    first microbatch of step 0's batch. Its output must be a payload (a
+    tensor, or a tuple or dict of tensors: ``runtime/payload.py``) and, when
+    the spec declares one, fit ``declared``. Without a declaration the first
+    microbatch runs on through chunks 1 .. num_chunks - 2, built one at a
+    time, and each output's layout is recorded (which leaves carry a
+    gradient: those that require one).
 
     Args:
         spec: the model spec.
@@ -574,16 +579,25 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
         num_chunks: the program's chunk count.
         num_microbatches: the program's microbatch count.
         seed: the run's seed.
-        shape: what one chunk hands the next per microbatch; None when nothing
-            is handed between ranks (weight passing): the output must still be
-            one tensor (a backward differentiates it), of any shape.
+        declared: the spec's ``activation_shape(config)`` as a layout, or None.
         name: how to name the spec in messages (``--model``'s text).
+        precision: the run's compute precision (None: fp32).
+        passes_activations: False under weight passing, where nothing leaves
+            its rank: chunk 0 is run and its output checked to be a payload only.
+    Returns:
+        chunk position c -> the layout of chunk c's output, for c < num_chunks - 1
+        (empty for one chunk); None when ``passes_activations`` is False.
     Raises:
         UsageError: ``model spec NAME: ...`` naming the function at fault: a
             ``build_chunk`` or ``synthetic_batch`` that fails (its own
-            UsageError's words kept), a forward that fails, or an output whose
-            shape is not ``activation_shape``.
+            UsageError's words kept), a forward that fails, an output that is
+            no payload, or one that does not fit the declaration.
     """
+    from pipec.runtime import payload
+    from pipec.runtime.precision import FP32
+
+    precision = precision or FP32
+
     def call(what: str, function, *arguments):
         try:
             return function(*arguments)
@@ -593,17 +607,40 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
             raise UsageError(f"model spec {name}: {what} failed: {type(error).__name__}: {error}") from None
 
     chunk = call(f"build_chunk(config, 0, {num_chunks}, seed)", spec.build_chunk, config, 0, num_chunks, seed)
-    if num_chunks < 2:
-        return
+    if num_chunks < 2 and passes_activations:
+        return []
     inputs, _ = call(f"synthetic_batch(config, 0, {num_microbatches}, seed)", spec.synthetic_batch,
                      config, 0, num_microbatches, seed)
-    first = call("splitting the batch into microbatches", lambda: inputs.chunk(num_microbatches)[0])
-    with torch.no_grad():
-        output = call("chunk 0's forward on the first microbatch", chunk, first)
-    if not isinstance(output, torch.Tensor):
-        raise UsageError(f"model spec {name}: chunk 0 outputs a {type(output).__name__}, not one tensor "
-                         f"(a chunk hands the next one fp32 tensor of activation_shape(config))")
-    if shape is not None and tuple(output.shape) != tuple(shape):
-        raise UsageError(f"model spec {name}: activation_shape {tuple(shape)} does not match what chunk 0 "
-                         f"outputs {tuple(output.shape)} for one microbatch (fix activation_shape(config), "
-                         f"or the config's sizes)")
+    value = call("splitting the batch into microbatches", lambda: inputs.chunk(num_microbatches)[0])
+    layouts: list = []
+    for position in range(num_chunks - 1 if passes_activations else 1):
+        if position > 0:
+            chunk = call(f"build_chunk(config, {position}, {num_chunks}, seed)", spec.build_chunk, config,
+                         position, num_chunks, seed)
+            value, _ = payload.input_leaves(layouts[-1], value)
+        with torch.enable_grad(), precision.autocast("cpu"):
+            output = call(f"chunk {position}'s forward on the first microbatch", payload.call, chunk, value)
+        try:
+            layout = payload.layout_of(output, f"chunk {position}'s output")
+        except UsageError as error:
+            raise UsageError(f"model spec {name}: {error}") from None
+        if declared is not None and position == 0:
+            problem = payload.mismatch(declared, output)
+            if problem is not None:
+                raise UsageError(f"model spec {name}: activation_shape {_layout_words(declared)} does not match what "
+                                 f"chunk 0 outputs {_layout_words(layout)} for one microbatch (fix "
+                                 f"activation_shape(config), or the config's sizes)")
+            return [declared] * (num_chunks - 1)
+        layouts.append(layout)
+        value = payload.rebuild(layout, [t.detach() for t in payload.leaves_of(output)])
+        del chunk, output
+    return layouts if passes_activations else None
+
+
+def _layout_words(layout) -> str:
+    """A layout in an error: a lone fp32 tensor by its shape alone (``(4, 32)``), anything else in full."""
+    from pipec.runtime import payload
+
+    if layout.form == payload.TENSOR and layout.leaves[0].dtype == torch.float32:
+        return str(tuple(layout.leaves[0].shape))
+    return layout.text()

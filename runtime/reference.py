@@ -2,7 +2,10 @@
 
 One step does what a pipeline schedule does, minus the pipeline: for each
 microbatch in order, forward the whole model, ``loss_fn(...) / N``, backward
-(gradients accumulate); then one optimizer step. The step's loss is the sum of
+(gradients accumulate); then, when asked, clipping by the global gradient norm
+(``torch.nn.utils.clip_grad_norm_``), and one optimizer step. Under a mixed
+precision the forward and the loss run under its autocast, as a pipelined
+run's forwards do. The step's loss is the sum of
 the scaled microbatch losses, i.e. their mean. A schedule is exact when its
 parameters after K steps equal these, to fp32 rounding.
 """
@@ -13,6 +16,8 @@ from typing import NamedTuple
 import torch
 
 from pipec.runtime.model import LLAMA, ModelSpec, split_microbatches
+from pipec.runtime.payload import call
+from pipec.runtime.precision import FP32, Precision
 
 
 class ReferenceRun(NamedTuple):
@@ -27,7 +32,8 @@ class ReferenceRun(NamedTuple):
     losses: list[float]
 
 
-def reference_run(config, steps: int, num_microbatches: int, seed: int, spec: ModelSpec = LLAMA) -> ReferenceRun:
+def reference_run(config, steps: int, num_microbatches: int, seed: int, spec: ModelSpec = LLAMA, *,
+                  precision: Precision = FP32, clip_grad_norm: float | None = None) -> ReferenceRun:
     """Train ``spec``'s whole model on one process.
 
     Args:
@@ -36,6 +42,8 @@ def reference_run(config, steps: int, num_microbatches: int, seed: int, spec: Mo
         num_microbatches: N; each microbatch's loss is scaled by 1/N before backward.
         seed: the run's seed (parameters and data).
         spec: the model spec (default: the built-in decoder).
+        precision: the compute precision (autocast around forward and loss).
+        clip_grad_norm: clip the gradients' global norm to this before each step (None: no clipping).
     Returns:
         the final parameters and the per-step losses.
     """
@@ -45,12 +53,13 @@ def reference_run(config, steps: int, num_microbatches: int, seed: int, spec: Mo
     # each other for tens of milliseconds per kernel.
     torch.set_num_threads(1)
     try:
-        return _train(config, steps, num_microbatches, seed, spec)
+        return _train(config, steps, num_microbatches, seed, spec, precision, clip_grad_norm)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(config, steps: int, num_microbatches: int, seed: int, spec: ModelSpec) -> ReferenceRun:
+def _train(config, steps: int, num_microbatches: int, seed: int, spec: ModelSpec, precision: Precision,
+           clip_grad_norm: float | None) -> ReferenceRun:
     model = spec.build_model(config, seed)
     optimizer = spec.make_optimizer(model.parameters())
     losses: list[float] = []
@@ -59,9 +68,12 @@ def _train(config, steps: int, num_microbatches: int, seed: int, spec: ModelSpec
         batch = spec.synthetic_batch(config, step, num_microbatches, seed)
         step_loss = 0.0
         for inputs, targets in split_microbatches(batch, num_microbatches):
-            loss = spec.loss_fn(model(inputs), targets) / num_microbatches
+            with precision.autocast("cpu"):
+                loss = spec.loss_fn(call(model, inputs), targets) / num_microbatches
             loss.backward()
             step_loss += loss.item()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         optimizer.step()
         losses.append(step_loss)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

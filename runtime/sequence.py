@@ -137,6 +137,8 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     Returns:
         on rank 0 the loss of each step; elsewhere an empty list.
     """
+    from pipec.runtime.worker import step_line
+
     program, spec, config = plan.program, plan.spec, plan.config
     ring = program.rings
     check_ring_model(spec, config, program)
@@ -153,16 +155,21 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
         tokens = targets.numel()  # the global batch's: every rank's losses sum to its mean
         inputs, targets = inputs.to(device)[:, positions], targets.to(device)[:, positions]
         attend = ring_attend(program, rank, timeout=args.timeout, iteration=iteration)
-        logits = model(inputs, positions=positions, attend=attend)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / tokens
+        with plan.precision.autocast(device):
+            logits = model(inputs, positions=positions, attend=attend)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   reduction="sum") / tokens
         loss.backward()
         total = _all_reduce_gradients(parameters, loss.detach(), args.timeout,
                                       comm.Site(rank, len(program.ranks[rank]), "the step's gradient all-reduce",
                                                 others, iteration))
+        norm = None
+        if args.clip_grad_norm is not None:  # every replica holds the whole summed gradient: no message
+            norm = torch.nn.utils.clip_grad_norm_(parameters, args.clip_grad_norm).item()
         optimizer.step()
         if rank == 0:
             losses.append(total)
-            print(f"step {iteration} loss {total:.6f}", flush=True)
+            print(step_line(iteration, total, norm), flush=True)
     if args.save:
         _save(args.save, model, rank)
     return losses

@@ -23,9 +23,11 @@ which it cannot tell autograd to skip, with the incoming gradients of those
 nodes pinned to what I recorded so that nothing counts twice: exact, only not
 the short path.
 
-A stage whose input is not a tensor that requires grad (a pipeline's first
-stage) has no input path: I has nothing to compute, and W is the whole
-backward into the parameters.
+A stage may read several input tensors and make several outputs (a
+payload: ``runtime/payload.py``); the input path is then the union of the
+paths from every input that carries a gradient to any output. A stage with
+no such input (a pipeline's first stage) has no input path: I has nothing to
+compute, and W is the whole backward into the parameters.
 
 The idea is the one of torch.distributed.pipelining's ``stage_backward_input``
 and ``stage_backward_weight``; this is an independent implementation of it.
@@ -48,12 +50,21 @@ class BranchGroup(NamedTuple):
 
 
 class PendingWeightGrad(NamedTuple):
-    """What I leaves for W: the branch groups, or (first stage) the output and its gradient."""
+    """What I leaves for W: the branch groups, or (first stage) the outputs and their gradients."""
 
     groups: list[BranchGroup]
-    output: torch.Tensor | None
-    output_grad: torch.Tensor | None
+    outputs: list[torch.Tensor]
+    output_grads: list[torch.Tensor] | None
     params: Sequence[torch.Tensor]
+
+
+def _as_list(tensors) -> list[torch.Tensor]:
+    """One tensor, a sequence of them, or None, as a list."""
+    if tensors is None:
+        return []
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return list(tensors)
 
 
 def _node_of(tensor: torch.Tensor) -> Node | None:
@@ -66,11 +77,11 @@ def _node_of(tensor: torch.Tensor) -> Node | None:
     return tensor.view_as(tensor).grad_fn.next_functions[0][0]
 
 
-def _consumers(root: Node) -> tuple[dict[Node, list[Node]], dict[Node, int]]:
-    """The reversed graph below ``root`` (node -> the nodes whose backward feeds it), and each node's discovery rank."""
+def _consumers(roots: list[Node]) -> tuple[dict[Node, list[Node]], dict[Node, int]]:
+    """The reversed graph below ``roots`` (node -> the nodes whose backward feeds it), and each node's discovery rank."""
     consumers: dict[Node, list[Node]] = defaultdict(list)
-    rank = {root: 0}
-    queue = deque([root])
+    rank = {root: i for i, root in enumerate(dict.fromkeys(roots))}
+    queue = deque(rank)
     while queue:
         node = queue.popleft()
         for child, _ in node.next_functions:
@@ -83,10 +94,10 @@ def _consumers(root: Node) -> tuple[dict[Node, list[Node]], dict[Node, int]]:
     return consumers, rank
 
 
-def _upward(start: Node, consumers: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
-    """Nodes reached from ``start`` toward the output, not entering ``stop``; and the ``stop`` nodes met."""
-    reached, met = {start}, set()
-    queue = deque([start])
+def _upward(starts: list[Node], consumers: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes reached from ``starts`` toward the outputs, not entering ``stop``; and the ``stop`` nodes met."""
+    reached, met = set(starts), set()
+    queue = deque(reached)
     while queue:
         for parent in consumers.get(queue.popleft(), ()):
             if parent in stop:
@@ -97,10 +108,11 @@ def _upward(start: Node, consumers: dict[Node, list[Node]], stop: set[Node]) -> 
     return reached, met
 
 
-def _branch_groups(output: torch.Tensor, leaf: torch.Tensor, params: Sequence[torch.Tensor]) -> list[BranchGroup]:
+def _branch_groups(outputs: list[torch.Tensor], leaves: list[torch.Tensor],
+                   params: Sequence[torch.Tensor]) -> list[BranchGroup]:
     """The parameters grouped by the branch nodes they share (transitively), nodes in a fixed order."""
-    consumers, rank = _consumers(output.grad_fn)
-    input_path, _ = _upward(_node_of(leaf), consumers, set())
+    consumers, rank = _consumers([output.grad_fn for output in outputs])
+    input_path, _ = _upward([_node_of(leaf) for leaf in leaves], consumers, set())
     owner: dict[Node, int] = {}  # branch node -> its group's index in members / nodes
     members: list[list[torch.Tensor]] = []
     nodes: list[set[Node]] = []
@@ -108,7 +120,7 @@ def _branch_groups(output: torch.Tensor, leaf: torch.Tensor, params: Sequence[to
         accumulator = _node_of(param)
         if accumulator not in consumers:
             continue  # this output does not use it: no gradient, as in a plain backward
-        _, branches = _upward(accumulator, consumers, input_path)
+        _, branches = _upward([accumulator], consumers, input_path)
         joined = sorted({owner[n] for n in branches if n in owner})
         members.append([param] + [p for g in joined for p in members[g]])
         nodes.append(branches.union(*(nodes[g] for g in joined)))
@@ -124,30 +136,39 @@ def _branch_groups(output: torch.Tensor, leaf: torch.Tensor, params: Sequence[to
     ]
 
 
-def input_grad(
-    output: torch.Tensor, output_grad: torch.Tensor | None, leaf: torch.Tensor | None, params: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor | None, PendingWeightGrad]:
-    """I: the gradient of ``leaf`` (None when there is no leaf), and what W needs.
+def input_grad(output, output_grad, leaf, params: Sequence[torch.Tensor]):
+    """I: the gradient of the stage's input(s), and what W needs.
 
     Args:
-        output: the stage's output (or its scalar loss, then ``output_grad`` is None).
-        output_grad: the gradient of ``output``.
-        leaf: the stage's input, a leaf that requires grad; None for a first stage.
+        output: the stage's output tensor (or its scalar loss, then ``output_grad``
+            is None), or a sequence of output tensors.
+        output_grad: the gradient of ``output`` (a tensor, or one per output).
+        leaf: the stage's input, a leaf that requires grad, or a sequence of
+            them; None (or empty) for a first stage.
         params: the stage's trainable parameters.
+    Returns:
+        (the input gradient: a tensor when ``leaf`` is one, a list (zeros for an
+        input the outputs do not depend on) when ``leaf`` is a sequence, None
+        without inputs; the ``PendingWeightGrad`` for W).
     """
-    if leaf is None:
-        return None, PendingWeightGrad([], output, output_grad, params)
-    groups = _branch_groups(output, leaf, params)
-    handles = []
-    try:
-        for group in groups:
-            for i, node in enumerate(group.nodes):
-                handles.append(node.register_prehook(_recorder(group.grads, i)))
-        (grad,) = torch.autograd.grad(output, leaf, output_grad, retain_graph=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return grad, PendingWeightGrad(groups, None, None, params)
+    outputs, leaves = _as_list(output), _as_list(leaf)
+    grads = None if output_grad is None else _as_list(output_grad)
+    if not leaves:
+        return None, PendingWeightGrad([], outputs, grads, params)
+    groups, found = [], [None] * len(leaves)
+    if outputs:  # else no output depends on anything trainable: nothing flows back
+        groups = _branch_groups(outputs, leaves, params)
+        handles = []
+        try:
+            for group in groups:
+                for i, node in enumerate(group.nodes):
+                    handles.append(node.register_prehook(_recorder(group.grads, i)))
+            found = torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+    found = [g if g is not None else torch.zeros_like(x) for g, x in zip(found, leaves)]
+    return (found[0] if isinstance(leaf, torch.Tensor) else found), PendingWeightGrad(groups, [], None, params)
 
 
 def _recorder(slots: list, i: int):
@@ -159,8 +180,8 @@ def _recorder(slots: list, i: int):
 
 def weight_grad(pending: PendingWeightGrad) -> None:
     """W: accumulate the stage's weight gradients into each parameter's ``.grad``."""
-    if pending.output is not None:
-        torch.autograd.backward(pending.output, pending.output_grad, inputs=list(pending.params))
+    if pending.outputs:
+        torch.autograd.backward(pending.outputs, pending.output_grads, inputs=list(pending.params))
         return
     for group in pending.groups:
         edges, grads = [], []

@@ -53,7 +53,7 @@ from torch.func import functional_call
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, WeightPlan
 from pipec.errors import ProgramError, RuntimeFault
-from pipec.runtime import comm
+from pipec.runtime import comm, payload
 from pipec.runtime.flat import bind_flat_grads
 
 ACT, GRAD = ops.MESSAGE_KIND_CODE["act"], ops.MESSAGE_KIND_CODE["grad"]
@@ -454,8 +454,9 @@ def forward(step, action: Action, index: int) -> None:
     layer = wctx.layer_of[stage]
     weights = _weights_for(step, action, index, layer)
     x = step.inputs[mb] if ctx.prev[stage] < 0 else step.take(ACT, ctx.prev[stage], mb, index)
-    with torch.no_grad():
-        out = functional_call(wctx.modules[layer], params_from_flat(wctx.layouts[layer], weights), (x,))
+    with torch.no_grad(), ctx.precision.autocast(ctx.device):
+        out = functional_call(wctx.modules[layer], params_from_flat(wctx.layouts[layer], weights),
+                              *payload.arguments(x))
         if ctx.next[stage] < 0:
             loss = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
             step.loss = loss if step.loss is None else step.loss + loss
@@ -477,16 +478,20 @@ def _recompute(step, action: Action, index: int) -> tuple[int, torch.Tensor]:
     first, last = ctx.prev[stage] < 0, ctx.next[stage] < 0
     out_grad = None if last else step.take(GRAD, ctx.next[stage], mb, index)
     weights = _weights_for(step, action, index, layer).detach().requires_grad_(True)
-    x = saved[0] if first else saved[0].detach().requires_grad_(True)
+    # the input's floating leaves carry gradients back, as the stage before hands them its (list of) gradients
+    x, leaves = (saved[0], []) if first else payload.input_leaves(payload.floating_layout(saved[0]), saved[0])
     with torch.enable_grad():
-        out = functional_call(wctx.modules[layer], params_from_flat(wctx.layouts[layer], weights), (x,))
-        if last:
-            out = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
-        wanted = (weights,) if first else (weights, x)
-        grads = torch.autograd.grad(out, wanted, out_grad)
+        with ctx.precision.autocast(ctx.device):
+            out = functional_call(wctx.modules[layer], params_from_flat(wctx.layouts[layer], weights),
+                                  *payload.arguments(x))
+            if last:
+                out = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
+        roots, grads = ([out], None) if last else payload.backward_roots(payload.floating_layout(out), out, out_grad)
+        found = torch.autograd.grad(roots, [weights, *leaves], grads, allow_unused=True)
     if not first:
-        step.produced[step.key(GRAD, stage, mb)] = grads[1]
-    return layer, grads[0]
+        step.produced[step.key(GRAD, stage, mb)] = [g if g is not None else torch.zeros_like(x)
+                                                    for g, x in zip(found[1:], leaves)]
+    return layer, found[0] if found[0] is not None else torch.zeros_like(weights)
 
 
 def backward(step, action: Action, index: int) -> None:

@@ -39,7 +39,7 @@ import traceback
 from datetime import timedelta
 from typing import Iterator, NamedTuple
 
-from pipec.compiler.guarded_read import count_arg, seconds_arg
+from pipec.compiler.guarded_read import count_arg, positive_decimal_arg, seconds_arg
 from pipec.errors import PipecError, RuntimeFault, UsageError
 
 DEFAULT_STEPS = 5
@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", metavar="FILE", help="a JSON cost file for schedules whose order depends on costs")
     parser.add_argument("--config", dest="config", action="append", default=[], metavar="NAME=VALUE",
                         help="override a field of the model's config, e.g. --config layers=16 (repeatable)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="compute precision: bf16 runs the forwards under autocast with fp32 master weights, "
+                             "optimizer state and gradient reductions, and bf16 activations on the wire (default fp32)")
+    parser.add_argument("--clip-grad-norm", dest="clip_grad_norm", type=positive_decimal_arg, metavar="X",
+                        help="before each optimizer step, scale the gradients so that their global norm over every "
+                             "rank (replicas counted once) is at most X, as torch.nn.utils.clip_grad_norm_ does")
     parser.add_argument("--program", metavar="FILE",
                         help="run this compiled program (JSON, as `pipec compile --format json` writes it) instead of "
                              "compiling TARGET; TARGET, -D and --costs then only name, in the trace, what it was compiled from")
@@ -191,12 +197,20 @@ def _free_port() -> int:
 
 @dataclasses.dataclass
 class Plan:
-    """What every rank derives from the arguments alone, before joining the group."""
+    """What every rank derives from the arguments alone, before joining the group.
+
+    Attributes:
+        layouts: chunk position c -> what chunk c hands chunk c + 1
+            (``payload.Layout``); None when no activation leaves its rank
+            (weight passing) or the program is a sequence ring.
+        precision: the run's compute precision (``--dtype``).
+    """
 
     program: object
     spec: object
     config: object
-    activation_shape: tuple[int, ...] | None  # None: weight passing (activations stay on their rank)
+    layouts: list | None
+    precision: object
     inject: Injection | None = None
 
 
@@ -216,29 +230,48 @@ def make_plan(args, world: int) -> Plan:
         )
     spec = load_model_spec(args.model)
     config = override_config(spec.config, args.config)
-    if getattr(args, "program", None):
-        # `pipec run` checked the model before starting the workers (check_plan_model): only the cheap part here
-        shape = _checked_cut(spec, config, program)
-    else:  # under torchrun nothing was checked before: say what is wrong before joining the group
-        shape = check_plan_model(spec, config, program, args.seed, args.model)
+    precision = run_precision(args)
+    # `pipec run` checked the model before starting the workers (check_plan_model): only what a worker
+    # needs is redone then; under torchrun nothing was checked: say what is wrong before joining the group
+    layouts = model_layouts(spec, config, program, args.seed, args.model, precision,
+                            checked=bool(getattr(args, "program", None)))
     if program.rings is not None:
         from pipec.runtime.sequence import check_ring_options
 
         check_ring_options(args, program)
     inject = parse_injection(args.inject) if args.inject else None
-    return Plan(program, spec, config, shape, inject)
+    return Plan(program, spec, config, layouts, precision, inject)
 
 
-def _checked_cut(spec, config, program) -> tuple[int, ...] | None:
-    """The activation shape, after checking that the built-in model's layers split into the program's chunks.
+def run_precision(args):
+    """The run's compute precision (``--dtype``)."""
+    from pipec.runtime.precision import precision
 
-    None for a weight-passing program: its activations never leave their rank,
-    so no receiver allocates one and the spec need not say its shape; None
-    for a sequence-ring program too, after checking that it can train the
-    model (``sequence.check_ring_model``: the built-in model, a causal mask,
-    a ``seq_len`` its chunks and pieces cut).
+    return precision(getattr(args, "dtype", None))
+
+
+def model_layouts(spec, config, program, seed: int, name: str, precision=None, *, checked: bool = False):
+    """Check that the model fits the program, and what each chunk hands the next.
+
+    The built-in model's layers must split into the program's chunks; a
+    sequence-ring program must be able to train the model
+    (``sequence.check_ring_model``: the built-in model, a causal mask, a
+    ``seq_len`` its chunks and pieces cut). Then ``runtime.model.check_model_cut``
+    builds chunk 0 and runs it on one microbatch (and, when the spec declares
+    no ``activation_shape``, runs that microbatch on through the chunks to
+    find each boundary's layout).
+
+    Args:
+        checked: the model was checked before the workers started (``pipec
+            run``): a declared layout is taken as it is, without running chunk 0 again.
+    Returns:
+        chunk position c -> the ``payload.Layout`` of chunk c's output; None
+        for a weight-passing program (its activations never leave their rank)
+        and for a sequence ring.
+    Raises:
+        UsageError: ``model spec NAME: ...``, naming the function at fault, or the cut.
     """
-    from pipec.runtime.model import ModelConfig, chunk_layers
+    from pipec.runtime.model import ModelConfig, check_model_cut, chunk_layers
 
     if program.rings is not None:
         from pipec.runtime.sequence import check_ring_model
@@ -250,23 +283,18 @@ def _checked_cut(spec, config, program) -> tuple[int, ...] | None:
             chunk_layers(config, 0, program.num_chunks)
         except UsageError as error:
             raise UsageError(f"{error} (--config layers=N sets the model's layer count)") from None
-    return None if program.weights is not None else _activation_shape(spec, config)
+    passes = program.weights is None
+    declared = _declared_layout(spec, config) if passes else None
+    if checked and (declared is not None or not passes):
+        return [declared] * (program.num_chunks - 1) if passes else None
+    return check_model_cut(spec, config, program.num_chunks, program.num_microbatches, seed, declared, name,
+                           precision, passes)
 
 
-def check_plan_model(spec, config, program, seed: int, name: str) -> tuple[int, ...] | None:
-    """Check that the model spec cuts into ``program``'s chunks and that chunk 0's output has the activation
-    shape (``runtime.model.check_model_cut``: chunk 0 built and run on one microbatch).
-
-    Returns:
-        the activation shape; None for a weight-passing program (``_checked_cut``).
-    Raises:
-        UsageError: ``model spec NAME: ...``, naming the function at fault.
-    """
-    from pipec.runtime.model import check_model_cut
-
-    shape = _checked_cut(spec, config, program)
-    check_model_cut(spec, config, program.num_chunks, program.num_microbatches, seed, shape, name)
-    return shape
+def check_plan_model(spec, config, program, seed: int, name: str, precision=None):
+    """Check, before any worker starts, that the model spec fits ``program`` (``model_layouts``, chunk 0
+    built and run on one microbatch); returns the layouts (None under weight passing)."""
+    return model_layouts(spec, config, program, seed, name, precision)
 
 
 def compile_program(args):
@@ -331,20 +359,19 @@ def override_config(config, items: list[str]):
     return dataclasses.replace(config, **changes)
 
 
-def _activation_shape(spec, config) -> tuple[int, ...]:
-    """What one stage hands the next per microbatch: the spec's ``activation_shape(config)``, else [b, seq, dim]."""
+def _declared_layout(spec, config):
+    """What the spec says one chunk hands the next (``activation_shape(config)`` as a ``payload.Layout``),
+    or None when it does not say (the runtime then finds it: ``check_model_cut``)."""
+    from pipec.runtime.payload import declared_layout
+
     shape_of = getattr(spec, "activation_shape", None)
-    if callable(shape_of):
-        try:
-            return tuple(int(size) for size in shape_of(config))
-        except Exception as error:  # a user's function may fail in any way
-            raise UsageError(f"the model spec's activation_shape(config) failed: {type(error).__name__}: {error}") from None
+    if not callable(shape_of):
+        return None
     try:
-        return (config.microbatch_size, config.seq_len, config.dim)
-    except AttributeError:
-        raise UsageError(
-            "the model spec has no activation_shape(config), and its config lacks microbatch_size, seq_len and dim"
-        ) from None
+        declared = shape_of(config)
+    except Exception as error:  # a user's function may fail in any way
+        raise UsageError(f"the model spec's activation_shape(config) failed: {type(error).__name__}: {error}") from None
+    return declared_layout(declared, "the model spec's activation_shape(config)")
 
 
 def device_index(devices: list[int] | None, rank: int, local_rank: int, node_size: int) -> int:
@@ -463,8 +490,9 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     synchronize = torch.cuda.synchronize if (args.trace and device.type == "cuda") else None
     context = make_context(
         program, rank, stages,
-        loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, activation_shape=plan.activation_shape or (),
-        device=device, backend=args.backend, timeout=args.timeout, synchronize=synchronize,
+        loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, layouts=plan.layouts or [],
+        precision=plan.precision, device=device, backend=args.backend, timeout=args.timeout, synchronize=synchronize,
+        clip_grad_norm=args.clip_grad_norm,
     )
     if plan.inject and plan.inject.kind != _LATE:
         _inject(context, plan.inject)
@@ -489,7 +517,7 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
         comm.settle([reduced], args.timeout, site)
         if rank == 0:
             losses.append(total.item())
-            print(f"step {iteration} loss {losses[-1]:.6f}", flush=True)
+            print(step_line(iteration, losses[-1], context.grad_norm), flush=True)
     if args.trace:
         _write_trace(args, context, recorded, t0, world)
     if args.save:
@@ -498,6 +526,12 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
         else:
             _save(args.save, stages, rank, world)
     return losses
+
+
+def step_line(iteration: int, loss: float, grad_norm: float | None) -> str:
+    """Rank 0's line per step: ``step k loss X``, and ``grad norm Y`` (before clipping) under clipping."""
+    norm = "" if grad_norm is None else f" grad norm {grad_norm:.6f}"
+    return f"step {iteration} loss {loss:.6f}{norm}"
 
 
 def _gather(obj, rank: int, world: int):

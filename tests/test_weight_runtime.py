@@ -341,8 +341,10 @@ def test_a_layer_runs_the_same_on_its_flat_weights():
 
 def test_the_worker_plans_a_weight_program_without_an_activation_shape(user_model, compiled, tmp_path):
     """A weight-passing program needs no activation_shape (no activation leaves its rank): the plan of a
-    worker given ``--program`` and the check ``pipec run`` makes before launching both pass without one;
-    an activation-passing program still asks for it."""
+    worker given ``--program`` and the check ``pipec run`` makes before launching both pass without one and
+    plan no layouts; an activation-passing program without one has its boundaries found by running the
+    first microbatch through the chunks: the user model's (rows, width) fp32 hidden state."""
+    from pipec.runtime.payload import tensor_layout
     from pipec.runtime.worker import build_parser, check_plan_model, make_plan
 
     path = tmp_path / "weipipe.json"
@@ -350,11 +352,12 @@ def test_the_worker_plans_a_weight_program_without_an_activation_shape(user_mode
         write_program_json(compiled["user-weipipe-P2"], handle)
     args = build_parser().parse_args(["weipipe", "--program", str(path), "--model", f"{USER_MODULE}:NO_SHAPE"])
     plan = make_plan(args, 2)
-    assert plan.activation_shape is None and plan.program.weights is not None
+    assert plan.layouts is None and plan.program.weights is not None
     spec = user_model.NO_SHAPE
     assert check_plan_model(spec, spec.config, plan.program, SEED, "user") is None
-    with pytest.raises(UsageError, match="activation_shape"):
-        check_plan_model(spec, spec.config, compile_target("gpipe", {"P": 2, "N": 2}).program, SEED, "user")
+    gpipe = compile_target("gpipe", {"P": 2, "N": 2}).program
+    hidden = tensor_layout((spec.config.rows, spec.config.width))
+    assert check_plan_model(spec, spec.config, gpipe, SEED, "user") == [hidden]
 
 
 # ------------------------------------------------------------------ faults

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pipec.compiler.defines import parse_defines
-from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
+from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
 from pipec.errors import UsageError, printable
 
 # How often the launcher's agent looks at its workers, in seconds: the delay
@@ -72,6 +72,8 @@ _PASS_THROUGH = (
     ("--seed", "seed"),
     ("--timeout", "timeout"),
     ("--model", "model"),
+    ("--dtype", "dtype"),
+    ("--clip-grad-norm", "clip_grad_norm"),
     ("--inject", "inject"),
 )
 # Repeatable worker options: (option, dest holding a list).
@@ -117,6 +119,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a field of the model's config, e.g. --config layers=16 (repeatable)",
     )
     parser.add_argument("--costs", metavar="FILE", help="a JSON cost file, for schedules whose order depends on costs")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"),
+                        help="compute precision: bf16 runs the forwards under autocast, keeps fp32 master weights, "
+                             "optimizer state and gradient reductions, and sends bf16 activations (default fp32)")
+    parser.add_argument("--clip-grad-norm", dest="clip_grad_norm", type=positive_decimal_arg, metavar="X",
+                        help="clip the gradients by their global norm over every rank (replicas counted once) to X "
+                             "before each optimizer step, as torch.nn.utils.clip_grad_norm_ does")
     # test-only: plant a fault in a worker (runtime.worker's --inject KIND:RANK:INDEX)
     parser.add_argument("--inject", metavar="KIND:RANK:INDEX", help=argparse.SUPPRESS)
 
@@ -174,7 +182,7 @@ def check_launch(args, program) -> int:
         _check_gpus(nproc)
         _check_device_map(program, nproc)
     _check_outputs(args)
-    _check_model(args.model, args.config, program, args.seed)
+    _check_model(args, program)
     if program.rings is not None:  # sequence-parallel training: no --trace, no planted faults
         from pipec.runtime.sequence import check_ring_options
 
@@ -218,17 +226,18 @@ def _check_device_map(program, nproc: int) -> None:
     check_device_map(program.devices, nproc, node_size=nproc)
 
 
-def _check_model(text: str | None, overrides: list[str], program, seed: int | None) -> None:
+def _check_model(args, program) -> None:
     """Load the model spec and its config as the workers will, and check that it cuts into the program's
     chunks (``runtime.worker.check_plan_model``): an error shows here, once, not P times after start-up.
     """
     from pipec.runtime.model import DEFAULT_MODEL, load_model_spec
-    from pipec.runtime.worker import DEFAULT_SEED, check_plan_model, override_config
+    from pipec.runtime.worker import DEFAULT_SEED, check_plan_model, override_config, run_precision
 
-    name = text or DEFAULT_MODEL
+    name = args.model or DEFAULT_MODEL
     spec = load_model_spec(name)
-    config = override_config(spec.config, overrides)
-    check_plan_model(spec, config, program, DEFAULT_SEED if seed is None else seed, name)
+    config = override_config(spec.config, args.config)
+    seed = DEFAULT_SEED if args.seed is None else args.seed
+    check_plan_model(spec, config, program, seed, name, run_precision(args))
 
 
 def worker_arguments(args) -> list[str]:
