@@ -85,6 +85,10 @@ TRACE = Kind("trace", "trace", 1024 * _MiB, "1 GiB")
 # 5 million actions, more than the 2,000,000 tasks pipec compiles (dsl.limits.MAX_TASKS).
 TORCH_CSV = Kind("torch schedule CSV", "the torch schedule CSV", 64 * _MiB, "64 MiB")
 
+# A training checkpoint (pipec run --save F: F.resume) holds the whole model and its optimizer state;
+# it is memory-mapped, not read whole, so the limit only refuses what is surely no checkpoint.
+CHECKPOINT = Kind("pipec checkpoint", "the checkpoint", 1 << 40, "1 TiB")
+
 _PLAIN_INT = re.compile(r"[+-]?[0-9]+")
 _PLAIN_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 
@@ -134,6 +138,36 @@ def read_bytes(path: str, kind: Kind, error: type[PipecError] = UsageError) -> b
         error: no such file, not a regular file (a folder, a device, a FIFO:
             refused without waiting), unreadable, or over the limit.
     """
+    fd, _ = _open_regular(path, kind, error)
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as handle:
+            fd = -1
+            data = handle.read(kind.limit + 1)  # a file growing while read is still bounded
+    except OSError as failure:
+        raise error(f"cannot read {kind.noun} '{shown_path(path)}': {_reason(failure)}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > kind.limit:
+        raise error(f"{shown_path(path)}: over the {kind.limit_text} limit for a {kind.name}")
+    return data
+
+
+def regular_file_size(path: str, kind: Kind, error: type[PipecError] = UsageError) -> int:
+    """The size of the regular file ``path``, after ``read_bytes``'s checks, without reading it (for a file
+    that is memory-mapped rather than read: a checkpoint).
+
+    Raises:
+        error: as ``read_bytes``.
+    """
+    fd, info = _open_regular(path, kind, error)
+    os.close(fd)
+    return info.st_size
+
+
+def _open_regular(path: str, kind: Kind, error: type[PipecError]) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading without blocking and check that it is a regular file within the limit;
+    returns (the open descriptor, its stat). The caller closes it."""
     shown = shown_path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -148,17 +182,13 @@ def read_bytes(path: str, kind: Kind, error: type[PipecError] = UsageError) -> b
             raise error(f"{shown}: {what}; expected a {kind.name}")
         if info.st_size > kind.limit:
             raise error(f"{shown}: {_size(info.st_size)}, over the {kind.limit_text} limit for a {kind.name}")
-        with os.fdopen(fd, "rb", closefd=True) as handle:
-            fd = -1
-            data = handle.read(kind.limit + 1)  # a file growing while read is still bounded
     except OSError as failure:
+        os.close(fd)
         raise error(f"cannot read {kind.noun} '{shown}': {_reason(failure)}") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    if len(data) > kind.limit:
-        raise error(f"{shown}: over the {kind.limit_text} limit for a {kind.name}")
-    return data
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
 
 
 def shown_path(path: str) -> str:
@@ -466,7 +496,7 @@ def read_program(path: str, error: type[PipecError] = UsageError):
 
 
 __all__ = [
-    "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PROGRAM", "SOURCE", "TORCH_CSV", "TRACE", "count_arg", "looks_like_program",
+    "CHECKPOINT", "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PROGRAM", "SOURCE", "TORCH_CSV", "TRACE", "count_arg", "looks_like_program",
     "parse_json_text", "plain_int", "positive_count_arg", "positive_decimal_arg", "quote", "read_bytes", "read_json", "read_program",
-    "read_text", "seconds_arg", "shown_path",
+    "read_text", "regular_file_size", "seconds_arg", "shown_path",
 ]

@@ -137,19 +137,27 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     Returns:
         on rank 0 the loss of each step; elsewhere an empty list.
     """
-    from pipec.runtime.worker import step_line
+    from pipec.runtime import checkpoint as checkpoints
+    from pipec.runtime.worker import saves_after, step_line
 
     program, spec, config = plan.program, plan.spec, plan.config
     ring = program.rings
     check_ring_model(spec, config, program)
     positions = token_positions(ring, rank, config.seq_len).to(device)
     model = spec.build_model(config, args.seed).to(device)
+    first, resumed = 1, plan.checkpoint
+    if resumed is not None:
+        checkpoints.load_modules([model], resumed.model, args.resume)
     optimizer = spec.make_optimizer(model.parameters())
+    names = checkpoints.parameter_names([model])
+    if resumed is not None:
+        checkpoints.load_optimizer_state(optimizer, names, resumed.optimizer)
+        first, plan.checkpoint = resumed.step + 1, None
     parameters = [p for p in model.parameters() if p.requires_grad]
     others = tuple(r for r in range(world) if r != rank)
     dist.barrier()
     losses: list[float] = []
-    for iteration in range(1, args.steps + 1):
+    for iteration in range(first, args.steps + 1):
         optimizer.zero_grad(set_to_none=True)
         inputs, targets = spec.synthetic_batch(config, iteration - 1, 1, args.seed)
         tokens = targets.numel()  # the global batch's: every rank's losses sum to its mean
@@ -170,8 +178,8 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
         if rank == 0:
             losses.append(total)
             print(step_line(iteration, total, norm), flush=True)
-    if args.save:
-        _save(args.save, model, rank)
+        if saves_after(args, iteration) and rank == 0:  # every rank holds the same replica: rank 0's is the model
+            _save(args, plan, model, optimizer, names, world, iteration)
     return losses
 
 
@@ -197,12 +205,17 @@ def _all_reduce_gradients(parameters, loss: torch.Tensor, timeout: float, site: 
     return flat[-1].item()
 
 
-def _save(path: str, model, rank: int) -> None:
-    """Rank 0 writes the whole model's state_dict (every rank holds the same replica) through the atomic writer."""
-    from pipec.runtime.worker import _write_model
+def _save(args, plan, model, optimizer, names: dict, world: int, iteration: int) -> None:
+    """Write the checkpoint after step ``iteration`` from this rank's replica (``checkpoint.write_checkpoint``)."""
+    from pipec.runtime import checkpoint
+    from pipec.runtime.worker import checkpoint_meta
 
-    if rank == 0:
-        _write_model(path, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()})
+    path = checkpoint.checkpoint_path(args.save, iteration)
+    checkpoint.write_checkpoint(
+        path, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()},
+        checkpoint.named_optimizer_state(optimizer, names), step=iteration, seed=args.seed,
+        data={"step": iteration}, meta=checkpoint_meta(plan.program, world, plan.precision))
+    print(f"saved: {path}", flush=True)
 
 
 __all__ = ["RingAttentionFunction", "check_ring_model", "check_ring_options", "ring_attend", "token_positions",

@@ -841,7 +841,81 @@ def merged_state(wctx: WeightContext, gathered: list[dict]) -> dict:
     return merged
 
 
+def owned_optimizer_state(wctx: WeightContext, optimizer) -> dict:
+    """This rank's optimizer state for a checkpoint: named by parameter for the owned layers, or per layer
+    for its shards (``{"shards": {layer: {key: value}}}``, joined by ``merged_optimizer_state``)."""
+    from pipec.runtime.checkpoint import named_optimizer_state, parameter_names
+
+    if not wctx.sharded:
+        return named_optimizer_state(optimizer, parameter_names(wctx.modules[layer] for layer in wctx.owned))
+    shards = {}
+    for layer, shard in wctx.shards.items():
+        state = optimizer.state.get(shard) if optimizer is not None else None
+        if state:
+            shards[layer] = {key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+                             for key, value in state.items()}
+    return {"shards": shards}
+
+
+def merged_optimizer_state(wctx: WeightContext, gathered: list[dict]) -> dict:
+    """The named optimizer state from every rank's ``owned_optimizer_state`` (rank order).
+
+    Under ``all_gather`` a state tensor as long as a shard (a momentum) is
+    joined from every rank's piece in rank order, cut to the layer's length and
+    split by the layer's layout into its parameters; anything else (a step
+    count) is the same on every rank and taken from the first.
+    """
+    if not wctx.sharded:
+        merged = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+    merged = {}
+    for layer, layout in sorted(wctx.layouts.items()):
+        pieces = [part["shards"].get(layer) for part in gathered]
+        if not all(pieces):
+            continue  # not stepped yet: no state
+        for key, first in pieces[0].items():
+            if isinstance(first, torch.Tensor) and first.dim() > 0:  # one value per element of the shard
+                flat = torch.cat([piece[key].reshape(-1) for piece in pieces])[:layout.size]
+                for name, view in params_from_flat(layout, flat).items():
+                    merged.setdefault(name, {})[key] = view.clone()
+            else:
+                for name in layout.names:
+                    merged.setdefault(name, {})[key] = first
+    return merged
+
+
+def restore_optimizer_state(wctx: WeightContext, optimizer, saved: dict) -> None:
+    """Give this rank's optimizer the checkpoint's named state: the owned layers' parameters, or this
+    rank's shard of each layer's state (the inverse of ``merged_optimizer_state``)."""
+    from pipec.runtime.checkpoint import load_optimizer_state, parameter_names
+
+    if optimizer is None:
+        return
+    if not wctx.sharded:
+        load_optimizer_state(optimizer, parameter_names(wctx.modules[layer] for layer in wctx.owned), saved)
+        return
+    shard_names = {id(shard): f"layer {layer}'s shard" for layer, shard in wctx.shards.items()}
+    by_shard = {}
+    for layer, layout in wctx.layouts.items():
+        entries = [saved.get(name) for name in layout.names]
+        if not all(entries):
+            continue
+        state = {}
+        for key, first in entries[0].items():
+            if isinstance(first, torch.Tensor) and first.dim() > 0:
+                flat = torch.zeros(layout.padded, dtype=first.dtype)
+                flat[:layout.size] = torch.cat([entry[key].reshape(-1) for entry in entries])
+                state[key] = flat[wctx.rank * layout.shard:(wctx.rank + 1) * layout.shard].clone()
+            else:
+                state[key] = first
+        by_shard[f"layer {layer}'s shard"] = state
+    load_optimizer_state(optimizer, shard_names, by_shard)
+
+
 __all__ = [
     "COMPUTE_HANDLERS", "HANDLERS", "LayerLayout", "PART_POSTERS", "WeightContext", "WeightStep", "finish_step",
-    "flat_weights", "layer_layout", "make_weight_context", "merged_state", "owned_state", "params_from_flat",
+    "flat_weights", "layer_layout", "make_weight_context", "merged_optimizer_state", "merged_state",
+    "owned_optimizer_state", "owned_state", "params_from_flat", "restore_optimizer_state",
 ]

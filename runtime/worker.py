@@ -39,7 +39,7 @@ import traceback
 from datetime import timedelta
 from typing import Iterator, NamedTuple
 
-from pipec.compiler.guarded_read import count_arg, positive_decimal_arg, seconds_arg
+from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
 from pipec.errors import PipecError, RuntimeFault, UsageError
 
 DEFAULT_STEPS = 5
@@ -69,8 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=count_arg, default=DEFAULT_STEPS, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)")
     parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
-    parser.add_argument("--save", metavar="FILE", help="torch.save the whole model's state_dict after the last step")
-    parser.add_argument("--seed", type=count_arg, default=DEFAULT_SEED, metavar="S", help=f"seed of parameters and data (default {DEFAULT_SEED})")
+    parser.add_argument("--save", metavar="FILE",
+                        help="torch.save the whole model's state_dict after the last step as FILE, and the training "
+                             "state (model, optimizer, step, data position) as FILE.resume; a {step} in FILE is "
+                             "replaced by the step")
+    parser.add_argument("--save-every", dest="save_every", type=positive_count_arg, metavar="K",
+                        help="also save after every K-th step (needs --save)")
+    parser.add_argument("--resume", metavar="FILE",
+                        help="go on from the checkpoint --save FILE wrote (FILE.resume): parameters, optimizer "
+                             "state, step count and data position; --steps counts every step, those before included")
+    parser.add_argument("--seed", type=count_arg, default=None, metavar="S",
+                        help=f"seed of parameters and data (default {DEFAULT_SEED}, or the checkpoint's with --resume)")
     parser.add_argument("--timeout", type=seconds_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"longest wait of one instruction (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:ATTR",
@@ -204,6 +213,8 @@ class Plan:
             (``payload.Layout``); None when no activation leaves its rank
             (weight passing) or the program is a sequence ring.
         precision: the run's compute precision (``--dtype``).
+        checkpoint: with ``--resume``, the checkpoint the run goes on from
+            (``runtime/checkpoint.py``); ``args.seed`` is then its seed.
     """
 
     program: object
@@ -212,6 +223,7 @@ class Plan:
     layouts: list | None
     precision: object
     inject: Injection | None = None
+    checkpoint: object = None
 
 
 def make_plan(args, world: int) -> Plan:
@@ -222,6 +234,7 @@ def make_plan(args, world: int) -> Plan:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    checkpoint = resolve_checkpoint(args)
     program = load_program(args.program) if getattr(args, "program", None) else compile_program(args)
     if world != program.num_ranks:
         raise UsageError(
@@ -240,7 +253,28 @@ def make_plan(args, world: int) -> Plan:
 
         check_ring_options(args, program)
     inject = parse_injection(args.inject) if args.inject else None
-    return Plan(program, spec, config, layouts, precision, inject)
+    return Plan(program, spec, config, layouts, precision, inject, checkpoint)
+
+
+def resolve_checkpoint(args):
+    """Check ``--save-every`` and ``--resume``, read the checkpoint and settle ``args.seed`` (the
+    checkpoint's under ``--resume``, else ``--seed`` or the default).
+
+    Returns:
+        the ``checkpoint.Checkpoint`` to go on from, or None.
+    Raises:
+        UsageError: ``--save-every`` without ``--save``; ``check_resumable``'s and ``read_checkpoint``'s.
+    """
+    if getattr(args, "save_every", None) and not args.save:
+        raise UsageError("--save-every K saves to the --save file: pass --save FILE too")
+    if not getattr(args, "resume", None):
+        args.seed = DEFAULT_SEED if args.seed is None else args.seed
+        return None
+    from pipec.runtime.checkpoint import check_resumable, read_checkpoint
+
+    checkpoint = read_checkpoint(args.resume)
+    args.seed = check_resumable(checkpoint, args.steps, args.seed, args.resume)
+    return checkpoint
 
 
 def run_precision(args):
@@ -480,6 +514,8 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     from pipec.runtime.interpreter import make_context, run_step, stage_modules
     from pipec.runtime.model import split_microbatches
 
+    from pipec.runtime.checkpoint import load_modules, restore_optimizer
+
     program, spec, config = plan.program, plan.spec, plan.config
     if program.rings is not None:  # sequence parallel: every rank runs the whole model on its tokens
         from pipec.runtime.sequence import train_ring
@@ -487,6 +523,9 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
         return train_ring(args, plan, rank, world, device)
     stages = stage_modules(program, rank,
                            lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, args.seed).to(device))
+    checkpoint = plan.checkpoint
+    if checkpoint is not None:  # before the context: weight passing cuts its shards from the modules
+        load_modules(stages.values(), checkpoint.model, args.resume)
     synchronize = torch.cuda.synchronize if (args.trace and device.type == "cuda") else None
     context = make_context(
         program, rank, stages,
@@ -496,12 +535,16 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     )
     if plan.inject and plan.inject.kind != _LATE:
         _inject(context, plan.inject)
+    first = 1
+    if checkpoint is not None:
+        restore_optimizer(context, stages, checkpoint.optimizer)
+        first, plan.checkpoint = checkpoint.step + 1, None  # what the modules and optimizer took is theirs now
     num_mb = program.num_microbatches
     dist.barrier()
     t0 = time.perf_counter()
     recorded = []
     losses = []
-    for iteration in range(1, args.steps + 1):
+    for iteration in range(first, args.steps + 1):
         context.iteration = iteration
         inputs, targets = spec.synthetic_batch(config, iteration - 1, num_mb, args.seed)
         micro = split_microbatches((inputs.to(device), targets.to(device)), num_mb)
@@ -518,14 +561,37 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
         if rank == 0:
             losses.append(total.item())
             print(step_line(iteration, losses[-1], context.grad_norm), flush=True)
+        if saves_after(args, iteration):
+            _save_checkpoint(args, plan, context, stages, rank, world, iteration)
     if args.trace:
         _write_trace(args, context, recorded, t0, world)
-    if args.save:
-        if context.weights is not None:
-            _save_weights(args.save, context, rank, world)
-        else:
-            _save(args.save, stages, rank, world)
     return losses
+
+
+def saves_after(args, iteration: int) -> bool:
+    """Whether a checkpoint is written after step ``iteration``: the last, and every ``--save-every``-th."""
+    every = getattr(args, "save_every", None)
+    return bool(args.save) and (iteration == args.steps or bool(every and iteration % every == 0))
+
+
+def checkpoint_meta(program, world: int, precision) -> dict:
+    """What a checkpoint records of the run that wrote it (for people; nothing is checked against it)."""
+    return {"schedule": program.name, "params": dict(program.params), "ranks": world, "dtype": precision.name}
+
+
+def _save_checkpoint(args, plan, context, stages, rank: int, world: int, iteration: int) -> None:
+    """Gather every rank's part of the checkpoint after step ``iteration`` on rank 0, which writes it
+    (``checkpoint.write_checkpoint``: ``F.resume``, then F, the whole model's state_dict)."""
+    from pipec.runtime import checkpoint
+
+    gathered = _gather(checkpoint.rank_part(context, stages), rank, world)
+    if rank == 0:
+        model, optimizer = checkpoint.merged_parts(context, gathered)
+        path = checkpoint.checkpoint_path(args.save, iteration)
+        checkpoint.write_checkpoint(path, model, optimizer, step=iteration, seed=args.seed,
+                                    data={"step": iteration},
+                                    meta=checkpoint_meta(context.program, world, plan.precision))
+        print(f"saved: {path}", flush=True)
 
 
 def step_line(iteration: int, loss: float, grad_norm: float | None) -> str:
@@ -559,41 +625,6 @@ def _write_trace(args, context, recorded, t0: float, world: int) -> None:
             metadata["costs"] = os.path.abspath(args.costs)
         write_chrome_trace(args.trace, gathered, metadata)
         print(f"trace: {args.trace}", flush=True)
-
-
-def _save(path: str, stages, rank: int, world: int) -> None:
-    """Gather one copy of every chunk's parameters on rank 0 and save the whole model's state_dict."""
-    state = {}
-    for module in {id(m): m for m in stages.values()}.values():
-        for name, tensor in module.state_dict().items():
-            state[name] = tensor.detach().cpu()
-    gathered = _gather(state, rank, world)
-    if rank == 0:
-        merged = {}
-        for part in gathered:
-            for name, tensor in part.items():
-                merged.setdefault(name, tensor)  # replicas are equal: keep the first copy
-        _write_model(path, merged)
-
-
-def _save_weights(path: str, context, rank: int, world: int) -> None:
-    """Weight passing: gather each layer from its owner (under all_gather, every rank's shard of it) on
-    rank 0 and save the whole model's state_dict, with the same keys as ``_save``."""
-    from pipec.runtime import weights
-
-    gathered = _gather(weights.owned_state(context.weights), rank, world)
-    if rank == 0:
-        _write_model(path, weights.merged_state(context.weights, gathered))
-
-
-def _write_model(path: str, state: dict) -> None:
-    import torch
-
-    from pipec.compiler.atomic_write import atomic_writer
-
-    with atomic_writer(path, binary=True, what="the saved model") as out:  # the old file stays whole until then
-        torch.save(state, out)
-    print(f"saved: {path}", flush=True)
 
 
 class Injection(NamedTuple):

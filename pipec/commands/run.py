@@ -74,13 +74,14 @@ _PASS_THROUGH = (
     ("--model", "model"),
     ("--dtype", "dtype"),
     ("--clip-grad-norm", "clip_grad_norm"),
+    ("--save-every", "save_every"),
     ("--inject", "inject"),
 )
 # Repeatable worker options: (option, dest holding a list).
 _REPEATED = (("-D", "defines"), ("--config", "config"))
 # Worker options that name files: passed as absolute paths so that they do not
 # depend on the directory a worker resolves them in.
-_PATHS = (("--trace", "trace"), ("--save", "save"), ("--costs", "costs"))
+_PATHS = (("--trace", "trace"), ("--save", "save"), ("--costs", "costs"), ("--resume", "resume"))
 
 
 def register(sub) -> None:
@@ -107,7 +108,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=count_arg, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--backend", choices=("gloo", "nccl"), help="gloo (CPU, default) or nccl (one GPU per rank)")
     parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
-    parser.add_argument("--save", metavar="FILE", help="torch.save the whole model's state_dict after the last step")
+    parser.add_argument("--save", metavar="FILE",
+                        help="torch.save the whole model's state_dict after the last step as FILE, and the training "
+                             "state (model, optimizer, step, data position) as FILE.resume; a {step} in FILE is "
+                             "replaced by the step")
+    parser.add_argument("--save-every", dest="save_every", type=positive_count_arg, metavar="K",
+                        help="also save after every K-th step (needs --save)")
+    parser.add_argument("--resume", metavar="FILE",
+                        help="go on from the checkpoint --save FILE wrote (FILE.resume): parameters, optimizer "
+                             "state, step count and data position; --steps counts every step, those before included")
     parser.add_argument("--seed", type=count_arg, metavar="S", help=f"seed of the parameters and the data (default {DEFAULT_SEED})")
     parser.add_argument(
         "--timeout", type=seconds_arg, metavar="SECONDS",
@@ -182,6 +191,7 @@ def check_launch(args, program) -> int:
         _check_gpus(nproc)
         _check_device_map(program, nproc)
     _check_outputs(args)
+    _check_resume(args)
     _check_model(args, program)
     if program.rings is not None:  # sequence-parallel training: no --trace, no planted faults
         from pipec.runtime.sequence import check_ring_options
@@ -202,6 +212,17 @@ def _check_outputs(args) -> None:
         path = getattr(args, option, None)
         if path is not None:
             check_writable(path, f"{what} (--{option})")
+
+
+def _check_resume(args) -> None:
+    """Check ``--save-every`` and ``--resume`` as the workers will (``runtime.worker.resolve_checkpoint``):
+    a checkpoint that is missing, broken, finished or of another seed stops the run here."""
+    from pipec.runtime.worker import DEFAULT_STEPS, resolve_checkpoint
+
+    probe = argparse.Namespace(save=args.save, save_every=getattr(args, "save_every", None),
+                               resume=getattr(args, "resume", None), seed=args.seed,
+                               steps=DEFAULT_STEPS if args.steps is None else args.steps)
+    resolve_checkpoint(probe)
 
 
 def _check_gpus(nproc: int) -> None:
