@@ -150,6 +150,8 @@ def launch_batch(jobs: list[list[str]], nproc: int, deadline_s: float) -> Worker
 
 
 def _batch_main(jobs: list[list[str]]) -> None:
+    import torch.distributed
+
     from pipec.runtime import worker
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -160,6 +162,7 @@ def _batch_main(jobs: list[list[str]]) -> None:
         for index, job in enumerate(jobs):
             args = parser.parse_args(job)
             worker.train(args, worker.make_plan(args, world), rank, world, device)
+            torch.distributed.barrier()  # rank 0 has written the job's files: a later job may read them
             if rank == 0:
                 print(f"job {index} done", flush=True)
         gc.collect()
