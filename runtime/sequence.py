@@ -7,7 +7,8 @@ across the ranks:
 
 * **Every rank builds the whole model** from the same seed (identical
   replicas) and draws the same global batch as the one-process reference
-  with one microbatch (``synthetic_batch(config, step, 1, seed)``).
+  with one microbatch (``data.BatchSource`` with N = 1: ``synthetic_batch(config,
+  step, 1, seed)``, or the spec's other data source).
 * **Each rank keeps the tokens of its own chunks** (``plan.chunks_of(rank)``,
   ascending; chunk c is tokens [c S/C, (c + 1) S/C)) and runs the embedding,
   every layer and the head on them only, with rotary embeddings at the
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from pipec.errors import UsageError
 from pipec.runtime import comm
+from pipec.runtime.data import BatchSource, data_needs
 from pipec.runtime.rings import RingAttention, chunk_length
 
 
@@ -141,6 +143,8 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     ring = program.rings
     check_ring_model(spec, config, program)
     positions = token_positions(ring, rank, config.seq_len).to(device)
+    # one whole batch a step (N = 1), the same on every rank: each keeps its tokens of it
+    data = BatchSource(spec, config, args.seed, 1, data_needs(program, rank), name=args.model)
     model = spec.build_model(config, args.seed).to(device)
     optimizer = spec.make_optimizer(model.parameters())
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -149,7 +153,7 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     losses: list[float] = []
     for iteration in range(1, args.steps + 1):
         optimizer.zero_grad(set_to_none=True)
-        inputs, targets = spec.synthetic_batch(config, iteration - 1, 1, args.seed)
+        (inputs,), (targets,) = data.batch(iteration - 1)
         tokens = targets.numel()  # the global batch's: every rank's losses sum to its mean
         inputs, targets = inputs.to(device)[:, positions], targets.to(device)[:, positions]
         attend = ring_attend(program, rank, timeout=args.timeout, iteration=iteration)

@@ -254,18 +254,20 @@ def _checked_cut(spec, config, program) -> tuple[int, ...] | None:
 
 
 def check_plan_model(spec, config, program, seed: int, name: str) -> tuple[int, ...] | None:
-    """Check that the model spec cuts into ``program``'s chunks and that chunk 0's output has the activation
-    shape (``runtime.model.check_model_cut``: chunk 0 built and run on one microbatch).
+    """Check that the model spec cuts into ``program``'s chunks, that its data source gives the first
+    microbatch, and that chunk 0's output has the activation shape (``runtime.model.check_model_cut``:
+    chunk 0 built and run on microbatch 0 of step 0, drawn as training draws it).
 
     Returns:
         the activation shape; None for a weight-passing program (``_checked_cut``).
     Raises:
         UsageError: ``model spec NAME: ...``, naming the function at fault.
     """
+    from pipec.runtime.data import batch_microbatches
     from pipec.runtime.model import check_model_cut
 
     shape = _checked_cut(spec, config, program)
-    check_model_cut(spec, config, program.num_chunks, program.num_microbatches, seed, shape, name)
+    check_model_cut(spec, config, program.num_chunks, batch_microbatches(program), seed, shape, name)
     return shape
 
 
@@ -450,8 +452,8 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     import torch.distributed as dist
 
     from pipec.runtime import comm
+    from pipec.runtime.data import BatchSource, data_needs
     from pipec.runtime.interpreter import make_context, run_step, stage_modules
-    from pipec.runtime.model import split_microbatches
 
     program, spec, config = plan.program, plan.spec, plan.config
     if program.rings is not None:  # sequence parallel: every rank runs the whole model on its tokens
@@ -468,16 +470,16 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     )
     if plan.inject and plan.inject.kind != _LATE:
         _inject(context, plan.inject)
-    num_mb = program.num_microbatches
+    # this rank reads only the inputs and targets its first and last stages use
+    data = BatchSource(spec, config, args.seed, program.num_microbatches, data_needs(program, rank),
+                       device=device, name=args.model)
     dist.barrier()
     t0 = time.perf_counter()
     recorded = []
     losses = []
     for iteration in range(1, args.steps + 1):
         context.iteration = iteration
-        inputs, targets = spec.synthetic_batch(config, iteration - 1, num_mb, args.seed)
-        micro = split_microbatches((inputs.to(device), targets.to(device)), num_mb)
-        batch = ([m[0] for m in micro], [m[1] for m in micro])
+        batch = data.batch(iteration - 1)
         loss, events = run_step(program, rank, stages, batch, context)
         if args.trace:
             recorded.append(events)
