@@ -25,6 +25,10 @@ through these functions, so each guard is written once:
   ``positive_count_arg``, ``seconds_arg``.
 * ``read_program``: a compiled program JSON (``pipec compile --format json``),
   recognised by its content (``looks_like_program``).
+* ``stream_text_bytes``: a text file too large to hold, in chunks of strict
+  UTF-8 (``python -m pipec.examples.make_tokens``), bounded like a read.
+* ``map_tokens``: a token file (a flat array of token ids) memory-mapped, after
+  checking its size against its dtype (``pipec.examples.token_file``).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pipec.errors import PipecError, UsageError
 
@@ -67,6 +71,7 @@ class Kind:
 
 
 _MiB = 1 << 20
+_GiB = 1 << 30
 # A .pipe file is parsed token by token and dsl.limits.MAX_TOKENS (25,000)
 # bounds a file's tokens: 1 MiB is 40 characters per token, comments included
 # (the largest shipped schedule is under 10 KB).
@@ -84,10 +89,21 @@ TRACE = Kind("trace", "trace", 1024 * _MiB, "1 GiB")
 # A torch schedule CSV has one cell (3-12 bytes) per action: 64 MiB is over
 # 5 million actions, more than the 2,000,000 tasks pipec compiles (dsl.limits.MAX_TASKS).
 TORCH_CSV = Kind("torch schedule CSV", "the torch schedule CSV", 64 * _MiB, "64 MiB")
+# A token file is memory-mapped, never read whole: the limit bounds the address
+# space one mapping takes (64 GiB: 32 G tokens of uint16), not memory.
+TOKENS = Kind("token file", "the token file", 64 * _GiB, "64 GiB")
+# A text file made into byte-level tokens is streamed; its tokens (uint16) take
+# twice its size, and 16 GiB of text keeps them within the token file's limit.
+TEXT = Kind("text file", "the text file", 16 * _GiB, "16 GiB")
+# How a token file's ids are stored (little-endian, as numpy writes them on
+# every machine pipec runs on): dtype name -> numpy dtype.
+TOKEN_DTYPES = {"uint16": "<u2", "uint32": "<u4", "int32": "<i4"}
+# Bytes per chunk of a streamed file.
+STREAM_CHUNK = 1 * _MiB
 
 # A training checkpoint (pipec run --save F: F.resume) holds the whole model and its optimizer state;
 # it is memory-mapped, not read whole, so the limit only refuses what is surely no checkpoint.
-CHECKPOINT = Kind("pipec checkpoint", "the checkpoint", 1 << 40, "1 TiB")
+CHECKPOINT = Kind("pipec checkpoint", "the checkpoint", 1024 * _GiB, "1 TiB")
 
 _PLAIN_INT = re.compile(r"[+-]?[0-9]+")
 _PLAIN_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
@@ -127,47 +143,15 @@ def _short_repr(value: Any, limit: int) -> str:
 # ----------------------------------------------------------------- files
 
 
-def read_bytes(path: str, kind: Kind, error: type[PipecError] = UsageError) -> bytes:
-    """The bytes of the regular file ``path``, at most ``kind.limit`` of them.
+def _open_regular(path: str, kind: Kind, error: type[PipecError]) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading without blocking and check it is a regular file within ``kind``'s limit.
 
-    Args:
-        path: the file, as the user gave it.
-        kind: what it is (its name and size limit).
-        error: the ``PipecError`` subclass to raise.
+    Returns:
+        (the open descriptor, its ``fstat``); the caller closes it.
     Raises:
         error: no such file, not a regular file (a folder, a device, a FIFO:
             refused without waiting), unreadable, or over the limit.
     """
-    fd, _ = _open_regular(path, kind, error)
-    try:
-        with os.fdopen(fd, "rb", closefd=True) as handle:
-            fd = -1
-            data = handle.read(kind.limit + 1)  # a file growing while read is still bounded
-    except OSError as failure:
-        raise error(f"cannot read {kind.noun} '{shown_path(path)}': {_reason(failure)}") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    if len(data) > kind.limit:
-        raise error(f"{shown_path(path)}: over the {kind.limit_text} limit for a {kind.name}")
-    return data
-
-
-def regular_file_size(path: str, kind: Kind, error: type[PipecError] = UsageError) -> int:
-    """The size of the regular file ``path``, after ``read_bytes``'s checks, without reading it (for a file
-    that is memory-mapped rather than read: a checkpoint).
-
-    Raises:
-        error: as ``read_bytes``.
-    """
-    fd, info = _open_regular(path, kind, error)
-    os.close(fd)
-    return info.st_size
-
-
-def _open_regular(path: str, kind: Kind, error: type[PipecError]) -> tuple[int, os.stat_result]:
-    """Open ``path`` for reading without blocking and check that it is a regular file within the limit;
-    returns (the open descriptor, its stat). The caller closes it."""
     shown = shown_path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -189,6 +173,45 @@ def _open_regular(path: str, kind: Kind, error: type[PipecError]) -> tuple[int, 
         os.close(fd)
         raise
     return fd, info
+
+
+def read_bytes(path: str, kind: Kind, error: type[PipecError] = UsageError) -> bytes:
+    """The bytes of the regular file ``path``, at most ``kind.limit`` of them.
+
+    Args:
+        path: the file, as the user gave it.
+        kind: what it is (its name and size limit).
+        error: the ``PipecError`` subclass to raise.
+    Raises:
+        error: no such file, not a regular file (a folder, a device, a FIFO:
+            refused without waiting), unreadable, or over the limit.
+    """
+    shown = shown_path(path)
+    fd, _ = _open_regular(path, kind, error)
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as handle:
+            fd = -1
+            data = handle.read(kind.limit + 1)  # a file growing while read is still bounded
+    except OSError as failure:
+        raise error(f"cannot read {kind.noun} '{shown}': {_reason(failure)}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > kind.limit:
+        raise error(f"{shown}: over the {kind.limit_text} limit for a {kind.name}")
+    return data
+
+
+def regular_file_size(path: str, kind: Kind, error: type[PipecError] = UsageError) -> int:
+    """The size of the regular file ``path``, after ``read_bytes``'s checks, without reading it (for a file
+    that ``torch.load`` memory-maps: a checkpoint).
+
+    Raises:
+        error: as ``read_bytes``.
+    """
+    fd, info = _open_regular(path, kind, error)
+    os.close(fd)
+    return info.st_size
 
 
 def shown_path(path: str) -> str:
@@ -218,6 +241,114 @@ def _reason(failure: Exception) -> str:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / _MiB:.1f} MiB" if nbytes >= _MiB else f"{nbytes} bytes"
+
+
+def stream_text_bytes(path: str, kind: Kind, error: type[PipecError] = UsageError,
+                      chunk_size: int = STREAM_CHUNK) -> Iterator[bytes]:
+    """The bytes of the regular file ``path`` in chunks, checked to be UTF-8 as they stream.
+
+    ``read_text``'s guards for a file too large to hold: the same refusals
+    before the first byte is read, the size limit held while reading (a file
+    that grows is cut off), and the first byte that is not UTF-8 located at
+    ``FILE:line:col`` whichever chunk it falls in (a character split across
+    two chunks is whole UTF-8).
+
+    Args:
+        path: the file.
+        kind: what it is (its name and size limit).
+        error: the ``PipecError`` subclass to raise.
+        chunk_size: bytes per chunk (the last may be shorter).
+    Yields:
+        the file's bytes, in order, in chunks of at most ``chunk_size``; nothing for an empty file.
+    Raises:
+        error: ``read_bytes``'s, or a byte that is not UTF-8 (``FILE:line:col``),
+            or a sequence cut short at the end of the file.
+    """
+    import codecs
+
+    shown = shown_path(path)
+    fd, _ = _open_regular(path, kind, error)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = lines = line_start = 0  # bytes yielded; newlines in them; offset after the last newline
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as handle:
+            fd = -1
+            while True:
+                try:
+                    chunk = handle.read(chunk_size)
+                except OSError as failure:
+                    raise error(f"cannot read {kind.noun} '{shown}': {_reason(failure)}") from None
+                if offset + len(chunk) > kind.limit:
+                    raise error(f"{shown}: over the {kind.limit_text} limit for a {kind.name}")
+                pending = decoder.getstate()[0]  # the start of a character the last chunk cut
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as bad:
+                    window = pending + chunk  # bad.start counts from the pending bytes (never a newline)
+                    before = window[:bad.start]
+                    newlines = before.count(b"\n")
+                    start = offset - len(pending) + before.rfind(b"\n") + 1 if newlines else line_start
+                    column = offset - len(pending) + bad.start - start + 1
+                    raise error(f"{shown}:{lines + newlines + 1}:{column}: the {kind.name} is not UTF-8 text "
+                                f"(byte 0x{window[bad.start]:02x})") from None
+                if not chunk:
+                    return
+                newlines = chunk.count(b"\n")
+                if newlines:
+                    lines += newlines
+                    line_start = offset + chunk.rfind(b"\n") + 1
+                offset += len(chunk)
+                yield chunk
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def map_tokens(path: str, dtype: str, min_tokens: int, error: type[PipecError] = UsageError, *,
+               needed_for: str = "") -> Any:
+    """The token ids of the token file ``path``, memory-mapped read-only (nothing is read until used).
+
+    A token file is a flat array of token ids, little-endian, nothing else
+    (``python -m pipec.examples.make_tokens`` writes one).
+
+    Args:
+        path: the file.
+        dtype: how an id is stored: a key of ``TOKEN_DTYPES`` (uint16, uint32, int32).
+        min_tokens: the fewest ids the caller can use (at least 1).
+        error: the ``PipecError`` subclass to raise.
+        needed_for: what ``min_tokens`` is, for the message (``"one window: seq_len + 1"``).
+    Returns:
+        a read-only 1-D ``numpy.ndarray`` of the ids, backed by the file (the
+        mapping lives as long as the array; the file's descriptor is closed).
+    Raises:
+        error: ``read_bytes``'s refusals (with the ``TOKENS`` limit), a dtype
+            that is not one of ``TOKEN_DTYPES``, a size that is not a whole
+            number of ids, or fewer than ``min_tokens`` ids.
+    """
+    import mmap
+
+    import numpy
+
+    shown = shown_path(path)
+    if dtype not in TOKEN_DTYPES:
+        raise error(f"token dtype {quote(dtype)} is not one of {', '.join(TOKEN_DTYPES)}")
+    itemsize = numpy.dtype(TOKEN_DTYPES[dtype]).itemsize
+    fd, info = _open_regular(path, TOKENS, error)
+    try:
+        size = info.st_size
+        if size % itemsize:
+            raise error(f"{shown}: {size:,} bytes is not a whole number of {dtype} token ids ({itemsize} bytes "
+                        f"each): a file of ids of another dtype, or one cut short")
+        count = size // itemsize
+        if count < max(1, min_tokens):
+            need = f" ({needed_for})" if needed_for else ""
+            raise error(f"{shown}: {count:,} token ids, fewer than the {max(1, min_tokens):,} needed{need}")
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as failure:
+        raise error(f"cannot read {TOKENS.noun} '{shown}': {_reason(failure)}") from None
+    finally:
+        os.close(fd)
+    return numpy.frombuffer(mapping, dtype=TOKEN_DTYPES[dtype])
 
 
 # ----------------------------------------------------------------- JSON
@@ -496,7 +627,8 @@ def read_program(path: str, error: type[PipecError] = UsageError):
 
 
 __all__ = [
-    "CHECKPOINT", "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PROGRAM", "SOURCE", "TORCH_CSV", "TRACE", "count_arg", "looks_like_program",
-    "parse_json_text", "plain_int", "positive_count_arg", "positive_decimal_arg", "quote", "read_bytes", "read_json", "read_program",
-    "read_text", "regular_file_size", "seconds_arg", "shown_path",
+    "CHECKPOINT", "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PROGRAM", "SOURCE", "TEXT", "TOKENS",
+    "TOKEN_DTYPES", "TORCH_CSV", "TRACE", "count_arg", "looks_like_program", "map_tokens", "parse_json_text",
+    "plain_int", "positive_count_arg", "positive_decimal_arg", "quote", "read_bytes", "read_json", "read_program",
+    "read_text", "regular_file_size", "seconds_arg", "shown_path", "stream_text_bytes",
 ]

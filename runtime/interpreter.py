@@ -20,9 +20,10 @@ tensor a message carries, and its gradients likewise.
 
 Autograd. Each stage is its own graph: a stage's input leaves that carry a
 gradient are autograd leaves (the received or handed-off tensors, detached),
-so B or I yields the gradients to send back as those leaves' gradients. The last stage of a pipeline turns logits into
-``loss_fn / N`` right after its forward, so microbatch gradients sum to the
-one-process gradient of the mean loss. Forwards run in the run's precision
+so B or I yields the gradients to send back as those leaves' gradients. The
+last stage of a pipeline turns logits into ``loss_fn / N`` right after its
+forward, so microbatch gradients sum to the one-process gradient of the mean
+loss. Forwards run in the run's precision
 (``runtime/precision.py``: autocast under ``--dtype bf16``; parameters,
 gradients and their reductions stay fp32). I computes the input gradient and
 records the gradients where the paths to the parameters branch off; W later
@@ -146,7 +147,7 @@ class RankContext:
         """The wire of the value (kind, producer stage, ·): an activation leaves its producer's chunk, a
         gradient goes back across the boundary before its producer's chunk. None under weight passing
         (no activation leaves its rank)."""
-        if not self.wires:
+        if self.weights is not None:
             return None
         position = self.program.stages[producer].position
         return self.wires[position if kind == ACT else position - 1]

@@ -28,7 +28,9 @@ exactness tests need of them.)
 
 ``ModelSpec`` bundles the functions the runtime calls; ``LLAMA`` is this
 module's, and ``load_model_spec("package.module:attribute")`` loads a user's
-(see docs/runtime.md, "Your own model").
+(see docs/runtime.md, "Your own model"). A spec feeds training from exactly
+one data source: ``synthetic_batch`` (this module's task), a ``microbatch``
+function or a ``dataset``; ``runtime/data.py`` draws every batch from it.
 """
 from __future__ import annotations
 
@@ -441,14 +443,18 @@ def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def describe(config: ModelConfig) -> str:
-    """One line about the model for the demo: sizes, parameter count, microbatch shape, task."""
+def describe(config: ModelConfig, task: str = "map each token through a fixed permutation") -> str:
+    """One line about the model for the demo: sizes, parameter count, microbatch shape, task.
+
+    Args:
+        config: the model.
+        task: what it is trained to do (a spec that trains it on other data says so).
+    """
     model_parameters = _parameter_count(config)
     return (
         f"LLaMA-style decoder: {config.layers} layers, dim {config.dim}, {config.heads} heads, "
         f"SwiGLU hidden {config.hidden}, vocab {config.vocab}, {model_parameters:,} parameters; "
-        f"microbatch {config.microbatch_size} x {config.seq_len} tokens; "
-        f"task: map each token through a fixed permutation"
+        f"microbatch {config.microbatch_size} x {config.seq_len} tokens; task: {task}"
     )
 
 
@@ -460,22 +466,32 @@ def _parameter_count(config: ModelConfig) -> int:
 
 # ----------------------------------------------------------- the model spec
 
-_SPEC_FUNCTIONS = ("build_chunk", "build_model", "synthetic_batch", "loss_fn", "make_optimizer")
-_OPTIONAL_FUNCTIONS = ("describe", "activation_shape")
+# The functions every model spec has.
+_SPEC_FUNCTIONS = ("build_chunk", "build_model", "loss_fn", "make_optimizer")
+# Where a spec's training data come from: it has exactly one of these.
+DATA_SOURCES = ("synthetic_batch", "microbatch", "dataset")
+# Options of a dataset source only.
+_DATASET_OPTIONS = ("microbatch_rows", "sampler")
+_OPTIONAL_FUNCTIONS = ("describe", "activation_shape", *_DATASET_OPTIONS)
+_SOURCES_TEXT = "synthetic_batch, microbatch or dataset"
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """The functions the runtime calls to build, feed and train a model.
 
-    ``config`` is passed as the first argument of ``build_chunk``,
-    ``build_model`` and ``synthetic_batch``; the runtime never looks inside it.
+    ``config`` is passed as the first argument of every function that takes
+    one; the runtime never looks inside it. The first five fields keep their
+    places (``ModelSpec(build_chunk, build_model, synthetic_batch, loss_fn,
+    make_optimizer, config=...)``); the four functions other than
+    ``synthetic_batch`` are required, and exactly one data source is.
 
     Attributes:
         build_chunk: (config, chunk, num_chunks, seed) -> nn.Module of that chunk.
         build_model: (config, seed) -> the whole model, same parameter names.
-        synthetic_batch: (config, step, num_microbatches, seed) -> (inputs, targets),
-            each with N * microbatch rows; microbatch m is the m-th of N equal row blocks.
+        synthetic_batch: a data source: (config, step, num_microbatches, seed) ->
+            (inputs, targets), the whole batch of ``step``, each with N equal
+            blocks of rows (microbatch m is the m-th); every rank draws it.
         loss_fn: (last chunk's output, targets of the microbatch) -> scalar loss.
         make_optimizer: (iterable of parameters) -> torch.optim.Optimizer.
         config: whatever the functions above want as their config.
@@ -484,16 +500,63 @@ class ModelSpec:
             hands the next per microbatch (receivers allocate it before it
             arrives); without it the runtime assumes (config.microbatch_size,
             config.seq_len, config.dim).
+        microbatch: a data source: (config, step, microbatch, num_microbatches,
+            seed) -> (inputs, targets) of that one microbatch; called only on
+            the ranks that need that microbatch's inputs or targets.
+        dataset: a data source: (config, seed) -> a map-style
+            ``torch.utils.data.Dataset`` whose item i is one row (inputs,
+            targets) of tensors; a microbatch stacks ``microbatch_rows``
+            consecutive rows of the stream the sampler orders.
+        microbatch_rows: optional, dataset only: (config) -> rows per
+            microbatch; default ``config.microbatch_size``.
+        sampler: optional, dataset only: (config, dataset, seed) -> a
+            ``torch.utils.data.Sampler`` of indices; default the runtime's
+            seeded shuffle per epoch (``runtime/data.py``).
+    Raises:
+        UsageError: a required function missing or not callable, no data
+            source or more than one (naming them), a dataset option without a
+            dataset, or an optional function that is not callable.
     """
 
-    build_chunk: Callable[..., nn.Module]
-    build_model: Callable[..., nn.Module]
-    synthetic_batch: Callable[..., tuple[Any, Any]]
-    loss_fn: Callable[..., torch.Tensor]
-    make_optimizer: Callable[..., torch.optim.Optimizer]
+    build_chunk: Callable[..., nn.Module] | None = None
+    build_model: Callable[..., nn.Module] | None = None
+    synthetic_batch: Callable[..., tuple[Any, Any]] | None = None
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    make_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     config: Any = None
     describe: Callable[[Any], str] | None = None
     activation_shape: Callable[[Any], tuple[int, ...]] | None = None
+    microbatch: Callable[..., tuple[Any, Any]] | None = None
+    dataset: Callable[..., Any] | None = None
+    microbatch_rows: Callable[[Any], int] | None = None
+    sampler: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        missing = [name for name in _SPEC_FUNCTIONS if not callable(getattr(self, name))]
+        if missing:
+            raise UsageError(f"a model spec needs {', '.join(_SPEC_FUNCTIONS)}: missing or not callable: "
+                             f"{', '.join(missing)}")
+        sources = [name for name in DATA_SOURCES if getattr(self, name) is not None]
+        if not sources:
+            raise UsageError(f"a model spec needs one data source, {_SOURCES_TEXT}, and this one has none "
+                             "(see docs/runtime.md, \"Model interface\")")
+        if len(sources) > 1:
+            raise UsageError(f"a model spec has exactly one data source, and this one has {len(sources)}: "
+                             f"{' and '.join(sources)} (keep one)")
+        for name in (*sources, *_OPTIONAL_FUNCTIONS):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise UsageError(f"the model spec's {name} is a {type(value).__name__}, not a function")
+        stray = [name for name in _DATASET_OPTIONS if getattr(self, name) is not None]
+        if stray and self.dataset is None:
+            verb = "applies" if len(stray) == 1 else "apply"
+            raise UsageError(f"the model spec's {' and '.join(stray)} only {verb} to a dataset, and its data "
+                             f"come from {sources[0]}")
+
+    @property
+    def data_source(self) -> str:
+        """The name of the spec's one data source: ``synthetic_batch``, ``microbatch`` or ``dataset``."""
+        return next(name for name in DATA_SOURCES if getattr(self, name) is not None)
 
     def summary(self) -> str:
         """One line for the demo: ``describe(config)``, or the functions' module."""
@@ -522,14 +585,16 @@ def load_model_spec(text: str) -> ModelSpec:
 
     Args:
         text: ``package.module:attribute`` (an attribute holding a ``ModelSpec``, or
-            any object with the five functions and optionally ``config``,
-            ``describe`` and ``activation_shape``), or ``package.module`` (the module itself has them).
+            any object with the four functions and one data source, and
+            optionally ``config``, ``describe``, ``activation_shape`` and, with
+            a dataset, ``microbatch_rows`` and ``sampler``), or ``package.module``
+            (the module itself has them).
     Returns:
         a ``ModelSpec``.
     Raises:
         UsageError: malformed text, a module that cannot be imported (with the
-            import's own error), a missing attribute, or a missing or
-            non-callable function.
+            import's own error), a missing attribute, a missing or
+            non-callable function, no data source or more than one.
     """
     module_name, _, attribute = text.partition(":")
     if not module_name or (":" in text and not attribute):
@@ -546,29 +611,63 @@ def load_model_spec(text: str) -> ModelSpec:
     if isinstance(target, ModelSpec):
         return target
     missing = [name for name in _SPEC_FUNCTIONS if not callable(getattr(target, name, None))]
+    # only functions count: a module may hold other things under these names
+    found = {name: getattr(target, name) for name in (*DATA_SOURCES, *_OPTIONAL_FUNCTIONS)
+             if callable(getattr(target, name, None))}
+    if not any(name in found for name in DATA_SOURCES):
+        missing.append(f"a data source ({_SOURCES_TEXT})")
     if missing:
         raise UsageError(
             f"--model {text}: not a model spec: missing or not callable: {', '.join(missing)} "
-            f"(a model spec has {', '.join(_SPEC_FUNCTIONS)}; see docs/runtime.md)"
+            f"(a model spec has {', '.join(_SPEC_FUNCTIONS)} and one data source, {_SOURCES_TEXT}; "
+            f"see docs/runtime.md)"
         )
-    optional = {name: getattr(target, name, None) for name in _OPTIONAL_FUNCTIONS}
-    return ModelSpec(
-        *(getattr(target, name) for name in _SPEC_FUNCTIONS),
-        config=getattr(target, "config", None),
-        **{name: function for name, function in optional.items() if callable(function)},
-    )
+    try:
+        return ModelSpec(**{name: getattr(target, name) for name in _SPEC_FUNCTIONS},
+                         config=getattr(target, "config", None), **found)
+    except UsageError as error:
+        raise UsageError(f"--model {text}: {error}") from None
+
+
+def call_spec_function(name: str, what: str, function: Callable, *arguments: Any) -> Any:
+    """Call one of a model spec's functions; its failure is a usage error that names the spec.
+
+    Args:
+        name: how to name the spec (``--model``'s text); "" for none.
+        what: the call, as the message shows it (``"dataset(config, seed)"``).
+        function: the spec's function.
+        arguments: its arguments.
+    Returns:
+        what it returns.
+    Raises:
+        UsageError: ``model spec NAME: ...``: the function's own UsageError's
+            words, or ``WHAT failed: TYPE: MESSAGE`` for any other exception.
+    """
+    try:
+        return function(*arguments)
+    except UsageError as error:
+        raise UsageError(f"{spec_label(name)}: {error}") from None
+    except Exception as error:  # a user's function may fail in any way
+        raise UsageError(f"{spec_label(name)}: {what} failed: {type(error).__name__}: {error}") from None
+
+
+def spec_label(name: str) -> str:
+    """How messages name a model spec: ``model spec NAME``, or ``model spec`` without a name."""
+    return f"model spec {name}" if name else "model spec"
 
 
 def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatches: int, seed: int,
                     declared: "Layout | None", name: str, precision: "Precision | None" = None,
                     passes_activations: bool = True) -> "list[Layout] | None":
-    """Check, before any worker joins, that the model cuts into ``num_chunks`` and what each chunk hands the
-    next; find that out when the spec does not declare it.
+    """Check, before any worker joins, that the model cuts into ``num_chunks``, that its data source gives the
+    first microbatch, and what each chunk hands the next; find that out when the spec does not declare it.
 
-    Builds chunk 0 and runs its forward (autograd on, in ``precision``) on the
-    first microbatch of step 0's batch. Its output must be a payload (a
-    tensor, or a tuple or dict of tensors: ``runtime/payload.py``) and, when
-    the spec declares one, fit ``declared``. Without a declaration the first
+    Builds chunk 0, draws microbatch 0 of step 0 (inputs and targets) from the
+    spec's data source as training will (``data.BatchSource``), and with more
+    than one chunk (or under weight passing) runs chunk 0's forward on it
+    (autograd on, in ``precision``). Its output must be a payload (a tensor, or
+    a tuple or dict of tensors: ``runtime/payload.py``) and, when the spec
+    declares one, fit ``declared``. Without a declaration the first
     microbatch runs on through chunks 1 .. num_chunks - 2, built one at a
     time, and each output's layout is recorded (which leaves carry a
     gradient: those that require one).
@@ -577,7 +676,8 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
         spec: the model spec.
         config: its config, overrides applied.
         num_chunks: the program's chunk count.
-        num_microbatches: the program's microbatch count.
+        num_microbatches: the microbatches of one step's batch
+            (``data.batch_microbatches(program)``: 1 for a sequence ring).
         seed: the run's seed.
         declared: the spec's ``activation_shape(config)`` as a layout, or None.
         name: how to name the spec in messages (``--model``'s text).
@@ -589,46 +689,39 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
         (empty for one chunk); None when ``passes_activations`` is False.
     Raises:
         UsageError: ``model spec NAME: ...`` naming the function at fault: a
-            ``build_chunk`` or ``synthetic_batch`` that fails (its own
-            UsageError's words kept), a forward that fails, an output that is
-            no payload, or one that does not fit the declaration.
+            ``build_chunk`` or data source that fails (its own UsageError's
+            words kept, so a missing data file is named), data of the wrong
+            form, a forward that fails, an output that is no payload, or one
+            that does not fit the declaration.
     """
     from pipec.runtime import payload
+    from pipec.runtime.data import BatchSource  # data.py imports this module
     from pipec.runtime.precision import FP32
 
     precision = precision or FP32
-
-    def call(what: str, function, *arguments):
-        try:
-            return function(*arguments)
-        except UsageError as error:
-            raise UsageError(f"model spec {name}: {error}") from None
-        except Exception as error:  # a user's function may fail in any way
-            raise UsageError(f"model spec {name}: {what} failed: {type(error).__name__}: {error}") from None
-
-    chunk = call(f"build_chunk(config, 0, {num_chunks}, seed)", spec.build_chunk, config, 0, num_chunks, seed)
+    chunk = call_spec_function(name, f"build_chunk(config, 0, {num_chunks}, seed)", spec.build_chunk,
+                               config, 0, num_chunks, seed)
+    first = frozenset({0})
+    inputs, _ = BatchSource(spec, config, seed, num_microbatches, (first, first), name=name).batch(0)
     if num_chunks < 2 and passes_activations:
         return []
-    inputs, _ = call(f"synthetic_batch(config, 0, {num_microbatches}, seed)", spec.synthetic_batch,
-                     config, 0, num_microbatches, seed)
-    value = call("splitting the batch into microbatches", lambda: inputs.chunk(num_microbatches)[0])
-    layouts: list = []
+    value, layouts = inputs[0], []
     for position in range(num_chunks - 1 if passes_activations else 1):
         if position > 0:
-            chunk = call(f"build_chunk(config, {position}, {num_chunks}, seed)", spec.build_chunk, config,
-                         position, num_chunks, seed)
+            chunk = call_spec_function(name, f"build_chunk(config, {position}, {num_chunks}, seed)",
+                                       spec.build_chunk, config, position, num_chunks, seed)
             value, _ = payload.input_leaves(layouts[-1], value)
         with torch.enable_grad(), precision.autocast("cpu"):
-            output = call(f"chunk {position}'s forward on the first microbatch", payload.call, chunk, value)
+            output = call_spec_function(name, f"chunk {position}'s forward on the first microbatch",
+                                        payload.call, chunk, value)
         try:
             layout = payload.layout_of(output, f"chunk {position}'s output")
         except UsageError as error:
-            raise UsageError(f"model spec {name}: {error}") from None
+            raise UsageError(f"{spec_label(name)}: {error}") from None
         if declared is not None and position == 0:
-            problem = payload.mismatch(declared, output)
-            if problem is not None:
-                raise UsageError(f"model spec {name}: activation_shape {_layout_words(declared)} does not match what "
-                                 f"chunk 0 outputs {_layout_words(layout)} for one microbatch (fix "
+            if payload.mismatch(declared, output) is not None:
+                raise UsageError(f"{spec_label(name)}: activation_shape {_layout_words(declared)} does not match "
+                                 f"what chunk 0 outputs {_layout_words(layout)} for one microbatch (fix "
                                  f"activation_shape(config), or the config's sizes)")
             return [declared] * (num_chunks - 1)
         layouts.append(layout)

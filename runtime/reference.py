@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from pipec.runtime.model import LLAMA, ModelSpec, split_microbatches
+from pipec.runtime.data import BatchSource
+from pipec.runtime.model import LLAMA, ModelSpec
 from pipec.runtime.payload import call
 from pipec.runtime.precision import FP32, Precision
 
@@ -38,7 +39,9 @@ def reference_run(config, steps: int, num_microbatches: int, seed: int, spec: Mo
 
     Args:
         config: passed to the spec's functions (for ``LLAMA``, a ``ModelConfig``).
-        steps: optimizer steps; step k trains on ``synthetic_batch(config, k, N, seed)``.
+        steps: optimizer steps; step k trains on batch k of the spec's data source, every microbatch
+            (``data.BatchSource(spec, config, seed, N).batch(k)``: for ``LLAMA``,
+            ``synthetic_batch(config, k, N, seed)``).
         num_microbatches: N; each microbatch's loss is scaled by 1/N before backward.
         seed: the run's seed (parameters and data).
         spec: the model spec (default: the built-in decoder).
@@ -62,12 +65,12 @@ def _train(config, steps: int, num_microbatches: int, seed: int, spec: ModelSpec
            clip_grad_norm: float | None) -> ReferenceRun:
     model = spec.build_model(config, seed)
     optimizer = spec.make_optimizer(model.parameters())
+    data = BatchSource(spec, config, seed, num_microbatches)
     losses: list[float] = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        batch = spec.synthetic_batch(config, step, num_microbatches, seed)
         step_loss = 0.0
-        for inputs, targets in split_microbatches(batch, num_microbatches):
+        for inputs, targets in zip(*data.batch(step)):
             with precision.autocast("cpu"):
                 loss = spec.loss_fn(call(model, inputs), targets) / num_microbatches
             loss.backward()

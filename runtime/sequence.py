@@ -7,7 +7,8 @@ across the ranks:
 
 * **Every rank builds the whole model** from the same seed (identical
   replicas) and draws the same global batch as the one-process reference
-  with one microbatch (``synthetic_batch(config, step, 1, seed)``).
+  with one microbatch (``data.BatchSource`` with N = 1: ``synthetic_batch(config,
+  step, 1, seed)``, or the spec's other data source).
 * **Each rank keeps the tokens of its own chunks** (``plan.chunks_of(rank)``,
   ascending; chunk c is tokens [c S/C, (c + 1) S/C)) and runs the embedding,
   every layer and the head on them only, with rotary embeddings at the
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from pipec.errors import UsageError
 from pipec.runtime import comm
+from pipec.runtime.data import BatchSource, data_needs
 from pipec.runtime.rings import RingAttention, chunk_length
 
 
@@ -144,6 +146,8 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     ring = program.rings
     check_ring_model(spec, config, program)
     positions = token_positions(ring, rank, config.seq_len).to(device)
+    # one whole batch a step (N = 1), the same on every rank: each keeps its tokens of it
+    data = BatchSource(spec, config, args.seed, 1, data_needs(program, rank), name=args.model)
     model = spec.build_model(config, args.seed).to(device)
     first, resumed = 1, plan.checkpoint
     if resumed is not None:
@@ -152,6 +156,7 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     names = checkpoints.parameter_names([model])
     if resumed is not None:
         checkpoints.load_optimizer_state(optimizer, names, resumed.optimizer)
+        data.restore(resumed.data)
         first, plan.checkpoint = resumed.step + 1, None
     parameters = [p for p in model.parameters() if p.requires_grad]
     others = tuple(r for r in range(world) if r != rank)
@@ -159,7 +164,7 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     losses: list[float] = []
     for iteration in range(first, args.steps + 1):
         optimizer.zero_grad(set_to_none=True)
-        inputs, targets = spec.synthetic_batch(config, iteration - 1, 1, args.seed)
+        (inputs,), (targets,) = data.batch(iteration - 1)
         tokens = targets.numel()  # the global batch's: every rank's losses sum to its mean
         inputs, targets = inputs.to(device)[:, positions], targets.to(device)[:, positions]
         attend = ring_attend(program, rank, timeout=args.timeout, iteration=iteration)
@@ -179,7 +184,7 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
             losses.append(total)
             print(step_line(iteration, total, norm), flush=True)
         if saves_after(args, iteration) and rank == 0:  # every rank holds the same replica: rank 0's is the model
-            _save(args, plan, model, optimizer, names, world, iteration)
+            _save(args, plan, model, optimizer, names, data.state_after(iteration), world, iteration)
     return losses
 
 
@@ -205,8 +210,9 @@ def _all_reduce_gradients(parameters, loss: torch.Tensor, timeout: float, site: 
     return flat[-1].item()
 
 
-def _save(args, plan, model, optimizer, names: dict, world: int, iteration: int) -> None:
-    """Write the checkpoint after step ``iteration`` from this rank's replica (``checkpoint.write_checkpoint``)."""
+def _save(args, plan, model, optimizer, names: dict, data_state: dict, world: int, iteration: int) -> None:
+    """Write the checkpoint after step ``iteration`` from this rank's replica (``checkpoint.write_checkpoint``),
+    with the data position ``data_state``."""
     from pipec.runtime import checkpoint
     from pipec.runtime.worker import checkpoint_meta
 
@@ -214,7 +220,7 @@ def _save(args, plan, model, optimizer, names: dict, world: int, iteration: int)
     checkpoint.write_checkpoint(
         path, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()},
         checkpoint.named_optimizer_state(optimizer, names), step=iteration, seed=args.seed,
-        data={"step": iteration}, meta=checkpoint_meta(plan.program, world, plan.precision))
+        data=data_state, meta=checkpoint_meta(plan.program, world, plan.precision))
     print(f"saved: {path}", flush=True)
 
 

@@ -305,6 +305,7 @@ def model_layouts(spec, config, program, seed: int, name: str, precision=None, *
     Raises:
         UsageError: ``model spec NAME: ...``, naming the function at fault, or the cut.
     """
+    from pipec.runtime.data import batch_microbatches
     from pipec.runtime.model import ModelConfig, check_model_cut, chunk_layers
 
     if program.rings is not None:
@@ -321,13 +322,14 @@ def model_layouts(spec, config, program, seed: int, name: str, precision=None, *
     declared = _declared_layout(spec, config) if passes else None
     if checked and (declared is not None or not passes):
         return [declared] * (program.num_chunks - 1) if passes else None
-    return check_model_cut(spec, config, program.num_chunks, program.num_microbatches, seed, declared, name,
+    return check_model_cut(spec, config, program.num_chunks, batch_microbatches(program), seed, declared, name,
                            precision, passes)
 
 
 def check_plan_model(spec, config, program, seed: int, name: str, precision=None):
-    """Check, before any worker starts, that the model spec fits ``program`` (``model_layouts``, chunk 0
-    built and run on one microbatch); returns the layouts (None under weight passing)."""
+    """Check, before any worker starts, that the model spec fits ``program`` (``model_layouts``: chunk 0
+    built and run on microbatch 0 of step 0, drawn as training draws it); returns the layouts (None under
+    weight passing and for a sequence ring)."""
     return model_layouts(spec, config, program, seed, name, precision)
 
 
@@ -511,10 +513,9 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     import torch.distributed as dist
 
     from pipec.runtime import comm
-    from pipec.runtime.interpreter import make_context, run_step, stage_modules
-    from pipec.runtime.model import split_microbatches
-
+    from pipec.runtime.data import BatchSource, data_needs
     from pipec.runtime.checkpoint import load_modules, restore_optimizer
+    from pipec.runtime.interpreter import make_context, run_step, stage_modules
 
     program, spec, config = plan.program, plan.spec, plan.config
     if program.rings is not None:  # sequence parallel: every rank runs the whole model on its tokens
@@ -539,16 +540,18 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     if checkpoint is not None:
         restore_optimizer(context, stages, checkpoint.optimizer)
         first, plan.checkpoint = checkpoint.step + 1, None  # what the modules and optimizer took is theirs now
-    num_mb = program.num_microbatches
+    # this rank reads only the inputs and targets its first and last stages use
+    data = BatchSource(spec, config, args.seed, program.num_microbatches, data_needs(program, rank),
+                       device=device, name=args.model)
+    if checkpoint is not None:
+        data.restore(checkpoint.data)
     dist.barrier()
     t0 = time.perf_counter()
     recorded = []
     losses = []
     for iteration in range(first, args.steps + 1):
         context.iteration = iteration
-        inputs, targets = spec.synthetic_batch(config, iteration - 1, num_mb, args.seed)
-        micro = split_microbatches((inputs.to(device), targets.to(device)), num_mb)
-        batch = ([m[0] for m in micro], [m[1] for m in micro])
+        batch = data.batch(iteration - 1)
         loss, events = run_step(program, rank, stages, batch, context)
         if args.trace:
             recorded.append(events)
@@ -562,7 +565,7 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
             losses.append(total.item())
             print(step_line(iteration, losses[-1], context.grad_norm), flush=True)
         if saves_after(args, iteration):
-            _save_checkpoint(args, plan, context, stages, rank, world, iteration)
+            _save_checkpoint(args, plan, context, stages, data.state_after(iteration), rank, world, iteration)
     if args.trace:
         _write_trace(args, context, recorded, t0, world)
     return losses
@@ -579,9 +582,10 @@ def checkpoint_meta(program, world: int, precision) -> dict:
     return {"schedule": program.name, "params": dict(program.params), "ranks": world, "dtype": precision.name}
 
 
-def _save_checkpoint(args, plan, context, stages, rank: int, world: int, iteration: int) -> None:
+def _save_checkpoint(args, plan, context, stages, data_state: dict, rank: int, world: int, iteration: int) -> None:
     """Gather every rank's part of the checkpoint after step ``iteration`` on rank 0, which writes it
-    (``checkpoint.write_checkpoint``: ``F.resume``, then F, the whole model's state_dict)."""
+    (``checkpoint.write_checkpoint``: ``F.resume``, then F, the whole model's state_dict), with the data
+    position ``data_state`` (``BatchSource.state_after``)."""
     from pipec.runtime import checkpoint
 
     gathered = _gather(checkpoint.rank_part(context, stages), rank, world)
@@ -589,7 +593,7 @@ def _save_checkpoint(args, plan, context, stages, rank: int, world: int, iterati
         model, optimizer = checkpoint.merged_parts(context, gathered)
         path = checkpoint.checkpoint_path(args.save, iteration)
         checkpoint.write_checkpoint(path, model, optimizer, step=iteration, seed=args.seed,
-                                    data={"step": iteration},
+                                    data=data_state,
                                     meta=checkpoint_meta(context.program, world, plan.precision))
         print(f"saved: {path}", flush=True)
 

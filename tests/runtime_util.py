@@ -136,17 +136,18 @@ def _launch_once(command: list[str], nproc: int, deadline_s: float, env: dict[st
 # group once and calls the worker's own ``make_plan`` and ``train`` per job.
 
 
-def launch_batch(jobs: list[list[str]], nproc: int, deadline_s: float) -> WorkerRun:
+def launch_batch(jobs: list[list[str]], nproc: int, deadline_s: float, env: dict[str, str] | None = None) -> WorkerRun:
     """Run several worker command lines, one after the other, in one set of ``nproc`` processes (gloo).
 
     Args:
         jobs: each a worker's arguments (as for ``python -m pipec.runtime``).
         nproc: the world size; every job must compile to this many ranks.
         deadline_s: limit for the whole batch.
+        env: extra environment variables (``PYTHONPATH`` for a test's own model spec).
     Returns:
         a ``WorkerRun``; rank 0's stdout has a line ``job I done`` after each job.
     """
-    return _launch([sys.executable, os.path.abspath(__file__), json.dumps(jobs)], nproc, deadline_s, None)
+    return _launch([sys.executable, os.path.abspath(__file__), json.dumps(jobs)], nproc, deadline_s, env)
 
 
 def _batch_main(jobs: list[list[str]]) -> None:

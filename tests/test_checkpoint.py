@@ -12,13 +12,16 @@ What cannot be resumed is refused before any worker starts, with one line.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
 from pipec.cli import main
 from pipec.commands import run as run_command
 from pipec.errors import UsageError
+from pipec.examples.token_file import SPEC as TOKEN_SPEC, TokenConfig
 from pipec.runtime import checkpoint
 from pipec.runtime.model import LLAMA, ModelConfig
 from pipec.runtime.reference import reference_run
@@ -26,6 +29,8 @@ from runtime_util import assert_same_parameters, launch_batch
 
 HALF, FULL, N, SEED = 3, 6, 4, 4
 RESUME_TOLERANCE = 1e-6
+README = Path(__file__).resolve().parents[1] / "README.md"
+TOKEN_MODEL = "pipec.examples.token_file:SPEC"
 
 
 def _job(name: str, *options: str) -> list[str]:
@@ -41,6 +46,10 @@ def runs(tmp_path_factory):
     def at(name: str) -> str:
         return str(folder / name)
 
+    # a real token file (README.md's bytes) read through a Dataset: its data position is a row count
+    numpy.frombuffer(README.read_bytes(), dtype=numpy.uint8).astype("<u2").tofile(at("tokens.bin"))
+    tokens = ["--model", TOKEN_MODEL, "--config", f"token_file={at('tokens.bin')}"]
+
     jobs = [
         _job("1f1b", "--steps", str(HALF), "--seed", str(SEED), "--save", at("1f1b-{step}.pt"), "--save-every", "1"),
         _job("1f1b", "--steps", str(FULL), "--resume", at(f"1f1b-{HALF}.pt"), "--save", at("1f1b-1f1b.pt")),
@@ -52,6 +61,9 @@ def runs(tmp_path_factory):
         _job("weipipe", "--steps", str(FULL), "--resume", at("fsdp.pt"), "--save", at("fsdp-weipipe.pt")),
         _job("zigzag_ring", "--steps", str(HALF), "--seed", str(SEED), "--save", at("zigzag.pt")),
         _job("ring_attention", "--steps", str(FULL), "--resume", at("zigzag.pt"), "--save", at("zigzag-ring.pt")),
+        _job("1f1b", "--steps", str(HALF), "--seed", str(SEED), "--save", at("tokens.pt"), *tokens),
+        _job("interleaved_1f1b", "--steps", str(FULL), "--resume", at("tokens.pt"), "--save", at("tokens-6.pt"),
+             *tokens),
     ]
     run = launch_batch(jobs, 2, 300.0)
     assert run.ok, run.describe()
@@ -78,6 +90,17 @@ def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(runs, saved, n):
     folder, _ = runs
     want = reference_run(ModelConfig(), FULL, n, SEED).state_dict
     assert_same_parameters(_saved(folder, saved), want, f"{saved}: {HALF} steps, then resumed to {FULL}",
+                           RESUME_TOLERANCE)
+
+
+def test_a_resumed_run_goes_on_reading_a_dataset_where_it_stopped(runs):
+    folder, _ = runs
+    state = checkpoint.read_checkpoint(str(folder / "tokens.pt"))
+    rows = HALF * N * TokenConfig().microbatch_size
+    assert state.data == {"source": "dataset", "steps": HALF, "rows": rows}
+    config = TokenConfig(token_file=str(folder / "tokens.bin"))
+    want = reference_run(config, FULL, N, SEED, TOKEN_SPEC).state_dict
+    assert_same_parameters(_saved(folder, "tokens-6.pt"), want, "a token file's run resumed under interleaved_1f1b",
                            RESUME_TOLERANCE)
 
 

@@ -88,7 +88,8 @@ def test_a_file_over_its_kinds_limit_is_refused_naming_the_limit(tmp_path, capsy
 
 
 def test_every_kind_states_its_limit():
-    for kind in (guarded_read.SOURCE, guarded_read.COSTS, guarded_read.PROGRAM, guarded_read.TRACE, guarded_read.TORCH_CSV):
+    for kind in (guarded_read.SOURCE, guarded_read.COSTS, guarded_read.PROGRAM, guarded_read.TRACE, guarded_read.TORCH_CSV,
+                 guarded_read.TOKENS, guarded_read.TEXT):
         assert kind.limit > 0 and kind.limit_text.endswith("iB")
 
 

@@ -28,12 +28,13 @@ from pipec.runtime import worker
 
 ROOT = Path(__file__).resolve().parents[1]
 # Top-level folders and the import names they install as (pyproject's package-dir).
-PACKAGES = {"dsl": "pipec.dsl", "compiler": "pipec.compiler", "runtime": "pipec.runtime"}
+PACKAGES = {"dsl": "pipec.dsl", "compiler": "pipec.compiler", "runtime": "pipec.runtime", "examples": "pipec.examples"}
 # For each folder, the modules its code must not import (the module or anything under it).
 FORBIDDEN = {
-    "runtime": ("pipec.commands", "pipec.cli"),
-    "compiler": ("pipec.runtime", "pipec.commands", "pipec.cli"),
-    "dsl": ("pipec.compiler", "pipec.runtime", "pipec.commands", "pipec.cli"),
+    "examples": ("pipec.commands", "pipec.cli"),
+    "runtime": ("pipec.commands", "pipec.cli", "pipec.examples"),
+    "compiler": ("pipec.runtime", "pipec.commands", "pipec.cli", "pipec.examples"),
+    "dsl": ("pipec.compiler", "pipec.runtime", "pipec.commands", "pipec.cli", "pipec.examples"),
 }
 CHECKS = "pipec.compiler.checks"
 # The modules whose job is to run the checks: the driver (after the last pass)
