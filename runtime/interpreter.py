@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -373,6 +373,58 @@ def _free(step: _Step, action: Action, index: int) -> None:
     step.saved.pop(action[0] * step.num_microbatches + action[2], None)
 
 
+# ---- activation checkpointing (``recompute stage s``): FC, then R just before the backward.
+# Between the two, ``step.saved[slot]`` holds a ``_Kept``; R replaces it with the
+# (leaf, output) F would have saved, so B, I, W and FREE_F run unchanged.
+
+
+class _Kept(NamedTuple):
+    """What FC keeps for its R: the stage's input (None on a first stage: R reads ``step.inputs``) and the
+    random-number state the forward ran with (CPU, and the device's on CUDA), so that R replays it."""
+
+    input: torch.Tensor | None
+    cpu_rng: torch.Tensor
+    device_rng: torch.Tensor | None
+
+
+def _checkpointed_forward(step: _Step, action: Action, index: int) -> None:
+    """FC: the forward without autograd, handing its output on (a last stage: adding its scaled loss to the
+    step's); it keeps only its input and the RNG state, for R."""
+    ctx = step.ctx
+    stage, mb = action[0], action[2]
+    prev = ctx.prev[stage]
+    kept = None if prev < 0 else step.take(ACT, prev, mb, index)
+    on_cuda = ctx.device.type == "cuda"
+    rng = _Kept(kept, torch.get_rng_state(), torch.cuda.get_rng_state(ctx.device) if on_cuda else None)
+    with torch.no_grad():
+        out = ctx.stages[stage](step.inputs[mb] if kept is None else kept)
+        if ctx.next[stage] < 0:
+            out = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
+            step.loss = out if step.loss is None else step.loss + out
+        else:
+            step.produced[step.key(ACT, stage, mb)] = out
+    step.saved[stage * step.num_microbatches + mb] = rng
+
+
+def _recompute(step: _Step, action: Action, index: int) -> None:
+    """R: the forward again, with autograd, from the input FC kept and under the RNG state FC ran with
+    (restored afterwards, as ``torch.utils.checkpoint`` does); saves (leaf, output or scaled loss) as F would."""
+    ctx = step.ctx
+    stage, mb = action[0], action[2]
+    slot = stage * step.num_microbatches + mb
+    kept = step.saved[slot]
+    devices = [ctx.device] if kept.device_rng is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(kept.cpu_rng)
+        if kept.device_rng is not None:
+            torch.cuda.set_rng_state(kept.device_rng, ctx.device)
+        leaf = None if kept.input is None else kept.input.requires_grad_()
+        out = ctx.stages[stage](step.inputs[mb] if leaf is None else leaf)
+        if ctx.next[stage] < 0:
+            out = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches  # FC counted it in step.loss
+    step.saved[slot] = (leaf, out)
+
+
 def _message_key(step: _Step, part: Action) -> int:
     """The key of the tensor a SEND or RECV carries (its kind from the op's rule, its producer from the table)."""
     op = part[1]
@@ -458,6 +510,8 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     BATCH: _batch,
     ALLREDUCE_GRAD: _allreduce_start,
     ALLREDUCE_WAIT: _allreduce_wait,
+    ops.FC: _checkpointed_forward,
+    ops.R: _recompute,
     **weights.HANDLERS,
 }
 # Sequence rings run through ``runtime/rings.py``'s handlers: its blocks, exchanges and their parts.
