@@ -9,7 +9,9 @@ backward mode, keys or priorities given twice, the rules of weight passing
 (``pipec.dsl.weights``: ``weights`` without ``home``, a task outside every
 ``at step``, ``own`` with ``all_gather``, routes that do not pair, ...) and
 those of sequence rings (``pipec.dsl.rings``: ``sequence`` without ``hold``,
-``mask`` or ``rings``, a declaration of another family beside it, ...). A
+``mask`` or ``rings``, a declaration of another family beside it, ...),
+and those of recomputation (``recompute stage`` only in activation passing,
+``R`` only where a stage is recomputed, ``FC`` never written). A
 sequence ring has no stages, places or microbatches parameter: the compiler
 derives its layout, and its order unless ``order rank r`` writes it, every
 block in an ``at step`` and of the ring's task kinds (``TaskKinds.ring``).
@@ -303,6 +305,10 @@ def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
     """A task's kind must be one the schedule's backward mode orders (the rule table's kinds); a
     recompute needs a recomputed stage, and what a forward becomes there is written as the forward."""
     tasks, mode = out.tasks, out.backward_mode
+    if stmt.kind in tasks.recomputes and out.weight_decls.passing:
+        out.resolver.error(f"{stmt.kind}(...) recomputes a stage's forward, and weight passing needs none: its B "
+                           "already runs the layer's forward again from the input its F kept", stmt.span)
+        return
     if stmt.kind in tasks.recomputes and not out.recomputing:
         out.resolver.error(f"{stmt.kind}(...) runs a recomputed stage's forward again, and this schedule "
                            f"recomputes no stage: add `recompute stage s` (or `recompute stage s when COND`)",

@@ -4,11 +4,13 @@ Evaluation is the second of two steps (the first, ``pipec.dsl.resolve``, finds
 every mistake a file can hold before any parameter is looked at):
 ``ResolvedSchedule.evaluate(defines)`` binds the parameters, runs the
 ``require``s (in text order, interleaved with ``let``s), places stages, routes
-microbatches (or lays out one pipeline per rank under ``home``), maps devices,
+microbatches (or lays out one pipeline per rank under ``home``), finds the
+recomputed stages (``recompute stage s when C``), maps devices,
 evaluates the weight-passing declarations (``pipec.dsl.weights``), and produces
 the order: an explicit order runs its loops once per rank
 (``pipec.dsl.order_body``) and every task is checked where it is written, so a
-mistake points at its line; a sorted order sorts each rank's tasks by key; a
+mistake points at its line (a forward of a recomputed stage is handed over as
+what it becomes there, ``TaskKinds.recompute``); a sorted order sorts each rank's tasks by key; a
 policy is handed over for the list scheduler. A sequence ring
 (``pipec.dsl.rings``) evaluates its ``RingSpec`` instead, one stage per chunk
 on the chunk's holder; the compiler derives its order, unless the schedule
