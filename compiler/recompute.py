@@ -44,7 +44,8 @@ def place_recomputes(order: list[list[TaskTuple]]) -> list[list[TaskTuple]]:
 
 
 def _placed(row: list[TaskTuple]) -> list[TaskTuple]:
-    written = {(remaking, sid, mb) for remaking, sid, mb in row if remaking in _RECOMPUTES}
+    """One rank's tasks with the recomputes it owes inserted."""
+    written = {task for task in row if task[0] in _RECOMPUTES}
     due: set[TaskTuple] = set()  # recomputes owed: their checkpointed forward ran, their reader has not
     out: list[TaskTuple] = []
     for task in row:
