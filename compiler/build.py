@@ -2,15 +2,18 @@
 
 Contract: ``compute_program(spec, costs)`` places every stage (``StageInfo``),
 records the pipelines and the microbatch routing, and fills each rank's list
-with its compute tasks (F, B or I and W) in order: the explicit order the
-schedule wrote, or the list scheduler's order under a policy. No communication
-yet; that is ``lower_comms``'s job.
+with its compute tasks (F, B or I and W; FC and R on a recomputed stage) in
+order: the explicit order the schedule wrote, or the list scheduler's order
+under a policy, with the recomputes an order leaves out placed right before
+their backward (``recompute.place_recomputes``). No communication yet; that
+is ``lower_comms``'s job.
 """
 from __future__ import annotations
 
 from pipec.compiler.costs import CostModel
 from pipec.compiler.ir import NO_PEER, Action, Program, StageInfo
 from pipec.compiler.list_schedule import greedy_order
+from pipec.compiler.recompute import place_recomputes
 from pipec.dsl.spec import ScheduleSpec
 
 
@@ -23,6 +26,8 @@ def compute_program(spec: ScheduleSpec, costs: CostModel | None = None) -> Progr
     ]
     pipelines = [[p * S + s for s in range(S)] for p in range(spec.num_pipelines)]
     order = spec.order if spec.order is not None else greedy_order(spec, costs)
+    if spec.recomputed:
+        order = place_recomputes(order)
     make = Action._make  # the NamedTuple constructor's fast path
     ranks = [[make((sid, kind, m, NO_PEER, ())) for kind, sid, m in row] for row in order]
     return Program(

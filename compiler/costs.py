@@ -13,7 +13,7 @@ typo never silently falls back to a default)::
 
     {
       "compute": {
-        "F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0,
+        "F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "R": 1.0,
         "per_chunk": {"0": {"F": 1.2, "B": 2.4}}
       },
       "links": {
@@ -35,7 +35,9 @@ typo never silently falls back to a default)::
 * ``compute``: time of one task of one microbatch on one model chunk (the
   stage's position along its pipeline; replicas share it). Omitted ops keep
   the unit values, except that I and W default to half of B when B is given
-  (split backward does the work of B in two parts). ``per_chunk`` maps a chunk
+  (split backward does the work of B in two parts), and that FC and R (a
+  recomputed stage's forward and recompute) default to F on the same chunk
+  (each does a forward's work). ``per_chunk`` maps a chunk
   number (a string, JSON keys are strings) to overrides for that chunk, with
   the same completion rule starting from the top-level values.
 * ``links``: a message of kind ``act`` (activation, forward) or ``grad``
@@ -60,7 +62,7 @@ typo never silently falls back to a default)::
 * ``allreduce``: a ring all-reduce of ``bytes`` among n members takes
   ``2 (n-1) latency + 2 (n-1)/n bytes / bandwidth``; a single member costs 0.
 * ``sizes``: the bytes of one value of each size class (``ops.SIZE_CLASSES``:
-  activation, weight, shard, kv, stats). They price no time: the simulator
+  activation, weight, shard, kv, stats, boundary). They price no time: the simulator
   reports peak bytes per class with them (``memory_counts.peak_bytes``), and
   a byte budget of a class (``check_memory``) needs its size. Omitted classes
   have no size (not 0): nothing is reported or checked in bytes for them.
@@ -95,6 +97,14 @@ MESSAGE_KINDS = rules.MESSAGE_KINDS
 # whole but not a part prices the part at half the whole, and a measured run
 # with the parts prices the whole as their sum.
 SPLITS = rules.SPLITS
+
+# compute op -> the op whose time it takes on a chunk when a cost file does not
+# price it (FC and R: F, on the same chunk; ``ops.OpRule.priced_like``).
+PRICED_LIKE: dict[str, str] = {op: rules.RULES[op].priced_like for op in UNIT_COMPUTE if rules.RULES[op].priced_like}
+
+# The unit costs a model holds: every op's but those priced like another (the unit model prices FC and R
+# at F's 1 through ``CostModel.compute``, so a file that gives F prices them too).
+_PRICED_UNITS: dict[str, Number] = {op: cost for op, cost in UNIT_COMPUTE.items() if op not in PRICED_LIKE}
 
 # What prices each op's category: the compute table (``UNIT_COMPUTE`` and the
 # file's ``compute``), the links (messages; a batch per part), the all-reduce
@@ -157,7 +167,8 @@ class CostModel:
     """Prices of compute tasks, messages and all-reduces.
 
     Attributes:
-        ops: default time per compute op, as sorted (op, time) pairs.
+        ops: default time per compute op, as sorted (op, time) pairs; an op
+            priced like another (``PRICED_LIKE``) may be absent (``compute``).
         per_chunk: overrides as sorted (chunk, op, time) triples.
         link: the default link between two ranks.
         message_bytes: (kind, bytes) for kinds "act" and "grad".
@@ -181,7 +192,7 @@ class CostModel:
     once in ``__post_init__``.
     """
 
-    ops: tuple[tuple[str, Number], ...] = tuple(sorted(UNIT_COMPUTE.items()))
+    ops: tuple[tuple[str, Number], ...] = tuple(sorted(_PRICED_UNITS.items()))
     per_chunk: tuple[tuple[int, str, Number], ...] = ()
     link: Link = Link()
     message_bytes: tuple[tuple[str, Number], ...] = (("act", 0), ("grad", 0))
@@ -222,12 +233,23 @@ class CostModel:
     def compute(self, op: str, chunk: int) -> Number:
         """Time of one ``op`` task of one microbatch on model chunk ``chunk``.
 
+        An op the model does not price that the rule table prices like
+        another (``ops.OpRule.priced_like``: FC and R like F) costs what that
+        one costs on the chunk.
+
         Raises:
             KeyError: for an op the model does not price.
         """
         table = self._compute_table
         cost = table.get((chunk, op))
-        return cost if cost is not None else table[(None, op)]
+        if cost is None:
+            cost = table.get((None, op))
+        if cost is None:
+            like = PRICED_LIKE.get(op)
+            if like is None:
+                raise KeyError((None, op))
+            return self.compute(like, chunk)
+        return cost
 
     def link_between(self, src: int, dst: int) -> Link:
         """The link a message from ``src`` to ``dst`` uses (pairs, then nodes, then the default)."""
@@ -315,14 +337,17 @@ class _Reader:
         return plain_int(text, f"{self.path}: {key}", CostFileError)
 
     def op_costs(self, value: Any, key: str, fallback: Mapping[str, Number], extra: tuple[str, ...] = ()) -> dict[str, Number]:
-        """Compute costs completed from ``fallback`` (I and W default to B / 2 when B is given)."""
+        """Compute costs completed from ``fallback`` (I and W default to B / 2 when B is given). An op priced
+        like another (``PRICED_LIKE``: FC, R) that neither this object nor ``fallback`` gives is left out: the
+        model prices it like its op on each chunk (a chunk's R is that chunk's F)."""
         given = self.table(value, key, tuple(UNIT_COMPUTE) + extra)
         costs = {op: self.number(given[op], _join(key, op)) for op in UNIT_COMPUTE if op in given}
         for whole, parts in SPLITS.items():
             for op in parts:
                 if op not in costs and whole in costs:
                     costs[op] = exact_ratio(costs[whole], 2)
-        return {op: costs.get(op, fallback[op]) for op in UNIT_COMPUTE}
+        costs = {**fallback, **costs}
+        return {op: costs[op] for op in UNIT_COMPUTE if op in costs}
 
     def link(self, value: Any, key: str, extra: tuple[str, ...] = ()) -> tuple[Number | None, Number | None, Mapping[str, Any]]:
         """(latency, bandwidth, the object) of a link object; absent fields are None."""
@@ -344,7 +369,7 @@ class _Reader:
     # -- sections --------------------------------------------------------------
 
     def compute_section(self, value: Any) -> dict[str, Any]:
-        defaults = self.op_costs(value, "compute", UNIT_COMPUTE, extra=("per_chunk",))
+        defaults = self.op_costs(value, "compute", _PRICED_UNITS, extra=("per_chunk",))
         per_chunk = []
         chunks = self.table(value.get("per_chunk", {}), "compute.per_chunk", None)
         for text, overrides in chunks.items():
@@ -352,7 +377,7 @@ class _Reader:
             chunk = self.index(text, key)
             merged = self.op_costs(overrides, key, defaults)
             # store only what differs, so equal models compare equal
-            per_chunk += [(chunk, op, cost) for op, cost in merged.items() if cost != defaults[op]]
+            per_chunk += [(chunk, op, cost) for op, cost in merged.items() if cost != defaults.get(op)]
         return {"ops": tuple(sorted(defaults.items())), "per_chunk": tuple(sorted(per_chunk))}
 
     def links_section(self, value: Any) -> dict[str, Any]:

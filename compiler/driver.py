@@ -109,8 +109,11 @@ def _display_path(path: str) -> str:
 def task_kinds(family: str = ACTIVATION_PASSING) -> TaskKinds:
     """The task vocabulary the front end resolves schedules against, from the rule table.
 
-    A task set with one alternative is always run (F); one with modes is the
-    ``backward`` declaration's choice; one with an empty alternative is optional.
+    A task set with one alternative is always run; one with modes is the
+    ``backward`` declaration's choice; one with an empty alternative is
+    optional; one chosen per stage runs its first alternative (F) except on a
+    recomputed stage, where the first's op becomes the second alternative (FC
+    then R: ``TaskKinds.recompute``).
     The sequence ring family's computes (AF, AB) come along, for a ring's
     written order: forward the ones that read no value a compute of the family
     makes, backward the others (AB reads the statistics AF makes).
@@ -118,6 +121,7 @@ def task_kinds(family: str = ACTIVATION_PASSING) -> TaskKinds:
     always: list[str] = []
     backward: dict[str, tuple[str, ...]] = {}
     optional: list[str] = []
+    recompute: dict[str, tuple[str, str]] = {}
     for task_set in FAMILY_TASKS[family]:
         if () in task_set.alternatives:
             optional += [op for alternative in task_set.alternatives for op in alternative]
@@ -125,12 +129,16 @@ def task_kinds(family: str = ACTIVATION_PASSING) -> TaskKinds:
             backward.update(zip(task_set.modes, task_set.alternatives))
         else:
             always += task_set.alternatives[0]
-    in_family = set(always) | set(optional) | {op for kinds in backward.values() for op in kinds}
+            if task_set.per_stage:
+                (plain,), (keeping, remaking) = task_set.alternatives
+                recompute[plain] = (keeping, remaking)
+    in_family = set(always) | set(optional) | {op for kinds in backward.values() for op in kinds} \
+        | {op for kinds in recompute.values() for op in kinds}
     made = {use for op in RING_COMPUTE_OPS for use in RULES[op].writes}
     ring_forward = tuple(op for op in RING_COMPUTE_OPS if not made & set(RULES[op].reads))
     ring_backward = tuple(op for op in RING_COMPUTE_OPS if op not in ring_forward)
     return TaskKinds(tuple(op for op in COMPUTE_OPS if op in in_family), tuple(always), backward, tuple(optional),
-                     ring_forward, ring_backward)
+                     ring_forward, ring_backward, recompute)
 
 
 def resolve_target(target: str) -> ResolvedSchedule:

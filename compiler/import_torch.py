@@ -53,7 +53,8 @@ from pipec.errors import ImportError_, WellFormedError
 # (the rule table's), and torch's FSDP / data-parallel tokens, skipped.
 _COMPUTE, _COMM, _SKIP = "compute", "comm", "skip"
 _KIND = {
-    **{op: _COMPUTE for op in ops.COMPUTE_OPS},
+    # the computes torch's CSV writes by their own name (not FC, written as F, nor R, never written)
+    **{op: _COMPUTE for op in ops.COMPUTE_OPS if ops.RULES[op].torch[0] == ops.KEEP and not ops.RULES[op].torch_token},
     **{op: _COMM for op in ops.COMM_OPS},
     "UNSHARD": _SKIP,
     "RESHARD": _SKIP,

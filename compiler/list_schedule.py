@@ -29,7 +29,12 @@ running the cost model would start them:
 * with a ``warmup`` count, a rank follows 1F1B's discipline instead of taking
   whatever is ready: its first ``warmup`` tasks are forwards, then it strictly
   alternates one forward and one backward (waiting for the one it wants) and
-  drains what is left; with split backward, W tasks fill those waits.
+  drains what is left; with split backward, W tasks fill those waits;
+* on a recomputed stage (``spec.recomputed``) a forward runs as the
+  checkpointed forward (FC), and the backward (B, or I) as the recompute then
+  the backward, back to back: the rank is busy for both (``ops.CHECKPOINTS``).
+  The in-flight limit counts such a microbatch like any other (a forward done
+  whose backward is not), though what it keeps is only its input.
 
 A rank that waits is woken by the next event that may change its choice:
 every input landing on it (even one released while it was busy: it may be
@@ -48,11 +53,14 @@ from __future__ import annotations
 
 import heapq
 
+from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import ScheduleError
 
 _FORWARD, _BACKWARD = "F", ("B", "I")
+# What a forward becomes on a recomputed stage, and the recompute that runs before its backward.
+_CHECKPOINTED, _RECOMPUTE = ops.CHECKPOINTS[_FORWARD]
 
 
 def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[list[tuple[str, int, int]]]:
@@ -75,6 +83,7 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
     kind_rank = {k: i for i, k in enumerate(policy.prefer)}
     order_of_kinds = sorted(kinds, key=kind_rank.__getitem__)
     backward = "I" if spec.split_backward else "B"
+    recomputed = spec.recomputed
     memory = _Activations(spec, stage_rank)
     memory.check_feasible()
 
@@ -184,10 +193,20 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
             elif kind == backward:
                 backwards_started[rank] += 1
             left[rank][kind] -= 1
-            orders[rank].append((kind, sid, m))
+            duration = costs.compute(kind, sid % S)
+            if sid % S not in recomputed:
+                orders[rank].append((kind, sid, m))
+            elif kind == "F":
+                orders[rank].append((_CHECKPOINTED, sid, m))
+                duration = costs.compute(_CHECKPOINTED, sid % S)
+            else:
+                if kind == backward:  # the recompute, then the backward that reads what it remade
+                    orders[rank].append((_RECOMPUTE, sid, m))
+                    duration += costs.compute(_RECOMPUTE, sid % S)
+                orders[rank].append((kind, sid, m))
             busy[rank] = True
             seq += 1
-            heapq.heappush(events, (now + costs.compute(kind, sid % S), seq, 0, (kind, sid, m)))
+            heapq.heappush(events, (now + duration, seq, 0, (kind, sid, m)))
             return
 
     def transfer(src: int, dst: int, tensor: str):
@@ -224,7 +243,7 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
                 try_start(rank, now)
 
     total = sum(len(o) for o in orders)
-    expected = len(kinds) * N * S
+    expected = (len(kinds) * S + len(recomputed)) * N
     if total != expected:
         raise _stall(spec, orders, ready, memory, in_order)
     return orders

@@ -10,7 +10,11 @@ an op is its median over all chunks, so another schedule with the same chunks
 is priced by this run too. A run with split backward measures I and W; its B
 is then I + W (what a whole backward does, see ``runtime.split_backward``), so
 that a schedule without the split is priced too. (The other way round the cost
-file's own rule applies: I and W default to half of B.)
+file's own rule applies: I and W default to half of B.) A run with
+recomputed stages measures their FC and R; where it ran no plain F, its F is
+R's time (R is F's computation again, with autograd recording as F's does:
+``ops.CHECKPOINTS``), so that a schedule without recomputation is priced too.
+(The other way round the cost file's own rule applies: FC and R default to F.)
 
 Posting a message (an isend or irecv, each part of a batch) holds the rank;
 its median time per message is the file's ``links.post``. How long a message
@@ -28,7 +32,7 @@ from typing import Any, NamedTuple
 
 from pipec.compiler.costs import SPLITS
 from pipec.compiler.ir import Program
-from pipec.compiler.ops import COMPUTE_OPS, POSTING_OPS
+from pipec.compiler.ops import CHECKPOINTS, COMPUTE_OPS, POSTING_OPS
 from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step, events_of
 from pipec.errors import UsageError
 
@@ -81,11 +85,11 @@ def measure_costs(document: Any, program: Program, name: str = "trace") -> Measu
     by_op: dict[str, list[float]] = defaultdict(list)
     for (_, op), values in times.items():
         by_op[op] += values
-    compute: dict[str, Any] = _with_whole_backward({op: _ms(median(by_op[op])) for op in COMPUTE_OPS if op in by_op})
+    compute: dict[str, Any] = _completed({op: _ms(median(by_op[op])) for op in COMPUTE_OPS if op in by_op})
     per_chunk: dict[str, dict[str, float]] = {}
     for chunk, op in sorted(times):
         per_chunk.setdefault(str(chunk), {})[op] = _ms(median(times[chunk, op]))
-    compute["per_chunk"] = {chunk: _with_whole_backward(ops) for chunk, ops in per_chunk.items()}
+    compute["per_chunk"] = {chunk: _completed(ops) for chunk, ops in per_chunk.items()}
     samples = {key: len(values) for key, values in sorted(times.items())}
     data: dict[str, Any] = {"compute": compute}
     posts = _posting_times(document, program, name, measured)
@@ -106,11 +110,15 @@ def _posting_times(document: Any, program: Program, name: str, measured: list[in
     return out
 
 
-def _with_whole_backward(ops: dict[str, float]) -> dict[str, float]:
-    """``ops`` with B = I + W (``costs.SPLITS``) when it has I and W but no B, in F B I W order."""
+def _completed(ops: dict[str, float]) -> dict[str, float]:
+    """``ops`` with B = I + W (``costs.SPLITS``) when it has I and W but no B, and F = R
+    (``ops.CHECKPOINTS``) when it has R but no F, in the table's order (F B I W FC R)."""
     for whole, parts in SPLITS.items():
         if whole not in ops and all(part in ops for part in parts):
             ops = {**ops, whole: round(sum(ops[part] for part in parts), _DIGITS)}
+    for plain, (_keeping, remaking) in CHECKPOINTS.items():
+        if plain not in ops and remaking in ops:
+            ops = {**ops, plain: ops[remaking]}
     return {op: ops[op] for op in COMPUTE_OPS if op in ops}
 
 

@@ -1,10 +1,15 @@
 """Memory counts: how many counted values a rank holds at once, and how many bytes.
 
-A value of a kind with a counter (``ops.ValueKind.counter``: today the saved
-activation, counted as ``"activations"``, and what an I leaves for its W,
-counted as ``"waiting_w"``) is alive on its stage's rank from the compute that
-makes it (``ops.OpRule.writes``) to the compute that ends it
-(``ops.OpRule.ends``). Walking a rank's list in order, a count goes up and
+A value of a kind with a counter (``ops.ValueKind.counter``: the saved
+activation, counted as ``"activations"``, what an I leaves for its W,
+counted as ``"waiting_w"``, and the input a recomputed stage's forward keeps
+for its recompute, counted as ``"kept_inputs"``) is alive on its stage's rank
+from the compute that makes it (``ops.OpRule.writes``) to the compute that
+ends it (``ops.OpRule.ends``). On a recomputed stage the saved activation
+lives only from the recompute (R) to the backward, and the kept input from
+the forward (FC) to R, so recomputation trades saved activations for kept
+inputs, which are smaller (one stage boundary's tensor, size class
+``boundary``). Walking a rank's list in order, a count goes up and
 down by the rule table's ``ops.memory_deltas``; its maximum is the rank's
 peak. A FREE drops storage but ends no use, so it does not count.
 
@@ -38,10 +43,14 @@ Number = Union[int, float]
 # The counters of ``ops.VALUE_KINDS`` that have a count of their own.
 ACTIVATIONS = ops.COUNT_ACTIVATIONS  # today's peak_activations: saved activations
 WAITING_W = ops.COUNT_WAITING_W      # split backward: I done, W not yet
+KEPT_INPUTS = ops.COUNT_KEPT_INPUTS  # recomputed stages: FC done, R not yet
 
 # op -> change of the count, from the rule table
 ACTIVATION_DELTA: dict[str, int] = ops.memory_deltas(ACTIVATIONS)
 WAITING_W_DELTA: dict[str, int] = ops.memory_deltas(WAITING_W)
+KEPT_INPUT_DELTA: dict[str, int] = ops.memory_deltas(KEPT_INPUTS)
+# the ops that keep an input (FC): a program that runs none recomputes nothing
+_KEEPS_INPUT = frozenset(op for op, delta in KEPT_INPUT_DELTA.items() if delta > 0)
 
 _op_of = operator.itemgetter(1)
 
@@ -112,6 +121,16 @@ def peak_activations(program: Program) -> list[int]:
 def peak_waiting_w(row: Iterable[Action]) -> int:
     """The most weight gradients waiting at once along one rank's list (I done, W not yet)."""
     return peak_count(row, WAITING_W_DELTA)
+
+
+def peak_kept_inputs(row: Iterable[Action]) -> int:
+    """The most inputs kept for a recompute at once along one rank's list (FC done, R not yet)."""
+    return peak_count(row, KEPT_INPUT_DELTA)
+
+
+def recomputes(program: Program) -> bool:
+    """Whether some rank runs a forward that keeps only its input (a recomputed stage's FC)."""
+    return any(action[1] in _KEEPS_INPUT for row in program.ranks for action in row)
 
 
 def weight_buffer_counts(row: Iterable[Action], rank: int) -> Iterator[int]:
@@ -247,6 +266,8 @@ __all__ = [
     "ACTIVATION_DELTA",
     "COUNTED_OPS",
     "SIZE_CLASS_DELTAS",
+    "KEPT_INPUTS",
+    "KEPT_INPUT_DELTA",
     "WAITING_W",
     "WAITING_W_DELTA",
     "check_sizes",
@@ -255,7 +276,9 @@ __all__ = [
     "peak_activations",
     "peak_bytes",
     "peak_count",
+    "peak_kept_inputs",
     "peak_kv_bytes",
+    "recomputes",
     "kv_buffer_counts",
     "peak_waiting_w",
     "peak_weight_buffers",

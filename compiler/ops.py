@@ -39,12 +39,14 @@ FAMILIES = (ACTIVATION_PASSING, WEIGHT_PASSING, SEQUENCE_RING)
 # --------------------------------------------------------------------- values
 
 # Size classes: what a value's byte size scales with.
-SIZE_ACTIVATION = "activation"  # microbatch x sequence x hidden: one stage boundary's tensor
+SIZE_ACTIVATION = "activation"  # what a stage's forward saves for its backward (and the messages between stages)
 SIZE_WEIGHT = "weight"          # a chunk's (or layer's) parameters
 SIZE_SHARD = "shard"            # a 1/n slice of a weight
 SIZE_KV = "kv"                  # one key/value piece of a sequence chunk
 SIZE_STATS = "stats"            # per-row softmax statistics (out's log-sum-exp)
-SIZE_CLASSES = (SIZE_ACTIVATION, SIZE_WEIGHT, SIZE_SHARD, SIZE_KV, SIZE_STATS)
+SIZE_BOUNDARY = "boundary"      # one stage boundary's tensor for one microbatch: a recomputed stage's kept input
+# Last, so that the classes of every earlier output keep their order.
+SIZE_CLASSES = (SIZE_ACTIVATION, SIZE_WEIGHT, SIZE_SHARD, SIZE_KV, SIZE_STATS, SIZE_BOUNDARY)
 
 # Dtype classes: the run's compute dtype (bf16 under mixed precision) or fp32
 # (master weights, gradient reductions, softmax statistics).
@@ -79,8 +81,9 @@ class ValueKind(NamedTuple):
 
 _STAGE_MB = ("stage", "mb")
 # The memory counters of ``ValueKind.counter``: saved activations (today's
-# ``peak_activations``) and, under split backward, what an I leaves for its W.
-COUNT_ACTIVATIONS, COUNT_WAITING_W = "activations", "waiting_w"
+# ``peak_activations``), under split backward what an I leaves for its W, and
+# the inputs recomputed stages keep for their recompute.
+COUNT_ACTIVATIONS, COUNT_WAITING_W, COUNT_KEPT_INPUTS = "activations", "waiting_w", "kept_inputs"
 # ... and borrowed weight buffers (weight passing: copies of other ranks' layers).
 COUNT_WEIGHT_BUFFERS = "weight_buffers"
 
@@ -92,6 +95,8 @@ VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
               COUNT_ACTIVATIONS),
     ValueKind("wstash", "weight-gradient inputs", ACTIVATION_PASSING, _STAGE_MB, SIZE_ACTIVATION, DTYPE_COMPUTE,
               COUNT_WAITING_W),
+    # activation checkpointing: the stage input a checkpointed forward keeps for its recompute
+    ValueKind("kept", "kept input", ACTIVATION_PASSING, _STAGE_MB, SIZE_BOUNDARY, DTYPE_COMPUTE, COUNT_KEPT_INPUTS),
     ValueKind("wgrad", "weight gradient", ACTIVATION_PASSING, ("chunk",), SIZE_WEIGHT, DTYPE_FP32, route="all_reduce"),
     # weight passing (docs/weights.md)
     # A copy of a layer's weights delivered to a rank for a step; a partial sum
@@ -178,10 +183,16 @@ class OpRule(NamedTuple):
         runs_on: where it runs.
         fields: the Action fields it uses besides ``op`` (the JSON program's keys).
         torch: (compute-only CSV, CSV with communication): KEEP, DROP or EXPAND.
+        torch_token: the token torch's CSV writes a kept op as, when it is not
+            the op's own name (FC: torch's ``F``, which has no checkpointed forward).
         trace: its category in a run's trace (``compute``, ``comm``, ``memory``).
         communicator: for a collective, which communicator it meets on.
         unit_cost: for a compute, its time under unit costs (the simulator's
             default cost model: F = 1, B = 2, I = W = 1).
+        priced_like: for a compute, the op whose time (on the same chunk) a
+            cost file that does not price it gives it ("" for none): a
+            recompute does a forward's work again (R: F), a checkpointed
+            forward a forward's (FC: F).
         optional: for a compute, whether it may be left out (at most once per
             (stage, microbatch)) rather than being part of the family's task sets.
         doc: one line for people.
@@ -197,9 +208,11 @@ class OpRule(NamedTuple):
     runs_on: str = ON_STAGE_HOME
     fields: tuple[str, ...] = ("stage", "mb")
     torch: tuple[str, str] = (DROP, DROP)
+    torch_token: str = ""
     trace: str = "comm"
     communicator: str | None = None
     unit_cost: int | None = None
+    priced_like: str = ""
     optional: bool = False
     doc: str = ""
 
@@ -215,6 +228,7 @@ WORLD = "every rank"
 
 # Op names (the text form's tokens, torch's where torch has them).
 F, B, I, W = "F", "B", "I", "W"
+FC, R = "FC", "R"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 BATCH = "BATCH"
 FREE_F = "FREE_F"
@@ -249,6 +263,17 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
            doc="backward for the input gradient; leaves what W needs"),
     OpRule(W, COMPUTE, _AP, reads=(Use("wstash"), Use("weight")), writes=(Use("wgrad"),), ends=("wstash",),
            torch=_COMPUTE_CSV, trace="compute", unit_cost=1, doc="backward for the weight gradient"),
+    # -- activation checkpointing (``recompute stage s``): FC reads what F
+    # reads and hands on the same activation, but keeps only its input; R
+    # runs the forward again from that input, just before the backward, and
+    # makes what F would have saved. torch's CSV has no checkpointed forward:
+    # FC is written as its F, and R not at all.
+    OpRule(FC, COMPUTE, _AP, reads=(Use("act", PREV), Use("weight")), writes=(Use("act"), Use("kept")),
+           torch=_COMPUTE_CSV, torch_token=F, trace="compute", unit_cost=1, priced_like=F,
+           doc="forward of (stage, mb) that keeps only its input (a recomputed stage)"),
+    OpRule(R, COMPUTE, _AP, reads=(Use("kept"), Use("weight")), writes=(Use("saved"),), ends=("kept",),
+           trace="compute", unit_cost=1, priced_like=F,
+           doc="recompute the forward of (stage, mb) from its kept input: what F would have saved"),
     # -- point to point. On a send the stage is the producer's, on a receive the consumer's.
     OpRule(SEND_F, SEND, _AP, carries=Use("act"), fields=_PEER_FIELDS, torch=_COMM_CSV,
            doc="send the activation forward"),
@@ -360,17 +385,25 @@ class TaskSet(NamedTuple):
         alternatives: the ways of doing it, each a tuple of ops.
         modes: the language's name for each alternative (``backward full`` /
             ``backward split``); empty when a program does not choose.
+        per_stage: the alternative is chosen per stage (``recompute stage s``:
+            the second alternative on the stages it names, the first on the
+            others) rather than for the whole program. Its later alternatives
+            do more than the first (a recompute runs the forward twice), where
+            a program-wide choice splits the first's work between its ops.
     """
 
     name: str
     alternatives: tuple[tuple[str, ...], ...]
     modes: tuple[str, ...] = ()
+    per_stage: bool = False
 
 
-# F; and a backward that is B (``backward full``) or split into I and W
-# (``backward split``); then each optional compute of the family on its own.
+# A forward that is F, or on a recomputed stage FC then R; a backward that is
+# B (``backward full``) or split into I and W (``backward split``); then each
+# optional compute of the family on its own.
 FAMILY_TASKS: dict[str, tuple[TaskSet, ...]] = {
-    ACTIVATION_PASSING: (TaskSet("forward", ((F,),)), TaskSet("backward", ((B,), (I, W)), ("full", "split")))
+    ACTIVATION_PASSING: (TaskSet("forward", ((F,), (FC, R)), per_stage=True),
+                         TaskSet("backward", ((B,), (I, W)), ("full", "split")))
     + tuple(TaskSet(op, ((), (op,))) for op, rule in RULES.items()
             if rule.category == COMPUTE and rule.optional and rule.family == ACTIVATION_PASSING),
 }
@@ -421,12 +454,25 @@ PASS_OF_SLOT_OP: dict[str, str] = {op: p for table in (SHIFT_OF_PASS, FILL_OF_PA
 
 # A whole compute op -> the ops that do its work between them (B -> (I, W)):
 # cost files default a split op to its whole's share, and measured costs
-# rebuild a whole from its parts.
+# rebuild a whole from its parts. A per-stage alternative is no split: FC and
+# R each do a forward's work.
 SPLITS: dict[str, tuple[str, ...]] = {
     whole[0]: parts
-    for task_set in FAMILY_TASKS[ACTIVATION_PASSING]
+    for task_set in FAMILY_TASKS[ACTIVATION_PASSING] if not task_set.per_stage
     for whole in task_set.alternatives if len(whole) == 1
     for parts in task_set.alternatives if len(parts) > 1
+}
+
+# Activation checkpointing, from the per-stage task set: the plain forward ->
+# (the forward that keeps only its input, the recompute that remakes from that
+# input what the plain forward saves) (F -> (FC, R)). A schedule writes the
+# plain forward; on a recomputed stage it becomes the first, and the second
+# runs before the first task that reads what it remakes (``RECOMPUTE_BEFORE``).
+CHECKPOINTS: dict[str, tuple[str, str]] = {
+    plain[0]: checkpointed
+    for task_set in FAMILY_TASKS[ACTIVATION_PASSING] if task_set.per_stage
+    for plain in task_set.alternatives[:1]
+    for checkpointed in task_set.alternatives[1:]
 }
 
 # The simulator's unit costs (compute op -> time).
@@ -473,6 +519,15 @@ DEPENDENCIES: dict[str, tuple[Dependency, ...]] = {op: _dependencies(op) for op 
 def consumers(kind: str, where: str) -> tuple[str, ...]:
     """The compute ops that read ``kind`` made by the stage at ``where`` from them, in table order."""
     return tuple(op for op in COMPUTE_OPS if Use(kind, where) in RULES[op].reads)
+
+
+# recompute op -> the ops that read, at their own stage, what it remakes (R ->
+# B, I): the compiler runs a recompute right before the first of them.
+RECOMPUTE_BEFORE: dict[str, tuple[str, ...]] = {
+    remaking: tuple(dict.fromkeys(reader for use in RULES[remaking].writes if use.where == SELF
+                                  for reader in consumers(use.kind, SELF)))
+    for _keeping, remaking in CHECKPOINTS.values()
+}
 
 
 # The two directions a message travels between stages, derived from the
@@ -601,6 +656,8 @@ def _check_table() -> None:
         assert all(kind in VALUE_KINDS for kind in rule.ends), op
         assert (rule.carries is not None) == (rule.category in (SEND, RECV, PART_SEND, PART_RECV)), op
         assert (rule.unit_cost is not None) == (rule.category == COMPUTE), op
+        assert not rule.priced_like or RULES[rule.priced_like].category == COMPUTE == rule.category, op
+        assert not rule.torch_token or rule.torch[0] == KEEP, op
     for kind, direction in HANDOFFS:
         assert kind in COMM_OP_OF_KIND, kind
 

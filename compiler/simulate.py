@@ -40,9 +40,11 @@ input that is never produced is reported as a DeadlockError (a safety net; the
 deadlock check proves programs safe under stricter semantics).
 
 Memory comes from ``memory_counts``: peak_activations counts, along a rank's
-list, the saved activations made and not yet ended (F done, B or I not);
-peak_waiting_w the I whose W has not run (split backward); given the bytes of
-one value per size class, peak_bytes the most bytes of live counted values.
+list, the saved activations made and not yet ended (F or R done, B or I not);
+peak_waiting_w the I whose W has not run (split backward); peak_kept_inputs,
+for a program with recomputed stages, the inputs kept for a recompute (FC
+done, R not); given the bytes of one value per size class, peak_bytes the
+most bytes of live counted values.
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ from pipec.compiler.costs import CostModel
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import (
-    ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_waiting_w, peak_weight_buffers,
+    ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_kept_inputs, peak_waiting_w, peak_weight_buffers,
+    recomputes,
 )
 from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Network
 from pipec.compiler.traffic import node_map, traffic
@@ -99,6 +102,7 @@ class RankStats:
     peak_waiting_w: int = 0
     peak_bytes: dict[str, Number] | None = None
     peak_weight_buffers: int | None = None  # weight passing: borrowed weight copies alive at once
+    peak_kept_inputs: int | None = None  # recomputed stages: inputs kept for a recompute at once (else None)
 
 
 @dataclass
@@ -143,7 +147,8 @@ class SimResult:
     def to_json(self) -> dict:
         """{"makespan", "bubble_ratio", "ranks": [{"busy", "idle", "peak_activations", "peak_waiting_w"}],
         "traffic"} as plain numbers; each rank also has "peak_bytes" (size class -> bytes) when the simulation
-        was given sizes, and "peak_weight_buffers" for weight passing; "traffic" is the bytes one step moves
+        was given sizes, "peak_weight_buffers" for weight passing and "peak_kept_inputs" for a program with
+        recomputed stages; "traffic" is the bytes one step moves
         per value kind and link class (``compiler.traffic``); "links", when transfers took time, how long
         anything moved and the mean share of directed links busy meanwhile (``Network.usage``)."""
         out = {
@@ -165,6 +170,8 @@ def _rank_json(rank: RankStats) -> dict:
         out["peak_bytes"] = {size_class: _plain(size) for size_class, size in rank.peak_bytes.items()}
     if rank.peak_weight_buffers is not None:
         out["peak_weight_buffers"] = rank.peak_weight_buffers
+    if rank.peak_kept_inputs is not None:
+        out["peak_kept_inputs"] = rank.peak_kept_inputs
     return out
 
 
@@ -186,53 +193,40 @@ def _exact(value: Number) -> Number:
 # space * (stages * microbatches) + stage * microbatches + mb. Its spaces come
 # from the rule table:
 #
-# * one space per group of alternative producers: computes that make the same
-#   input value (a gradient is made by B, or by I when the backward is split;
-#   a program runs one of them per (stage, mb)) publish their end time in one
-#   space, so that a reader waits on one key whichever runs (F: 0, B and I: 1,
-#   W: 2);
+# * one space per value kind a compute waits for (``ops.DEPENDENCIES``) or a
+#   message carries: every compute that makes a value of the kind at its own
+#   stage publishes its end time there, so a reader waits on one key whichever
+#   of the kind's producers runs (a gradient is made by B, or by I when the
+#   backward is split; a saved activation by F, or by R on a recomputed
+#   stage). A compute that makes several such kinds publishes in each (F: the
+#   activation and the saved activation), so a value remade later (R) never
+#   overwrites another one's time (FC's activation) (act: 0, saved: 1, grad: 2,
+#   wstash: 3, kept: 4);
 # * one space per message kind (``ops.MESSAGE_KINDS``): its arrival at the
-#   reading stage, published by the receive that carries it (act: 3, grad: 4);
+#   reading stage, published by the receive that carries it (act: 5, grad: 6);
 # * after them, one key per model chunk for the end of its gradient all-reduce.
 
-
-def _producer_spaces() -> dict[str, int]:
-    """compute op -> the space it publishes its end time in (see above), numbered in table order."""
-    leader = {op: op for op in ops.COMPUTE_OPS}
-
-    def root(op: str) -> str:
-        while leader[op] != op:
-            op = leader[op]
-        return op
-
-    alternatives = [dep.made_by for deps in ops.DEPENDENCIES.values() for dep in deps]
-    alternatives += [ops.producers(kind) for kind in ops.MESSAGE_KINDS]
-    for made_by in alternatives:
-        for op in made_by[1:]:
-            leader[root(op)] = root(made_by[0])
-    roots = list(dict.fromkeys(root(op) for op in ops.COMPUTE_OPS))
-    return {op: roots.index(root(op)) for op in ops.COMPUTE_OPS}
-
-
-_SPACE_OF_OP = _producer_spaces()
-_NUM_PRODUCED = len(set(_SPACE_OF_OP.values()))
-# value kind -> the space of its producers, for the kinds the simulator waits
-# on: those a compute reads and those a message carries
-_SPACE_OF_KIND = {
-    kind: _SPACE_OF_OP[ops.producers(kind)[0]]
-    for kind in dict.fromkeys([dep.kind for deps in ops.DEPENDENCIES.values() for dep in deps] + list(ops.MESSAGE_KINDS))
-}
+_ACTIVATION_COMPUTE_OPS = tuple(op for op in ops.COMPUTE_OPS if op not in ops.RING_COMPUTE_OPS)
+_WAITED_KINDS = tuple(dict.fromkeys(
+    [dep.kind for op in _ACTIVATION_COMPUTE_OPS for dep in ops.DEPENDENCIES[op]] + list(ops.MESSAGE_KINDS)))
+# value kind -> the space its producers publish their end time in
+_SPACE_OF_KIND = {kind: space for space, kind in enumerate(_WAITED_KINDS)}
+_NUM_PRODUCED = len(_WAITED_KINDS)
+# compute op -> the spaces it publishes its end time in: the waited-for kinds it makes at its own stage
+_SPACES_OF_OP = {op: tuple(_SPACE_OF_KIND[use.kind] for use in ops.RULES[op].writes
+                           if use.where == ops.SELF and use.kind in _SPACE_OF_KIND)
+                 for op in _ACTIVATION_COMPUTE_OPS}
 # message kind -> the space its arrival at the reading stage is published in
 _ARRIVAL_SPACE = {kind: _NUM_PRODUCED + code for kind, code in ops.MESSAGE_KIND_CODE.items()}
 _ALLREDUCE = _NUM_PRODUCED + len(ops.MESSAGE_KINDS)
 
-# Compute op -> (space it publishes its end time in, change of the live
+# Compute op -> (spaces it publishes its end time in, change of the live
 # activation count, the inputs it waits for as (value kind, whose: ops.SELF,
 # PREV or NEXT of its stage)). A neighbour's value is missing at a pipeline's
 # ends; then the input is not waited for.
 _COMPUTE_RULES = {
-    op: (_SPACE_OF_OP[op], ACTIVATION_DELTA.get(op, 0), tuple((dep.kind, dep.where) for dep in ops.DEPENDENCIES[op]))
-    for op in ops.COMPUTE_OPS if op not in ops.RING_COMPUTE_OPS
+    op: (_SPACES_OF_OP[op], ACTIVATION_DELTA.get(op, 0), tuple((dep.kind, dep.where) for dep in ops.DEPENDENCIES[op]))
+    for op in _ACTIVATION_COMPUTE_OPS
 }
 # Marks an op that is not a SEND/RECV where only those may stand.
 _NOT_A_MESSAGE = object()
@@ -272,8 +266,8 @@ ops.declare_pass("simulate", [*_COMPUTE_RULES, *_COMM_RULES, *_BATCH_OPS, *_FREE
 
 # For messages: space -> the computes publishing in it; space -> the message
 # kind its computes make (spaces of no message are absent).
-_OPS_OF_SPACE = [tuple(op for op in ops.COMPUTE_OPS if _SPACE_OF_OP[op] == space) for space in range(_NUM_PRODUCED)]
-_MESSAGE_OF_SPACE = {_SPACE_OF_KIND[kind]: kind for kind in reversed(ops.MESSAGE_KINDS)}
+_OPS_OF_SPACE = [ops.producers(kind) for kind in _WAITED_KINDS]
+_MESSAGE_OF_SPACE = {_SPACE_OF_KIND[kind]: kind for kind in ops.MESSAGE_KINDS}
 
 
 def simulate(program: Program, costs: CostModel | None = None, *,
@@ -358,7 +352,7 @@ class _Simulation:
     # -- plans -------------------------------------------------------------------
 
     def _plan_compute(self) -> dict[str, list[tuple]]:
-        """op -> per stage (duration, ((input key base, delay), ...), output key base, activation delta).
+        """op -> per stage (duration, ((input key base, delay), ...), (output key base, ...), activation delta).
 
         The key of an input or output for microbatch m is its base + m.
         """
@@ -367,9 +361,10 @@ class _Simulation:
         plan: dict[str, list[tuple]] = {op: [] for op in _COMPUTE_RULES}
         for stage in program.stages:
             s = stage.id
-            for op, (out_space, delta, needs) in _COMPUTE_RULES.items():
+            for op, (out_spaces, delta, needs) in _COMPUTE_RULES.items():
                 waits = sum((self._input(s, neighbours[whose][s], kind) for kind, whose in needs), ())
-                plan[op].append((costs.compute(op, stage.chunk), waits, out_space * space + s * n, delta))
+                outs = tuple(out_space * space + s * n for out_space in out_spaces)
+                plan[op].append((costs.compute(op, stage.chunk), waits, outs, delta))
         return plan
 
     def _plan_comms(self) -> dict[str, list[tuple | None]]:
@@ -470,7 +465,7 @@ class _Simulation:
                 if plan is not None:
                     if not (0 <= stage < num_stages and 0 <= mb < num_mbs):
                         raise self._error(WellFormedError, f"{action.text()}: stage or microbatch out of range", r, pc)
-                    duration, inputs, out, delta = plan[stage]
+                    duration, inputs, outs, delta = plan[stage]
                     start = clock
                     for base, delay in inputs:
                         arrival = ready[base + mb]
@@ -483,10 +478,11 @@ class _Simulation:
                     if parked_on >= 0:
                         break
                     clock = start + duration
-                    key = out + mb
-                    ready[key] = clock
-                    if key in waiters:
-                        work.extend(waiters.pop(key))
+                    for out in outs:
+                        key = out + mb
+                        ready[key] = clock
+                        if key in waiters:
+                            work.extend(waiters.pop(key))
                     slots_append(new_tuple(Slot, (start, clock, action, False)))
                     busy += duration
                     live += delta
@@ -797,7 +793,9 @@ class _Simulation:
         borrowed = (peak_weight_buffers(self.program) if self.program.weights is not None
                     else [None] * self.num_ranks)
         exact_busy = [inline + handled for inline, handled in zip(self.busy, self.handled_busy)]
-        ranks = [RankStats(_exact(busy), _exact(exact_makespan - busy), peak, peak_waiting_w(row), in_bytes, buffers)
+        recomputing = recomputes(self.program)
+        ranks = [RankStats(_exact(busy), _exact(exact_makespan - busy), peak, peak_waiting_w(row), in_bytes, buffers,
+                           peak_kept_inputs(row) if recomputing else None)
                  for busy, peak, row, in_bytes, buffers
                  in zip(exact_busy, self.peak, self.program.ranks, byte_peaks, borrowed)]
         bubble = 1 - sum(exact_busy) / (exact_makespan * self.num_ranks) if exact_makespan else 0.0
@@ -821,7 +819,13 @@ class _Simulation:
         kind = _MESSAGE_OF_SPACE.get(space)
         if kind is None:
             return f"value {key}"
-        return f"the {ops.VALUE_KINDS[kind].words} of {_tasks_text(ops.producers(kind), stage, mb)}"
+        return f"the {ops.VALUE_KINDS[kind].words} of {_tasks_text(self._in_program(ops.producers(kind)), stage, mb)}"
+
+    def _in_program(self, task_ops: tuple[str, ...]) -> tuple[str, ...]:
+        """The ops of ``task_ops`` this program holds (all of them when it holds none), for messages:
+        a program without recomputed stages is not told of FC and R."""
+        present = {action.op for row in self.program.ranks for action in row}
+        return tuple(op for op in task_ops if op in present) or task_ops
 
     def _describe_wait(self, key: int) -> str:
         """Words for what a rank parked on ``key`` waits for."""
@@ -830,7 +834,8 @@ class _Simulation:
         space, rest = divmod(key, self.space)
         stage, mb = divmod(rest, self.stride)
         if space < _NUM_PRODUCED:
-            return f"the output of {_tasks_text(_OPS_OF_SPACE[space], stage, mb)}, which never runs before it is needed"
+            return (f"the output of {_tasks_text(self._in_program(_OPS_OF_SPACE[space]), stage, mb)}, which never "
+                    "runs before it is needed")
         kind = ops.MESSAGE_KINDS[space - _NUM_PRODUCED]
         send, recv = ops.COMM_OP_OF_KIND[kind]
         reader = ops.MESSAGE_READERS[kind][0]  # the arrival key is the reading stage's

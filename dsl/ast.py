@@ -214,6 +214,16 @@ class Backward(Node):
 
 
 @dataclass(frozen=True)
+class Recompute(Node):
+    """``recompute stage s [when C]``: the stages (positions along a pipeline) whose forward keeps only
+    its input and runs again before its backward (activation checkpointing); every stage without ``when``."""
+
+    var: str
+    var_span: Span
+    when: Expr | None
+
+
+@dataclass(frozen=True)
 class Home(Node):
     """``home microbatch m on rank E``: one pipeline per rank, all local, microbatch m on E."""
 
@@ -373,7 +383,8 @@ class SortedOrder(Node):
 
 
 Decl = (
-    Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | ExplicitOrder | GreedyOrder
+    Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | Recompute | ExplicitOrder
+    | GreedyOrder
     | SortedOrder | Home | Own | Group | Weights | Gradients | WeightCount | Sequence | Hold | Mask | Rings | Pieces
     | RingMode
 )

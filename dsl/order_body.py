@@ -70,6 +70,11 @@ class OrderState:
         # the task limit, whatever the number of pipelines).
         self.seen = bytearray(len(spec.tasks.kinds) * self.S * self.N)
         self.kind_index = {kind: index for index, kind in enumerate(spec.tasks.kinds)}
+        # Recomputed stages: a written forward runs as what it becomes there
+        # (F as FC), and a recompute (R) may be written only there.
+        self.recomputed = spec.recomputed
+        self.ran_as = {written: keeping for written, (keeping, _) in spec.tasks.recompute.items()}
+        self.remakers = frozenset(spec.tasks.recomputes)
 
     def begin_rank(self, rank: int) -> None:
         self.rank = rank
@@ -146,10 +151,20 @@ class OrderState:
                     node.span,
                     state.source,
                 )
+            ran = kind
+            if s in state.recomputed:
+                ran = state.ran_as.get(kind, kind)
+            elif kind in state.remakers:
+                raise ScheduleError(
+                    f"{kind}({s}, {m}) recomputes stage {s}'s forward, but stage {s} is not recomputed: add a "
+                    f"`recompute stage s when COND` whose condition holds for s = {s}, or drop {kind}({s}, {m})",
+                    node.span,
+                    state.source,
+                )
             key = (state.kind_index[kind] * state.S + s) * state.N + m
             if state.seen[key]:
                 raise ScheduleError(
-                    f"{kind}({s}, {m}) is scheduled twice (first at {state._where(kind, sid, m)})",
+                    f"{kind}({s}, {m}) is scheduled twice (first at {state._where(ran, sid, m)})",
                     node.span,
                     state.source,
                 )
@@ -157,7 +172,7 @@ class OrderState:
                 state.check_step(node, f"{kind}({s}, {m})")
                 state.last_text = f"{kind}({s}, {m})"
             state.seen[key] = 1
-            state.out.append((kind, sid, m))
+            state.out.append((ran, sid, m))
 
         return emit
 
@@ -224,7 +239,8 @@ class OrderState:
         spec = self.spec
         kinds = spec.required_kinds
         expected = len(kinds) * len(spec.mb_pipeline) * self.S
-        emitted = sum(1 for row in self.orders for task in row if task[0] in kinds)
+        counted = set(kinds) | {self.ran_as[kind] for kind in kinds if kind in self.ran_as}  # F, and FC for it
+        emitted = sum(1 for row in self.orders for task in row if task[0] in counted)
         if emitted == expected:
             return
         for kind in kinds:

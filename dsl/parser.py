@@ -492,6 +492,10 @@ class _ToAst(Transformer_NonRecursive):
     def backward(self, meta, children):
         return ast.Backward(self._span(meta), str(children[0]))
 
+    def recompute(self, meta, children):
+        var, when = children
+        return ast.Recompute(self._span(meta), str(var), _span_of(self.path, var), when)
+
     def home(self, meta, children):
         var, rank = children
         return ast.Home(self._span(meta), str(var), _span_of(self.path, var), rank)

@@ -9,7 +9,9 @@ backward mode, keys or priorities given twice, the rules of weight passing
 (``pipec.dsl.weights``: ``weights`` without ``home``, a task outside every
 ``at step``, ``own`` with ``all_gather``, routes that do not pair, ...) and
 those of sequence rings (``pipec.dsl.rings``: ``sequence`` without ``hold``,
-``mask`` or ``rings``, a declaration of another family beside it, ...). A
+``mask`` or ``rings``, a declaration of another family beside it, ...),
+and those of recomputation (``recompute stage`` only in activation passing,
+``R`` only where a stage is recomputed, ``FC`` never written). A
 sequence ring has no stages, places or microbatches parameter: the compiler
 derives its layout, and its order unless ``order rank r`` writes it, every
 block in an ``at step`` and of the ring's task kinds (``TaskKinds.ring``).
@@ -59,8 +61,11 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
     out.split_backward = out.backward_mode != tasks.default_mode
     orders = [d for d in schedule.decls if isinstance(d, (ast.ExplicitOrder, ast.GreedyOrder, ast.SortedOrder))]
     # Read before the walk, like `backward`: an order body written before
-    # `weights` must already know that its tasks belong to steps.
+    # `weights` must already know that its tasks belong to steps, and one
+    # written before `recompute` that it may write the recompute.
     out.weight_decls.passing = any(isinstance(d, ast.Weights) for d in schedule.decls)
+    recomputes = [d for d in schedule.decls if isinstance(d, ast.Recompute)]
+    out.recomputing = bool(recomputes)
 
     for decl in schedule.decls:
         if not (ring and isinstance(decl, OTHER_DECLS)):
@@ -68,6 +73,10 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
 
     if ring:  # its layout is derived, its order too unless written: only its own rules apply
         check_ring_rules(resolver, out.ring_decls, schedule)
+        for node in recomputes:
+            resolver.error("`recompute stage` belongs to activation passing: a sequence ring keeps no stage "
+                           "activations to recompute (its attention backward recomputes each block from the "
+                           "(out, lse) its forward kept)", node.span)
         written = [d for d in orders if isinstance(d, ast.ExplicitOrder)]
         for extra in written[1:]:
             resolver.error(f"a schedule has one order; another is at line {written[0].span.line}", extra.span)
@@ -78,6 +87,11 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
         resolver.error("a schedule needs `stages EXPR` (how many stages each pipeline has)", schedule.span)
     check_weight_rules(resolver, out.weight_decls, schedule)
     check_ring_rules(resolver, out.ring_decls, schedule)  # ring declarations without `sequence`
+    if out.weight_decls.passing:
+        for node in recomputes:
+            resolver.error("`recompute stage` belongs to activation passing: weight passing already recomputes "
+                           "every layer (its F keeps only the layer's input, its B runs the forward again)",
+                           node.span)
     if not out.places and out.weight_decls.home is None:
         resolver.error("a schedule needs at least one `place stage s on rank EXPR`", schedule.span)
     if not orders:
@@ -158,6 +172,11 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
         out.device_map = (decl, slot, resolver.expect(decl.device, inner, INT, "a device"))
     elif isinstance(decl, ast.Backward):
         pass  # read before the walk: tasks need to know it
+    elif isinstance(decl, ast.Recompute):
+        inner = scope.child()
+        slot = resolver.bind(inner, decl.var, INT, decl.var_span).slot
+        when_fn = None if decl.when is None else resolver.expect(decl.when, inner, BOOL, "a `when` condition")
+        out.recomputes.append((decl, slot, when_fn))
     elif isinstance(decl, WEIGHT_DECLS):
         resolve_weight_decl(resolver, out.weight_decls, decl, scope)
     elif isinstance(decl, RING_DECLS):
@@ -283,9 +302,24 @@ def _body_cost(resolver: Resolver, body: tuple) -> int:
 
 
 def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
-    """A task's kind must be one the schedule's backward mode orders (the rule table's kinds)."""
+    """A task's kind must be one the schedule's backward mode orders (the rule table's kinds); a
+    recompute needs a recomputed stage, and what a forward becomes there is written as the forward."""
     tasks, mode = out.tasks, out.backward_mode
+    if stmt.kind in tasks.recomputes and out.weight_decls.passing:
+        out.resolver.error(f"{stmt.kind}(...) recomputes a stage's forward, and weight passing needs none: its B "
+                           "already runs the layer's forward again from the input its F kept", stmt.span)
+        return
+    if stmt.kind in tasks.recomputes and not out.recomputing:
+        out.resolver.error(f"{stmt.kind}(...) runs a recomputed stage's forward again, and this schedule "
+                           f"recomputes no stage: add `recompute stage s` (or `recompute stage s when COND`)",
+                           stmt.span)
+        return
     if stmt.kind in tasks.allowed(mode):
+        return
+    if stmt.kind in tasks.checkpointed:
+        written = tasks.checkpointed[stmt.kind]
+        out.resolver.error(f"{stmt.kind}(...) is what {written}(...) becomes on a recomputed stage (`recompute "
+                           f"stage`); write {written}(s, m)", stmt.span)
         return
     if stmt.kind in tasks.ring:
         out.resolver.error(f"{stmt.kind}(...) is a sequence ring's task (an attention block): it needs `sequence "
@@ -320,6 +354,12 @@ def _resolve_keys(out: ResolvedSchedule, nodes: tuple, scope: Scope, word: str) 
         if node.kind in out.tasks.optional:
             resolver.error(f"{node.kind} tasks are ordered only by an explicit order (`order rank r {{ ... }}`)",
                            node.span)
+        elif node.kind in out.tasks.recomputes:
+            resolver.error(f"{node.kind} tasks take no {word}: the compiler runs each right before its "
+                           "backward (an explicit order, `order rank r { ... }`, may place them itself)", node.span)
+        elif node.kind in out.tasks.checkpointed:
+            resolver.error(f"the {word} of {out.tasks.checkpointed[node.kind]} orders the forwards of recomputed "
+                           f"stages too; write {out.tasks.checkpointed[node.kind]}(s, m)", node.span)
         elif node.kind not in out.tasks.required(out.backward_mode):
             resolver.error(f"this schedule has no {node.kind} tasks (backward {out.backward_mode})", node.span)
         key_scope = scope.child()

@@ -4,11 +4,13 @@ Evaluation is the second of two steps (the first, ``pipec.dsl.resolve``, finds
 every mistake a file can hold before any parameter is looked at):
 ``ResolvedSchedule.evaluate(defines)`` binds the parameters, runs the
 ``require``s (in text order, interleaved with ``let``s), places stages, routes
-microbatches (or lays out one pipeline per rank under ``home``), maps devices,
+microbatches (or lays out one pipeline per rank under ``home``), finds the
+recomputed stages (``recompute stage s when C``), maps devices,
 evaluates the weight-passing declarations (``pipec.dsl.weights``), and produces
 the order: an explicit order runs its loops once per rank
 (``pipec.dsl.order_body``) and every task is checked where it is written, so a
-mistake points at its line; a sorted order sorts each rank's tasks by key; a
+mistake points at its line (a forward of a recomputed stage is handed over as
+what it becomes there, ``TaskKinds.recompute``); a sorted order sorts each rank's tasks by key; a
 policy is handed over for the list scheduler. A sequence ring
 (``pipec.dsl.rings``) evaluates its ``RingSpec`` instead, one stage per chunk
 on the chunk's holder; the compiler derives its order, unless the schedule
@@ -94,6 +96,9 @@ class ResolvedSchedule:
     # sequence, hold, mask, rings, pieces, kv, dkv, transfer (sequence rings)
     ring_decls: RingDecls = field(default_factory=RingDecls)
     tasks: TaskKinds | None = None
+    # `recompute stage s [when C]`: each declaration, its variable's slot and its condition's closure
+    recomputes: list[tuple[ast.Recompute, int, Fn | None]] = field(default_factory=list)
+    recomputing: bool = False  # the schedule declares `recompute` (read before the walk)
     backward_mode: str = ""
     split_backward: bool = False
     explicit: tuple[ast.ExplicitOrder, int, list[Callable]] | None = None
@@ -172,6 +177,9 @@ class ResolvedSchedule:
             pipelines = self._positive(self.pipelines.fn(env), "the number of pipelines", self.pipelines.node)
 
         self._check_size(values, S, pipelines)
+        recomputed = self._recomputed(env, S)
+        if recomputed:
+            self._check_size(values, S, pipelines, len(recomputed))
         if home is not None:
             mb_pipeline = home_pipelines(self.weight_decls, env, N, P, self.resolver, self.budget)
             placement = [[p] * S for p in range(P)]  # every stage (layer) of pipeline p on rank p
@@ -193,6 +201,7 @@ class ResolvedSchedule:
             devices=devices,
             split_backward=self.split_backward,
             tasks=self.tasks,
+            recomputed=recomputed,
         )
         if self.weight_decls.weights is not None:  # before the order: its steps are recorded for it
             spec.weights = weight_spec(self.weight_decls, env, P, S, self.resolver, self.budget)
@@ -238,19 +247,22 @@ class ResolvedSchedule:
             spec.order_span = self.ring_decls.sequence[0].span  # the order is derived from it
         return spec
 
-    def _check_size(self, values: dict, S: int, pipelines: int) -> None:
+    def _check_size(self, values: dict, S: int, pipelines: int, recomputed: int = 0) -> None:
         """Refuse, before anything is built, a task grid larger than pipec's limit.
 
         Each microbatch rides one pipeline and runs every required kind of
-        task (F and B, or F, I and W) on each of its ``S`` stages.
+        task (F and B, or F, I and W) on each of its ``S`` stages, and a
+        recompute on each of its ``recomputed`` recomputed stages.
         """
         N = values[self.microbatches_param]
         kinds = self.tasks.required(self.backward_mode)
-        tasks = len(kinds) * S * N
+        tasks = (len(kinds) * S + recomputed) * N
         if tasks > MAX_TASKS:
+            again = (f", and {' '.join(self.tasks.recomputes)} on each of {recomputed:,} recomputed stages"
+                     if recomputed else "")
             raise EvalError(
                 f"{self.name} at {_format_values(values)} has {tasks:,} tasks ({len(kinds)} per stage and "
-                f"microbatch: {', '.join(kinds)}; x {S:,} stages x {N:,} microbatches); pipec's limit is "
+                f"microbatch: {', '.join(kinds)}{again}; x {S:,} stages x {N:,} microbatches); pipec's limit is "
                 f"{MAX_TASKS:,} tasks ({BYTES_PER_TASK_TEXT})",
                 self.stages.node.span,
                 self.source,
@@ -300,6 +312,23 @@ class ResolvedSchedule:
         if value < 1:
             raise EvalError(f"{what} must be at least 1, got {value}", node.span, self.source)
         return value
+
+    def _recomputed(self, env: list, S: int) -> frozenset[int]:
+        """The stage positions some ``recompute stage s [when C]`` names (every one without ``when``)."""
+        if not self.recomputes:
+            return frozenset()
+        cost = sum(self.resolver.cost(node.when) for node, _, _ in self.recomputes)
+        first = self.recomputes[0][0]
+        self.budget.charge(S, cost, "the recompute condition of each stage", first.span, self.source)
+        out = set()
+        for node, slot, when_fn in self.recomputes:
+            if when_fn is None:
+                return frozenset(range(S))
+            for s in range(S):
+                env[slot] = s
+                if when_fn(env):
+                    out.add(s)
+        return frozenset(out)
 
     def _route(self, env: list, N: int, pipelines: int) -> list[int]:
         if self.route is None:
@@ -403,9 +432,13 @@ class ResolvedSchedule:
         for p, row in enumerate(spec.placement):
             for s, rank in enumerate(row):
                 sid = p * S + s
+                # a recomputed stage's forward is sorted by the forward's key and runs as what it becomes
+                ran = {kind: spec.tasks.recompute[kind][0] for kind in kinds if kind in spec.tasks.recompute} \
+                    if s in spec.recomputed else {}
                 for m in by_pipeline.get(p, ()):
                     for kind in kinds:
-                        keyed[rank].append((priority(kind, sid, m), spec.tasks.index(kind), m, sid, kind))
+                        keyed[rank].append((priority(kind, sid, m), spec.tasks.index(kind), m, sid,
+                                            ran.get(kind, kind)))
         orders = []
         for tasks in keyed:
             tasks.sort()

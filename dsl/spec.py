@@ -29,6 +29,11 @@ class TaskKinds:
         backward: ``backward`` mode -> the kinds its backward is made of
             (``full``: B; ``split``: I then W); the first mode is the default.
         optional: kinds that may run at most once per (stage, microbatch).
+        recompute: on a recomputed stage (``recompute stage s``), a kind
+            written -> what it becomes: (the kind run in its place, then the
+            kind that recomputes) (``F`` -> ``FC`` then ``R``). A schedule
+            writes the first as the plain kind (``F``); it may write the
+            recompute itself, else the compiler places it.
         ring_forward, ring_backward: the tasks of a sequence ring's order
             (``AF``; ``AB`` today), its forward pass's and its backward's:
             each is one block, ``KIND(q, kv[, piece])``, and a ring's order
@@ -42,6 +47,7 @@ class TaskKinds:
     optional: tuple[str, ...] = ()
     ring_forward: tuple[str, ...] = ()
     ring_backward: tuple[str, ...] = ()
+    recompute: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def ring(self) -> tuple[str, ...]:
@@ -58,9 +64,19 @@ class TaskKinds:
         return tuple(kind for kind in self.kinds if kind in wanted)
 
     def allowed(self, mode: str) -> tuple[str, ...]:
-        """The kinds a schedule in ``mode`` may order, in table order."""
-        wanted = set(self.required(mode)) | set(self.optional)
+        """The kinds a schedule in ``mode`` may order, in table order (a recompute only on a recomputed stage)."""
+        wanted = set(self.required(mode)) | set(self.optional) | set(self.recomputes)
         return tuple(kind for kind in self.kinds if kind in wanted)
+
+    @property
+    def recomputes(self) -> tuple[str, ...]:
+        """The kinds that recompute a forward (``R``)."""
+        return tuple(remaking for _, remaking in self.recompute.values())
+
+    @property
+    def checkpointed(self) -> dict[str, str]:
+        """Kind run on a recomputed stage in a written kind's place -> that written kind (``FC`` -> ``F``)."""
+        return {keeping: written for written, (keeping, _) in self.recompute.items()}
 
     def index(self, kind: str) -> int:
         return self.kinds.index(kind)
@@ -196,6 +212,10 @@ class ScheduleSpec:
             sequence is cut and KV moves; None otherwise. Its order is derived
             by the compiler (``compiler/lower_rings.py``) unless the schedule
             writes one (``order``, ``task_steps``); ``policy`` is None.
+        recomputed: the stage positions (along a pipeline, as in ``F(s, m)``)
+            that ``recompute stage s`` names: their forward keeps only its
+            input (``order`` holds what it becomes, ``tasks.recompute``) and
+            runs again before their backward.
     """
 
     name: str
@@ -218,6 +238,7 @@ class ScheduleSpec:
     weights: WeightSpec | None = None
     task_steps: list[list[int]] | None = None
     rings: RingSpec | None = None
+    recomputed: frozenset[int] = frozenset()
 
     def stage_id(self, pipeline: int, position: int) -> int:
         return pipeline * self.num_stages + position

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -376,8 +376,16 @@ class _Step:
         return wire.buffer() if kind == ACT else wire.grad_buffer()
 
 
-def _run_forward(step: _Step, stage: int, mb: int, index: int) -> tuple[list[torch.Tensor], object]:
-    """Run a stage's forward on microbatch ``mb`` (autograd on, in the run's precision).
+def _stage_input(step: _Step, stage: int, mb: int, index: int):
+    """What a stage's forward reads: the microbatch's inputs on a first stage, else the payload the stage
+    before handed over (taken now: received, or handed off on this rank)."""
+    prev = step.ctx.prev[stage]
+    return step.inputs[mb] if prev < 0 else step.take(ACT, prev, mb, index)
+
+
+def _run_forward(step: _Step, stage: int, mb: int, index: int, value) -> tuple[list[torch.Tensor], object]:
+    """Run a stage's forward on ``value``, microbatch ``mb``'s input (in the run's precision; autograd as
+    the caller has it).
 
     Returns:
         (its input leaves that carry a gradient: empty for a first stage; its
@@ -385,10 +393,9 @@ def _run_forward(step: _Step, stage: int, mb: int, index: int) -> tuple[list[tor
     """
     ctx = step.ctx
     prev = ctx.prev[stage]
-    if prev < 0:
-        leaves, value = [], step.inputs[mb]
-    else:
-        value, leaves = payload.input_leaves(ctx.wire_of(ACT, prev).layout, step.take(ACT, prev, mb, index))
+    leaves = []
+    if prev >= 0:
+        value, leaves = payload.input_leaves(ctx.wire_of(ACT, prev).layout, value)
     with ctx.precision.autocast(ctx.device):
         out = payload.call(ctx.stages[stage], value)
         if ctx.next[stage] < 0:
@@ -412,7 +419,7 @@ def _keep_output(step: _Step, stage: int, mb: int, out) -> None:
 
 def _forward(step: _Step, action: Action, index: int) -> None:
     stage, mb = action[0], action[2]
-    leaves, out = _run_forward(step, stage, mb, index)
+    leaves, out = _run_forward(step, stage, mb, index, _stage_input(step, stage, mb, index))
     _keep_output(step, stage, mb, out)
     step.saved[stage * step.num_microbatches + mb] = (leaves, out)
 
@@ -453,6 +460,49 @@ def _weight_grad(step: _Step, action: Action, index: int) -> None:
 
 def _free(step: _Step, action: Action, index: int) -> None:
     step.saved.pop(action[0] * step.num_microbatches + action[2], None)
+
+
+# ---- activation checkpointing (``recompute stage s``): FC, then R just before the backward.
+# Between the two, ``step.saved[slot]`` holds a ``_Kept``; R replaces it with the
+# (input leaves, output) F would have saved, so B, I, W and FREE_F run unchanged.
+
+
+class _Kept(NamedTuple):
+    """What FC keeps for its R: the stage's input payload (a first stage's microbatch inputs) and the
+    random-number state the forward ran with (CPU, and the device's on CUDA), so that R replays it."""
+
+    input: object
+    cpu_rng: torch.Tensor
+    device_rng: torch.Tensor | None
+
+
+def _checkpointed_forward(step: _Step, action: Action, index: int) -> None:
+    """FC: the forward without autograd, handing its output on (a last stage: adding its scaled loss to the
+    step's); it keeps only its input and the RNG state, for R."""
+    ctx = step.ctx
+    stage, mb = action[0], action[2]
+    value = _stage_input(step, stage, mb, index)
+    on_cuda = ctx.device.type == "cuda"
+    kept = _Kept(value, torch.get_rng_state(), torch.cuda.get_rng_state(ctx.device) if on_cuda else None)
+    with torch.no_grad():
+        _, out = _run_forward(step, stage, mb, index, value)
+    _keep_output(step, stage, mb, out)
+    step.saved[stage * step.num_microbatches + mb] = kept
+
+
+def _recompute(step: _Step, action: Action, index: int) -> None:
+    """R: the forward again, with autograd and in the run's precision, from the input FC kept and under the
+    RNG state FC ran with (restored afterwards, as ``torch.utils.checkpoint`` does); saves what F would."""
+    ctx = step.ctx
+    stage, mb = action[0], action[2]
+    slot = stage * step.num_microbatches + mb
+    kept = step.saved[slot]
+    devices = [ctx.device] if kept.device_rng is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(kept.cpu_rng)
+        if kept.device_rng is not None:
+            torch.cuda.set_rng_state(kept.device_rng, ctx.device)
+        step.saved[slot] = _run_forward(step, stage, mb, index, kept.input)  # FC counted the loss
 
 
 def _outgoing(step: _Step, part: Action, index: int) -> torch.Tensor:
@@ -547,6 +597,8 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     BATCH: _batch,
     ALLREDUCE_GRAD: _allreduce_start,
     ALLREDUCE_WAIT: _allreduce_wait,
+    ops.FC: _checkpointed_forward,
+    ops.R: _recompute,
     **weights.HANDLERS,
 }
 # Sequence rings run through ``runtime/rings.py``'s handlers: its blocks, exchanges and their parts.

@@ -34,7 +34,7 @@ def test_list_shows_every_shipped_schedule_with_parameters(capsys):
 def test_check_prints_one_line_and_exits_zero(capsys):
     status, out, err = run(capsys, "check", "1f1b", "-D", "P=4", "-D", "N=8")
     assert status == 0 and err == ""
-    assert out.count("\n") == 1 and out.startswith("ok: 1f1b (P=4, N=8)")
+    assert out.count("\n") == 1 and out.startswith("ok: 1f1b (P=4, N=8, remat=false)")
 
 
 def test_compile_json_has_ranks_of_instructions_with_op_and_text(capsys):

@@ -243,7 +243,7 @@ def test_a_task_grid_past_the_limit_fails_at_once(capsys):
     err = capsys.readouterr().err
     assert time.perf_counter() - start < SECONDS
     assert re.match(r"^\S*1f1b\.pipe:\d+:\d+: ", err), err
-    assert ("P=64, N=100000 has 12,800,000 tasks (2 per stage and microbatch: F, B; x 64 stages x 100,000 "
+    assert ("P=64, N=100000, remat=false has 12,800,000 tasks (2 per stage and microbatch: F, B; x 64 stages x 100,000 "
             f"microbatches); pipec's limit is {MAX_TASKS:,} tasks") in err
 
 

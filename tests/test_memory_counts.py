@@ -60,7 +60,9 @@ def test_peak_bytes_of_zb_h1_count_what_i_leaves_for_w(zb_h1):
 
 
 def test_size_class_deltas_come_from_the_rule_table():
-    assert size_class_deltas(ops.SIZE_ACTIVATION) == {ops.F: 1, ops.B: -1, ops.W: -1}
+    # F or R (a recomputed stage's recompute) makes the saved activation, B ends it, I swaps it for a stash W ends
+    assert size_class_deltas(ops.SIZE_ACTIVATION) == {ops.F: 1, ops.B: -1, ops.W: -1, ops.R: 1}
+    assert size_class_deltas(ops.SIZE_BOUNDARY) == {ops.FC: 1, ops.R: -1}  # the input a recomputed forward keeps
     assert size_class_deltas(ops.SIZE_WEIGHT) == {}  # weights have no counter: bytes only when one is added
     assert list(live_counts([], ops.memory_deltas("activations"))) == []
 

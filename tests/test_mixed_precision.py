@@ -26,7 +26,8 @@ STEPS, N, SEED = 5, 4, 1
 # 1f1b, 4.6e-4 under zbv), against updates of up to 0.16.
 BF16_TOLERANCE = 2e-3
 LOSS_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
-SCHEDULES = ("1f1b", "zbv", "weipipe", "zigzag_ring")
+# 1f1b-remat: every stage recomputed, R under the same autocast as its FC
+SCHEDULES = ("1f1b", "zbv", "weipipe", "zigzag_ring", "1f1b-remat")
 
 
 def _n(name: str) -> int:
@@ -39,7 +40,8 @@ def runs(tmp_path_factory):
     jobs = []
     for name in SCHEDULES:
         n = [] if _n(name) == 1 else ["-D", f"N={N}"]
-        jobs.append([name, "-D", "P=2", *n, "--steps", str(STEPS), "--seed", str(SEED), "--dtype", "bf16",
+        remat = ["-D", "remat=true"] if name.endswith("-remat") else []
+        jobs.append([name.split("-")[0], "-D", "P=2", *n, *remat, "--steps", str(STEPS), "--seed", str(SEED), "--dtype", "bf16",
                      "--save", str(folder / f"{name}.pt")])
     run = launch_batch(jobs, 2, 240.0)
     assert run.ok, run.describe()

@@ -89,10 +89,10 @@ def test_a_new_op_is_missing_from_every_pass(monkeypatch):
     declared = ops.declared_passes()
     assert declared
     # a copy of the table with one more op, which no pass has a rule for
-    monkeypatch.setattr(ops, "OPS", ops.OPS + ("R",))
+    monkeypatch.setattr(ops, "OPS", ops.OPS + ("V",))
     missing = ops.passes_missing_rules()
     assert sorted(missing) == declared
-    assert all(names == ["R"] for names in missing.values())
+    assert all(names == ["V"] for names in missing.values())
 
 
 def test_an_op_a_pass_forgets_is_named(monkeypatch):
@@ -143,10 +143,37 @@ def test_the_tables_derived_from_the_rules_are_the_ones_spelled_out_before():
     assert costs.SPLITS == {"B": ("I", "W")}
     assert costs.MESSAGE_KINDS == ("act", "grad")
     assert set(costs.UNIT_COMPUTE) == set(ops.COMPUTE_OPS)
-    # what the task graph's data edges follow (it spelled these out as _READS)
-    reads = {op: [(d.made_by, d.where) for d in deps] for op, deps in _today(ops.DEPENDENCIES).items()}
+    # what the task graph's data edges follow (it spelled these out as _READS), among today's ops
+    reads = {op: [(tuple(made for made in d.made_by if made in _TODAY), d.where) for d in deps]
+             for op, deps in _today(ops.DEPENDENCIES).items()}
     assert reads == {"F": [(("F",), "prev")], "B": [(("F",), "self"), (("B", "I"), "next")],
                      "I": [(("F",), "self"), (("B", "I"), "next")], "W": [(("I",), "self")]}
+
+
+def test_recomputation_is_a_second_forward_alternative_of_the_table():
+    """FC and R: the forward task set's second alternative, chosen per stage; each makes what the plain
+    forward makes between them, and the passes' tables follow (a forward's activation is F's or FC's,
+    a backward's saved activation F's or R's)."""
+    from pipec.compiler import costs, import_torch
+    from pipec.compiler.emit import torch_csv
+
+    forward = ops.FAMILY_TASKS[ops.ACTIVATION_PASSING][0]
+    assert forward.alternatives == (("F",), ("FC", "R")) and forward.per_stage
+    assert ops.CHECKPOINTS == {"F": ("FC", "R")} and ops.RECOMPUTE_BEFORE == {"R": ("B", "I")}
+    deps = {op: [(d.kind, d.made_by, d.where) for d in ops.DEPENDENCIES[op]] for op in ("F", "FC", "R", "B")}
+    assert deps["FC"] == deps["F"] == [("act", ("F", "FC"), "prev")]
+    assert deps["R"] == [("kept", ("FC",), "self")]
+    assert deps["B"][0] == ("saved", ("F", "R"), "self")
+    assert ops.MESSAGE_READERS["act"] == ("F", "FC")
+    assert ops.memory_deltas("activations") == {"F": 1, "B": -1, "I": -1, "R": 1}
+    assert ops.memory_deltas("kept_inputs") == {"FC": 1, "R": -1}
+    assert ops.VALUE_KINDS["kept"].size_class == "boundary" and ops.VALUE_KINDS["saved"].size_class == "activation"
+    assert ops.UNIT_COSTS["FC"] == ops.UNIT_COSTS["R"] == ops.UNIT_COSTS["F"] == 1
+    assert costs.SPLITS == {"B": ("I", "W")}  # a recompute is no split of a forward's work
+    assert costs.PRICED_LIKE == {"FC": "F", "R": "F"}
+    assert (torch_csv._COMPUTE_ONLY["FC"], torch_csv._TORCH_TOKEN["FC"], torch_csv._COMPUTE_ONLY["R"]) == (
+        "keep", "F", "drop")
+    assert import_torch._TOKEN.fullmatch("3FC1") is None and import_torch._TOKEN.fullmatch("3R1") is None
 
 
 @pytest.mark.skipif(not _torch_available(), reason="needs torch")

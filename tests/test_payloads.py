@@ -140,12 +140,14 @@ def test_a_declaration_that_does_not_fit_chunk_0_is_named_before_launch():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """zbv (tuple, declared) and 1f1b (dict, found) on 2 gloo ranks with the hidden-and-mask model."""
+    """zbv (tuple, declared; also with every stage recomputed) and 1f1b (dict, found) on 2 gloo ranks with
+    the hidden-and-mask model."""
     folder = tmp_path_factory.mktemp("payloads")
-    cases = {"zbv": ("SPEC", "tuple"), "1f1b": ("PROBED", "dict")}
-    jobs = [[name, "-D", "P=2", "-D", "N=4", "--steps", str(STEPS), "--seed", str(SEED),
+    cases = {"zbv": ("SPEC", "tuple", []), "1f1b": ("PROBED", "dict", []),
+             "zbv-remat": ("SPEC", "tuple", ["-D", "remat=true"])}
+    jobs = [[name.split("-")[0], "-D", "P=2", "-D", "N=4", *extra, "--steps", str(STEPS), "--seed", str(SEED),
              "--model", f"payload_model:{model}", "--config", f"form={form}", "--save", str(folder / f"{name}.pt")]
-            for name, (model, form) in cases.items()]
+            for name, (model, form, extra) in cases.items()]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
         run = launch_batch(jobs, 2, 180.0)
@@ -153,10 +155,10 @@ def trained(tmp_path_factory):
     return folder, cases
 
 
-@pytest.mark.parametrize("name", ["zbv", "1f1b"])
+@pytest.mark.parametrize("name", ["zbv", "1f1b", "zbv-remat"])
 def test_a_hidden_state_and_a_mask_train_like_one_process(trained, name):
     folder, cases = trained
-    model, form = cases[name]
+    model, form, _ = cases[name]
     spec = getattr(payload_model, model)
     want = reference_run(payload_model.Config(form=form), STEPS, 4, SEED, spec).state_dict
     got = torch.load(folder / f"{name}.pt", weights_only=True)

@@ -208,7 +208,7 @@ def test_html_data_cannot_close_its_script_element():
     program.name = "evil</script><b>x"
     page = parse_page(timeline_html(make_drawing(result, program)))
     assert page.tags["b"] == 0
-    assert json.loads(page.scripts["timeline-data"])["heading"].startswith("evil</script><b>x (P=2, N=2)")
+    assert json.loads(page.scripts["timeline-data"])["heading"].startswith("evil</script><b>x (P=2, N=2, remat=false)")
 
 
 # ---------------------------------------------------------------- Chrome trace

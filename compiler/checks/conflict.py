@@ -13,8 +13,9 @@ are well formed:
    buffer not yet written.
 3. Saved activations: a FREE_F(stage, mb) is on the stage's home rank, comes
    once, and comes after everything that uses the activation: the F that made
-   it, the SEND_F that ships it (the buffer is in flight until posted), and the
-   backward that reads it (B, or I and W when split).
+   it (or, on a recomputed stage, the R that made it again), the SEND_F that
+   ships the output (the buffer is in flight until posted), and the backward
+   that reads it (B, or I and W when split).
 
 Two computations in one time slot cannot happen: each rank's program is one
 sequential list, and stages merged from several pipelines onto a rank share

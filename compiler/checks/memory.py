@@ -5,13 +5,16 @@ simulator), which reads the rule table: a saved activation is alive on its
 stage's rank from the compute that makes it (F) to the one that ends it (B,
 or, when the backward is split, I: the W that follows needs only the layer
 inputs, which the runtime keeps in a smaller stash, counted apart as the
-weight gradients waiting). The count is in activations of one chunk for one
+weight gradients waiting). On a recomputed stage the forward (FC) keeps only
+its input, counted apart as a kept input until the recompute (R) makes the
+saved activation again, just before the backward. The count is in activations of one chunk for one
 microbatch; chunks of different sizes are the cost model's business.
 
 ``check_memory`` proves a count budget (activations per rank) and, given the
 bytes of one value of each size class, a budget in bytes per size class; in
 bytes every counted value counts at its class's size (the stash an I leaves
-is activation-sized, like the saved activation).
+is activation-sized, like the saved activation; a kept input is
+boundary-sized).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from pipec.compiler.memory_counts import (
     live_counts,
     peak_activations,
     peak_bytes,
+    peak_kept_inputs,
     peak_waiting_w,
 )
 from pipec.errors import BudgetError
@@ -105,4 +109,4 @@ def _first_over(row, size_class: str, size: Number, limit: Number) -> tuple[int,
     return next((step, size_class, live) for step, live in enumerate(lives) if live * size > limit)
 
 
-__all__ = ["check_memory", "peak_activations", "peak_bytes", "peak_waiting_w"]
+__all__ = ["check_memory", "peak_activations", "peak_bytes", "peak_kept_inputs", "peak_waiting_w"]

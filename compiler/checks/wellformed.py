@@ -9,17 +9,19 @@ the other checks:
 1. Every task is valid and in place: its stage and microbatch are in range, the
    microbatch rides the stage's pipeline, and it runs on the stage's home rank.
 2. Every task of the family appears exactly once: for each pipeline, each of
-   its stages and each microbatch riding it, F once and either B once or I and
-   W once each.
+   its stages and each microbatch riding it, F once, or (a recomputed stage)
+   FC and R once each; and either B once or I and W once each.
 3. The dependencies can be met: the graph whose edges are the per-rank order
-   and the dataflow (F(s) after F(prev s); B or I(s) after F(s) and after the B
-   or I of next(s); W after I) is acyclic. A failure names the task that can
-   never run, its rank and step, and the cycle it sits on.
+   and the dataflow (F or FC(s) after F or FC(prev s); R(s) after FC(s); B or
+   I(s) after F(s), or R(s) when recomputed, and after the B or I of next(s);
+   W after I) is acyclic. A failure names the task that can never run, its
+   rank and step, and the cycle it sits on (a recompute after its backward:
+   the backward needs it, and it comes later on the rank).
 
 The task sets (2) and the dataflow (3) come from the rule table
 (``ops.FAMILY_TASKS``, ``ops.DEPENDENCIES``). Everything works on integer
 task keys, ``(stage * N + mb) * C + code`` with C = ``ops.NUM_TASK_CODES``
-and the code of ``ops.TASK_CODE`` (F=0, B=1, I=2, W=3), and task positions
+and the code of ``ops.TASK_CODE`` (F=0, B=1, I=2, W=3, FC=4, R=5), and task positions
 ``step * R + rank``, so each pass touches each instruction a constant number
 of times.
 """
@@ -213,12 +215,18 @@ def _task_problem(task_set, present: dict[str, bool], s: int, m: int) -> str | N
     started = [alt for alt in alternatives if present[alt[0]]]
     if len(started) > 1:
         first, second = started[0], started[1]
-        return (f"{task(first[0])} and {task(second[0])} both appear: a {task_set.name} is either "
-                + " or split into ".join(" and ".join(alt) for alt in alternatives))
+        if task_set.per_stage:  # the others are a recomputed stage's
+            ways = ", or ".join(" then ".join(alt) for alt in alternatives) + " on a recomputed stage"
+        else:
+            ways = " or split into ".join(" and ".join(alt) for alt in alternatives)
+        return f"{task(first[0])} and {task(second[0])} both appear: a {task_set.name} is either {ways}"
     for alternative in alternatives:
         if not any(present[op] for op in alternative) or all(present[op] for op in alternative):
             continue
         missing = next(op for op in alternative if not present[op])
+        if missing != alternative[0] and task_set.per_stage:
+            return (f"task {task(missing)} is missing ({task(alternative[0])} keeps only its input: the stage "
+                    f"is recomputed, and its backward reads what {missing} remakes)")
         if missing != alternative[0]:
             return f"task {task(missing)} is missing ({task(alternative[0])} splits the {task_set.name})"
         later = next(op for op in alternative if present[op])

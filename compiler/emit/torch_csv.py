@@ -6,7 +6,10 @@ cell (``PipelineScheduleMulti._load_csv`` for the compute-only form,
 communication). Two forms are written:
 
 * compute only: the F, B, I and W tokens of each rank, in order. torch lowers
-  it to communication itself.
+  it to communication itself. torch has no checkpointed forward and no
+  recompute: a recomputed stage's FC is written as its F (the rule's
+  ``torch_token``) and its R is dropped, so torch runs the same order keeping
+  every activation.
 * with communication: pipec's own sends and receives as well. A ``BATCH`` is
   written as its parts, in order, because torch has no batch token. torch's
   runtime posts each send/recv as it meets it (isend/irecv) and waits for a
@@ -53,6 +56,8 @@ from pipec.errors import UsageError
 _COMPUTE_ONLY = {op: rule.torch[0] for op, rule in ops.RULES.items()}
 _WITH_COMMS = {op: rule.torch[1] for op, rule in ops.RULES.items()}
 ops.declare_pass("torch csv", _COMPUTE_ONLY.keys() & _WITH_COMMS.keys())
+# A kept op written as another token (FC as torch's F).
+_TORCH_TOKEN = {op: rule.torch_token for op, rule in ops.RULES.items() if rule.torch_token}
 
 
 class TorchRuntime(NamedTuple):
@@ -160,6 +165,8 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
         for action in row:
             rule = rules.get(action.op)
             if rule == ops.KEEP:
+                if action.op in _TORCH_TOKEN:
+                    action = action._replace(op=_TORCH_TOKEN[action.op])
                 cells.append(token(action))
             elif rule == ops.EXPAND:
                 cells.extend(token(part) for part in action.parts)

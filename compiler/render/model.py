@@ -175,8 +175,8 @@ def _measured_timeline(events: list[dict], program: Program, step: int | None, n
 
 
 def format_params(params: dict) -> str:
-    """Returns: ``P=4, N=8``."""
-    return ", ".join(f"{key}={value}" for key, value in params.items())
+    """Returns: ``P=4, N=8, remat=false`` (a bool as the language writes it)."""
+    return ", ".join(f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in params.items())
 
 
 def format_time(value: Number, unit: str = "") -> str:

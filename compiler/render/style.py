@@ -22,6 +22,8 @@ KINDS = {
     ops.B: (135, "backward"),
     ops.I: (30, "backward, input gradient"),
     ops.W: (282, "backward, weight gradient"),
+    ops.FC: (248, "forward, keeping only its input (recomputed)"),
+    ops.R: (54, "recompute (the forward again)"),
     ops.AF: (186, "attention forward block"),
     ops.AB: (350, "attention backward block"),
 }

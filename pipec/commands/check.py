@@ -23,7 +23,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from pipec.compiler.checks import peak_activations
     from pipec.compiler.guarded_read import looks_like_program
-    from pipec.compiler.memory_counts import peak_bytes, peak_weight_buffers
+    from pipec.compiler.memory_counts import peak_bytes, peak_kept_inputs, peak_weight_buffers, recomputes
 
     if looks_like_program(args.target):
         name, program, costs = _checked_program_file(args)
@@ -35,6 +35,8 @@ def run(args) -> int:
         write_output(_rings_ok(name, program), None)
         return 0
     peaks = peak_activations(program)
+    if recomputes(program):  # recomputed stages keep their inputs instead, counted apart
+        peaks = f"{peaks}, peak kept inputs per rank {[peak_kept_inputs(row) for row in program.ranks]}"
     in_bytes = ""
     sizes = costs.sizes if costs is not None else {}
     if sizes:  # the cost file gives bytes per size class: each class's peak per rank

@@ -44,6 +44,7 @@ def run(args) -> int:
             f"  rank {rank}: busy {_num(stats.busy)}, idle {_num(stats.idle)}"
             + (f", peak activations {stats.peak_activations}" if rings is None else "")
             + (f", W waiting at most {stats.peak_waiting_w}" if split else "")
+            + (f", kept inputs at most {stats.peak_kept_inputs}" if stats.peak_kept_inputs is not None else "")
             + (f", peak bytes {describe_peak_bytes(stats.peak_bytes)}" if stats.peak_bytes else "")
         )
     if result.links is not None:
