@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(plan.inject.index)
     with fatal_errors(rank):
         device = join_group(args.backend, rank, world, local_rank, args.timeout, gpu=index)
+        from pipec.runtime.agreement import check_same_training  # every node must train the same thing
+
+        check_same_training(args, plan, world)
         train(args, plan, rank, world, device)
         # The run's cyclic garbage (autograd graphs, communication works that
         # hold the group) is freed now, while the group and the interpreter are

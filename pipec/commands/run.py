@@ -7,12 +7,16 @@ through torch's elastic launcher (the launcher ``torchrun`` runs), each one
 ``python -m pipec.runtime TARGET ... --program FILE``: the workers load that
 program instead of compiling it P times again. Starting the workers here
 rather than through ``torchrun`` changes nothing else for them: they see the
-same environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+same environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). Over several machines
+(``--nnodes M --node-rank I --rdzv-endpoint HOST:PORT``) each machine's
+``pipec run`` compiles, checks and starts its own workers, ranks I*P ..
+I*P+P-1, and the launchers meet in torchrun's static rendezvous, whose store
+node 0 keeps (``Nodes``, ``_meeting``).
 
 What the user sees:
 
 * every worker's stdout, live: rank 0's lines as they are (the loss per step),
-  another rank's behind ``[rank R] ``;
+  another rank's behind ``[rank R] `` (R its global rank);
 * on success, any worker stderr (warnings) after the run, behind ``[rank R] ``;
 * on a failure, the workers' fault messages (``rank R, step S (INSTR): waited
   T s for rank Q ...``), each distinct one once, and how each failed worker
@@ -29,13 +33,16 @@ import argparse
 import contextlib
 import glob
 import logging
+import math
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -43,6 +50,8 @@ from typing import Callable, Iterator
 from pipec.compiler.defines import parse_defines
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
 from pipec.errors import UsageError, printable
+from pipec.runtime.agreement import MISMATCH_PREFIX
+from pipec.runtime.worker import JOIN_ALLOWANCE_S
 
 # How often the launcher's agent looks at its workers, in seconds: the delay
 # between a worker's exit and the others being stopped (and the run's end).
@@ -56,8 +65,9 @@ SHUTDOWN_TIMEOUT_S = 5
 _CONTINUE_EVERY_S = 0.1
 # How often the output follower polls the workers' stdout files.
 FOLLOW_INTERVAL_S = 0.05
-# A worker's fault message: "rank R, step S (INSTR): ..." (runtime.worker's RuntimeFault).
-FAULT_LINE = re.compile(r"rank \d+, step \d+ \(.+\): .*")
+# A worker's fault message: "rank R, step S (INSTR): ..." (runtime.worker's RuntimeFault), or the line
+# every worker prints when the ranks were not started for the same training (runtime.agreement.check_same_training).
+FAULT_LINE = re.compile(rf"rank \d+, step \d+ \(.+\): .*|{re.escape(MISMATCH_PREFIX)}.*")
 # Stderr lines shown for a failed worker that printed no fault message.
 TAIL_LINES = 20
 # The compiled program's file in the run folder, passed to the workers as --program.
@@ -92,8 +102,23 @@ def register(sub) -> None:
     )
     add_run_arguments(parser)
     parser.add_argument(
-        "--nproc", type=positive_count_arg, metavar="P", help="worker processes; must equal the program's ranks (default: its ranks)"
+        "--nproc", type=positive_count_arg, metavar="P",
+        help="worker processes on this machine; all nodes together must start the program's ranks "
+             "(default: its ranks, divided among --nnodes)",
     )
+    nodes = parser.add_argument_group(
+        "several machines",
+        "start `pipec run` with the same arguments on every machine, each with its own --node-rank; node 0 "
+        "hosts the rendezvous at --rdzv-endpoint (torchrun's static rendezvous) and writes --save and --trace")
+    nodes.add_argument("--nnodes", type=positive_count_arg, default=1, metavar="M",
+                       help="machines in the run (default 1)")
+    nodes.add_argument("--node-rank", dest="node_rank", type=count_arg, default=None, metavar="I",
+                       help="this machine's index, 0 .. M-1; its workers are ranks I*P .. I*P+P-1")
+    nodes.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", metavar="HOST:PORT",
+                       help="node 0's address and a free port there: node 0 listens, the others join")
+    nodes.add_argument("--join-timeout", dest="join_timeout", type=seconds_arg, default=None, metavar="SECONDS",
+                       help=f"how long the nodes wait for each other before the run starts "
+                            f"(default {JOIN_ALLOWANCE_S:g})")
     parser.set_defaults(func=run)
 
 
@@ -140,7 +165,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     program, nproc = check_before_launch(args)
-    result = launch_program(program, worker_arguments(args), nproc)
+    result = launch_program(program, worker_arguments(args), nproc, nodes=nodes_of(args))
     if result.ok:
         return 0
     sys.stderr.write(result.report)
@@ -171,26 +196,28 @@ def check_launch(args, program) -> int:
         args: the parsed ``pipec run`` arguments.
         program: the compiled target.
     Returns:
-        the number of workers to start: ``--nproc``, or the program's ranks.
+        the number of workers to start on this machine: ``--nproc``, or the
+        program's ranks divided among the ``--nnodes`` machines.
     Raises:
-        UsageError: a worker count other than the program's ranks, a bad step
-            count or timeout, too few GPUs for nccl, or a model that cannot be
-            loaded or cut into the program's chunks.
+        UsageError: a worker count other than the program's ranks (all nodes
+            together), a bad step count or timeout, too few GPUs for nccl, or a
+            model that cannot be loaded or cut into the program's chunks; over
+            several machines a bad ``--node-rank`` or ``--rdzv-endpoint``
+            (``nodes_of``, ``_check_endpoint``).
     """
-    nproc = args.nproc if args.nproc is not None else program.num_ranks
-    if nproc != program.num_ranks:
-        raise UsageError(
-            f"--nproc {nproc}, but {args.target} was compiled for {program.num_ranks} ranks: "
-            f"one worker runs one rank (pass --nproc {program.num_ranks}, or change -D P=...)"
-        )
+    nodes = nodes_of(args)
+    nproc = _workers_per_node(args.nproc, program.num_ranks, nodes.count if nodes else 1, args.target)
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.backend == "nccl":
+    if getattr(args, "backend", None) == "nccl":
         _check_gpus(nproc)
         _check_device_map(program, nproc)
-    _check_outputs(args)
+    if nodes is None or nodes.rank == 0:  # only rank 0, on node 0, writes --trace and --save
+        _check_outputs(args)
+    if nodes is not None:
+        _check_endpoint(nodes)
     _check_resume(args)
     _check_model(args, program)
     if program.rings is not None:  # sequence-parallel training: no --trace, no planted faults
@@ -198,6 +225,126 @@ def check_launch(args, program) -> int:
 
         check_ring_options(args, program)
     return nproc
+
+
+def _workers_per_node(nproc: int | None, ranks: int, count: int, target: str) -> int:
+    """The workers this machine starts: ``--nproc``, or the program's ranks divided among the machines.
+
+    Args:
+        nproc: ``--nproc``, or None.
+        ranks: the program's ranks; one worker runs one rank.
+        count: the machines (``--nnodes``), each starting the same number of workers.
+        target: the target, for the message.
+    Raises:
+        UsageError: the machines' workers together are not the program's ranks.
+    """
+    if nproc is None and ranks % count == 0:
+        return ranks // count
+    if nproc is None:
+        raise UsageError(f"{target} was compiled for {ranks} ranks, which do not divide among --nnodes {count} "
+                         f"machines (each starts the same number of workers): change --nnodes, or -D P=...")
+    if nproc * count != ranks:
+        on = f" on each of {count} machines starts {nproc * count} workers" if count > 1 else ""
+        fits = f"pass --nproc {ranks // count}" if ranks % count == 0 else "change --nnodes"
+        raise UsageError(f"--nproc {nproc}{on}, but {target} was compiled for {ranks} ranks: "
+                         f"one worker runs one rank ({fits}, or change -D P=...)")
+    return nproc
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """A run over several machines: this launcher starts node ``rank`` of ``count``.
+
+    Every node's launcher meets at ``host:port``, where node 0's launcher
+    keeps the rendezvous store (torchrun's static rendezvous): the node ranks
+    are the ones given, so node i's workers are ranks ``i * nproc`` ..
+    ``i * nproc + nproc - 1`` (as torchrun numbers them), and the workers'
+    group meets in the same store.
+
+    Attributes:
+        count: the machines in the run (``--nnodes``).
+        rank: this machine's index (``--node-rank``).
+        host, port: the rendezvous (``--rdzv-endpoint``).
+        join_timeout: seconds the launchers wait for each other (``--join-timeout``).
+    """
+
+    count: int
+    rank: int
+    host: str
+    port: int
+    join_timeout: float = JOIN_ALLOWANCE_S
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+# The run's name in the rendezvous store. One store serves one run (its port
+# names the run), so every node can use the same name; a name derived from
+# the endpoint would split the run when two nodes spell the address differently.
+MULTINODE_RUN_ID = "pipec-run"
+# How often a node other than node 0 tries to reach node 0 while it waits for it, seconds.
+_REACH_EVERY_S = 0.2
+
+
+def nodes_of(args) -> Nodes | None:
+    """The parsed ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint`` and ``--join-timeout``; None for one machine.
+
+    Args:
+        args: the parsed ``pipec run`` arguments (another command's have none of them: one machine).
+    Returns:
+        this launcher's ``Nodes``, or None for a run on one machine.
+    Raises:
+        UsageError: a node rank outside 0 .. M-1, a missing node rank or endpoint
+            when M > 1 (or any of the three given when M is 1), an endpoint that is not HOST:PORT.
+    """
+    count = getattr(args, "nnodes", 1) or 1
+    rank, endpoint = getattr(args, "node_rank", None), getattr(args, "rdzv_endpoint", None)
+    join_timeout = getattr(args, "join_timeout", None)
+    if count == 1:
+        if rank not in (None, 0) or endpoint is not None or join_timeout is not None:
+            raise UsageError("--node-rank, --rdzv-endpoint and --join-timeout are for a run over several machines: "
+                             "pass --nnodes M too")
+        return None
+    if rank is None or endpoint is None:
+        raise UsageError(f"--nnodes {count}: every machine needs its --node-rank (0 .. {count - 1}) and the same "
+                         "--rdzv-endpoint HOST:PORT (node 0's address and a free port)")
+    if not 0 <= rank < count:
+        raise UsageError(f"--node-rank {rank}: the nodes of --nnodes {count} are numbered 0 .. {count - 1}")
+    host, _, port = endpoint.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:29500
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--rdzv-endpoint {printable(endpoint)!r}: expected HOST:PORT, e.g. 10.0.0.1:29500 "
+                         "(a port 1 .. 65535)")
+    return Nodes(count, rank, host, int(port), JOIN_ALLOWANCE_S if join_timeout is None else join_timeout)
+
+
+def _check_endpoint(nodes: Nodes) -> None:
+    """Check the rendezvous address before launching: its host must resolve, and on node 0, which
+    listens on it, the port must be free.
+
+    The port is checked on every interface, as the store binds it; another
+    program may still take it before the store does, and the launch then
+    reports the store's own error (``_rendezvous_failure``).
+
+    Raises:
+        UsageError: a host that does not resolve, or a port in use on node 0.
+    """
+    try:
+        family = socket.getaddrinfo(nodes.host, nodes.port, type=socket.SOCK_STREAM)[0][0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise UsageError(f"--rdzv-endpoint {nodes.endpoint}: cannot resolve {nodes.host!r} "
+                         f"({getattr(error, 'strerror', None) or error})") from None
+    if nodes.rank != 0:
+        return
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store does: a closed run's port is free
+        try:
+            probe.bind(("", nodes.port))
+        except OSError as error:
+            raise UsageError(f"--rdzv-endpoint {nodes.endpoint}: node 0 listens on port {nodes.port}, which is in "
+                             f"use on this machine ({error.strerror or error}): pick a free port and give it "
+                             "to every node") from None
 
 
 def _check_outputs(args) -> None:
@@ -236,15 +383,17 @@ def _check_gpus(nproc: int) -> None:
 def _check_device_map(program, nproc: int) -> None:
     """Check that every worker can run on the GPU the program's device map gives it.
 
-    The launch is one node of ``nproc`` workers, so the map's devices are that
-    node's GPUs. On gloo the map changes nothing and is not checked.
+    Every node runs ``nproc`` workers (torchrun's LOCAL_WORLD_SIZE), so the
+    map's devices are numbered node by node, ``nproc`` GPUs on each; one
+    machine is the case where ``nproc`` is the program's ranks. On gloo the
+    map changes nothing and is not checked.
 
     Raises:
         UsageError: the map puts a rank on another node's device (``runtime.worker.device_index``).
     """
     from pipec.runtime.worker import check_device_map
 
-    check_device_map(program.devices, nproc, node_size=nproc)
+    check_device_map(program.devices, program.num_ranks, node_size=nproc)
 
 
 def _check_model(args, program) -> None:
@@ -314,8 +463,8 @@ def launch_program(program, arguments: list[str], nproc: int, **options) -> Laun
         program: the compiled, checked program.
         arguments: the worker's other arguments (``worker_arguments``): TARGET,
             -D and --costs name what the program came from, in the trace.
-        nproc: the number of workers.
-        options: passed on to ``launch`` (``on_line``, ``echo``, ``env``).
+        nproc: the number of workers (on this node).
+        options: passed on to ``launch`` (``on_line``, ``echo``, ``env``, ``nodes``).
     Returns:
         ``launch``'s result.
     """
@@ -362,6 +511,7 @@ def launch(
     env: dict[str, str] | None = None,
     run_dir: str | None = None,
     command: str = "pipec run",
+    nodes: Nodes | None = None,
 ) -> LaunchResult:
     """Run ``python PYTHON_ARGS`` on ``nproc`` local workers through torch's elastic launcher.
 
@@ -377,9 +527,12 @@ def launch(
             caller put there, e.g. the program); None: a new temporary folder.
             Removed after a successful run.
         command: how the report and the messages name the command (``pipec attention`` launches too).
+        nodes: this launcher's node of a run over several machines; None: one machine.
+            Output lines and the report name the workers by their global rank.
     Returns:
         a ``LaunchResult``; every worker has exited when it returns.
     """
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -387,25 +540,22 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     log_dir = run_dir or tempfile.mkdtemp(prefix="pipec-run-")
-    run_id = uuid.uuid4().hex
+    first = nodes.rank * nproc if nodes else 0
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        **_meeting(nodes),
         nproc_per_node=nproc,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        # port 0: the agent's store takes a free port itself (no probe-then-bind race)
-        rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=MONITOR_INTERVAL_S,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
     )
-    follower = _OutputFollower(log_dir, nproc, on_line, echo)
+    follower = _OutputFollower(log_dir, nproc, on_line, echo, first)
     exits: dict[int, int] = {}
     with _worker_environment(env), _quiet_launcher_logs(), _prompt_shutdown():
         follower.start()
         try:
+            if nodes is not None and nodes.rank > 0:
+                _reach_node_zero(nodes)
             elastic_launch(config, sys.executable)(*python_args)
         except ChildFailedError as failed:
             exits = {rank: failure.exitcode for rank, failure in failed.failures.items()}
@@ -417,27 +567,97 @@ def launch(
                 raise KeyboardInterrupt from None
             report = f"{command}: stopped by {signal.Signals(sigval).name}\nworker logs: {log_dir}\n"
             return LaunchResult(ok=False, report=report)
-        except RendezvousError as error:  # no worker ran: the launcher's own store could not start
+        except (RendezvousError, DistError, _NodeZeroUnreachable) as error:
+            # no worker ran: the store could not start, or the nodes never met
             shutil.rmtree(log_dir, ignore_errors=True)
-            return LaunchResult(ok=False, report=f"{command}: the launcher could not start the workers: {error}\n")
+            return LaunchResult(ok=False, report=_rendezvous_failure(error, nodes, command))
         finally:
             follower.stop()
     if not exits:
-        _echo_stderr(log_dir, nproc)
+        _echo_stderr(log_dir, nproc, first)
         shutil.rmtree(log_dir, ignore_errors=True)
         return LaunchResult(ok=True)
-    faults = _distinct(line for rank in range(nproc) for line in _fault_lines(_read_stderr(log_dir, rank)))
-    report = _failure_report(log_dir, nproc, exits, faults, command)
+    faults = _distinct(line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))
+    report = _failure_report(log_dir, nproc, exits, faults, command, first)
     return LaunchResult(ok=False, report=report, exits=exits, faults=faults)
 
 
+def _meeting(nodes: Nodes | None) -> dict:
+    """The rendezvous part of the launcher's ``LaunchConfig``.
+
+    One machine: a c10d rendezvous on 127.0.0.1 port 0, where the agent's
+    store takes a free port itself (no probe-then-bind race). Several: the
+    static rendezvous torchrun runs for ``--rdzv-backend static``: node 0's
+    agent keeps the store at the endpoint, every node's rank is the one given,
+    and the store waits ``join_timeout`` for the nodes to meet (its timeout is
+    whole seconds).
+    """
+    if nodes is None:
+        return dict(min_nodes=1, max_nodes=1, run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+                    rdzv_endpoint="127.0.0.1:0")
+    return dict(min_nodes=nodes.count, max_nodes=nodes.count, run_id=MULTINODE_RUN_ID, rdzv_backend="static",
+                rdzv_endpoint=nodes.endpoint,
+                rdzv_configs={"rank": nodes.rank, "timeout": max(1, math.ceil(nodes.join_timeout))})
+
+
+class _NodeZeroUnreachable(Exception):
+    """Nothing listened at the rendezvous within the join timeout (``_reach_node_zero``)."""
+
+
+def _reach_node_zero(nodes: Nodes) -> None:
+    """Wait until node 0's store listens at the endpoint, at most ``join_timeout`` seconds.
+
+    A node started before node 0 would otherwise leave it to the agent's store
+    client, which retries on its own but prints every failed try, with C++
+    stack frames, to our stderr. A bare connection that closes at once does
+    not count as a node joining the store.
+
+    Raises:
+        _NodeZeroUnreachable: the timeout passed first.
+    """
+    deadline = time.monotonic() + nodes.join_timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((nodes.host, nodes.port), timeout=max(min(left, 2.0), 0.01)):
+                return
+        except OSError:
+            if left <= _REACH_EVERY_S:
+                raise _NodeZeroUnreachable() from None
+            time.sleep(_REACH_EVERY_S)
+
+
+def _rendezvous_failure(error: Exception, nodes: Nodes | None, command: str) -> str:
+    """The report of a launch whose workers never started: the launcher's store could not start, or
+    (over several machines) the nodes did not meet within ``--join-timeout``, said from this node's side."""
+    said = printable(str(error).strip().splitlines()[0]) if str(error).strip() else type(error).__name__
+    if nodes is None:
+        return f"{command}: the launcher could not start the workers: {said}\n"
+    where, within = nodes.endpoint, f"within {nodes.join_timeout:g} s (--join-timeout)"
+    if "address already in use" in said.lower():
+        message = (f"node 0 cannot listen at {where}: port {nodes.port} is in use on this machine; pick a free "
+                   "port and give it to every node")
+    elif isinstance(error, _NodeZeroUnreachable):
+        message = (f"node {nodes.rank} found nothing listening at {where} {within}: start node 0 "
+                   f"(--node-rank 0) on the machine at {nodes.host}, and check that its port {nodes.port} is "
+                   "open to this one")
+    elif nodes.rank == 0:
+        others = "--node-rank 1" if nodes.count == 2 else f"--node-rank 1 .. {nodes.count - 1}"
+        message = (f"not all {nodes.count} nodes joined at {where} {within} ({said}): start `pipec run` with the "
+                   f"same arguments and {others} on the other machines")
+    else:
+        message = f"node {nodes.rank} could not join the run at {where} {within}: {said}"
+    return f"{command}: {message}\n"
+
+
 def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: list[str],
-                    command: str = "pipec run") -> str:
-    """The failure text: fault messages, then how each failed worker ended, then where the logs are."""
+                    command: str = "pipec run", first: int = 0) -> str:
+    """The failure text: fault messages, then how each failed worker ended (``exits``: by global rank; this
+    node's workers are ranks ``first`` ..), then where the logs are."""
     lines = [f"{command}: the run failed"] + [printable(fault) for fault in faults]
     for rank in sorted(exits):
         code = exits[rank]
-        stderr = _read_stderr(log_dir, rank)
+        stderr = _read_stderr(log_dir, rank - first)
         if code < 0:
             lines.append(f"rank {rank}: {_signal_name(-code)}")
             continue
@@ -468,26 +688,26 @@ def _distinct(lines) -> list[str]:
     return list(dict.fromkeys(lines))
 
 
-def _worker_file(log_dir: str, rank: int, name: str) -> str | None:
-    """The path of a worker's ``stdout.log`` / ``stderr.log`` once the launcher has made it."""
+def _worker_file(log_dir: str, local: int, name: str) -> str | None:
+    """The path of this node's worker ``local``'s ``stdout.log`` / ``stderr.log`` once the launcher has made it."""
     # DefaultLogsSpecs' layout: <log_dir>/<run_id>_<random>/attempt_0/<local rank>/<name>
-    found = glob.glob(os.path.join(glob.escape(log_dir), "*", "attempt_0", str(rank), name))
+    found = glob.glob(os.path.join(glob.escape(log_dir), "*", "attempt_0", str(local), name))
     return found[0] if found else None
 
 
-def _read_stderr(log_dir: str, rank: int) -> str:
-    path = _worker_file(log_dir, rank, "stderr.log")
+def _read_stderr(log_dir: str, local: int) -> str:
+    path = _worker_file(log_dir, local, "stderr.log")
     if path is None:
         return ""
     with open(path, encoding="utf-8", errors="replace") as handle:
         return handle.read()
 
 
-def _echo_stderr(log_dir: str, nproc: int) -> None:
-    """After a successful run, show what workers wrote to stderr (warnings), behind their rank."""
-    for rank in range(nproc):
-        for line in _read_stderr(log_dir, rank).splitlines():
-            sys.stderr.write(f"[rank {rank}] {printable(line)}\n")
+def _echo_stderr(log_dir: str, nproc: int, first: int = 0) -> None:
+    """After a successful run, show what workers wrote to stderr (warnings), behind their global rank."""
+    for local in range(nproc):
+        for line in _read_stderr(log_dir, local).splitlines():
+            sys.stderr.write(f"[rank {first + local}] {printable(line)}\n")
 
 
 @contextlib.contextmanager
@@ -571,9 +791,11 @@ def _quiet_launcher_logs() -> Iterator[None]:
 class _OutputFollower:
     """Copies the workers' stdout files to our stdout while they run (the launcher writes them to files)."""
 
-    def __init__(self, log_dir: str, nproc: int, on_line: Callable[[int, str], None] | None, echo: bool):
+    def __init__(self, log_dir: str, nproc: int, on_line: Callable[[int, str], None] | None, echo: bool,
+                 first: int = 0):
         self.log_dir = log_dir
         self.nproc = nproc
+        self.first = first  # the global rank of this node's first worker
         self.on_line = on_line
         self.echo = echo
         self.done = threading.Event()
@@ -598,7 +820,7 @@ class _OutputFollower:
                         if path is None:
                             continue
                         handles[rank] = open(path, encoding="utf-8", errors="replace")
-                    partial[rank] = self._emit(rank, partial[rank] + handles[rank].read(), finished)
+                    partial[rank] = self._emit(self.first + rank, partial[rank] + handles[rank].read(), finished)
                 if finished:
                     return
                 self.done.wait(FOLLOW_INTERVAL_S)
@@ -607,7 +829,8 @@ class _OutputFollower:
                 handle.close()
 
     def _emit(self, rank: int, text: str, flush_partial: bool) -> str:
-        """Emit the complete lines of ``text``; return the unfinished rest (all of it is emitted at the end)."""
+        """Emit the complete lines of ``text``, global rank ``rank``'s; return the unfinished rest
+        (all of it is emitted at the end)."""
         *lines, rest = text.split("\n")
         if flush_partial and rest:
             lines.append(rest)
