@@ -42,5 +42,15 @@ def parse_defines(items: list[str]) -> dict[str, str]:
     return out
 
 
+def value_text(value) -> str:
+    """A parameter's value as the language and ``-D`` write it: ``4``, ``true``, ``false``."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def params_text(params: dict, separator: str = ", ") -> str:
+    """Parameters as ``P=4, N=8, remat=false``."""
+    return separator.join(f"{name}={value_text(value)}" for name, value in params.items())
+
+
 # What a bool parameter accepts besides integers (the schedule's _coerce: 1 / 0 are ints here).
 _BOOLS = ("true", "false", "yes", "no")

@@ -17,13 +17,15 @@ import os
 import socket
 import sys
 
+from pipec.compiler.defines import value_text
 from pipec.errors import printable
 
 # The first words of the line every rank prints when the ranks were not started
 # for the same training; ``pipec run`` reports that line once, as it does a fault message.
 MISMATCH_PREFIX = "the ranks were not started for the same training: "
 # What every node must be started with alike, for the line's advice.
-_SAME = "TARGET, -D, --costs, --steps, --seed, --model, --config, --backend, --save, --trace and pipec version"
+_SAME = ("TARGET, -D, --costs, --steps, --seed, --model, --config, --backend, --dtype, --clip-grad-norm, --save, "
+         "--save-every, --trace, --resume (the same checkpoint) and pipec version")
 
 
 def check_same_training(args, plan, world: int) -> None:
@@ -76,7 +78,7 @@ def what_runs(args, plan) -> dict[str, str]:
     from pipec import __version__
 
     program = plan.program
-    params = "".join(f" {name}={value}" for name, value in program.params.items())
+    params = "".join(f" {name}={value_text(value)}" for name, value in program.params.items())
     config = plan.config
     return {
         "program": f"{program.name}{params} #{program_digest(program)[:12]}",

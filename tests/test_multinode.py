@@ -178,8 +178,8 @@ def test_nodes_started_with_different_programs_both_stop_with_one_line_naming_th
     assert [node.status for node in nodes] == [1, 1] and not nodes[0].survivors, describe(nodes)
     for node in nodes:
         [line] = [line for line in node.stderr.splitlines() if line.startswith(MISMATCH_PREFIX)]
-        assert re.search(r"rank 0 \(node 0\): program 1f1b P=2 N=4 #\w+; rank 1 \(node 1\): program 1f1b P=2 N=2 ",
-                         line), describe(nodes)
+        assert re.search(r"rank 0 \(node 0\): program 1f1b P=2 N=4 remat=false #\w+; rank 1 \(node 1\): "
+                         r"program 1f1b P=2 N=2 remat=false ", line), describe(nodes)
         assert "Traceback" not in node.stderr and "loss" not in node.stdout, describe(nodes)
 
 

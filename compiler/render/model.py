@@ -176,7 +176,9 @@ def _measured_timeline(events: list[dict], program: Program, step: int | None, n
 
 def format_params(params: dict) -> str:
     """Returns: ``P=4, N=8, remat=false`` (a bool as the language writes it)."""
-    return ", ".join(f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in params.items())
+    from pipec.compiler.defines import params_text
+
+    return params_text(params)
 
 
 def format_time(value: Number, unit: str = "") -> str:

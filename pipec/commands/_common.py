@@ -169,7 +169,9 @@ def dump_json(data) -> str:
 
 
 def describe_params(params: dict) -> str:
-    return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
+    from pipec.compiler.defines import params_text
+
+    return params_text(params)
 
 
 def target_of_run(args, trace, command: str) -> tuple[str, dict[str, str]]:

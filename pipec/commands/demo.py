@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 from pipec.commands._common import describe_params, write_output
-from pipec.compiler.defines import parse_defines
+from pipec.compiler.defines import parse_defines, value_text
 
 DEFAULT_STEPS = 10
 # The worker's per-step line (runtime.worker): "step K loss X".
@@ -76,7 +76,7 @@ def run(args) -> int:
         format_timeline(result),
         f"timeline drawn: {timeline} (open it in a browser; pipec render also writes .svg and .json)",
         f"the per-rank instruction lists: pipec compile {args.schedule} "
-        + " ".join(f"-D {name}={_define_text(value)}" for name, value in program.params.items())
+        + " ".join(f"-D {name}={value_text(value)}" for name, value in program.params.items())
         + " --format text",
     ]
     if folder.path is not None:
@@ -168,10 +168,6 @@ class _DemoFolder:
         if self.path is None:
             self.path = tempfile.mkdtemp(prefix="pipec-demo-")
         return os.path.join(self.path, name)
-
-
-def _define_text(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _fitting_layers(layers: int, num_chunks: int) -> int:
