@@ -558,33 +558,27 @@ positive_count_arg = _int_arg(1, "an integer >= 1")
 MAX_SECONDS = 1_000_000
 
 
-def seconds_arg(text: str) -> float:
-    """argparse type of a duration in seconds: a plain decimal, 0 < s <= ``MAX_SECONDS`` (not inf or nan)."""
-    stripped = text.strip()
-    value = float(stripped) if _PLAIN_DECIMAL.fullmatch(stripped) and len(stripped) <= 40 else None
-    if value is None or not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(
-            f"expected seconds, a decimal number above 0 and at most {MAX_SECONDS:,}, got {quote(text, 40)}")
-    return value
-
-
-seconds_arg.__name__ = "seconds"
-
 # The largest value of a plain positive decimal option (--clip-grad-norm): far past any use, far from overflow.
 MAX_DECIMAL = 1e12
 
 
-def positive_decimal_arg(text: str) -> float:
-    """argparse type of a plain decimal above 0 and at most ``MAX_DECIMAL`` (not inf, nan or an exponent)."""
-    stripped = text.strip()
-    value = float(stripped) if _PLAIN_DECIMAL.fullmatch(stripped) and len(stripped) <= 40 else None
-    if value is None or not 0 < value <= MAX_DECIMAL:
-        raise argparse.ArgumentTypeError(
-            f"expected a decimal number above 0 and at most {MAX_DECIMAL:g}, got {quote(text, 40)}")
-    return value
+def _decimal_arg(high: float, kind: str, expected: str) -> Callable[[str], float]:
+    """An argparse type of a plain decimal, 0 < value <= ``high`` (not inf, nan or an exponent)."""
+    def parse(text: str) -> float:
+        stripped = text.strip()
+        value = float(stripped) if _PLAIN_DECIMAL.fullmatch(stripped) and len(stripped) <= 40 else None
+        if value is None or not 0 < value <= high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {quote(text, 40)}")
+        return value
+
+    parse.__name__ = kind  # argparse names the type in some messages
+    return parse
 
 
-positive_decimal_arg.__name__ = "number"
+# --timeout, --join-timeout: a duration in seconds.
+seconds_arg = _decimal_arg(MAX_SECONDS, "seconds", f"seconds, a decimal number above 0 and at most {MAX_SECONDS:,}")
+# --clip-grad-norm: a positive number.
+positive_decimal_arg = _decimal_arg(MAX_DECIMAL, "number", f"a decimal number above 0 and at most {MAX_DECIMAL:g}")
 
 
 # ----------------------------------------------------------------- programs

@@ -57,17 +57,38 @@ _LATE = "late"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipec.runtime.model import DEFAULT_MODEL
-
     parser = argparse.ArgumentParser(
         prog="python -m pipec.runtime",
         description="One worker of a pipelined run; start it with torchrun --nproc-per-node P (or use `pipec run`).",
     )
-    parser.add_argument("target", metavar="TARGET", help="a .pipe file, or a shipped schedule's name")
+    add_training_arguments(parser, defaults=True)
+    parser.add_argument("--program", metavar="FILE",
+                        help="run this compiled program (JSON, as `pipec compile --format json` writes it) instead of "
+                             "compiling TARGET; TARGET, -D and --costs then only name, in the trace, what it was compiled from")
+    return parser
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The options of a training run, which a worker and ``pipec run`` share.
+
+    Args:
+        parser: the parser to add them to.
+        defaults: True for the worker (the one place the defaults are set);
+            False for ``pipec run``, which passes on only what it was given, so
+            that a worker's default applies to everything else.
+    """
+    from pipec.runtime.model import DEFAULT_MODEL
+
+    def default(value):
+        return value if defaults else None
+
+    parser.add_argument("target", metavar="TARGET", help="a .pipe file, or a shipped schedule's name (see `pipec list`)")
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
                         help="set a schedule parameter (repeatable)")
-    parser.add_argument("--steps", type=count_arg, default=DEFAULT_STEPS, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)")
+    parser.add_argument("--steps", type=count_arg, default=default(DEFAULT_STEPS), metavar="K",
+                        help=f"training steps, those before a --resume's checkpoint included (default {DEFAULT_STEPS})")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=default("gloo"),
+                        help="gloo (CPU, default) or nccl (one GPU per rank)")
     parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
     parser.add_argument("--save", metavar="FILE",
                         help="torch.save the whole model's state_dict after the last step as FILE, and the training "
@@ -77,27 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also save after every K-th step (needs --save)")
     parser.add_argument("--resume", metavar="FILE",
                         help="go on from the checkpoint --save FILE wrote (FILE.resume): parameters, optimizer "
-                             "state, step count and data position; --steps counts every step, those before included")
-    parser.add_argument("--seed", type=count_arg, default=None, metavar="S",
-                        help=f"seed of parameters and data (default {DEFAULT_SEED}, or the checkpoint's with --resume)")
-    parser.add_argument("--timeout", type=seconds_arg, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                        help=f"longest wait of one instruction (default {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:ATTR",
+                             "state, step count and data position")
+    parser.add_argument("--seed", type=count_arg, metavar="S",
+                        help=f"seed of the parameters and the data (default {DEFAULT_SEED}, or the checkpoint's "
+                             "with --resume)")
+    parser.add_argument("--timeout", type=seconds_arg, default=default(DEFAULT_TIMEOUT_S), metavar="SECONDS",
+                        help=f"longest wait of one instruction; past it the run stops with a fault message "
+                             f"(default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--model", default=default(DEFAULT_MODEL), metavar="MODULE:ATTR",
                         help="a model spec (default: the built-in LLaMA-style decoder)")
-    parser.add_argument("--costs", metavar="FILE", help="a JSON cost file for schedules whose order depends on costs")
     parser.add_argument("--config", dest="config", action="append", default=[], metavar="NAME=VALUE",
                         help="override a field of the model's config, e.g. --config layers=16 (repeatable)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="compute precision: bf16 runs the forwards under autocast with fp32 master weights, "
-                             "optimizer state and gradient reductions, and bf16 activations on the wire (default fp32)")
+    parser.add_argument("--costs", metavar="FILE", help="a JSON cost file, for schedules whose order depends on costs")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=default("fp32"),
+                        help="compute precision: bf16 runs the forwards under autocast, keeps fp32 master weights, "
+                             "optimizer state and gradient reductions, and sends bf16 activations (default fp32)")
     parser.add_argument("--clip-grad-norm", dest="clip_grad_norm", type=positive_decimal_arg, metavar="X",
                         help="before each optimizer step, scale the gradients so that their global norm over every "
                              "rank (replicas counted once) is at most X, as torch.nn.utils.clip_grad_norm_ does")
-    parser.add_argument("--program", metavar="FILE",
-                        help="run this compiled program (JSON, as `pipec compile --format json` writes it) instead of "
-                             "compiling TARGET; TARGET, -D and --costs then only name, in the trace, what it was compiled from")
+    # test-only: plant a fault in a worker (--inject KIND:RANK:INDEX)
     parser.add_argument("--inject", metavar="KIND:RANK:INDEX", help=argparse.SUPPRESS)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

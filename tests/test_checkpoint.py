@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from pipec.cli import main
-from pipec.commands import run as run_command
 from pipec.errors import UsageError
 from pipec.examples.token_file import SPEC as TOKEN_SPEC, TokenConfig
 from pipec.runtime import checkpoint
@@ -120,14 +119,6 @@ def test_the_training_state_holds_the_optimizer_by_parameter_name(runs):
 
 
 # ------------------------------------------------------------------ refused before launch
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was launched")
-
-    monkeypatch.setattr(run_command, "launch", refuse)
 
 
 def _run(capsys, *argv: str) -> str:

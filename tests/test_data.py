@@ -433,14 +433,6 @@ def test_token_config_refuses_a_dtype_it_cannot_read():
     assert TokenConfig().vocab == 256 and isinstance(TokenConfig(), ModelConfig)
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was launched")
-
-    monkeypatch.setattr(run_command, "launch", refuse)
-
-
 @pytest.mark.parametrize("config, words", [
     ([], "model spec pipec.examples.token_file:SPEC: no token file to train on: pass --config token_file=PATH "
          "(make one from any text file with: python -m pipec.examples.make_tokens INPUT.txt -o tokens.bin)"),

@@ -7,7 +7,6 @@ is checked against one process; the failures must end both nodes, each with its 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -30,7 +29,7 @@ from pipec.runtime.agreement import MISMATCH_PREFIX, mismatch
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
 from runtime_util import assert_same_parameters, free_port
-from test_run_cli import MARKER, Finished, _marked_processes, losses_of
+from test_run_cli import MARKER, Finished, kill_survivors, losses_of
 
 # The longest wall time of one two-node run before the test kills it and fails (a loaded machine
 # starts 6 Pythons that import torch).
@@ -100,15 +99,7 @@ def _run_once(commands: list[list[str]], cwd, deadline_s: float) -> list[Finishe
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    survivors = _marked_processes(marker)
-    for _ in range(20):
-        if not survivors:
-            break
-        time.sleep(0.05)
-        survivors = _marked_processes(marker)
-    for pid in survivors:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    survivors = kill_survivors(marker)
     finished = []
     for index, (proc, (out, err)) in enumerate(zip(procs, outputs)):
         out.seek(0)
@@ -210,16 +201,6 @@ def test_a_node_that_never_joins_ends_the_run_within_the_join_timeout(capsys, mo
 
 
 # ------------------------------------------------------- checks before launching
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if a worker would be started."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was launched")
-
-    monkeypatch.setattr(run_command, "launch", refuse)
 
 
 @pytest.mark.parametrize("flags, said", [

@@ -110,16 +110,6 @@ def test_ring_training_ends_with_the_one_process_parameters(runs, case):
 # ------------------------------------------------------------------ refused before any worker starts
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    from pipec.commands import run as run_command
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was launched")
-
-    monkeypatch.setattr(run_command, "launch", refuse)
-
-
 def test_a_full_mask_ring_is_refused_with_the_define_to_use(capsys, no_launch):
     assert main(["run", "zigzag_ring", "-D", "P=2", "-D", "causal=false", "--steps", "1"]) == 1
     err = capsys.readouterr().err

@@ -69,7 +69,14 @@ def run_command_line(argv: list[str], deadline_s: float = DEADLINE_S, cwd=None) 
         stdout, stderr = proc.communicate()
         stderr += f"\n[test] killed after the {deadline_s} s deadline\n"
     seconds = time.monotonic() - start
-    # the launcher reaps its workers before it returns; give a dying one a moment to vanish
+    return Finished(proc.returncode, stdout, stderr, seconds, kill_survivors(marker))
+
+
+def kill_survivors(marker: str) -> list[int]:
+    """The processes marked ``marker`` still alive a second after their launcher returned, killed.
+
+    The launcher reaps its workers before it returns; a dying one gets a moment to vanish.
+    """
     survivors = _marked_processes(marker)
     for _ in range(20):
         if not survivors:
@@ -81,7 +88,7 @@ def run_command_line(argv: list[str], deadline_s: float = DEADLINE_S, cwd=None) 
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return Finished(proc.returncode, stdout, stderr, seconds, survivors)
+    return survivors
 
 
 def run_pipec(*args: str, deadline_s: float = DEADLINE_S, cwd=None) -> Finished:
@@ -112,16 +119,6 @@ def losses_of(stdout: str) -> list[float]:
 
 
 # ------------------------------------------------------- checks before launching
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if a worker would be started."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was launched")
-
-    monkeypatch.setattr(run_command, "launch", refuse)
 
 
 def test_a_schedule_the_checks_reject_fails_before_any_worker_starts(tmp_path, capsys, no_launch):

@@ -13,22 +13,11 @@ import time
 import pytest
 
 from pipec.cli import main
-from pipec.commands import run as run_command
 from pipec.errors import UsageError
 from pipec.runtime import worker
 from test_run_cli import run_pipec
 
 GPIPE_2 = ["gpipe", "-D", "P=2", "-D", "N=2"]
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if a worker would be started."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a worker was launched")
-
-    monkeypatch.setattr(run_command, "launch", refuse)
 
 
 @pytest.mark.parametrize("option, what", [("--save", "the saved model (--save)"), ("--trace", "the trace (--trace)")])

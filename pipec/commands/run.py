@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pipec.compiler.defines import parse_defines
-from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
+from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
 from pipec.errors import UsageError, printable
 from pipec.runtime.agreement import MISMATCH_PREFIX
 from pipec.runtime.worker import JOIN_ALLOWANCE_S
@@ -124,43 +124,9 @@ def register(sub) -> None:
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The options ``pipec run`` shares with ``python -m pipec.runtime`` (the worker's defaults apply when omitted)."""
-    from pipec.runtime.worker import DEFAULT_SEED, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
+    from pipec.runtime.worker import add_training_arguments
 
-    parser.add_argument("target", metavar="TARGET", help="a .pipe file, or a shipped schedule's name (see `pipec list`)")
-    parser.add_argument(
-        "-D", dest="defines", action="append", default=[], metavar="NAME=VALUE", help="set a schedule parameter (repeatable)"
-    )
-    parser.add_argument("--steps", type=count_arg, metavar="K", help=f"training steps (default {DEFAULT_STEPS})")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), help="gloo (CPU, default) or nccl (one GPU per rank)")
-    parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
-    parser.add_argument("--save", metavar="FILE",
-                        help="torch.save the whole model's state_dict after the last step as FILE, and the training "
-                             "state (model, optimizer, step, data position) as FILE.resume; a {step} in FILE is "
-                             "replaced by the step")
-    parser.add_argument("--save-every", dest="save_every", type=positive_count_arg, metavar="K",
-                        help="also save after every K-th step (needs --save)")
-    parser.add_argument("--resume", metavar="FILE",
-                        help="go on from the checkpoint --save FILE wrote (FILE.resume): parameters, optimizer "
-                             "state, step count and data position; --steps counts every step, those before included")
-    parser.add_argument("--seed", type=count_arg, metavar="S", help=f"seed of the parameters and the data (default {DEFAULT_SEED})")
-    parser.add_argument(
-        "--timeout", type=seconds_arg, metavar="SECONDS",
-        help=f"longest wait of one instruction; past it the run stops with a fault message (default {DEFAULT_TIMEOUT_S:g})",
-    )
-    parser.add_argument("--model", metavar="MODULE:ATTR", help="a model spec (default: the built-in LLaMA-style decoder)")
-    parser.add_argument(
-        "--config", action="append", default=[], metavar="NAME=VALUE",
-        help="override a field of the model's config, e.g. --config layers=16 (repeatable)",
-    )
-    parser.add_argument("--costs", metavar="FILE", help="a JSON cost file, for schedules whose order depends on costs")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"),
-                        help="compute precision: bf16 runs the forwards under autocast, keeps fp32 master weights, "
-                             "optimizer state and gradient reductions, and sends bf16 activations (default fp32)")
-    parser.add_argument("--clip-grad-norm", dest="clip_grad_norm", type=positive_decimal_arg, metavar="X",
-                        help="clip the gradients by their global norm over every rank (replicas counted once) to X "
-                             "before each optimizer step, as torch.nn.utils.clip_grad_norm_ does")
-    # test-only: plant a fault in a worker (runtime.worker's --inject KIND:RANK:INDEX)
-    parser.add_argument("--inject", metavar="KIND:RANK:INDEX", help=argparse.SUPPRESS)
+    add_training_arguments(parser, defaults=False)
 
 
 def run(args) -> int:
