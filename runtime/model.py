@@ -36,13 +36,17 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipec.errors import UsageError
+
+if TYPE_CHECKING:  # for annotations only: payload and precision are imported where they are used
+    from pipec.runtime.payload import Layout
+    from pipec.runtime.precision import Precision
 
 # An attention a caller injects: (q, k, v) -> out, each [batch, heads, seq, head_dim].
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -657,8 +661,8 @@ def spec_label(name: str) -> str:
 
 
 def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatches: int, seed: int,
-                    declared: "Layout | None", name: str, precision: "Precision | None" = None,
-                    passes_activations: bool = True) -> "list[Layout] | None":
+                    declared: Layout | None, name: str, precision: Precision | None = None,
+                    passes_activations: bool = True) -> list[Layout] | None:
     """Check, before any worker joins, that the model cuts into ``num_chunks``, that its data source gives the
     first microbatch, and what each chunk hands the next; find that out when the spec does not declare it.
 

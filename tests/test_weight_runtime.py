@@ -42,7 +42,6 @@ import torch
 from pipec.compiler.driver import compile_spec, compile_target, shipped_schedules, task_kinds
 from pipec.compiler.emit.json_program import write_program_json
 from pipec.dsl.spec import ScheduleSpec, WeightSpec
-from pipec.errors import UsageError
 from pipec.runtime.model import LLAMA, ModelConfig, build_chunk
 from pipec.runtime.reference import reference_run
 from pipec.runtime.weights import flat_weights, layer_layout, params_from_flat
