@@ -22,7 +22,7 @@ index and the vocabulary, raised when its window is read.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy
 import torch
@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from pipec.compiler.guarded_read import TOKEN_DTYPES, map_tokens, quote, shown_path
 from pipec.errors import UsageError
 from pipec.runtime import model
-from pipec.runtime.model import ModelConfig, ModelSpec
+from pipec.runtime.model import ModelConfig
 
 # What a user runs to make a token file (quoted by the messages that want one).
 MAKE_TOKENS = "python -m pipec.examples.make_tokens INPUT.txt -o tokens.bin"
@@ -120,16 +120,8 @@ def describe(config: TokenConfig) -> str:
     return model.describe(config, task=f"next-token prediction on {source}")
 
 
-SPEC = ModelSpec(
-    build_chunk=model.build_chunk,
-    build_model=model.build_model,
-    loss_fn=model.loss_fn,
-    make_optimizer=model.make_optimizer,
-    config=TokenConfig(),
-    describe=describe,
-    activation_shape=model.activation_shape,
-    dataset=token_dataset,
-)
+# the built-in model's spec, its synthetic task replaced by the token file
+SPEC = replace(model.LLAMA, synthetic_batch=None, dataset=token_dataset, config=TokenConfig(), describe=describe)
 """The built-in decoder trained on a token file's windows (``--config token_file=PATH``)."""
 
 __all__ = ["MAKE_TOKENS", "SPEC", "TokenConfig", "TokenWindows", "token_dataset"]

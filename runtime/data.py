@@ -184,8 +184,8 @@ class BatchSource:
         """The whole batch from ``synthetic_batch``, cut into its N equal row blocks."""
         count = self.num_microbatches
         what = f"synthetic_batch(config, {step}, {count}, seed)"
-        whole = self._pair(call_spec_function(self.name, what, self.spec.synthetic_batch,
-                                              self.config, step, count, self.seed), what)
+        whole = _pair(call_spec_function(self.name, what, self.spec.synthetic_batch,
+                                         self.config, step, count, self.seed), what, self.name)
         for label, tensor in zip(("inputs", "targets"), whole):
             rows = tensor.shape[0] if tensor.dim() else 0
             if rows == 0 or rows % count:
@@ -195,8 +195,8 @@ class BatchSource:
 
     def _microbatch(self, step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         what = f"microbatch(config, {step}, {m}, {self.num_microbatches}, seed)"
-        return self._pair(call_spec_function(self.name, what, self.spec.microbatch, self.config, step, m,
-                                             self.num_microbatches, self.seed), what)
+        return _pair(call_spec_function(self.name, what, self.spec.microbatch, self.config, step, m,
+                                        self.num_microbatches, self.seed), what, self.name)
 
     def _dataset_rows(self, step: int, wanted: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Microbatch m (for m in ``wanted``): its R stream positions' items, stacked."""
@@ -221,9 +221,6 @@ class BatchSource:
             shown = ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
             raise UsageError(f"{spec_label(self.name)}: the {label} of microbatch {m} of step {step} (dataset "
                              f"items {shown}) do not stack into one tensor: {error}") from None
-
-    def _pair(self, value: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return _pair(value, what, self.name)
 
     def _microbatch_rows(self) -> int:
         if self.spec.microbatch_rows is not None:

@@ -9,11 +9,12 @@ asked for which microbatches.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
 from pipec.runtime import model
-from pipec.runtime.model import ModelConfig, ModelSpec, stream_seed
+from pipec.runtime.model import ModelConfig, stream_seed
 
 CALL_LOG = "PIPEC_TEST_DATA_CALLS"
 # Apart from the built-in model's parameter and data streams.
@@ -31,15 +32,8 @@ def microbatch(config: ModelConfig, step: int, m: int, num_microbatches: int, se
     return inputs, model.task_permutation(config, seed)[inputs]
 
 
-MICROBATCH = ModelSpec(
-    build_chunk=model.build_chunk,
-    build_model=model.build_model,
-    loss_fn=model.loss_fn,
-    make_optimizer=model.make_optimizer,
-    config=ModelConfig(),
-    activation_shape=model.activation_shape,
-    microbatch=microbatch,
-)
+# the built-in model's spec, its batches drawn per microbatch
+MICROBATCH = replace(model.LLAMA, synthetic_batch=None, microbatch=microbatch)
 
 
 def calls(folder, rank: int) -> set[tuple[int, int]]:
