@@ -29,7 +29,11 @@ typo never silently falls back to a default)::
         "contention": true
       },
       "allreduce": {"latency": 0.01, "bandwidth": 100.0, "bytes": 64.0},
-      "sizes": {"activation": 4194304, "weight": 1.2e8}
+      "sizes": {"activation": 4194304, "weight": 1.2e8},
+      "layers": [
+        {"name": "embed", "F": 0.2, "B": 0.3, "activation": 4096, "parameters": 8192},
+        {"name": "layer0", "F": 1.1, "B": 2.3, "activation": 4096, "parameters": 49408}
+      ]
     }
 
 * ``compute``: time of one task of one microbatch on one model chunk (the
@@ -67,6 +71,15 @@ typo never silently falls back to a default)::
   a byte budget of a class (``check_memory``) needs its size. Omitted classes
   have no size (not 0): nothing is reported or checked in bytes for them.
 
+* ``layers``: the model's layers in order (``pipec profile`` measures them),
+  each one's ``F`` and ``B`` time on one microbatch, the bytes of its output
+  for one microbatch (``activation``: what a cut after it sends forward, and
+  its gradient back) and of its parameters. Every key of an entry is
+  required, names are unique. They price no task by themselves: a partition
+  into chunks (``compiler.partition``) rolls them up (``roll_up``:
+  a chunk's F and B are its layers' sums) into ``compute.per_chunk``
+  (``rolled_up``), which the simulator prices.
+
 Ranks here are the ranks torchrun starts (devices); the simulator maps a
 program's ranks through ``Program.devices`` before asking for a link.
 
@@ -77,11 +90,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, NamedTuple, Sequence, Union
 
 from pipec.compiler import ops as rules
 from pipec.compiler.guarded_read import COSTS, INT_LIMIT, INT_LIMIT_TEXT, plain_int, quote, read_json
-from pipec.errors import CostFileError
+from pipec.errors import CostFileError, PipecError, UsageError
 
 Number = Union[int, float]
 # A chunk or rank written as a JSON key: ASCII digits only.
@@ -92,6 +105,13 @@ UNIT_COMPUTE: dict[str, Number] = dict(rules.UNIT_COSTS)
 # The message kinds a link prices (``links.bytes``): the values that cross stages.
 MESSAGE_KINDS = rules.MESSAGE_KINDS
 
+
+# The keys of a ``layers`` entry, every one required, in LayerCost's field order.
+LAYER_KEYS = ("name", "F", "B", "activation", "parameters")
+# The most layers a cost file lists: the partitioner's work grows with the square of their number.
+MAX_LAYERS = 4096
+# The longest name of a layer (it is printed in tables and written into .pipe comments).
+NAME_CHARS = 200
 
 # whole op -> the ops it splits into (B -> (I, W)); a cost file that gives the
 # whole but not a part prices the part at half the whole, and a measured run
@@ -162,6 +182,87 @@ class Link:
         return Link(self.latency if latency is None else latency, self.bandwidth if bandwidth is None else bandwidth)
 
 
+def ring_allreduce_time(link: Link, members: int, nbytes: Number) -> Number:
+    """Time of a ring all-reduce of ``nbytes`` among ``members`` over ``link``.
+
+    Args:
+        link: the link every step of the ring takes.
+        members: how many take part; one (or none) costs nothing.
+        nbytes: the bytes each member reduces.
+    Returns:
+        ``2 (n-1) latency + 2 (n-1)/n nbytes / bandwidth`` (no bandwidth: the latency term only).
+    """
+    if members <= 1:
+        return 0
+    steps = 2 * (members - 1)
+    time = steps * link.latency
+    if link.bandwidth is not None and nbytes:
+        time += exact_ratio(steps * nbytes, members * link.bandwidth)
+    return time
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer of a model, as a cost file's ``layers`` gives it (``pipec profile`` measures it).
+
+    Attributes:
+        name: the layer's name, unique among the model's layers.
+        F: time of its forward on one microbatch.
+        B: time of its backward on one microbatch.
+        activation: bytes of its output for one microbatch.
+        parameters: bytes of its parameters.
+    """
+
+    name: str
+    F: Number
+    B: Number
+    activation: Number
+    parameters: Number
+
+    @property
+    def time(self) -> Number:
+        """Its forward and backward: PipeDream's T_l."""
+        return self.F + self.B
+
+
+class RolledUp(NamedTuple):
+    """Per-layer costs summed over the chunks of a cut (``roll_up``).
+
+    Attributes:
+        per_chunk: (F, B) of each chunk: the sums of its layers' times.
+        boundaries: for each chunk but the last, the bytes of its last layer's
+            output for one microbatch: what crosses the cut after it (and its gradient, back).
+    """
+
+    per_chunk: tuple[tuple[Number, Number], ...]
+    boundaries: tuple[Number, ...]
+
+
+def roll_up(layers: Sequence[LayerCost], ranges: Sequence[tuple[int, int]]) -> RolledUp:
+    """Sum per-layer costs into per-chunk ones.
+
+    Args:
+        layers: the model's layers in order (``CostModel.layers``).
+        ranges: chunk c -> its layers ``(first, stop)``, stop exclusive; the
+            chunks in order, each non-empty, together every layer once.
+    Returns:
+        the chunks' F and B and the activation bytes of each boundary.
+    Raises:
+        UsageError: ranges that are not a contiguous cover of the layers.
+    """
+    expected = 0
+    for chunk, (first, stop) in enumerate(ranges):
+        if first != expected or stop <= first:
+            raise UsageError(f"chunk {chunk} holds layers {first}..{stop}: a cut's chunks hold consecutive layers, "
+                             f"in order, at least one each (expected it to start at {expected})")
+        expected = stop
+    if expected != len(layers) or not ranges:
+        raise UsageError(f"the chunks hold layers 0..{expected}, and the model has {len(layers)}")
+    per_chunk = tuple((sum(layer.F for layer in layers[first:stop]), sum(layer.B for layer in layers[first:stop]))
+                      for first, stop in ranges)
+    return RolledUp(per_chunk, tuple(layers[stop - 1].activation for _, stop in ranges[:-1]))
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Prices of compute tasks, messages and all-reduces.
@@ -187,6 +288,7 @@ class CostModel:
         post: the time a rank spends posting one message.
         value_bytes: the bytes of one value of a size class, as sorted
             (size class, bytes) pairs; ``sizes`` gives them as a dict.
+        layers: the model's layers in order (the file's ``layers``); empty when it has none.
 
     Fields are tuples so that the model is hashable; lookup tables are built
     once in ``__post_init__``.
@@ -207,6 +309,7 @@ class CostModel:
     allreduce_bytes: Number = 0
     post: Number = 0
     value_bytes: tuple[tuple[str, Number], ...] = ()
+    layers: tuple[LayerCost, ...] = ()
     _compute_table: dict = field(init=False, repr=False, compare=False, hash=False)
     _pair_table: dict = field(init=False, repr=False, compare=False, hash=False)
     _bytes_table: dict = field(init=False, repr=False, compare=False, hash=False)
@@ -281,29 +384,60 @@ class CostModel:
         ``chunk`` is accepted so that per-chunk sizes can be added without
         changing callers; today every chunk has ``allreduce_bytes``.
         """
-        if members <= 1:
-            return 0
-        steps = 2 * (members - 1)
-        link = self.allreduce_link
-        time = steps * link.latency
-        if link.bandwidth is not None and self.allreduce_bytes:
-            time += exact_ratio(steps * self.allreduce_bytes, members * link.bandwidth)
-        return time
+        return ring_allreduce_time(self.allreduce_link, members, self.allreduce_bytes)
 
 
 # ------------------------------------------------------------------ file loading
 
 
-class _Reader:
-    """Validates one cost file's JSON value, naming the file and key of every mistake."""
+class FieldReader:
+    """Validates one JSON file's value (a cost file's, or another of pipec's formats: ``partition``),
+    naming the file and key of every mistake: ``FILE: KEY: problem``.
 
-    def __init__(self, path: str):
+    Args:
+        path: the file, as messages name it.
+        error: the ``PipecError`` subclass every mistake raises.
+    """
+
+    def __init__(self, path: str, error: type[PipecError] = CostFileError):
         self.path = path
+        self.error = error
 
-    def fail(self, key: str, problem: str) -> CostFileError:
+    def fail(self, key: str, problem: str) -> PipecError:
         # a key is the file's text: quoted (escaped, shortened) unless plain
         shown = key if key.isprintable() and len(key) <= 120 else quote(key)
-        return CostFileError(f"{self.path}: {shown}: {problem}")
+        return self.error(f"{self.path}: {shown}: {problem}")
+
+    def fields(self, value: Any, key: str, names: tuple[str, ...]) -> Mapping[str, Any]:
+        """``value`` as a JSON object with exactly the keys ``names``: none unknown, none missing."""
+        given = self.table(value, key, names)
+        missing = [name for name in names if name not in given]
+        if missing:
+            raise self.fail(key, f"missing {', '.join(missing)}")
+        return given
+
+    def array(self, value: Any, key: str) -> list:
+        """``value`` as a non-empty JSON array."""
+        if not isinstance(value, list):
+            raise self.fail(key, f"expected an array, got {_json_type(value)}")
+        if not value:
+            raise self.fail(key, "expected at least one entry, got an empty array")
+        return value
+
+    def integer(self, value: Any, key: str, low: int = 0) -> int:
+        """``value`` as a JSON integer of at least ``low``."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"expected an integer, got {_json_type(value)}")
+        if value < low:
+            raise self.fail(key, f"expected an integer of at least {low}, got {value}")
+        return value
+
+    def name(self, value: Any, key: str) -> str:
+        """``value`` as a name: a non-empty string of printable characters, at most ``NAME_CHARS`` of them."""
+        if not isinstance(value, str) or not value or not value.isprintable() or len(value) > NAME_CHARS:
+            raise self.fail(key, f"expected a name (1 to {NAME_CHARS} printable characters), got "
+                                 f"{_json_type(value) if not isinstance(value, str) else quote(value)}")
+        return value
 
     def table(self, value: Any, key: str, allowed: tuple[str, ...] | None) -> Mapping[str, Any]:
         """``value`` as a JSON object whose keys are all in ``allowed`` (None: any key)."""
@@ -447,13 +581,29 @@ class _Reader:
         sizes = [(size_class, self.number(given[size_class], _join("sizes", size_class))) for size_class in given]
         return {"value_bytes": tuple(sorted(sizes))}
 
+    def layers_section(self, value: Any) -> dict[str, Any]:
+        entries = self.array(value, "layers")
+        if len(entries) > MAX_LAYERS:
+            raise self.fail("layers", f"{len(entries):,} layers, more than the {MAX_LAYERS:,} pipec partitions")
+        layers, seen = [], {}
+        for index, entry in enumerate(entries):
+            key = f"layers[{index}]"
+            given = self.fields(entry, key, LAYER_KEYS)
+            name = self.name(given["name"], _join(key, "name"))
+            if name in seen:
+                raise self.fail(_join(key, "name"), f"{quote(name)} names layer {seen[name]} too: layer names are unique")
+            seen[name] = index
+            layers.append(LayerCost(name, *(self.number(given[field], _join(key, field)) for field in LAYER_KEYS[1:])))
+        return {"layers": tuple(layers)}
+
 
 # Top-level key -> the reader section that turns its value into CostModel fields.
 _SECTIONS = {
-    "compute": _Reader.compute_section,
-    "links": _Reader.links_section,
-    "allreduce": _Reader.allreduce_section,
-    "sizes": _Reader.sizes_section,
+    "compute": FieldReader.compute_section,
+    "links": FieldReader.links_section,
+    "allreduce": FieldReader.allreduce_section,
+    "sizes": FieldReader.sizes_section,
+    "layers": FieldReader.layers_section,
 }
 
 
@@ -468,7 +618,7 @@ def costs_from_json(data: Any, path: str = "<costs>") -> CostModel:
     Raises:
         CostFileError: naming ``path`` and the offending key.
     """
-    reader = _Reader(path)
+    reader = FieldReader(path)
     top = reader.table(data, "top level", tuple(_SECTIONS))
     fields: dict[str, Any] = {}
     for name, section in _SECTIONS.items():
@@ -491,6 +641,31 @@ def load_costs(path: str) -> CostModel:
     """
     # the one guarded reader: a regular file, at most COSTS.limit bytes, bounded nesting and numbers
     return costs_from_json(read_json(path, COSTS, CostFileError), path)
+
+
+def rolled_up(data: Mapping[str, Any], ranges: Sequence[tuple[int, int]], path: str = "<costs>") -> dict[str, Any]:
+    """The cost file ``data`` priced per chunk of a cut of its layers: what ``pipec simulate`` reads for a
+    program whose chunk c holds layers ``ranges[c]`` (``pipec partition --costs-out``).
+
+    Args:
+        data: a parsed cost file with ``layers``.
+        ranges: chunk -> (first, stop) layers, as ``roll_up`` takes them.
+        path: the file's name, for messages.
+    Returns:
+        a copy of ``data`` without ``layers``, whose ``compute.per_chunk`` gives each chunk
+        its layers' summed F and B (and so I = W = B / 2, FC = R = F; any per_chunk the
+        file had is replaced); its other sections as they were.
+    Raises:
+        CostFileError: ``data`` is not a valid cost file, or has no layers.
+        UsageError: ranges that do not cut its layers (``roll_up``).
+    """
+    model = costs_from_json(data, path)
+    if not model.layers:
+        raise CostFileError(f"{path}: no \"layers\" to roll up into chunks (`pipec profile` writes them)")
+    chunks = roll_up(model.layers, ranges).per_chunk
+    compute = {key: value for key, value in data.get("compute", {}).items() if key != "per_chunk"}
+    compute["per_chunk"] = {str(chunk): {"F": f, "B": b} for chunk, (f, b) in enumerate(chunks)}
+    return {**{key: value for key, value in data.items() if key != "layers"}, "compute": compute}
 
 
 def _join(key: str, name: str) -> str:

@@ -79,6 +79,9 @@ SOURCE = Kind(".pipe source", "the .pipe source", 1 * _MiB, "1 MiB")
 # A cost file is a few sections; its one table that grows is per pair of
 # ranks ("links.pairs", ~35 bytes a pair): 16 MiB holds every pair of 960 ranks.
 COSTS = Kind("cost file", "the cost file", 16 * _MiB, "16 MiB")
+# A partition file (pipec partition -o) has a name per layer (at most costs.MAX_LAYERS of 200 characters)
+# and a small object per stage (at most one per layer): 4 MiB holds the largest.
+PARTITION = Kind("partition file", "the partition file", 4 * _MiB, "4 MiB")
 # A compiled program (pipec compile --format json) of P=64, N=512 is about
 # 72 MB; 256 MiB leaves room for 3.5 times that, and bounds the parse (Python
 # holds a JSON document in about 10x its size).
@@ -621,7 +624,7 @@ def read_program(path: str, error: type[PipecError] = UsageError):
 
 
 __all__ = [
-    "CHECKPOINT", "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PROGRAM", "SOURCE", "TEXT", "TOKENS",
+    "CHECKPOINT", "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PARTITION", "PROGRAM", "SOURCE", "TEXT", "TOKENS",
     "TOKEN_DTYPES", "TORCH_CSV", "TRACE", "count_arg", "looks_like_program", "map_tokens", "parse_json_text",
     "plain_int", "positive_count_arg", "positive_decimal_arg", "quote", "read_bytes", "read_json", "read_program",
     "read_text", "regular_file_size", "seconds_arg", "shown_path", "stream_text_bytes",

@@ -244,6 +244,10 @@ class CostFileError(PipecError):
     """A cost file that cannot be used."""
 
 
+class PartitionFileError(PipecError):
+    """A partition file (``pipec partition -o``) that cannot be used."""
+
+
 class ImportError_(ProgramError):
     """A torch CSV that cannot be read as a schedule."""
 

@@ -113,6 +113,11 @@ def compile_from_args(args, costs=None):
     )
 
 
+def number_text(value) -> str:
+    """A time or count as a table shows it: an integral value as an integer, else four significant digits."""
+    return str(int(value)) if float(value).is_integer() else f"{float(value):.4g}"
+
+
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 

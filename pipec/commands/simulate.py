@@ -8,6 +8,7 @@ from pipec.commands._common import (
     describe_peak_bytes,
     dump_json,
     load_costs,
+    number_text,
     write_output,
 )
 
@@ -32,7 +33,7 @@ def run(args) -> int:
         write_output(dump_json(result.to_json()), None)
         return 0
     lines = [
-        f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {_num(result.makespan)}, "
+        f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {number_text(result.makespan)}, "
         f"bubble ratio {result.bubble_text()}"
     ]
     # a split backward: some op leaves a weight gradient waiting (I), counted in peak_waiting_w
@@ -41,20 +42,16 @@ def run(args) -> int:
     rings = compiled.program.rings  # a sequence ring keeps no activations between stages: its memory is KV
     for rank, stats in enumerate(result.ranks):
         lines.append(
-            f"  rank {rank}: busy {_num(stats.busy)}, idle {_num(stats.idle)}"
+            f"  rank {rank}: busy {number_text(stats.busy)}, idle {number_text(stats.idle)}"
             + (f", peak activations {stats.peak_activations}" if rings is None else "")
             + (f", W waiting at most {stats.peak_waiting_w}" if split else "")
             + (f", kept inputs at most {stats.peak_kept_inputs}" if stats.peak_kept_inputs is not None else "")
             + (f", peak bytes {describe_peak_bytes(stats.peak_bytes)}" if stats.peak_bytes else "")
         )
     if result.links is not None:
-        lines.append(f"  links: something moved for {_num(result.links['communication'])}, "
+        lines.append(f"  links: something moved for {number_text(result.links['communication'])}, "
                      f"directed links busy {result.links['utilisation']:.3f} of the time meanwhile")
     if rings is not None and rings.note:
         lines.append(f"note: {rings.note}")
     write_output("\n".join(lines), None)
     return 0
-
-
-def _num(value) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{float(value):.4g}"
