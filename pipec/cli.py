@@ -37,6 +37,7 @@ COMMANDS = (
     "render",
     "run",
     "costs",
+    "partition",
     "import_torch",
     "rings",
     "attention",

@@ -1,0 +1,423 @@
+"""PipeDream's partitioner: cut a model's layers into pipeline stages, replicating the slow ones, so that
+the slowest stage is as fast as it can be; and the partition file that records the cut.
+
+What it reads, per layer l (a cost file's ``layers``, ``costs.LayerCost``): its compute time
+T_l = F + B, the bytes a_l of its output for one microbatch and w_l of its parameters; from the
+rest of the cost file the links (``links``: latency, bandwidth, per pair and node) and the
+all-reduce link (``allreduce``); all free when the file does not give them.
+
+What it searches. A partition of L layers over P ranks is a list of stages in pipeline order,
+each a non-empty range of consecutive layers, together every layer once; stage k runs on
+r_k >= 1 ranks (its replicas, data parallel inside the pipeline; r_k = 1 without
+replication), the ranks contiguous in stage order (stage 0 on ranks 0 .. r_0 - 1, stage 1 on
+the next r_1, ...), and every rank holds one: sum r_k = P (so without replication there are
+exactly P stages, and P <= L).
+
+What a stage costs (PipeDream's model: the review's T(i -> j, m) and the cut term of its
+dynamic program). With T, w the sums of the stage's T_l and w_l:
+
+    time_k = max(T / r_k,  allreduce(w, r_k),  2 link(a_j))
+
+* ``T / r_k``: each replica runs every r_k-th microbatch (round robin), so the stage
+  finishes one microbatch per T / r_k on average;
+* ``allreduce(w, r_k)``: the replicas' gradient all-reduce, a ring over the ``allreduce``
+  link (``costs.ring_allreduce_time``; 0 for one replica);
+* ``2 link(a_j)``, for every stage but the last: the cut after its last layer j, whose
+  activation (a_j bytes) travels forward to the next stage and whose gradient (a_j bytes too)
+  travels back, both over the link between the stage's last rank and the next stage's first
+  (``CostModel.link_between``: latency + bytes / bandwidth each way). Communication overlaps
+  computation, the link being a resource of the pipeline like a stage, so the cut enters the
+  maximum (PipeDream's 2 C_j), counted against the stage that sends the activation, and
+  replication does not divide it.
+
+The predicted time per microbatch of the steady state is the slowest stage's: max time_k.
+
+Memory of a rank of stage k (the check of ``memory_limit``, in bytes):
+
+    memory_k = WEIGHT_COPIES w + i_k A,   A = the sum of a_l over the stage's layers
+
+``WEIGHT_COPIES`` = 2: the weights and their gradients (optimizer state is not counted:
+leave room for it in the limit). A is one microbatch's activations, each layer's output being
+what its backward keeps (what a layer saves inside itself is not measured). i_k is how many
+microbatches a replica keeps at once (``in_flight``): 1F1B's, S - k of S stages without
+replication; with replicas, one more than the replica's share of those in flight after the
+stage: i_{S-1} = 1, i_k = 1 + ceil(r_{k+1} i_{k+1} / r_k). That is what the schedule
+``partition_schedule`` writes lets a rank keep, and what its steady state needs to run at
+the slowest stage's rate whatever the stages cost.
+
+Which partition. The fastest (least max time_k) whose every rank fits the memory limit; among
+equally fast ones, the one with fewest stages, then the one whose list of (stop_k, r_k) is
+smallest, compared in order: the earliest cuts, then the fewest replicas in the earlier stages.
+
+How. A dynamic program over suffixes: state (j, m) is "layers j .. L-1 on the last m ranks"
+(whose first rank is P - m, so the links of each cut are known), and a move picks the
+suffix's first stage, layers j .. i-1 on r of the m ranks. Three passes of the same
+recursion, each O(L^2 P^2) moves (O(L^2 P) without replication): the least slowest-stage
+time, the fewest-stages-earliest-cuts partition among those that reach it, and, when no
+partition fits the memory limit, the least memory that would. A memory limit adds the
+first stage's downstream in-flight count r_k i_k to the state (it decides i of the stage
+before), at most 2P values, so the moves grow by that factor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
+
+from pipec.compiler.costs import CostModel, FieldReader, LayerCost, Number, exact_ratio, ring_allreduce_time
+from pipec.compiler.guarded_read import PARTITION, read_json
+from pipec.errors import PartitionFileError, UsageError
+
+# The partition file: {"format": FORMAT, "version": VERSION, ...} (``partition_to_json``).
+FORMAT = "pipec partition"
+VERSION = 1
+_FILE_KEYS = ("format", "version", "layers", "ranks", "names", "stages", "time_per_microbatch")
+_STAGE_KEYS = ("layers", "replicas", "ranks", "time", "memory")
+
+# Copies of a stage's parameters each of its ranks holds: the weights and their gradients.
+WEIGHT_COPIES = 2
+
+# The most moves one pass of the dynamic program may make (about 1.3 microseconds each in CPython: some
+# seconds a pass, and there are two or three): a bigger problem is refused before it starts rather than
+# left running.
+MAX_MOVES = 10_000_000
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a partition.
+
+    Attributes:
+        first: its first layer.
+        stop: one past its last layer.
+        replicas: how many ranks run it (round robin over the microbatches).
+        ranks: those ranks, consecutive.
+        time: its time per microbatch (the module docstring's time_k).
+        memory: the bytes each of its ranks holds (memory_k).
+    """
+
+    first: int
+    stop: int
+    replicas: int
+    ranks: tuple[int, ...]
+    time: Number
+    memory: Number
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A cut of a model's layers into stages over ranks (``partition``, ``load_partition``).
+
+    Attributes:
+        layers: the model's layer count L.
+        ranks: the rank count P (the sum of the stages' replicas).
+        names: the layers' names, in order.
+        stages: the stages in pipeline order, covering layers 0 .. L - 1.
+        time_per_microbatch: the predicted steady-state time per microbatch, the slowest stage's time.
+    """
+
+    layers: int
+    ranks: int
+    names: tuple[str, ...]
+    stages: tuple[Stage, ...]
+    time_per_microbatch: Number
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """Stage (chunk) -> its layers (first, stop), as ``costs.roll_up`` takes them."""
+        return tuple((stage.first, stage.stop) for stage in self.stages)
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        """Each stage's replica count."""
+        return tuple(stage.replicas for stage in self.stages)
+
+
+# ------------------------------------------------------------------ the cost model
+
+
+def in_flight(replicas: Sequence[int]) -> tuple[int, ...]:
+    """How many microbatches one replica of each stage keeps at once (the module docstring's i_k).
+
+    Args:
+        replicas: each stage's replica count, in pipeline order.
+    Returns:
+        i_k per stage: 1 for the last; 1 + ceil(r_{k+1} i_{k+1} / r_k) before it
+        (1F1B's S - k when no stage is replicated).
+    """
+    counts: list[int] = []
+    downstream = 0  # microbatches in flight after the stage, over all the next stage's replicas
+    for count_of_replicas in reversed(replicas):
+        count = 1 + -(-downstream // count_of_replicas)
+        counts.append(count)
+        downstream = count_of_replicas * count
+    return tuple(reversed(counts))
+
+
+def stage_time(compute: Number, parameters: Number, boundary: Number | None, replicas: int, last_rank: int,
+               costs: CostModel) -> Number:
+    """A stage's time per microbatch: max(compute / r, allreduce(parameters, r), 2 link(boundary)).
+
+    Args:
+        compute: the sum of its layers' F + B.
+        parameters: the sum of its layers' parameter bytes.
+        boundary: the activation bytes of its last layer's output, or None for the last stage.
+        replicas: its replica count r.
+        last_rank: its last rank; the next stage starts at the one after.
+        costs: the links and the all-reduce link.
+    Returns:
+        the module docstring's time_k.
+    """
+    time = max(exact_ratio(compute, replicas), ring_allreduce_time(costs.allreduce_link, replicas, parameters))
+    if boundary is not None:
+        # the activation forward and its gradient back, each over the same (symmetric) link
+        time = max(time, 2 * costs.link_between(last_rank, last_rank + 1).time(boundary))
+    return time
+
+
+def stage_memory(parameters: Number, activations: Number, microbatches: int) -> Number:
+    """The bytes a rank of a stage holds: ``WEIGHT_COPIES`` of its parameters and ``microbatches``
+    microbatches' activations (the sum of its layers' outputs for one)."""
+    return WEIGHT_COPIES * parameters + microbatches * activations
+
+
+# ------------------------------------------------------------------ the search
+
+
+class _Head(NamedTuple):
+    """A suffix's first stage, as the dynamic program tries it."""
+
+    stop: int
+    replicas: int
+    time: Number
+    memory: Number | None  # None when no memory limit is tracked
+    downstream: int  # replicas x in-flight microbatches: what decides the previous stage's i
+
+
+# How a pass scores a suffix: (score of the empty suffix, join(head, score of the rest)); lower is better.
+_Scoring = tuple[Any, Callable[[_Head, Any], Any]]
+_FASTEST: _Scoring = (0, lambda head, rest: max(head.time, rest))
+_SMALLEST: _Scoring = (0, lambda head, rest: max(head.memory, rest))
+# fewest stages, then the list of (stop, replicas) smallest: the head's own comes first
+_SHORTEST: _Scoring = ((0, ()), lambda head, rest: (rest[0] + 1, ((head.stop, head.replicas),) + rest[1]))
+
+
+class _Search:
+    """The dynamic program over suffixes (module docstring), one pass per ``best`` call."""
+
+    def __init__(self, layers: Sequence[LayerCost], ranks: int, costs: CostModel, replicate: bool,
+                 track_memory: bool):
+        self.layers, self.ranks, self.costs = layers, ranks, costs
+        self.replicate, self.track_memory = replicate, track_memory
+
+    def replica_choices(self, ranks_left: int, stop: int) -> Sequence[int]:
+        """The replica counts a suffix's first stage may take: all the ranks when it ends the model,
+        else at least one rank left for the rest; always 1 without replication."""
+        if stop == len(self.layers):
+            return (ranks_left,) if self.replicate or ranks_left == 1 else ()
+        if not self.replicate:
+            return (1,) if ranks_left > 1 else ()
+        return range(1, ranks_left)
+
+    def moves(self) -> int:
+        """How many moves one pass makes, at most."""
+        layers, ranks = len(self.layers), self.ranks
+        per_state = ranks if self.replicate else 1
+        keys = 2 * ranks if self.track_memory and self.replicate else 1
+        return layers * (layers + 1) // 2 * ranks * per_state * keys
+
+    def best(self, scoring: _Scoring, admit: Callable[[_Head], bool]) -> Any:
+        """The least score of a whole partition whose every stage ``admit`` accepts, or None when none is."""
+        layers, ranks = self.layers, self.ranks
+        count = len(layers)
+        empty, join = scoring
+        # table[j][m]: downstream count of the first stage (0 when memory is not tracked) -> best score of a
+        # partition of layers j .. count-1 over the last m ranks
+        table: list[list[dict[int, Any]]] = [[{} for _ in range(ranks + 1)] for _ in range(count + 1)]
+        table[count][0] = {0: empty}
+        for first in range(count - 1, -1, -1):
+            for ranks_left in range(1, ranks + 1):
+                row = table[first][ranks_left]
+                start = ranks - ranks_left
+                compute = parameters = activations = 0
+                for stop in range(first + 1, count + 1):
+                    layer = layers[stop - 1]
+                    # summed from the left as sum() does, so the partition's times are these, bit for bit
+                    compute += layer.time
+                    parameters += layer.parameters
+                    activations += layer.activation
+                    boundary = layer.activation if stop < count else None
+                    for replicas in self.replica_choices(ranks_left, stop):
+                        rest = table[stop][ranks_left - replicas]
+                        if not rest:
+                            continue
+                        time = stage_time(compute, parameters, boundary, replicas, start + replicas - 1, self.costs)
+                        for downstream, rest_score in rest.items():
+                            keep = 1 + -(-downstream // replicas)
+                            memory = stage_memory(parameters, activations, keep) if self.track_memory else None
+                            head = _Head(stop, replicas, time, memory, replicas * keep if self.track_memory else 0)
+                            if not admit(head):
+                                continue
+                            score = join(head, rest_score)
+                            if head.downstream not in row or score < row[head.downstream]:
+                                row[head.downstream] = score
+        scores = table[0][ranks].values()
+        return min(scores) if scores else None
+
+    def assemble(self, cuts: Sequence[tuple[int, int]], names: tuple[str, ...]) -> Partition:
+        """The partition whose stages end at and are replicated as ``cuts``: (stop, replicas) per stage."""
+        layers = self.layers
+        keeps = in_flight([replicas for _, replicas in cuts])
+        stages, first, rank = [], 0, 0
+        for (stop, replicas), keep in zip(cuts, keeps):
+            span = layers[first:stop]
+            boundary = layers[stop - 1].activation if stop < len(layers) else None
+            parameters = sum(layer.parameters for layer in span)
+            time = stage_time(sum(layer.time for layer in span), parameters, boundary, replicas,
+                              rank + replicas - 1, self.costs)
+            memory = stage_memory(parameters, sum(layer.activation for layer in span), keep)
+            stages.append(Stage(first, stop, replicas, tuple(range(rank, rank + replicas)), time, memory))
+            first, rank = stop, rank + replicas
+        return Partition(len(layers), self.ranks, names, tuple(stages), max(stage.time for stage in stages))
+
+
+def partition(layers: Sequence[LayerCost], ranks: int, costs: CostModel | None = None, *,
+              memory_limit: Number | None = None, replicate: bool = False) -> Partition:
+    """Cut ``layers`` into stages over ``ranks`` ranks, the slowest stage as fast as it can be.
+
+    Args:
+        layers: the model's layers in order (a cost file's ``layers``).
+        ranks: P, the ranks to use, every one.
+        costs: the links and the all-reduce link (the rest of the cost file); None: all free.
+        memory_limit: the most bytes a rank may hold (``stage_memory``); None: no limit.
+        replicate: whether a stage may run on several ranks.
+    Returns:
+        the partition the module docstring describes: the fastest that fits, ties broken by
+        fewest stages, then earliest cuts, then fewest replicas early.
+    Raises:
+        UsageError: no layers, fewer than one rank, more ranks than layers without
+            replication, a problem too large to search (``MAX_MOVES``), or a memory limit no
+            partition fits (naming the smallest that would).
+    """
+    costs = CostModel.unit() if costs is None else costs
+    if not layers:
+        raise UsageError("there are no layers to partition")
+    if ranks < 1:
+        raise UsageError(f"a partition needs at least one rank, got {ranks}")
+    if not replicate and ranks > len(layers):
+        raise UsageError(f"{ranks} ranks need at least {ranks} layers without replication, and the model has "
+                         f"{len(layers)}: use fewer ranks, or let stages be replicated (--replicate)")
+    search = _Search(layers, ranks, costs, replicate, track_memory=memory_limit is not None)
+    if search.moves() > MAX_MOVES:
+        raise UsageError(f"partitioning {len(layers)} layers over {ranks} ranks takes about {search.moves():,} steps, "
+                         f"more than the {MAX_MOVES:,} pipec takes on: use fewer layers (merge some) or ranks")
+
+    def fits(head: _Head) -> bool:
+        return memory_limit is None or head.memory <= memory_limit
+
+    fastest = search.best(_FASTEST, fits)
+    if fastest is None:  # only a memory limit makes every partition infeasible
+        smallest = search.best(_SMALLEST, lambda head: True)
+        replication = "with" if replicate else "without"
+        raise UsageError(f"no partition of {len(layers)} layers over {ranks} ranks ({replication} replication) fits "
+                         f"a memory limit of {memory_limit} bytes per rank: the smallest limit that fits is "
+                         f"{smallest} bytes")
+    _, cuts = search.best(_SHORTEST, lambda head: head.time <= fastest and fits(head))
+    return search.assemble(cuts, tuple(layer.name for layer in layers))
+
+
+# ------------------------------------------------------------------ the partition file
+
+
+def partition_to_json(part: Partition) -> dict[str, Any]:
+    """The partition file's JSON value (``load_partition`` reads it back)::
+
+        {"format": "pipec partition", "version": 1, "layers": L, "ranks": P,
+         "names": [...], "stages": [{"layers": [first, stop], "replicas": r,
+         "ranks": [...], "time": t, "memory": bytes}, ...], "time_per_microbatch": T}
+    """
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "layers": part.layers,
+        "ranks": part.ranks,
+        "names": list(part.names),
+        "stages": [{"layers": [stage.first, stage.stop], "replicas": stage.replicas, "ranks": list(stage.ranks),
+                    "time": stage.time, "memory": stage.memory} for stage in part.stages],
+        "time_per_microbatch": part.time_per_microbatch,
+    }
+
+
+def partition_from_json(data: Any, path: str = "<partition>") -> Partition:
+    """A partition from its file's JSON value, every field checked.
+
+    Args:
+        data: the parsed file (``partition_to_json``'s form).
+        path: the file's name, for messages.
+    Returns:
+        the ``Partition``.
+    Raises:
+        PartitionFileError: ``FILE: KEY: problem`` for an unknown or missing key, another
+            format or version, a value of the wrong type or range, names that are not one
+            per layer, stages that are not consecutive or do not cover the layers, ranks
+            that are not the next ``replicas`` ones, replicas that do not add up to the
+            ranks, or a time per microbatch that is not the slowest stage's.
+    """
+    reader = FieldReader(path, PartitionFileError)
+    top = reader.fields(data, "top level", _FILE_KEYS)
+    if top["format"] != FORMAT:
+        raise reader.fail("format", f'expected "{FORMAT}" (a file `pipec partition -o` writes)')
+    if reader.integer(top["version"], "version") != VERSION:
+        raise reader.fail("version", f"version {top['version']} is not one this pipec reads ({VERSION})")
+    layer_count = reader.integer(top["layers"], "layers", low=1)
+    rank_count = reader.integer(top["ranks"], "ranks", low=1)
+    names = tuple(reader.name(name, f"names[{index}]") for index, name in enumerate(reader.array(top["names"], "names")))
+    if len(names) != layer_count:
+        raise reader.fail("names", f"{len(names)} names for {layer_count} layers")
+    stages, layer, rank = [], 0, 0
+    for index, entry in enumerate(reader.array(top["stages"], "stages")):
+        key = f"stages[{index}]"
+        given = reader.fields(entry, key, _STAGE_KEYS)
+        bounds = given["layers"]
+        if not isinstance(bounds, list) or len(bounds) != 2:
+            raise reader.fail(f"{key}.layers", "expected [first, stop], two layer indices")
+        first = reader.integer(bounds[0], f"{key}.layers[0]")
+        stop = reader.integer(bounds[1], f"{key}.layers[1]")
+        if first != layer or not first < stop <= layer_count:
+            raise reader.fail(f"{key}.layers", f"[{first}, {stop}] does not go on from layer {layer}: stages hold "
+                                               f"consecutive layers, at least one each, within 0 .. {layer_count}")
+        replicas = reader.integer(given["replicas"], f"{key}.replicas", low=1)
+        expected = list(range(rank, rank + replicas))
+        ranks = [reader.integer(value, f"{key}.ranks[{at}]") for at, value in enumerate(reader.array(given["ranks"],
+                                                                                                    f"{key}.ranks"))]
+        if ranks != expected:
+            raise reader.fail(f"{key}.ranks", f"expected the next {replicas} ranks, {expected}, got {ranks}: a stage's "
+                                              "replicas run on consecutive ranks, in stage order")
+        time = reader.number(given["time"], f"{key}.time")
+        memory = reader.number(given["memory"], f"{key}.memory")
+        stages.append(Stage(first, stop, replicas, tuple(expected), time, memory))
+        layer, rank = stop, rank + replicas
+    if layer != layer_count:
+        raise reader.fail("stages", f"the stages hold layers 0 .. {layer - 1}, and there are {layer_count}")
+    if rank != rank_count:
+        raise reader.fail("stages", f"the stages' replicas add up to {rank} ranks, and there are {rank_count}")
+    time_per_microbatch = reader.number(top["time_per_microbatch"], "time_per_microbatch")
+    slowest = max(stage.time for stage in stages)
+    if time_per_microbatch != slowest:
+        raise reader.fail("time_per_microbatch", f"{time_per_microbatch} is not the slowest stage's time, {slowest}")
+    return Partition(layer_count, rank_count, names, tuple(stages), time_per_microbatch)
+
+
+def load_partition(path: str) -> Partition:
+    """Read and check a partition file (``pipec partition -o``): the one reader of the format.
+
+    Raises:
+        PartitionFileError: not a regular file, over ``guarded_read.PARTITION``'s limit, not
+            JSON, or any mistake ``partition_from_json`` names.
+    """
+    return partition_from_json(read_json(path, PARTITION, PartitionFileError), path)
+
+
+__all__ = [
+    "FORMAT", "MAX_MOVES", "Partition", "Stage", "VERSION", "WEIGHT_COPIES", "in_flight", "load_partition",
+    "partition", "partition_from_json", "partition_to_json", "stage_memory", "stage_time",
+]

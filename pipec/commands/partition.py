@@ -1,0 +1,109 @@
+"""``pipec partition --costs COSTS.json -D P=4``: cut a profiled model's layers into pipeline stages.
+
+PipeDream's dynamic program (``compiler.partition``) over the cost file's ``layers``
+(``pipec profile`` measures them): the slowest stage as fast as it can be, the cuts'
+communication counted, under ``--memory`` bytes per rank, stages replicated over several
+ranks with ``--replicate``. It prints the stage -> layers map, each stage's replicas, ranks,
+time and memory, and the predicted time per microbatch (``--json``: the partition file).
+
+``-o`` writes the partition file (``pipec run --partition`` reads it), ``--schedule-out`` a
+``.pipe`` schedule that runs it (``compiler.partition_schedule``), and ``--costs-out`` the cost
+file priced per chunk of it (``costs.rolled_up``), so that
+
+    pipec simulate FILE.pipe --costs CHUNKS.json
+
+predicts the partitioned pipeline on this machine's times.
+"""
+from __future__ import annotations
+
+from pipec.commands._common import dump_json, human_bytes, number_text, write_output
+from pipec.compiler.guarded_read import count_arg
+from pipec.errors import UsageError
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "partition",
+        help="cut a profiled model's layers into balanced pipeline stages (PipeDream's partitioner)",
+        description="Cut the layers of a cost file (`pipec profile -o`) into stages over P ranks, the slowest stage "
+                    "as fast as it can be.",
+    )
+    parser.add_argument("--costs", metavar="FILE", required=True,
+                        help="a cost file with \"layers\" (`pipec profile` writes one); its \"links\" price the cuts, "
+                             "its \"allreduce\" the replicas' gradient sync (default: free)")
+    parser.add_argument("-D", dest="defines", action="append", default=[], metavar="P=RANKS",
+                        help="the ranks to partition over, every one used (required)")
+    parser.add_argument("--memory", type=count_arg, metavar="BYTES",
+                        help="the most bytes a rank may hold: its stage's weights and gradients and the activations "
+                             "of the microbatches it keeps (default: no limit)")
+    parser.add_argument("--replicate", action="store_true",
+                        help="let a stage run on several ranks, data parallel inside the pipeline")
+    parser.add_argument("--json", action="store_true", help="print the partition file instead of the table")
+    parser.add_argument("-o", dest="output", metavar="FILE", help="write the partition file (JSON)")
+    parser.add_argument("--schedule-out", dest="schedule_out", metavar="FILE.pipe",
+                        help="write a .pipe schedule that runs the partition")
+    parser.add_argument("--costs-out", dest="costs_out", metavar="FILE",
+                        help="write the cost file priced per chunk of the partition, for `pipec simulate` of "
+                             "--schedule-out's schedule")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pipec.compiler.costs import costs_from_json, rolled_up
+    from pipec.compiler.guarded_read import COSTS, read_json
+    from pipec.compiler.partition import partition, partition_to_json
+    from pipec.compiler.partition_schedule import schedule_source
+    from pipec.errors import CostFileError
+
+    ranks = _ranks(args.defines)
+    data = read_json(args.costs, COSTS, CostFileError)  # kept: --costs-out writes it back, rolled up
+    costs = costs_from_json(data, args.costs)
+    if not costs.layers:
+        raise CostFileError(f'{args.costs}: no "layers" to partition (`pipec profile --model SPEC -o FILE` '
+                            "measures them; docs/costs.md gives the format)")
+    part = partition(costs.layers, ranks, costs, memory_limit=args.memory, replicate=args.replicate)
+    document = dump_json(partition_to_json(part))
+    if args.output:
+        write_output(document, args.output)
+    if args.schedule_out:
+        write_output(schedule_source(part), args.schedule_out)
+    if args.costs_out:
+        write_output(dump_json(rolled_up(data, part.ranges, args.costs)), args.costs_out)
+    write_output(document if args.json else _table(part, args), None)
+    return 0
+
+
+def _ranks(defines: list[str]) -> int:
+    """P from ``-D P=RANKS``, the only parameter ``pipec partition`` takes.
+
+    Raises:
+        UsageError: no ``-D P``, another name, or a value that is not an integer >= 1.
+    """
+    from pipec.compiler.defines import parse_defines
+    from pipec.compiler.guarded_read import plain_int
+
+    given = parse_defines(defines)
+    stray = [name for name in given if name != "P"]
+    if stray:
+        raise UsageError(f"-D {stray[0]}: pipec partition takes one parameter, P (the ranks)")
+    if "P" not in given:
+        raise UsageError("pipec partition needs the ranks to partition over: -D P=RANKS")
+    return plain_int(given["P"], "-D P", low=1)
+
+
+def _table(part, args) -> str:
+    """The stage -> layers map, one stage a line, under a line with the predicted time per microbatch."""
+    replication = ", stages replicated" if args.replicate else ""
+    limit = f", at most {human_bytes(args.memory)} a rank" if args.memory is not None else ""
+    lines = [f"{part.layers} layers over {part.ranks} ranks ({args.costs}{replication}{limit}): {len(part.stages)} "
+             f"stages, predicted time per microbatch {number_text(part.time_per_microbatch)}",
+             f"  {'stage':>5}  {'layers':<32} {'replicas':>8}  {'ranks':<9} {'time':>9}  memory"]
+    for index, stage in enumerate(part.stages):
+        last = stage.stop - 1
+        names = part.names[stage.first] if last == stage.first else f"{part.names[stage.first]} .. {part.names[last]}"
+        span = f"{stage.first}" if last == stage.first else f"{stage.first}..{last}"
+        ranks = f"{stage.ranks[0]}" if stage.replicas == 1 else f"{stage.ranks[0]}..{stage.ranks[-1]}"
+        slowest = "  <- slowest" if stage.time == part.time_per_microbatch else ""
+        lines.append(f"  {index:>5}  {span + ' ' + names:<32} {stage.replicas:>8}  {ranks:<9} "
+                     f"{number_text(stage.time):>9}  {human_bytes(stage.memory)}{slowest}")
+    return "\n".join(lines)
