@@ -35,6 +35,7 @@ function or a ``dataset``; ``runtime/data.py`` draws every batch from it.
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -383,6 +384,28 @@ def build_model(config: ModelConfig, seed: int) -> DecoderChunk:
     return build_chunk(config, 0, 1, seed)
 
 
+def llama_layers(config: ModelConfig, seed: int) -> nn.Sequential:
+    """The whole model as its layers in order: the embedding, each decoder layer, the final norm and head.
+
+    Each layer is a ``DecoderChunk`` of its own (the embedding alone, one decoder layer, the
+    norm and head alone), so it takes and gives what a chunk boundary carries (hidden states
+    [b, seq, dim]; token ids in, logits out at the ends) and its parameters are those of
+    ``build_model(config, seed)``, name for name (``embed.weight``, ``layers.3...``,
+    ``norm.weight``, ``head.weight``) and bit for bit: the layers' ``state_dict()``s merge into
+    the model's, and running them in turn computes the model's forward.
+
+    Returns:
+        ``nn.Sequential`` of ``embed``, ``layer0`` .. ``layer{L-1}``, ``head``.
+    """
+    parts = [("embed", DecoderChunk(config, range(0), is_first=True, is_last=False))]
+    parts += [(f"layer{index}", DecoderChunk(config, range(index, index + 1), is_first=False, is_last=False))
+              for index in range(config.layers)]
+    parts.append(("head", DecoderChunk(config, range(0), is_first=False, is_last=True)))
+    for _, part in parts:
+        _initialise(part, config, seed)
+    return nn.Sequential(OrderedDict(parts))
+
+
 def task_permutation(config: ModelConfig, seed: int) -> torch.Tensor:
     """The fixed vocabulary permutation of the synthetic task (LongTensor [vocab])."""
     return torch.randperm(config.vocab, generator=_generator(seed, _TASK_DOMAIN))
@@ -534,6 +557,7 @@ class ModelSpec:
     dataset: Callable[..., Any] | None = None
     microbatch_rows: Callable[[Any], int] | None = None
     sampler: Callable[..., Any] | None = None
+    layers: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         missing = [name for name in _SPEC_FUNCTIONS if not callable(getattr(self, name))]
@@ -578,6 +602,7 @@ LLAMA = ModelSpec(
     config=ModelConfig(),
     describe=describe,
     activation_shape=activation_shape,
+    layers=llama_layers,
 )
 """The built-in model: the default of ``--model``."""
 
