@@ -37,6 +37,7 @@ COMMANDS = (
     "render",
     "run",
     "costs",
+    "profile",
     "partition",
     "import_torch",
     "rings",

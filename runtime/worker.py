@@ -77,8 +77,6 @@ def add_training_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -
             False for ``pipec run``, which passes on only what it was given, so
             that a worker's default applies to everything else.
     """
-    from pipec.runtime.model import DEFAULT_MODEL
-
     def default(value):
         return value if defaults else None
 
@@ -105,10 +103,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -
     parser.add_argument("--timeout", type=seconds_arg, default=default(DEFAULT_TIMEOUT_S), metavar="SECONDS",
                         help=f"longest wait of one instruction; past it the run stops with a fault message "
                              f"(default {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--model", default=default(DEFAULT_MODEL), metavar="MODULE:ATTR",
-                        help="a model spec (default: the built-in LLaMA-style decoder)")
-    parser.add_argument("--config", dest="config", action="append", default=[], metavar="NAME=VALUE",
-                        help="override a field of the model's config, e.g. --config layers=16 (repeatable)")
+    add_model_arguments(parser, defaults=defaults)
     parser.add_argument("--costs", metavar="FILE", help="a JSON cost file, for schedules whose order depends on costs")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=default("fp32"),
                         help="compute precision: bf16 runs the forwards under autocast, keeps fp32 master weights, "
@@ -118,6 +113,22 @@ def add_training_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -
                              "rank (replicas counted once) is at most X, as torch.nn.utils.clip_grad_norm_ does")
     # test-only: plant a fault in a worker (--inject KIND:RANK:INDEX)
     parser.add_argument("--inject", metavar="KIND:RANK:INDEX", help=argparse.SUPPRESS)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """``--model`` and ``--config``: the model spec and its config overrides (``load_model_spec``,
+    ``override_config``), which training and ``pipec profile`` share.
+
+    Args:
+        parser: the parser to add them to.
+        defaults: whether ``--model`` defaults to the built-in model here (see ``add_training_arguments``).
+    """
+    from pipec.runtime.model import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL if defaults else None, metavar="MODULE:ATTR",
+                        help="a model spec (default: the built-in LLaMA-style decoder)")
+    parser.add_argument("--config", dest="config", action="append", default=[], metavar="NAME=VALUE",
+                        help="override a field of the model's config, e.g. --config layers=16 (repeatable)")
 
 
 def main(argv: list[str] | None = None) -> int:
