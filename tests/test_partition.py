@@ -245,6 +245,29 @@ def test_a_wrong_partition_file_is_a_located_error(change, message):
         partition_from_json(data, "part.json")
 
 
+def test_a_mutated_partition_file_loads_or_is_refused_never_a_traceback():
+    costs = costs_from_json(UNBALANCED)
+    original = partition_to_json(partition(costs.layers, 4, costs, replicate=True))
+    rng = random.Random(3)
+    values = [None, True, -1, 0, 1, 3, 8, 2.5, float(2**70), "", "x", "pipec partition", [], [0], [0, 3], [3, 8],
+              [0, 1, 2], {}, {"layers": [0, 8]}]
+    refused = 0
+    for _ in range(400):
+        data = json.loads(json.dumps(original))
+        for _ in range(rng.randint(1, 3)):  # walk down to a random place and replace what is there
+            holder, key = data, rng.choice(list(data))
+            while isinstance(holder[key], (dict, list)) and holder[key] and rng.random() > 0.4:
+                holder = holder[key]
+                key = rng.choice(list(holder) if isinstance(holder, dict) else range(len(holder)))
+            holder[key] = rng.choice(values)
+        try:
+            partition_from_json(data, "part.json")
+        except PartitionFileError as error:
+            assert str(error).startswith("part.json")
+            refused += 1
+    assert refused > 300
+
+
 # ------------------------------------------------------------------ per-layer costs
 
 
