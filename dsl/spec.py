@@ -216,6 +216,9 @@ class ScheduleSpec:
             that ``recompute stage s`` names: their forward keeps only its
             input (``order`` holds what it becomes, ``tasks.recompute``) and
             runs again before their backward.
+        weight_versions: the most versions of a stage's weights the schedule
+            keeps for its backwards (``stash weights <= K``: K; ``stash
+            weights``: None, as many as the order needs; without: 1).
     """
 
     name: str
@@ -239,6 +242,7 @@ class ScheduleSpec:
     task_steps: list[list[int]] | None = None
     rings: RingSpec | None = None
     recomputed: frozenset[int] = frozenset()
+    weight_versions: int | None = 1
 
     def stage_id(self, pipeline: int, position: int) -> int:
         return pipeline * self.num_stages + position
