@@ -171,3 +171,16 @@ def _too_new(program: Program, action, stage: int, mb: int, used: int, newest: i
                  "or update less often")
     return (f"{action.text()} would run on version {newest} of stage {stage}'s weights, but its forward {forward} "
             f"ran on version {used}: {keeps}")
+
+
+def version_summary(program: Program, plan: VersionPlan) -> dict:
+    """What ``pipec check`` and ``simulate`` report of a plan, per stage id.
+
+    Returns:
+        {"updates": updates per stage, "weight_versions": the most versions each
+        stage keeps at once, "stashed": backwards that run on an older version}.
+    """
+    stages = range(len(program.stages))
+    return {"updates": [len(plan.updates.get(s, ())) for s in stages],
+            "weight_versions": [plan.peak_versions.get(s, 1) for s in stages],
+            "stashed": len(plan.stashed)}

@@ -275,6 +275,9 @@ def make_plan(args, world: int) -> Plan:
         from pipec.runtime.sequence import check_ring_options
 
         check_ring_options(args, program)
+    from pipec.runtime.stash import check_update_options
+
+    check_update_options(args, program)
     inject = parse_injection(args.inject) if args.inject else None
     return Plan(program, spec, config, layouts, precision, inject, checkpoint)
 

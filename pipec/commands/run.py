@@ -185,6 +185,9 @@ def check_launch(args, program) -> int:
     if nodes is not None:
         _check_endpoint(nodes)
     _check_resume(args)
+    from pipec.runtime.stash import check_update_options
+
+    check_update_options(args, program)
     _check_model(args, program)
     if program.rings is not None:  # sequence-parallel training: no --trace, no planted faults
         from pipec.runtime.sequence import check_ring_options

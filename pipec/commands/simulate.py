@@ -22,14 +22,20 @@ def register(sub) -> None:
 def run(args) -> int:
     from pipec.compiler.ops import memory_deltas
     from pipec.compiler.simulate import simulate
+    from pipec.compiler.versions import version_plan, version_summary
 
     costs = load_costs(args)
     compiled = compile_from_args(args, costs)
     # the cost file's bytes per size class, if it has any: peak bytes per rank (else the output is as without)
     sizes = costs.sizes if costs is not None else {}
     result = simulate(compiled.program, costs, sizes=sizes or None)
+    program = compiled.program
+    plan = version_plan(program) if program.weights is None and program.rings is None else None
     if args.json:
-        write_output(dump_json(result.to_json()), None)
+        out = result.to_json()
+        if plan is not None:
+            out["versions"] = version_summary(program, plan)
+        write_output(dump_json(out), None)
         return 0
     lines = [
         f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {_num(result.makespan)}, "
@@ -47,6 +53,11 @@ def run(args) -> int:
             + (f", kept inputs at most {stats.peak_kept_inputs}" if stats.peak_kept_inputs is not None else "")
             + (f", peak bytes {describe_peak_bytes(stats.peak_bytes)}" if stats.peak_bytes else "")
         )
+    if plan is not None:  # asynchronous training: how often each stage updates, and what it keeps for it
+        summary = version_summary(program, plan)
+        updates = max(summary["updates"])
+        lines.append(f"  updates per stage {summary['updates']}: one every {_num(result.makespan / updates)} "
+                     f"on average; weight versions per stage {summary['weight_versions']}")
     if result.links is not None:
         lines.append(f"  links: something moved for {_num(result.links['communication'])}, "
                      f"directed links busy {result.links['utilisation']:.3f} of the time meanwhile")
