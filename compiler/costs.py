@@ -235,7 +235,8 @@ class CostModel:
 
         An op the model does not price that the rule table prices like
         another (``ops.OpRule.priced_like``: FC and R like F) costs what that
-        one costs on the chunk.
+        one costs on the chunk; one that is free under unit costs (U, the
+        optimizer update inside an order) costs nothing.
 
         Raises:
             KeyError: for an op the model does not price.
@@ -247,6 +248,8 @@ class CostModel:
         if cost is None:
             like = PRICED_LIKE.get(op)
             if like is None:
+                if UNIT_COMPUTE.get(op) == 0:
+                    return 0
                 raise KeyError((None, op))
             return self.compute(like, chunk)
         return cost
