@@ -100,12 +100,16 @@ def version_plan(program: Program) -> VersionPlan | None:
         VersionError: at the first instruction (rank order, then list order)
             where a backward would run on a newer version than its forward
             because the stage keeps too few (``stash weights <= K``, or none
-            declared); where a replicated stage is updated (its replicas'
+            declared); at an update in a weight-passing program; where a replicated stage is updated (its replicas'
             gradients are all-reduced after the list, not before an update);
             or at a backward whose weight gradient no later update applies.
     """
     if not has_updates(program):
         return None
+    if program.weights is not None:
+        rank, index = next((r, i) for r, row in enumerate(program.ranks) for i, a in enumerate(row) if a[1] in _UPDATES)
+        raise VersionError(f"{program.ranks[rank][index].text()} updates a stage inside the list, but under weight "
+                           "passing each layer's owner steps its optimizer after it", rank, index, program.grid())
     bound = program.weight_versions
     replicated = {info.id for info in program.stages if _replica_count(program, info.position) > 1}
     version_of: dict[tuple[int, int], int] = {}

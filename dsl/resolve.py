@@ -320,6 +320,11 @@ def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
         out.resolver.error(f"{stmt.kind}(...) recomputes a stage's forward, and weight passing needs none: its B "
                            "already runs the layer's forward again from the input its F kept", stmt.span)
         return
+    if stmt.kind in tasks.updates and out.weight_decls.passing:
+        out.resolver.error(f"{stmt.kind}(...) updates a stage's weights inside the order, and under weight passing "
+                           "each layer's owner steps its optimizer after the list: asynchronous updates belong to "
+                           "activation passing", stmt.span)
+        return
     if stmt.kind in tasks.recomputes and not out.recomputing:
         out.resolver.error(f"{stmt.kind}(...) runs a recomputed stage's forward again, and this schedule "
                            f"recomputes no stage: add `recompute stage s` (or `recompute stage s when COND`)",

@@ -39,6 +39,8 @@ class TaskKinds:
             each is one block, ``KIND(q, kv[, piece])``, and a ring's order
             writes only these, forward ones at its forward steps, backward
             ones at its backward steps.
+        updates: the optional kinds that update a stage's weights inside the
+            order (``U``): activation passing only.
     """
 
     kinds: tuple[str, ...]
@@ -48,6 +50,7 @@ class TaskKinds:
     ring_forward: tuple[str, ...] = ()
     ring_backward: tuple[str, ...] = ()
     recompute: dict[str, tuple[str, str]] = field(default_factory=dict)
+    updates: tuple[str, ...] = ()
 
     @property
     def ring(self) -> tuple[str, ...]:

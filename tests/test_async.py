@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import pathlib
 import re
 
 import pytest
@@ -29,6 +30,7 @@ from pipec.runtime.reference import async_reference_run, reference_run
 from runtime_util import assert_same_parameters, launch_batch
 from source_util import error_of, messages, spec_of
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 # Unit costs: F = 1, B = 2, U = 0.
 F, B = 1, 2
 
@@ -160,6 +162,24 @@ def test_stash_declarations_are_checked_where_they_are_written():
     """
     assert any("`stash weights` belongs to activation passing" in text
                for _, _, text in messages(error_of(PipecError, ring)))
+
+
+def test_updates_belong_to_activation_passing(tmp_path, capsys):
+    # an update written into WeiPipe's order: an error at the task
+    source = (REPO / "schedules" / "weipipe.pipe").read_text()
+    backward = "B(P - 1 - k % P, r + (k / P - 1) * P)"
+    path = tmp_path / "wu.pipe"
+    path.write_text(source.replace(backward, f"{backward}; U(P - 1 - k % P, r + (k / P - 1) * P)"))
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert re.match(rf"{re.escape(str(path))}:34:\d+: U\(\.\.\.\) updates a stage's weights inside the order, "
+                    "and under weight passing each layer's owner steps its optimizer after the list", err), err
+    # ... and in a program file, where no source can say so: at the instruction
+    data = program_to_json(compile_target("weipipe", {}).program)
+    row = data["ranks"][0]
+    row.insert(len(row) - 1, {"op": "U", "text": "0U0", "stage": 0, "mb": 0})
+    with pytest.raises(VersionError, match="0U0 updates a stage inside the list, but under weight passing"):
+        check_all(program_from_json(data))
 
 
 def test_weight_versions_round_trip_through_json():

@@ -81,8 +81,7 @@ def check_all(
     check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
     if program.weights is not None:
         check_weights(program)
-    else:
-        version_plan(program)
+    version_plan(program)
     check_memory(program, memory_budget, byte_budget=byte_budget, sizes=sizes)
 
 
