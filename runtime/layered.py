@@ -228,7 +228,7 @@ def cut_by_partition(spec, partition: Partition, path: str, program: Program, na
             named); a stage whose ranks are not where the program places
             its chunk.
     """
-    if not isinstance(spec.build_chunk, LayeredChunks):
+    if not spec.derives_chunks:
         raise UsageError(f"--partition {path} cuts a model given by its layers, and model spec {name} builds its own "
                          "chunks (build_chunk): leave --partition out, or give a spec with layers(config, seed) and "
                          "no build_chunk")
@@ -257,8 +257,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 def partition_cut(spec) -> Cut | None:
     """The cut a partition file gave ``spec``'s chunks (``cut_by_partition``), or None (even, or the spec's own)."""
-    chunks = spec.build_chunk
-    return chunks.cut if isinstance(chunks, LayeredChunks) else None
+    return spec.build_chunk.cut if spec.derives_chunks else None
 
 
 __all__ = ["Cut", "LayerStack", "LayeredChunks", "LayeredModel", "build_layers", "cut_by_partition", "even_cut",
