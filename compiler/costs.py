@@ -81,6 +81,7 @@ from typing import Any, Mapping, Union
 
 from pipec.compiler import ops as rules
 from pipec.compiler.guarded_read import COSTS, INT_LIMIT, INT_LIMIT_TEXT, plain_int, quote, read_json
+from pipec.compiler.guarded_read import json_type as _json_type
 from pipec.errors import CostFileError
 
 Number = Union[int, float]
@@ -498,14 +499,3 @@ def load_costs(path: str) -> CostModel:
 
 def _join(key: str, name: str) -> str:
     return f"{key}.{name}" if key != "top level" else name
-
-
-def _json_type(value: Any) -> str:
-    """The JSON name of a value's type, for messages."""
-    names = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
-    for python_type, name in names:
-        if isinstance(value, python_type):
-            if python_type is str:
-                return f"the string {quote(value)}"
-            return name
-    return "null"
