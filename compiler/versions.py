@@ -24,6 +24,7 @@ the list, every forward and backward on the same weights.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 from pipec.compiler import ops
@@ -100,9 +101,10 @@ def version_plan(program: Program) -> VersionPlan | None:
         VersionError: at the first instruction (rank order, then list order)
             where a backward would run on a newer version than its forward
             because the stage keeps too few (``stash weights <= K``, or none
-            declared); at an update in a weight-passing program; where a replicated stage is updated (its replicas'
-            gradients are all-reduced after the list, not before an update);
-            or at a backward whose weight gradient no later update applies.
+            declared); at an update in a weight-passing program; where a
+            replicated stage is updated (its replicas' gradients are
+            all-reduced after the list, not before an update); or at a
+            backward whose weight gradient no later update applies.
     """
     if not has_updates(program):
         return None
@@ -111,7 +113,8 @@ def version_plan(program: Program) -> VersionPlan | None:
         raise VersionError(f"{program.ranks[rank][index].text()} updates a stage inside the list, but under weight "
                            "passing each layer's owner steps its optimizer after it", rank, index, program.grid())
     bound = program.weight_versions
-    replicated = {info.id for info in program.stages if _replica_count(program, info.position) > 1}
+    replicas = Counter(info.position for info in program.stages)
+    replicated = {info.id for info in program.stages if replicas[info.position] > 1}
     version_of: dict[tuple[int, int], int] = {}
     updates: dict[int, list[Update]] = {}
     stashed: set[tuple[int, int]] = set()
@@ -158,10 +161,6 @@ def version_plan(program: Program) -> VersionPlan | None:
                 f"follows it on rank {rank} (write U({program.stages[stage].position}, m) after the last backward "
                 f"of the stage)", rank, index, program.grid())
     return VersionPlan(version_of, updates, frozenset(stashed), peak, bound)
-
-
-def _replica_count(program: Program, position: int) -> int:
-    return sum(1 for info in program.stages if info.position == position)
 
 
 def _too_new(program: Program, action, stage: int, mb: int, used: int, newest: int, bound: int) -> str:

@@ -66,10 +66,11 @@ def loss_scales(program: Program, plan: VersionPlan) -> list[float]:
 
 
 class WeightStash:
-    """One rank's weight versions for a program with updates (built once per run by ``make_stash``).
+    """One rank's weight versions for a program with updates (``interpreter.make_context`` builds it once).
 
     Attributes:
         plan: the program's version plan.
+        modules: stage -> its module, for this rank's stages.
         params: stage -> its module's trainable parameters (the masters), in order.
         names: stage -> the names of those parameters (for ``functional_call``).
         uses: (stage, version) -> how many stashed microbatches of one step run on it.
