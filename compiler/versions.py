@@ -24,6 +24,7 @@ the list, every forward and backward on the same weights.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import NamedTuple
 
@@ -187,3 +188,28 @@ def version_summary(program: Program, plan: VersionPlan) -> dict:
     return {"updates": [len(plan.updates.get(s, ())) for s in stages],
             "weight_versions": [plan.peak_versions.get(s, 1) for s in stages],
             "stashed": len(plan.stashed)}
+
+
+def flushed_equivalent(program: Program, plan: VersionPlan) -> list[Program]:
+    """The same training with a flush at every update: one compute-only program per minibatch.
+
+    A minibatch is what one update of the last stage applies. Each program
+    keeps, of every rank's list, the compute tasks of that minibatch's
+    microbatches (and their updates) in their order, so the sum of their
+    makespans is the time the same updates take when each minibatch drains
+    the pipeline before the next starts: the throughput the order gains by not
+    flushing is that sum over its own makespan.
+
+    Args:
+        program: a program of one pipeline with updates (``plan`` is its plan).
+        plan: its version plan.
+    Returns:
+        one program per update of the last stage, in order.
+    """
+    last = program.pipelines[0][-1]
+    out = []
+    for update in plan.updates.get(last, ()):
+        members = frozenset(update.applies)
+        rows = [[a for a in row if a.is_compute and a[2] in members] for row in program.ranks]
+        out.append(dataclasses.replace(program, ranks=rows, communicators=list(program.communicators)))
+    return out
