@@ -41,4 +41,5 @@ def compute_program(spec: ScheduleSpec, costs: CostModel | None = None) -> Progr
         params=dict(spec.params),
         devices=spec.devices,
         source=spec.path,
+        weight_versions=spec.weight_versions,
     )

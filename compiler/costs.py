@@ -94,6 +94,7 @@ from typing import Any, Mapping, NamedTuple, Sequence, Union
 
 from pipec.compiler import ops as rules
 from pipec.compiler.guarded_read import COSTS, INT_LIMIT, INT_LIMIT_TEXT, plain_int, quote, read_json
+from pipec.compiler.guarded_read import json_type as _json_type
 from pipec.errors import CostFileError, PipecError, UsageError
 
 Number = Union[int, float]
@@ -338,7 +339,8 @@ class CostModel:
 
         An op the model does not price that the rule table prices like
         another (``ops.OpRule.priced_like``: FC and R like F) costs what that
-        one costs on the chunk.
+        one costs on the chunk; one that is free under unit costs (U, the
+        optimizer update inside an order) costs nothing.
 
         Raises:
             KeyError: for an op the model does not price.
@@ -350,6 +352,8 @@ class CostModel:
         if cost is None:
             like = PRICED_LIKE.get(op)
             if like is None:
+                if UNIT_COMPUTE.get(op) == 0:
+                    return 0
                 raise KeyError((None, op))
             return self.compute(like, chunk)
         return cost
@@ -424,12 +428,13 @@ class FieldReader:
             raise self.fail(key, "expected at least one entry, got an empty array")
         return value
 
-    def integer(self, value: Any, key: str, low: int = 0) -> int:
-        """``value`` as a JSON integer of at least ``low``."""
+    def integer(self, value: Any, key: str, low: int = 0, high: int | None = None) -> int:
+        """``value`` as a JSON integer in ``low .. high`` (no ``high``: at least ``low``)."""
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(key, f"expected an integer, got {_json_type(value)}")
-        if value < low:
-            raise self.fail(key, f"expected an integer of at least {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            bounds = f"at least {low}" if high is None else f"in {low} .. {high}"
+            raise self.fail(key, f"expected an integer {bounds}, got {value}")
         return value
 
     def name(self, value: Any, key: str) -> str:
@@ -670,14 +675,3 @@ def rolled_up(data: Mapping[str, Any], ranges: Sequence[tuple[int, int]], path: 
 
 def _join(key: str, name: str) -> str:
     return f"{key}.{name}" if key != "top level" else name
-
-
-def _json_type(value: Any) -> str:
-    """The JSON name of a value's type, for messages."""
-    names = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
-    for python_type, name in names:
-        if isinstance(value, python_type):
-            if python_type is str:
-                return f"the string {quote(value)}"
-            return name
-    return "null"

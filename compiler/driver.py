@@ -26,7 +26,7 @@ from pipec.compiler.lower_comms import insert_communication
 from pipec.compiler.lower_rings import lower_rings
 from pipec.compiler.lower_weights import insert_weight_exchanges
 from pipec.compiler.memory_counts import Number, check_sizes
-from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS, RING_COMPUTE_OPS, RULES
+from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS, RING_COMPUTE_OPS, RULES, UPDATE_OPS
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
 from pipec.dsl.spec import TaskKinds
 from pipec.errors import UsageError
@@ -138,7 +138,7 @@ def task_kinds(family: str = ACTIVATION_PASSING) -> TaskKinds:
     ring_forward = tuple(op for op in RING_COMPUTE_OPS if not made & set(RULES[op].reads))
     ring_backward = tuple(op for op in RING_COMPUTE_OPS if op not in ring_forward)
     return TaskKinds(tuple(op for op in COMPUTE_OPS if op in in_family), tuple(always), backward, tuple(optional),
-                     ring_forward, ring_backward, recompute)
+                     ring_forward, ring_backward, recompute, tuple(op for op in UPDATE_OPS if op in in_family))
 
 
 def resolve_target(target: str) -> ResolvedSchedule:

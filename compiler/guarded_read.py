@@ -21,6 +21,8 @@ through these functions, so each guard is written once:
   ``³`` and spaces; this does not).
 * ``quote``: a value read from a file, as an error message may show it:
   repr-escaped (no raw control character reaches a terminal), shortened.
+* ``json_type``: what kind of JSON value a file holds where another was
+  expected, as a message names it (``an array``, ``the string 'x'``).
 * argparse ``type=`` functions for numeric options: ``count_arg``,
   ``positive_count_arg``, ``seconds_arg``.
 * ``read_program``: a compiled program JSON (``pipec compile --format json``),
@@ -121,6 +123,17 @@ class _Refused(Exception):
 
 
 # ----------------------------------------------------------------- quoting
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages: ``an integer``, ``an array``, ``the string 'x'`` (quoted)."""
+    names = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"), (dict, "an object"))
+    for python_type, name in names:
+        if isinstance(value, python_type):
+            if python_type is str:
+                return f"the string {quote(value)}"
+            return name
+    return "null"
 
 
 def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
@@ -625,7 +638,7 @@ def read_program(path: str, error: type[PipecError] = UsageError):
 
 __all__ = [
     "CHECKPOINT", "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PARTITION", "PROGRAM", "SOURCE", "TEXT", "TOKENS",
-    "TOKEN_DTYPES", "TORCH_CSV", "TRACE", "count_arg", "looks_like_program", "map_tokens", "parse_json_text",
+    "TOKEN_DTYPES", "TORCH_CSV", "TRACE", "count_arg", "json_type", "looks_like_program", "map_tokens", "parse_json_text",
     "plain_int", "positive_count_arg", "positive_decimal_arg", "quote", "read_bytes", "read_json", "read_program",
     "read_text", "regular_file_size", "seconds_arg", "shown_path", "stream_text_bytes",
 ]

@@ -359,6 +359,10 @@ class Program:
             they move; None for activation passing.
         rings: for a sequence-ring program, how the sequence is cut and KV
             moves; None otherwise.
+        weight_versions: with optimizer updates in the order (asynchronous
+            training, ``compiler/versions.py``), the most versions of a
+            stage's weights it may keep at once: 1 keeps only the newest (no
+            stashing), None as many as the order needs (``stash weights``).
     """
 
     name: str
@@ -374,6 +378,7 @@ class Program:
     communicators: list[Communicator] = field(default_factory=list)
     weights: WeightPlan | None = None
     rings: RingPlan | None = None
+    weight_versions: int | None = 1
 
     def __post_init__(self) -> None:
         if not self.communicators:

@@ -195,6 +195,11 @@ class OpRule(NamedTuple):
             forward a forward's (FC: F).
         optional: for a compute, whether it may be left out (at most once per
             (stage, microbatch)) rather than being part of the family's task sets.
+        updates: for a compute, whether it is an optimizer update of its
+            stage's weights: it applies every weight gradient the stage's
+            backwards made since its previous update, and starts a new weight
+            version (``compiler/versions.py``); a program with one runs no
+            optimizer step at the end of the list.
         doc: one line for people.
     """
 
@@ -214,6 +219,7 @@ class OpRule(NamedTuple):
     unit_cost: int | None = None
     priced_like: str = ""
     optional: bool = False
+    updates: bool = False
     doc: str = ""
 
 
@@ -229,6 +235,7 @@ WORLD = "every rank"
 # Op names (the text form's tokens, torch's where torch has them).
 F, B, I, W = "F", "B", "I", "W"
 FC, R = "FC", "R"
+U = "U"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 BATCH = "BATCH"
 FREE_F = "FREE_F"
@@ -274,6 +281,15 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
     OpRule(R, COMPUTE, _AP, reads=(Use("kept"), Use("weight")), writes=(Use("saved"),), ends=("kept",),
            trace="compute", unit_cost=1, priced_like=F,
            doc="recompute the forward of (stage, mb) from its kept input: what F would have saved"),
+    # -- asynchronous training (PipeDream): U(s, m) steps stage s's optimizer
+    # after the backward of microbatch m, applying every weight gradient the
+    # stage made since its previous update; the forwards after it run on the
+    # new weight version, the backwards of microbatches already in flight on
+    # the version their forward used (``stash weights``). It reads the weight
+    # gradient the backward of (s, m) made, so it runs after it; torch's CSV
+    # has no update action.
+    OpRule(U, COMPUTE, _AP, reads=(Use("wgrad"),), trace="compute", unit_cost=0, optional=True, updates=True,
+           doc="optimizer update of the stage's weights after the backward of (stage, mb)"),
     # -- point to point. On a send the stage is the producer's, on a receive the consumer's.
     OpRule(SEND_F, SEND, _AP, carries=Use("act"), fields=_PEER_FIELDS, torch=_COMM_CSV,
            doc="send the activation forward"),
@@ -475,6 +491,9 @@ CHECKPOINTS: dict[str, tuple[str, str]] = {
     for checkpointed in task_set.alternatives[1:]
 }
 
+# The optimizer updates (PipeDream's asynchronous training): U.
+UPDATE_OPS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if RULES[op].updates)
+
 # The simulator's unit costs (compute op -> time).
 UNIT_COSTS: dict[str, int] = {op: RULES[op].unit_cost for op in COMPUTE_OPS}
 
@@ -658,6 +677,7 @@ def _check_table() -> None:
         assert (rule.unit_cost is not None) == (rule.category == COMPUTE), op
         assert not rule.priced_like or RULES[rule.priced_like].category == COMPUTE == rule.category, op
         assert not rule.torch_token or rule.torch[0] == KEEP, op
+        assert not rule.updates or (rule.category == COMPUTE and rule.optional), op
     for kind, direction in HANDOFFS:
         assert kind in COMM_OP_OF_KIND, kind
 

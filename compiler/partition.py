@@ -1,5 +1,6 @@
 """PipeDream's partitioner: cut a model's layers into pipeline stages, replicating the slow ones, so that
-the slowest stage is as fast as it can be; and the partition file that records the cut.
+the slowest stage is as fast as it can be; and the partition file that records the cut, which
+``pipec run --partition FILE`` cuts a model given by its layers by (``runtime/layered.py``).
 
 What it reads, per layer l (a cost file's ``layers``, ``costs.LayerCost``): its compute time
 T_l = F + B, the bytes a_l of its output for one microbatch and w_l of its parameters; from the
@@ -57,6 +58,22 @@ time, the fewest-stages-earliest-cuts partition among those that reach it, and, 
 partition fits the memory limit, the least memory that would. A memory limit adds the
 first stage's downstream in-flight count r_k i_k to the state (it decides i of the stage
 before), at most 2P values, so the moves grow by that factor.
+
+The partition file (``partition_to_json``; ``load_partition`` is the one reader of it), version 1:
+
+    {"format": "pipec partition", "version": 1, "layers": L, "ranks": P,
+     "names": [L layer names],
+     "stages": [{"layers": [first, stop], "replicas": r, "ranks": [r ranks],
+                 "time": t, "memory": bytes}, ...],
+     "time_per_microbatch": T}
+
+Stages are in pipeline order; stage s holds layers ``first .. stop - 1`` (``stop`` exclusive),
+and together the stages hold every layer once, in order. A stage runs on its ``replicas``
+ranks, the next ones after the stage before's, and the replicas add up to P. ``time``,
+``memory`` and ``time_per_microbatch`` (the slowest stage's time) are the partitioner's
+predictions, and ``names`` its labels: checked and kept, not used to cut. The file is read
+through the one guarded reader (``guarded_read.read_json``, ``PARTITION``'s limit), and every
+mistake is an error that names the file and the key (``part.json: stages[2].layers: ...``).
 """
 from __future__ import annotations
 
@@ -64,8 +81,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
 from pipec.compiler.costs import CostModel, FieldReader, LayerCost, Number, exact_ratio, ring_allreduce_time
-from pipec.compiler.guarded_read import PARTITION, read_json
-from pipec.errors import PartitionFileError, UsageError
+from pipec.compiler.guarded_read import PARTITION, json_type, quote, read_json
+from pipec.errors import UsageError
 
 # The partition file: {"format": FORMAT, "version": VERSION, ...} (``partition_to_json``).
 FORMAT = "pipec partition"
@@ -83,7 +100,7 @@ MAX_MOVES = 10_000_000
 
 
 @dataclass(frozen=True)
-class Stage:
+class PartitionStage:
     """One stage of a partition.
 
     Attributes:
@@ -118,12 +135,12 @@ class Partition:
     layers: int
     ranks: int
     names: tuple[str, ...]
-    stages: tuple[Stage, ...]
+    stages: tuple[PartitionStage, ...]
     time_per_microbatch: Number
 
     @property
-    def ranges(self) -> tuple[tuple[int, int], ...]:
-        """Stage (chunk) -> its layers (first, stop), as ``costs.roll_up`` takes them."""
+    def cut(self) -> tuple[tuple[int, int], ...]:
+        """Per stage (chunk), its layers as (first, stop): what ``costs.roll_up`` and ``runtime/layered.py`` take."""
         return tuple((stage.first, stage.stop) for stage in self.stages)
 
     @property
@@ -275,7 +292,7 @@ class _Search:
             time = stage_time(sum(layer.time for layer in span), parameters, boundary, replicas,
                               rank + replicas - 1, self.costs)
             memory = stage_memory(parameters, sum(layer.activation for layer in span), keep)
-            stages.append(Stage(first, stop, replicas, tuple(range(rank, rank + replicas)), time, memory))
+            stages.append(PartitionStage(first, stop, replicas, tuple(range(rank, rank + replicas)), time, memory))
             first, rank = stop, rank + replicas
         return Partition(len(layers), self.ranks, names, tuple(stages), max(stage.time for stage in stages))
 
@@ -356,50 +373,37 @@ def partition_from_json(data: Any, path: str = "<partition>") -> Partition:
     Returns:
         the ``Partition``.
     Raises:
-        PartitionFileError: ``FILE: KEY: problem`` for an unknown or missing key, another
-            format or version, a value of the wrong type or range, names that are not one
-            per layer, stages that are not consecutive or do not cover the layers, ranks
-            that are not the next ``replicas`` ones, replicas that do not add up to the
-            ranks, or a time per microbatch that is not the slowest stage's.
+        UsageError: ``FILE: KEY: problem`` for an unknown or missing key, another format or
+            version, a value of the wrong type or range, names that are not one per layer,
+            stages that are not consecutive or do not cover the layers, ranks that are not
+            the next ``replicas`` ones, replicas that do not add up to the ranks, or a time per
+            microbatch that is not the slowest stage's.
     """
-    reader = FieldReader(path, PartitionFileError)
+    reader = FieldReader(path, UsageError)
     top = reader.fields(data, "top level", _FILE_KEYS)
     if top["format"] != FORMAT:
-        raise reader.fail("format", f'expected "{FORMAT}" (a file `pipec partition -o` writes)')
-    if reader.integer(top["version"], "version") != VERSION:
-        raise reader.fail("version", f"version {top['version']} is not one this pipec reads ({VERSION})")
+        raise reader.fail("format", f"expected {quote(FORMAT)} (a file `pipec partition -o` writes), "
+                                    f"got {json_type(top['format'])}")
+    version = reader.integer(top["version"], "version", low=1)
+    if version != VERSION:
+        raise reader.fail("version", f"this pipec reads version {VERSION}, got {version}")
     layer_count = reader.integer(top["layers"], "layers", low=1)
     rank_count = reader.integer(top["ranks"], "ranks", low=1)
-    names = tuple(reader.name(name, f"names[{index}]") for index, name in enumerate(reader.array(top["names"], "names")))
+    names = reader.array(top["names"], "names")
     if len(names) != layer_count:
-        raise reader.fail("names", f"{len(names)} names for {layer_count} layers")
+        raise reader.fail("names", f"expected one name per layer, {layer_count}, got {len(names)}")
+    names = tuple(reader.name(name, f"names[{index}]") for index, name in enumerate(names))
     stages, layer, rank = [], 0, 0
     for index, entry in enumerate(reader.array(top["stages"], "stages")):
-        key = f"stages[{index}]"
-        given = reader.fields(entry, key, _STAGE_KEYS)
-        bounds = given["layers"]
-        if not isinstance(bounds, list) or len(bounds) != 2:
-            raise reader.fail(f"{key}.layers", "expected [first, stop], two layer indices")
-        first = reader.integer(bounds[0], f"{key}.layers[0]")
-        stop = reader.integer(bounds[1], f"{key}.layers[1]")
-        if first != layer or not first < stop <= layer_count:
-            raise reader.fail(f"{key}.layers", f"[{first}, {stop}] does not go on from layer {layer}: stages hold "
-                                               f"consecutive layers, at least one each, within 0 .. {layer_count}")
-        replicas = reader.integer(given["replicas"], f"{key}.replicas", low=1)
-        expected = list(range(rank, rank + replicas))
-        ranks = [reader.integer(value, f"{key}.ranks[{at}]") for at, value in enumerate(reader.array(given["ranks"],
-                                                                                                    f"{key}.ranks"))]
-        if ranks != expected:
-            raise reader.fail(f"{key}.ranks", f"expected the next {replicas} ranks, {expected}, got {ranks}: a stage's "
-                                              "replicas run on consecutive ranks, in stage order")
-        time = reader.number(given["time"], f"{key}.time")
-        memory = reader.number(given["memory"], f"{key}.memory")
-        stages.append(Stage(first, stop, replicas, tuple(expected), time, memory))
-        layer, rank = stop, rank + replicas
+        stages.append(_stage(reader, entry, f"stages[{index}]", layer, rank, layer_count, rank_count))
+        layer, rank = stages[-1].stop, rank + stages[-1].replicas
     if layer != layer_count:
-        raise reader.fail("stages", f"the stages hold layers 0 .. {layer - 1}, and there are {layer_count}")
+        raise reader.fail(f"stages[{len(stages) - 1}].layers",
+                          f"the last stage stops at layer {layer}, but the model has {layer_count} layers: the stages "
+                          "must hold every layer")
     if rank != rank_count:
-        raise reader.fail("stages", f"the stages' replicas add up to {rank} ranks, and there are {rank_count}")
+        raise reader.fail("stages", f"the stages' replicas add up to {rank} ranks, and the partition is for "
+                                    f"{rank_count}: every rank holds a stage")
     time_per_microbatch = reader.number(top["time_per_microbatch"], "time_per_microbatch")
     slowest = max(stage.time for stage in stages)
     if time_per_microbatch != slowest:
@@ -407,17 +411,47 @@ def partition_from_json(data: Any, path: str = "<partition>") -> Partition:
     return Partition(layer_count, rank_count, names, tuple(stages), time_per_microbatch)
 
 
+def _stage(reader: FieldReader, value: Any, key: str, first: int, rank: int, layer_count: int,
+           rank_count: int) -> PartitionStage:
+    """Stage ``key`` of a partition file, which must start at layer ``first`` and rank ``rank``."""
+    given = reader.fields(value, key, _STAGE_KEYS)
+    bounds = reader.array(given["layers"], f"{key}.layers")
+    if len(bounds) != 2:
+        raise reader.fail(f"{key}.layers", f"expected [first, stop], got {len(bounds)} values")
+    start = reader.integer(bounds[0], f"{key}.layers[0]")
+    stop = reader.integer(bounds[1], f"{key}.layers[1]")
+    if start != first:
+        where = "the first stage must start at layer 0" if first == 0 else \
+            f"the stage before stops at layer {first}, so this one must start there"
+        raise reader.fail(f"{key}.layers", f"starts at layer {start}, but {where} (stages hold consecutive "
+                                           "layers, in pipeline order)")
+    if not start < stop <= layer_count:
+        raise reader.fail(f"{key}.layers", f"expected [first, stop] with {start} < stop <= {layer_count} (stop is "
+                                           f"exclusive; a stage holds at least one layer), got [{start}, {stop}]")
+    replicas = reader.integer(given["replicas"], f"{key}.replicas", low=1, high=rank_count)
+    held = [reader.integer(on, f"{key}.ranks[{at}]", high=rank_count - 1)
+            for at, on in enumerate(reader.array(given["ranks"], f"{key}.ranks"))]
+    if len(held) != replicas:
+        raise reader.fail(f"{key}.ranks", f"expected one rank per replica, {replicas}, got {len(held)}: {held}")
+    expected = list(range(rank, rank + replicas))
+    if held != expected:
+        raise reader.fail(f"{key}.ranks", f"expected the next {replicas} ranks, {expected}, got {held}: the stages "
+                                          "run on consecutive ranks, in pipeline order")
+    return PartitionStage(start, stop, replicas, tuple(held), reader.number(given["time"], f"{key}.time"),
+                          reader.number(given["memory"], f"{key}.memory"))
+
+
 def load_partition(path: str) -> Partition:
     """Read and check a partition file (``pipec partition -o``): the one reader of the format.
 
     Raises:
-        PartitionFileError: not a regular file, over ``guarded_read.PARTITION``'s limit, not
-            JSON, or any mistake ``partition_from_json`` names.
+        UsageError: not a regular file, over ``guarded_read.PARTITION``'s limit, not JSON, or
+            any mistake ``partition_from_json`` names.
     """
-    return partition_from_json(read_json(path, PARTITION, PartitionFileError), path)
+    return partition_from_json(read_json(path, PARTITION), path)
 
 
 __all__ = [
-    "FORMAT", "MAX_MOVES", "Partition", "Stage", "VERSION", "WEIGHT_COPIES", "in_flight", "load_partition",
+    "FORMAT", "MAX_MOVES", "Partition", "PartitionStage", "VERSION", "WEIGHT_COPIES", "in_flight", "load_partition",
     "partition", "partition_from_json", "partition_to_json", "stage_memory", "stage_time",
 ]

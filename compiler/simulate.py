@@ -152,7 +152,7 @@ class SimResult:
         per value kind and link class (``compiler.traffic``); "links", when transfers took time, how long
         anything moved and the mean share of directed links busy meanwhile (``Network.usage``)."""
         out = {
-            "makespan": _plain(self.makespan),
+            "makespan": plain_number(self.makespan),
             "bubble_ratio": float(self.bubble_ratio),
             "ranks": [_rank_json(rank) for rank in self.ranks],
         }
@@ -164,10 +164,10 @@ class SimResult:
 
 
 def _rank_json(rank: RankStats) -> dict:
-    out = {"busy": _plain(rank.busy), "idle": _plain(rank.idle), "peak_activations": int(rank.peak_activations),
+    out = {"busy": plain_number(rank.busy), "idle": plain_number(rank.idle), "peak_activations": int(rank.peak_activations),
            "peak_waiting_w": int(rank.peak_waiting_w)}
     if rank.peak_bytes is not None:
-        out["peak_bytes"] = {size_class: _plain(size) for size_class, size in rank.peak_bytes.items()}
+        out["peak_bytes"] = {size_class: plain_number(size) for size_class, size in rank.peak_bytes.items()}
     if rank.peak_weight_buffers is not None:
         out["peak_weight_buffers"] = rank.peak_weight_buffers
     if rank.peak_kept_inputs is not None:
@@ -175,7 +175,8 @@ def _rank_json(rank: RankStats) -> dict:
     return out
 
 
-def _plain(value: Number) -> Number:
+def plain_number(value: Number) -> Number:
+    """A time for JSON: an int as it is, anything else (a Fraction) as a float."""
     return value if isinstance(value, int) else float(value)
 
 
@@ -674,7 +675,7 @@ class _Simulation:
         size = sizes.get(ops.VALUE_KINDS[kind].size_class, 0)
         plan = self.program.rings
         if plan is not None and ops.VALUE_KINDS[kind].size_class == ops.SIZE_KV and 0 <= part.stage < plan.num_ranks:
-            return _plain(size * plan.bundle_share(part.stage))
+            return plain_number(size * plan.bundle_share(part.stage))
         return size
 
     def post_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number:

@@ -224,6 +224,14 @@ class Recompute(Node):
 
 
 @dataclass(frozen=True)
+class Stash(Node):
+    """``stash weights [<= K]``: each stage keeps the weight version its forwards ran on for their
+    backwards, at most ``K`` versions at once (None: as many as the order needs)."""
+
+    bound: Expr | None
+
+
+@dataclass(frozen=True)
 class Home(Node):
     """``home microbatch m on rank E``: one pipeline per rank, all local, microbatch m on E."""
 
@@ -383,7 +391,7 @@ class SortedOrder(Node):
 
 
 Decl = (
-    Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | Recompute | ExplicitOrder
+    Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | Recompute | Stash | ExplicitOrder
     | GreedyOrder
     | SortedOrder | Home | Own | Group | Weights | Gradients | WeightCount | Sequence | Hold | Mask | Rings | Pieces
     | RingMode

@@ -496,6 +496,9 @@ class _ToAst(Transformer_NonRecursive):
         var, when = children
         return ast.Recompute(self._span(meta), str(var), _span_of(self.path, var), when)
 
+    def stash(self, meta, children):
+        return ast.Stash(self._span(meta), children[0])
+
     def home(self, meta, children):
         var, rank = children
         return ast.Home(self._span(meta), str(var), _span_of(self.path, var), rank)

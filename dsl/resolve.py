@@ -77,6 +77,9 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
             resolver.error("`recompute stage` belongs to activation passing: a sequence ring keeps no stage "
                            "activations to recompute (its attention backward recomputes each block from the "
                            "(out, lse) its forward kept)", node.span)
+        if out.stash is not None:
+            resolver.error("`stash weights` belongs to activation passing: a sequence ring has no weights that an "
+                           "update could change under a microbatch in flight", out.stash[0].span)
         written = [d for d in orders if isinstance(d, ast.ExplicitOrder)]
         for extra in written[1:]:
             resolver.error(f"a schedule has one order; another is at line {written[0].span.line}", extra.span)
@@ -92,6 +95,9 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
             resolver.error("`recompute stage` belongs to activation passing: weight passing already recomputes "
                            "every layer (its F keeps only the layer's input, its B runs the forward again)",
                            node.span)
+        if out.stash is not None:
+            resolver.error("`stash weights` belongs to activation passing: under weight passing each layer's owner "
+                           "steps its optimizer after the list", out.stash[0].span)
     if not out.places and out.weight_decls.home is None:
         resolver.error("a schedule needs at least one `place stage s on rank EXPR`", schedule.span)
     if not orders:
@@ -149,6 +155,11 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
             resolver.error(f"`{word}` is already declared at line {single.node.span.line}", decl.span)
         single.node = decl
         single.fn = resolver.expect(decl.count, scope, INT, f"the number of {word}")
+    elif isinstance(decl, ast.Stash):
+        if out.stash is not None:
+            resolver.error(f"`stash weights` is already declared at line {out.stash[0].span.line}", decl.span)
+        bound = None if decl.bound is None else resolver.expect(decl.bound, scope, INT, "the most weight versions")
+        out.stash = (decl, bound)
     elif isinstance(decl, ast.Route):
         if out.route is not None:
             resolver.error(f"`route` is already declared at line {out.route[0].span.line}", decl.span)
@@ -308,6 +319,11 @@ def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
     if stmt.kind in tasks.recomputes and out.weight_decls.passing:
         out.resolver.error(f"{stmt.kind}(...) recomputes a stage's forward, and weight passing needs none: its B "
                            "already runs the layer's forward again from the input its F kept", stmt.span)
+        return
+    if stmt.kind in tasks.updates and out.weight_decls.passing:
+        out.resolver.error(f"{stmt.kind}(...) updates a stage's weights inside the order, and under weight passing "
+                           "each layer's owner steps its optimizer after the list: asynchronous updates belong to "
+                           "activation passing", stmt.span)
         return
     if stmt.kind in tasks.recomputes and not out.recomputing:
         out.resolver.error(f"{stmt.kind}(...) runs a recomputed stage's forward again, and this schedule "

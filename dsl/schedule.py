@@ -88,6 +88,8 @@ class ResolvedSchedule:
     scalar_steps: list[tuple[ast.Node, int | None, Fn]] = field(default_factory=list)
     stages: _Single = field(default_factory=_Single)
     pipelines: _Single = field(default_factory=_Single)
+    # `stash weights [<= K]`: its node, and K's closure (None: no bound)
+    stash: tuple[ast.Stash, Fn | None] | None = None
     route: tuple[ast.Route, int, Fn] | None = None
     places: list[tuple[ast.Place, int, int | None, Fn, Fn | None]] = field(default_factory=list)
     device_map: tuple[ast.DeviceMap, int, Fn] | None = None
@@ -202,6 +204,7 @@ class ResolvedSchedule:
             split_backward=self.split_backward,
             tasks=self.tasks,
             recomputed=recomputed,
+            weight_versions=self._weight_versions(env),
         )
         if self.weight_decls.weights is not None:  # before the order: its steps are recorded for it
             spec.weights = weight_spec(self.weight_decls, env, P, S, self.resolver, self.budget)
@@ -312,6 +315,14 @@ class ResolvedSchedule:
         if value < 1:
             raise EvalError(f"{what} must be at least 1, got {value}", node.span, self.source)
         return value
+
+    def _weight_versions(self, env: list) -> int | None:
+        """The most versions of a stage's weights the schedule keeps: 1 without ``stash weights``, None for
+        ``stash weights`` without a bound."""
+        if self.stash is None:
+            return 1
+        node, bound = self.stash
+        return None if bound is None else self._positive(bound(env), "the most weight versions", node)
 
     def _recomputed(self, env: list, S: int) -> frozenset[int]:
         """The stage positions some ``recompute stage s [when C]`` names (every one without ``when``)."""

@@ -39,6 +39,8 @@ class TaskKinds:
             each is one block, ``KIND(q, kv[, piece])``, and a ring's order
             writes only these, forward ones at its forward steps, backward
             ones at its backward steps.
+        updates: the optional kinds that update a stage's weights inside the
+            order (``U``): activation passing only.
     """
 
     kinds: tuple[str, ...]
@@ -48,6 +50,7 @@ class TaskKinds:
     ring_forward: tuple[str, ...] = ()
     ring_backward: tuple[str, ...] = ()
     recompute: dict[str, tuple[str, str]] = field(default_factory=dict)
+    updates: tuple[str, ...] = ()
 
     @property
     def ring(self) -> tuple[str, ...]:
@@ -216,6 +219,9 @@ class ScheduleSpec:
             that ``recompute stage s`` names: their forward keeps only its
             input (``order`` holds what it becomes, ``tasks.recompute``) and
             runs again before their backward.
+        weight_versions: the most versions of a stage's weights the schedule
+            keeps for its backwards (``stash weights <= K``: K; ``stash
+            weights``: None, as many as the order needs; without: 1).
     """
 
     name: str
@@ -239,6 +245,7 @@ class ScheduleSpec:
     task_steps: list[list[int]] | None = None
     rings: RingSpec | None = None
     recomputed: frozenset[int] = frozenset()
+    weight_versions: int | None = 1
 
     def stage_id(self, pipeline: int, position: int) -> int:
         return pipeline * self.num_stages + position

@@ -240,12 +240,14 @@ class CoverageError(ProgramError):
     query's forward is complete."""
 
 
+class VersionError(ProgramError):
+    """Asynchronous training (optimizer updates in the order): a backward that would run on newer
+    weights than its forward because its stage keeps too few versions, an update of a replicated
+    stage, or a weight gradient that no update applies."""
+
+
 class CostFileError(PipecError):
     """A cost file that cannot be used."""
-
-
-class PartitionFileError(PipecError):
-    """A partition file (``pipec partition -o``) that cannot be used."""
 
 
 class ImportError_(ProgramError):

@@ -24,8 +24,8 @@ from pipec.errors import printable
 # for the same training; ``pipec run`` reports that line once, as it does a fault message.
 MISMATCH_PREFIX = "the ranks were not started for the same training: "
 # What every node must be started with alike, for the line's advice.
-_SAME = ("TARGET, -D, --costs, --steps, --seed, --model, --config, --backend, --dtype, --clip-grad-norm, --save, "
-         "--save-every, --trace, --resume (the same checkpoint) and pipec version")
+_SAME = ("TARGET, -D, --costs, --steps, --seed, --model, --config, --partition (the same cut), --backend, --dtype, "
+         "--clip-grad-norm, --save, --save-every, --trace, --resume (the same checkpoint) and pipec version")
 
 
 def check_same_training(args, plan, world: int) -> None:
@@ -72,10 +72,12 @@ def what_runs(args, plan) -> dict[str, str]:
         after ``--config``), ``backend``, and whether ``--save`` and
         ``--trace`` were given (every rank takes part in writing them; only
         rank 0 writes, so their paths need not agree); ``dtype``,
-        ``--clip-grad-norm``, ``--save-every``, and the step a ``--resume``
-        goes on from.
+        ``--clip-grad-norm``, ``--save-every``, the step a ``--resume``
+        goes on from, and the cut a ``--partition`` file gave the model's
+        layers (its path may differ from node to node).
     """
     from pipec import __version__
+    from pipec.runtime.layered import partition_cut
 
     program = plan.program
     params = "".join(f" {name}={value_text(value)}" for name, value in program.params.items())
@@ -96,7 +98,13 @@ def what_runs(args, plan) -> dict[str, str]:
         "--save-every": str(getattr(args, "save_every", None)),
         # the checkpoint's path may differ from node to node; the step it goes on from may not
         "--resume": f"from step {plan.checkpoint.step}" if plan.checkpoint is not None else "not given",
+        "--partition": _cut_text(partition_cut(plan.spec)),
     }
+
+
+def _cut_text(cut) -> str:
+    """A partition's cut as the ranks compare it: ``layers 0-1, 1-3, ...`` (stop exclusive), or ``not given``."""
+    return "layers " + ", ".join(f"{first}-{stop}" for first, stop in cut) if cut else "not given"
 
 
 def program_digest(program) -> str:

@@ -67,7 +67,9 @@ from pipec.compiler.ir import (
     stage_tables,
 )
 from pipec.errors import ProgramError, RuntimeFault
+from pipec.compiler.versions import version_plan
 from pipec.runtime import clipping, comm, payload, rings, split_backward, weights
+from pipec.runtime.stash import WeightStash
 from pipec.runtime.flat import bind_flat_grads
 from pipec.runtime.precision import FP32, Precision
 
@@ -116,6 +118,9 @@ class RankContext:
         clip_grad_norm: clip the gradients by their global norm over every
             rank to this before each optimizer step (``runtime/clipping.py``); None: no clipping.
         grad_norm: under clipping, the global gradient norm of the last step (before clipping).
+        stash: for a program with optimizer updates in its order (asynchronous
+            training), its weight versions and updates (``runtime/stash.py``);
+            None otherwise, when the optimizer steps once after the list.
     """
 
     program: Program
@@ -142,6 +147,7 @@ class RankContext:
     weights: weights.WeightContext | None = None
     clip_grad_norm: float | None = None
     grad_norm: float | None = None
+    stash: WeightStash | None = None
 
     def wire_of(self, kind: int, producer: int) -> payload.Wire | None:
         """The wire of the value (kind, producer stage, ·): an activation leaves its producer's chunk, a
@@ -246,7 +252,16 @@ def make_context(
         producer={op: tables.neighbour(rule.where) for op, rule in PART_RULES.items()},
         weights=weight_context,
         clip_grad_norm=clip_grad_norm,
+        stash=_stash(program, stages),
     )
+
+
+def _stash(program: Program, stages: dict[int, nn.Module]) -> WeightStash | None:
+    """The weight versions of a program with updates in its order; None for any other program."""
+    if program.weights is not None or program.rings is not None:
+        return None
+    plan = version_plan(program)
+    return None if plan is None else WeightStash(program, plan, stages)
 
 
 def _wires(program: Program, layouts, device: torch.device, precision: Precision) -> dict[int, payload.Wire]:
@@ -396,10 +411,12 @@ def _run_forward(step: _Step, stage: int, mb: int, index: int, value) -> tuple[l
     leaves = []
     if prev >= 0:
         value, leaves = payload.input_leaves(ctx.wire_of(ACT, prev).layout, value)
+    module = ctx.stages[stage] if ctx.stash is None else ctx.stash.module_for(stage, mb)
     with ctx.precision.autocast(ctx.device):
-        out = payload.call(ctx.stages[stage], value)
+        out = payload.call(module, value)
         if ctx.next[stage] < 0:
-            return leaves, ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
+            loss = ctx.loss_fn(out, step.targets[mb])
+            return leaves, loss / step.num_microbatches if ctx.stash is None else loss * ctx.stash.loss_scales[mb]
     wire = ctx.wire_of(ACT, stage)
     problem = payload.mismatch(wire.layout, out)
     if problem is not None:
@@ -412,6 +429,8 @@ def _run_forward(step: _Step, stage: int, mb: int, index: int, value) -> tuple[l
 def _keep_output(step: _Step, stage: int, mb: int, out) -> None:
     """File a forward's result: a loss adds to the step's, an output waits for its consumer or its SEND."""
     if step.ctx.next[stage] < 0:
+        if step.ctx.stash is not None:  # report the mean loss, as every program does
+            out = out / (step.ctx.stash.loss_scales[mb] * step.num_microbatches)
         step.loss = out.detach() if step.loss is None else step.loss + out.detach()
     else:
         step.produced[step.key(ACT, stage, mb)] = out
@@ -440,6 +459,8 @@ def _backward(step: _Step, action: Action, index: int) -> None:
     roots, grads = _backward_roots(step, stage, mb, out, index)
     if roots:
         torch.autograd.backward(roots, grads)
+    if step.ctx.stash is not None:
+        step.ctx.stash.backward_done(stage, mb)
     if step.ctx.prev[stage] >= 0:
         step.produced[step.key(GRAD, stage, mb)] = payload.leaf_grads(leaves)
 
@@ -449,13 +470,23 @@ def _input_grad(step: _Step, action: Action, index: int) -> None:
     slot = stage * step.num_microbatches + mb
     leaves, out = step.saved[slot]
     roots, grads = _backward_roots(step, stage, mb, out, index)
-    grad, step.weight_grads[slot] = split_backward.input_grad(roots, grads, leaves, step.ctx.stage_params[stage])
+    ctx = step.ctx
+    params = ctx.stage_params[stage] if ctx.stash is None else ctx.stash.params_for(stage, mb)
+    grad, step.weight_grads[slot] = split_backward.input_grad(roots, grads, leaves, params)
     if step.ctx.prev[stage] >= 0:  # a first stage has no input gradient: its W does all its backward
         step.produced[step.key(GRAD, stage, mb)] = grad
 
 
 def _weight_grad(step: _Step, action: Action, index: int) -> None:
     split_backward.weight_grad(step.weight_grads.pop(action[0] * step.num_microbatches + action[2]))
+    if step.ctx.stash is not None:
+        step.ctx.stash.backward_done(action[0], action[2])
+
+
+def _update(step: _Step, action: Action, index: int) -> None:
+    """U: the optimizer update of the stage's weights (asynchronous training, ``runtime/stash.py``)."""
+    ctx = step.ctx
+    ctx.stash.update(action[0], ctx.optimizer, ctx.flat_grads[ctx.program.stages[action[0]].position])
 
 
 def _free(step: _Step, action: Action, index: int) -> None:
@@ -599,6 +630,7 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     ALLREDUCE_WAIT: _allreduce_wait,
     ops.FC: _checkpointed_forward,
     ops.R: _recompute,
+    ops.U: _update,
     **weights.HANDLERS,
 }
 # Sequence rings run through ``runtime/rings.py``'s handlers: its blocks, exchanges and their parts.
@@ -637,6 +669,8 @@ def run_step(
     step = _Step(context, inputs, targets, program.num_microbatches)
     if context.weights is not None:
         step.weights = weights.WeightStep()
+    if context.stash is not None:
+        context.stash.start_step()
     for flat in context.flat_grads.values():
         flat.zero_()
     handlers = context.handlers
@@ -659,7 +693,7 @@ def run_step(
         everyone = tuple(r for r in range(program.num_ranks) if r != rank)
         context.grad_norm = clipping.clip_gradients(
             context, context.clip_grad_norm, step.site(end, "the step's gradient-norm all-reduce", everyone))
-    if context.optimizer is not None:
+    if context.optimizer is not None and context.stash is None:  # with updates in the list, U stepped it
         context.optimizer.step()
     if synchronize is not None:
         synchronize()

@@ -28,7 +28,9 @@ exactness tests need of them.)
 
 ``ModelSpec`` bundles the functions the runtime calls; ``LLAMA`` is this
 module's, and ``load_model_spec("package.module:attribute")`` loads a user's
-(see docs/runtime.md, "Your own model"). A spec feeds training from exactly
+(see docs/runtime.md, "Your own model"). A spec builds its chunks itself
+(``build_chunk`` and ``build_model``) or gives its layers in order
+(``layers``), which ``runtime/layered.py`` cuts. A spec feeds training from exactly
 one data source: ``synthetic_batch`` (this module's task), a ``microbatch``
 function or a ``dataset``; ``runtime/data.py`` draws every batch from it.
 """
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipec.errors import UsageError
+from pipec.runtime.layered import LayeredChunks, LayeredModel
 
 if TYPE_CHECKING:  # for annotations only: payload and precision are imported where they are used
     from pipec.runtime.payload import Layout
@@ -493,8 +496,12 @@ def _parameter_count(config: ModelConfig) -> int:
 
 # ----------------------------------------------------------- the model spec
 
+# How a spec builds its model: both of these, or ``layers`` (from which both are derived).
+_BUILDERS = ("build_chunk", "build_model")
 # The functions every model spec has.
-_SPEC_FUNCTIONS = ("build_chunk", "build_model", "loss_fn", "make_optimizer")
+_TRAINING_FUNCTIONS = ("loss_fn", "make_optimizer")
+_NEEDS_TEXT = ("build_chunk and build_model (or layers, from which pipec derives both), loss_fn and "
+               "make_optimizer")
 # Where a spec's training data come from: it has exactly one of these.
 DATA_SOURCES = ("synthetic_batch", "microbatch", "dataset")
 # Options of a dataset source only.
@@ -510,8 +517,13 @@ class ModelSpec:
     ``config`` is passed as the first argument of every function that takes
     one; the runtime never looks inside it. The first five fields keep their
     places (``ModelSpec(build_chunk, build_model, synthetic_batch, loss_fn,
-    make_optimizer, config=...)``); the four functions other than
-    ``synthetic_batch`` are required, and exactly one data source is.
+    make_optimizer, config=...)``). Required: ``loss_fn``,
+    ``make_optimizer``, exactly one data source, and either ``build_chunk``
+    and ``build_model`` or ``layers``. Given ``layers`` alone, the spec
+    derives the other two from it (``runtime.layered.LayeredChunks``, an
+    even cut, and ``LayeredModel``), and they are its fields from then on;
+    given all three, its own ``build_chunk`` and ``build_model`` run the
+    model, and ``layers`` is there for whoever needs the layers (the profiler).
 
     Attributes:
         build_chunk: (config, chunk, num_chunks, seed) -> nn.Module of that chunk.
@@ -539,10 +551,15 @@ class ModelSpec:
         sampler: optional, dataset only: (config, dataset, seed) -> a
             ``torch.utils.data.Sampler`` of indices; default the runtime's
             seeded shuffle per epoch (``runtime/data.py``).
+        layers: (config, seed) -> the model's layers in order, an
+            ``nn.Sequential`` or a sequence of ``nn.Module``, built on the CPU
+            with torch's global generator seeded with ``seed``
+            (``runtime/layered.py``).
     Raises:
-        UsageError: a required function missing or not callable, no data
-            source or more than one (naming them), a dataset option without a
-            dataset, or an optional function that is not callable.
+        UsageError: a required function missing or not callable (one of
+            build_chunk and build_model without the other, with or without
+            layers), no data source or more than one (naming them), a dataset
+            option without a dataset, or an optional function that is not callable.
     """
 
     build_chunk: Callable[..., nn.Module] | None = None
@@ -560,10 +577,15 @@ class ModelSpec:
     layers: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
-        missing = [name for name in _SPEC_FUNCTIONS if not callable(getattr(self, name))]
+        if self.layers is not None and not callable(self.layers):
+            raise UsageError(f"the model spec's layers is a {type(self.layers).__name__}, not a function")
+        if self.layers is not None and self.build_chunk is None and self.build_model is None:
+            # derived once, here: every caller of build_chunk and build_model finds them as for any spec
+            object.__setattr__(self, "build_chunk", LayeredChunks(self.layers))
+            object.__setattr__(self, "build_model", LayeredModel(self.layers))
+        missing = _missing_functions(lambda name: callable(getattr(self, name)))
         if missing:
-            raise UsageError(f"a model spec needs {', '.join(_SPEC_FUNCTIONS)}: missing or not callable: "
-                             f"{', '.join(missing)}")
+            raise UsageError(f"a model spec needs {_NEEDS_TEXT}: missing or not callable: {', '.join(missing)}")
         sources = [name for name in DATA_SOURCES if getattr(self, name) is not None]
         if not sources:
             raise UsageError(f"a model spec needs one data source, {_SOURCES_TEXT}, and this one has none "
@@ -582,6 +604,11 @@ class ModelSpec:
                              f"come from {sources[0]}")
 
     @property
+    def derives_chunks(self) -> bool:
+        """Whether pipec cuts this spec's ``layers`` into chunks (it gave no ``build_chunk`` of its own)."""
+        return isinstance(self.build_chunk, LayeredChunks)
+
+    @property
     def data_source(self) -> str:
         """The name of the spec's one data source: ``synthetic_batch``, ``microbatch`` or ``dataset``."""
         return next(name for name in DATA_SOURCES if getattr(self, name) is not None)
@@ -590,7 +617,27 @@ class ModelSpec:
         """One line for the demo: ``describe(config)``, or the functions' module."""
         if self.describe is not None:
             return self.describe(self.config)
-        return f"model from {getattr(self.build_chunk, '__module__', '?')}"
+        maker = self.layers if self.derives_chunks else self.build_chunk
+        return f"model from {getattr(maker, '__module__', '?')}"
+
+
+def _missing_functions(has: Callable[[str], bool]) -> list[str]:
+    """What a spec lacks of its required functions, as ``ModelSpec``'s and ``load_model_spec``'s messages say it.
+
+    Args:
+        has: name -> whether the spec has that function (callable).
+    Returns:
+        the missing ones in order: ``build_chunk and build_model (or layers)``
+        when it has neither nor ``layers``; one of the two with a word that
+        they come together; ``loss_fn``, ``make_optimizer``.
+    """
+    builders = [name for name in _BUILDERS if not has(name)]
+    missing = []
+    if len(builders) == len(_BUILDERS) and not has("layers"):
+        missing.append(" and ".join(_BUILDERS) + " (or layers)")
+    elif len(builders) == 1:
+        missing.append(f"{builders[0]} (a spec gives build_chunk and build_model together, or neither and layers)")
+    return missing + [name for name in _TRAINING_FUNCTIONS if not has(name)]
 
 
 LLAMA = ModelSpec(
@@ -614,8 +661,9 @@ def load_model_spec(text: str) -> ModelSpec:
 
     Args:
         text: ``package.module:attribute`` (an attribute holding a ``ModelSpec``, or
-            any object with the four functions and one data source, and
-            optionally ``config``, ``describe``, ``activation_shape`` and, with
+            any object with ``build_chunk`` and ``build_model`` or ``layers``
+            (or all three), ``loss_fn``, ``make_optimizer`` and one data source,
+            and optionally ``config``, ``describe``, ``activation_shape`` and, with
             a dataset, ``microbatch_rows`` and ``sampler``), or ``package.module``
             (the module itself has them).
     Returns:
@@ -639,21 +687,20 @@ def load_model_spec(text: str) -> ModelSpec:
         target = getattr(target, part)
     if isinstance(target, ModelSpec):
         return target
-    missing = [name for name in _SPEC_FUNCTIONS if not callable(getattr(target, name, None))]
     # only functions count: a module may hold other things under these names
-    found = {name: getattr(target, name) for name in (*DATA_SOURCES, *_OPTIONAL_FUNCTIONS)
+    found = {name: getattr(target, name) for name in (*_BUILDERS, "layers", *_TRAINING_FUNCTIONS, *DATA_SOURCES,
+                                                       *_OPTIONAL_FUNCTIONS)
              if callable(getattr(target, name, None))}
+    missing = _missing_functions(found.__contains__)
     if not any(name in found for name in DATA_SOURCES):
         missing.append(f"a data source ({_SOURCES_TEXT})")
     if missing:
         raise UsageError(
             f"--model {text}: not a model spec: missing or not callable: {', '.join(missing)} "
-            f"(a model spec has {', '.join(_SPEC_FUNCTIONS)} and one data source, {_SOURCES_TEXT}; "
-            f"see docs/runtime.md)"
+            f"(a model spec has {_NEEDS_TEXT} and one data source, {_SOURCES_TEXT}; see docs/runtime.md)"
         )
     try:
-        return ModelSpec(**{name: getattr(target, name) for name in _SPEC_FUNCTIONS},
-                         config=getattr(target, "config", None), **found)
+        return ModelSpec(config=getattr(target, "config", None), **found)
     except UsageError as error:
         raise UsageError(f"--model {text}: {error}") from None
 

@@ -1,9 +1,9 @@
 """Measure a model layer by layer: what ``pipec profile`` writes into a cost file's ``layers``.
 
-A model spec's optional ``layers(config, seed)`` gives the model's layers in order (an
-``nn.Sequential`` or a list of modules), each taking the previous one's output (a payload:
-``runtime/payload.py``), the first taking a microbatch's inputs and the last giving what
-``loss_fn`` takes. For each layer this measures, on one microbatch (microbatch 0 of step 0,
+A model spec's ``layers(config, seed)`` gives the model's layers in order (an
+``nn.Sequential`` or a list of modules, built as ``runtime/layered.py`` builds them for
+training), each taking the previous one's output (a payload: ``runtime/payload.py``), the
+first taking a microbatch's inputs and the last giving what ``loss_fn`` takes. For each layer this measures, on one microbatch (microbatch 0 of step 0,
 drawn from the spec's data source as training draws it: ``data.BatchSource``):
 
 * ``F``, ``B``: its forward and its backward alone, in milliseconds. Every layer runs on a
@@ -41,6 +41,7 @@ from pipec.compiler.costs import LAYER_KEYS
 from pipec.errors import UsageError
 from pipec.runtime import payload
 from pipec.runtime.data import BatchSource
+from pipec.runtime.layered import build_layers
 from pipec.runtime.model import ModelSpec, call_spec_function, spec_label
 
 # Passes run before the measured ones.
@@ -55,7 +56,7 @@ class LayerProfile:
     """What one layer measured (the fields of a cost file's ``layers`` entry, ``costs.LayerCost``).
 
     Attributes:
-        name: the layer's name (``layer_names``).
+        name: the layer's name (``model_layers``).
         F: median forward time, ms.
         B: median backward time, ms.
         activation: bytes of its output for one microbatch.
@@ -96,38 +97,25 @@ class Profile:
 
 
 def model_layers(spec: ModelSpec, config: Any, seed: int, name: str = "") -> list[tuple[str, nn.Module]]:
-    """The spec's layers in order, each with its name.
-
-    A child of an ``nn.Sequential`` is named by its key when the key is not just its index;
-    any other layer ``INDEX:CLASS`` (``3:Linear``).
+    """The spec's layers in order with their names, built as training builds them
+    (``layered.build_layers``: an ``nn.Sequential``'s keys, else ``"0"``, ``"1"``, ...).
 
     Args:
-        spec: the model spec; its ``layers`` field (read with ``getattr``: a spec may lack it).
+        spec: the model spec.
         config: its config, overrides applied.
         seed: the parameters' seed.
         name: how messages name the spec (``--model``'s text).
     Raises:
-        UsageError: ``model spec NAME: ...``: no ``layers`` function, one that fails, or one
-            that returns anything but a non-empty ``nn.Sequential`` or list of modules.
+        UsageError: ``model spec NAME: ...``: the spec has no ``layers``, or
+            ``build_layers``' refusals (a function that fails, no layers, not modules, tied weights).
     """
-    function = getattr(spec, "layers", None)
-    if function is None:
+    if spec.layers is None:
         raise UsageError(f"{spec_label(name)} has no layers(config, seed) function, which pipec profile measures "
                          "(see docs/costs.md, \"Profile a model\")")
-    if not callable(function):
-        raise UsageError(f"{spec_label(name)}: layers is a {type(function).__name__}, not a function")
-    made = call_spec_function(name, "layers(config, seed)", function, config, seed)
-    if isinstance(made, nn.Sequential):
-        named = list(made.named_children())
-    elif isinstance(made, (list, tuple)) and all(isinstance(module, nn.Module) for module in made):
-        named = [(None, module) for module in made]
-    else:
-        raise UsageError(f"{spec_label(name)}: layers(config, seed) returned a {type(made).__name__}; expected an "
-                         "nn.Sequential or a list of nn.Module, the model's layers in order")
-    if not named:
-        raise UsageError(f"{spec_label(name)}: layers(config, seed) returned no layers")
-    return [(key if key is not None and key != str(index) else f"{index}:{type(module).__name__}", module)
-            for index, (key, module) in enumerate(named)]
+    try:
+        return build_layers(spec.layers, config, seed)
+    except UsageError as error:
+        raise UsageError(f"{spec_label(name)}: {error}") from None
 
 
 def profile_layers(spec: ModelSpec, config: Any, seed: int, *, repeats: int = DEFAULT_REPEATS,

@@ -104,6 +104,10 @@ def add_training_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -
                         help=f"longest wait of one instruction; past it the run stops with a fault message "
                              f"(default {DEFAULT_TIMEOUT_S:g})")
     add_model_arguments(parser, defaults=defaults)
+    parser.add_argument("--partition", metavar="FILE",
+                        help="cut a model given by its layers (a spec with layers(config, seed)) into the program's "
+                             "chunks as this partition file says (`pipec partition -o` writes one; default: "
+                             "an even cut)")
     parser.add_argument("--costs", metavar="FILE", help="a JSON cost file, for schedules whose order depends on costs")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=default("fp32"),
                         help="compute precision: bf16 runs the forwards under autocast, keeps fp32 master weights, "
@@ -262,8 +266,6 @@ class Plan:
 
 def make_plan(args, world: int) -> Plan:
     """Get the program (``--program``'s file, or compile the target), load the model, check the arguments against the world size."""
-    from pipec.runtime.model import load_model_spec
-
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if not args.timeout > 0:
@@ -275,7 +277,7 @@ def make_plan(args, world: int) -> Plan:
             f"{args.target} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
             f"start {program.num_ranks} workers (torchrun --nproc-per-node {program.num_ranks}), or change -D P=..."
         )
-    spec = load_model_spec(args.model)
+    spec = run_model_spec(args.model, getattr(args, "partition", None), program)
     config = override_config(spec.config, args.config)
     precision = run_precision(args)
     # `pipec run` checked the model before starting the workers (check_plan_model): only what a worker
@@ -286,8 +288,37 @@ def make_plan(args, world: int) -> Plan:
         from pipec.runtime.sequence import check_ring_options
 
         check_ring_options(args, program)
+    from pipec.runtime.stash import check_update_options
+
+    check_update_options(args, program)
     inject = parse_injection(args.inject) if args.inject else None
     return Plan(program, spec, config, layouts, precision, inject, checkpoint)
+
+
+def run_model_spec(name: str, partition: str | None, program):
+    """The model spec ``--model NAME`` names, its chunks cut as the ``--partition`` file says when one is given.
+
+    Args:
+        name: ``--model``'s text.
+        partition: ``--partition``'s file, or None.
+        program: the compiled program the run trains with.
+    Returns:
+        the ``ModelSpec``; with a partition, one whose ``build_chunk`` cuts
+        its layers as the file says (``layered.cut_by_partition``).
+    Raises:
+        UsageError: ``load_model_spec``'s, ``load_partition``'s (the file
+            unreadable or malformed), ``cut_by_partition``'s (a spec that
+            builds its own chunks, a stage count or placement other than the program's).
+    """
+    from pipec.runtime.model import load_model_spec
+
+    spec = load_model_spec(name)
+    if not partition:
+        return spec
+    from pipec.compiler.partition import load_partition
+    from pipec.runtime.layered import cut_by_partition
+
+    return cut_by_partition(spec, load_partition(partition), partition, program, name)
 
 
 def resolve_checkpoint(args):

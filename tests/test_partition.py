@@ -21,7 +21,7 @@ from pipec.compiler.partition import (
     partition_from_json,
     partition_to_json,
 )
-from pipec.errors import CostFileError, PartitionFileError, UsageError
+from pipec.errors import CostFileError, UsageError
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -224,16 +224,26 @@ def test_the_partition_file_reads_back_exactly(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (lambda d: d.update(extra=1), "part.json: extra: unknown key"),
     (lambda d: d.pop("names"), "part.json: top level: missing names"),
-    (lambda d: d.update(format="other"), 'part.json: format: expected "pipec partition"'),
-    (lambda d: d.update(version=2), "part.json: version: version 2 is not one this pipec reads"),
-    (lambda d: d["stages"][1].update(layers=[4, 8]), r"part.json: stages\[1\].layers: \[4, 8\] does not go on from layer 3"),
-    (lambda d: d["stages"][1].update(replicas=2, ranks=[1, 2]), "part.json: stages: the stages' replicas add up to 3 ranks"),
-    (lambda d: d["stages"][1].update(ranks=[2, 3, 4]), r"part.json: stages\[1\].ranks: expected the next 3 ranks, \[1, 2, 3\]"),
+    (lambda d: d.update(format="other"), "part.json: format: expected 'pipec partition'"),
+    (lambda d: d.update(version=2), "part.json: version: this pipec reads version 1, got 2"),
+    (lambda d: d["stages"][1].update(layers=[4, 8]), r"part.json: stages\[1\].layers: starts at layer 4, but the stage "
+                                                     "before stops at layer 3"),
+    (lambda d: d["stages"][1].update(replicas=2, ranks=[1, 2]), "part.json: stages: the stages' replicas add up to 3 "
+                                                                "ranks, and the partition is for 4"),
+    (lambda d: d["stages"][1].update(ranks=[2, 3, 1]), r"part.json: stages\[1\].ranks: expected the next 3 ranks, "
+                                                       r"\[1, 2, 3\], got \[2, 3, 1\]"),
+    (lambda d: d["stages"][1].update(ranks=[1, 2]), r"part.json: stages\[1\].ranks: expected one rank per replica, 3"),
     (lambda d: d["stages"][1].update(ranks=[1.0, 2, 3]), r"part.json: stages\[1\].ranks\[0\]: expected an integer"),
-    (lambda d: d["stages"][0].update(replicas=0), r"part.json: stages\[0\].replicas: expected an integer of at least 1"),
+    (lambda d: d["stages"][1].update(ranks=[1, 2, 4]), r"part.json: stages\[1\].ranks\[2\]: expected an integer in "
+                                                       r"0 .. 3, got 4"),
+    (lambda d: d["stages"][0].update(replicas=0), r"part.json: stages\[0\].replicas: expected an integer in 1 .. 4"),
     (lambda d: d["stages"][0].update(time=-1), r"part.json: stages\[0\].time: expected a non-negative number"),
-    (lambda d: d.update(stages=d["stages"][:1], ranks=1), "part.json: stages: the stages hold layers 0 .. 2, and there are 8"),
-    (lambda d: d.update(names=d["names"][:7]), "part.json: names: 7 names for 8 layers"),
+    (lambda d: d.update(stages=d["stages"][1:]), r"part.json: stages\[0\].layers: starts at layer 3, but the first "
+                                                 "stage must start at layer 0"),
+    (lambda d: d["stages"].pop(), r"part.json: stages\[0\].layers: the last stage stops at layer 3, but the model "
+                                  "has 8 layers"),
+    (lambda d: d.update(names=d["names"][:7]), "part.json: names: expected one name per layer, 8, got 7"),
+    (lambda d: d["names"].__setitem__(2, "a\nb"), r"part.json: names\[2\]: expected a name"),
     (lambda d: d.update(time_per_microbatch=1), "part.json: time_per_microbatch: 1 is not the slowest stage's time"),
     (lambda d: d.update(stages=[]), "part.json: stages: expected at least one entry"),
 ])
@@ -241,7 +251,7 @@ def test_a_wrong_partition_file_is_a_located_error(change, message):
     costs = costs_from_json(UNBALANCED)
     data = partition_to_json(partition(costs.layers, 4, costs, replicate=True))
     change(data)
-    with pytest.raises(PartitionFileError, match=message):
+    with pytest.raises(UsageError, match=message):
         partition_from_json(data, "part.json")
 
 
@@ -262,7 +272,7 @@ def test_a_mutated_partition_file_loads_or_is_refused_never_a_traceback():
             holder[key] = rng.choice(values)
         try:
             partition_from_json(data, "part.json")
-        except PartitionFileError as error:
+        except UsageError as error:
             assert str(error).startswith("part.json")
             refused += 1
     assert refused > 300

@@ -12,6 +12,9 @@
   exactly once forward and backward, every KV bundle where it must be, every
   dK, dV contribution home once, messages matched, no deadlock; it stands in
   for the checks above, which speak of stages and microbatches.
+* ``version_plan`` (optimizer updates in the order): every backward on the
+  weights its forward ran on, every weight gradient applied
+  (``compiler/versions.py``).
 * ``check_memory`` / ``peak_activations``: live activations per rank, and
   live bytes per size class given the bytes of one value of each.
 
@@ -30,6 +33,7 @@ from pipec.compiler.checks.memory import check_memory, peak_activations
 from pipec.compiler.checks.rings import RingReport, check_rings
 from pipec.compiler.checks.weights import WeightReport, check_weights
 from pipec.compiler.memory_counts import Number
+from pipec.compiler.versions import version_plan
 from pipec.compiler.checks.wellformed import (
     StageTables,
     TaskIndex,
@@ -60,7 +64,7 @@ def check_all(
             class ``byte_budget`` names.
     Raises:
         ProgramError: the first failing check's error (WellFormedError,
-            MatchError, ConflictError, DeadlockError or BudgetError).
+            MatchError, ConflictError, DeadlockError, VersionError or BudgetError).
         ValueError: a byte budget for a class without a size, or an unknown class.
     """
     if semantics not in SEMANTICS:
@@ -77,6 +81,7 @@ def check_all(
     check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
     if program.weights is not None:
         check_weights(program)
+    version_plan(program)
     check_memory(program, memory_budget, byte_budget=byte_budget, sizes=sizes)
 
 

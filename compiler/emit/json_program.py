@@ -14,6 +14,7 @@ The format, version 1::
                  "buffers", "num_steps"} | null,
      "rings": {"chunks", "holders", "pieces", "rings", "causal", "kv", "dkv",
                "transfer", "note"},                  (sequence rings only)
+     "weight_versions": int | null,                  (optimizer updates in the order only)
      "ranks": [[instruction, ...], ...]}
 
 An instruction is ``{"op", "text", "stage", "mb", "peer", "parts"}``: ``op`` and
@@ -30,6 +31,9 @@ as in files written before it existed: the program then derives them.
 ``owners`` (the owner rank of each layer) and ``weights`` (the rest of
 ``Program.weights``) are null for activation passing, and may be absent.
 ``params`` values are integers or booleans (a ring schedule's ``causal``).
+``weight_versions`` (``Program.weight_versions``: the most versions of a
+stage's weights a program with optimizer updates ``U`` may keep, null for as
+many as it needs) is written only when it is not 1, and absent reads as 1.
 
 ``rings`` is ``Program.rings`` (a ``RingPlan``) of a sequence-ring program
 (ring, zigzag, TASP attention) and is written only for one: absent (or null)
@@ -211,6 +215,8 @@ def _header_to_json(program: Program) -> dict:
             "num_steps": program.weights.num_steps},
         # only for a sequence ring: the other families' files stay as they were
         **({} if program.rings is None else {"rings": _rings_to_json(program.rings)}),
+        # only under weight stashing: other programs' files stay as they were
+        **({} if program.weight_versions == 1 else {"weight_versions": program.weight_versions}),
     }
 
 
@@ -334,6 +340,9 @@ def program_from_json(data: dict) -> Program:
             c.purpose == WORLD and c.ranks == tuple(range(num_ranks)) for c in communicators):
         raise ImportError_(f"communicators: a sequence ring's all_to_all meets every rank, but none of the "
                            f"{len(communicators)} communicators is {WORLD!r} over all {num_ranks} ranks")
+    weight_versions = data.get("weight_versions", 1)
+    if weight_versions is not None and (type(weight_versions) is not int or weight_versions < 1):
+        raise ImportError_(f"field \"weight_versions\" must be a positive integer or null, got {quote(weight_versions)}")
     raw_ranks = _get(data, "ranks", list)
     if len(raw_ranks) != num_ranks:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
@@ -358,6 +367,7 @@ def program_from_json(data: dict) -> Program:
         communicators=communicators,
         weights=weights,
         rings=rings,
+        weight_versions=weight_versions,
     )
 
 

@@ -24,6 +24,7 @@ KINDS = {
     ops.W: (282, "backward, weight gradient"),
     ops.FC: (248, "forward, keeping only its input (recomputed)"),
     ops.R: (54, "recompute (the forward again)"),
+    ops.U: (0, "optimizer update of the stage's weights"),
     ops.AF: (186, "attention forward block"),
     ops.AB: (350, "attention backward block"),
 }

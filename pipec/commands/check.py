@@ -43,7 +43,7 @@ def run(args) -> int:
         per_rank = peak_bytes(program, sizes)
         in_bytes = "; peak bytes per rank " + ", ".join(
             f"{size_class} [{', '.join(human_bytes(rank[size_class]) for rank in per_rank)}]" for size_class in sizes)
-    weights = ""
+    weights = _versions(program)
     if program.weights is not None:  # weight passing: its extra proofs and its buffers
         weights = (f"; weights where every task runs, gradients folded into their owners once, "
                    f"peak borrowed weight buffers per rank {peak_weight_buffers(program)}")
@@ -55,6 +55,18 @@ def run(args) -> int:
         None,
     )
     return 0
+
+
+def _versions(program) -> str:
+    """For a program with updates in its order: what its stages keep (``compiler/versions.py``); else ""."""
+    from pipec.compiler.versions import version_plan, version_summary
+
+    plan = version_plan(program) if program.weights is None else None
+    if plan is None:
+        return ""
+    summary = version_summary(program, plan)
+    return (f"; every backward on its forward's weights, every gradient applied: updates per stage "
+            f"{summary['updates']}, weight versions per stage {summary['weight_versions']}")
 
 
 def _rings_ok(name: str, program) -> str:

@@ -68,7 +68,7 @@ def run(args) -> int:
     if args.schedule_out:
         write_output(schedule_source(part), args.schedule_out)
     if args.costs_out:
-        write_output(dump_json(rolled_up(data, part.ranges, args.costs)), args.costs_out)
+        write_output(dump_json(rolled_up(data, part.cut, args.costs)), args.costs_out)
     write_output(document if args.json else _table(part, args), None)
     return 0
 

@@ -91,7 +91,8 @@ _PASS_THROUGH = (
 _REPEATED = (("-D", "defines"), ("--config", "config"))
 # Worker options that name files: passed as absolute paths so that they do not
 # depend on the directory a worker resolves them in.
-_PATHS = (("--trace", "trace"), ("--save", "save"), ("--costs", "costs"), ("--resume", "resume"))
+_PATHS = (("--trace", "trace"), ("--save", "save"), ("--costs", "costs"), ("--resume", "resume"),
+          ("--partition", "partition"))
 
 
 def register(sub) -> None:
@@ -167,7 +168,8 @@ def check_launch(args, program) -> int:
     Raises:
         UsageError: a worker count other than the program's ranks (all nodes
             together), a bad step count or timeout, too few GPUs for nccl, or a
-            model that cannot be loaded or cut into the program's chunks; over
+            model that cannot be loaded or cut into the program's chunks (or
+            by its ``--partition`` file); over
             several machines a bad ``--node-rank`` or ``--rdzv-endpoint``
             (``nodes_of``, ``_check_endpoint``).
     """
@@ -185,6 +187,9 @@ def check_launch(args, program) -> int:
     if nodes is not None:
         _check_endpoint(nodes)
     _check_resume(args)
+    from pipec.runtime.stash import check_update_options
+
+    check_update_options(args, program)
     _check_model(args, program)
     if program.rings is not None:  # sequence-parallel training: no --trace, no planted faults
         from pipec.runtime.sequence import check_ring_options
@@ -363,14 +368,15 @@ def _check_device_map(program, nproc: int) -> None:
 
 
 def _check_model(args, program) -> None:
-    """Load the model spec and its config as the workers will, and check that it cuts into the program's
-    chunks (``runtime.worker.check_plan_model``): an error shows here, once, not P times after start-up.
+    """Load the model spec and its config as the workers will (cut by ``--partition`` when given), and check
+    that it cuts into the program's chunks (``runtime.worker.check_plan_model``): an error shows here, once,
+    not P times after start-up.
     """
-    from pipec.runtime.model import DEFAULT_MODEL, load_model_spec
-    from pipec.runtime.worker import DEFAULT_SEED, check_plan_model, override_config, run_precision
+    from pipec.runtime.model import DEFAULT_MODEL
+    from pipec.runtime.worker import DEFAULT_SEED, check_plan_model, override_config, run_model_spec, run_precision
 
     name = args.model or DEFAULT_MODEL
-    spec = load_model_spec(name)
+    spec = run_model_spec(name, getattr(args, "partition", None), program)
     config = override_config(spec.config, args.config)
     seed = DEFAULT_SEED if args.seed is None else args.seed
     check_plan_model(spec, config, program, seed, name, run_precision(args))

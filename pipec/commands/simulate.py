@@ -22,15 +22,23 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from pipec.compiler.ops import memory_deltas
-    from pipec.compiler.simulate import simulate
+    from pipec.compiler.simulate import plain_number, simulate
+    from pipec.compiler.versions import flushed_equivalent, version_plan, version_summary
 
     costs = load_costs(args)
     compiled = compile_from_args(args, costs)
     # the cost file's bytes per size class, if it has any: peak bytes per rank (else the output is as without)
     sizes = costs.sizes if costs is not None else {}
     result = simulate(compiled.program, costs, sizes=sizes or None)
+    program = compiled.program
+    plan = version_plan(program) if program.weights is None and program.rings is None else None
+    # asynchronous training: the same updates with a flush after each, for the throughput it gains
+    flushed = None if plan is None else sum(simulate(each, costs).makespan for each in flushed_equivalent(program, plan))
     if args.json:
-        write_output(dump_json(result.to_json()), None)
+        out = result.to_json()
+        if plan is not None:
+            out["versions"] = {**version_summary(program, plan), "flushed_makespan": plain_number(flushed)}
+        write_output(dump_json(out), None)
         return 0
     lines = [
         f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {number_text(result.makespan)}, "
@@ -48,6 +56,13 @@ def run(args) -> int:
             + (f", kept inputs at most {stats.peak_kept_inputs}" if stats.peak_kept_inputs is not None else "")
             + (f", peak bytes {describe_peak_bytes(stats.peak_bytes)}" if stats.peak_bytes else "")
         )
+    if plan is not None:  # asynchronous training: how often each stage updates, and what it keeps for it
+        summary = version_summary(program, plan)
+        updates = max(summary["updates"])
+        lines.append(f"  updates per stage {summary['updates']}: one every {number_text(result.makespan / updates)} "
+                     f"on average; weight versions per stage {summary['weight_versions']}")
+        lines.append(f"  with a flush after every update: makespan {number_text(flushed)}; without, "
+                     f"{number_text(flushed / result.makespan)} times the throughput")
     if result.links is not None:
         lines.append(f"  links: something moved for {number_text(result.links['communication'])}, "
                      f"directed links busy {result.links['utilisation']:.3f} of the time meanwhile")
