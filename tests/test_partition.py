@@ -40,65 +40,61 @@ def compositions(total: int, parts: int):
         yield tuple(b - a for a, b in zip(edges, edges[1:]))
 
 
+def every_partition(count: int, ranks: int, replicate: bool):
+    """Every partition of ``count`` layers over ``ranks`` ranks: (stage bounds 0 .. count, replicas per stage)."""
+    for stages in range(1, min(count, ranks) + 1):
+        if not replicate and stages != ranks:
+            continue
+        for bars in itertools.combinations(range(1, count), stages - 1):
+            for replicas in (compositions(ranks, stages) if replicate else [(1,) * stages]):
+                yield (0,) + bars + (count,), replicas
+
+
+def memories(layers, bounds, replicas) -> list:
+    """Each stage's bytes per rank: weights and gradients, and the activations of the microbatches a replica
+    keeps (1 at the end; before, one more than its share of those kept after it)."""
+    keeps = [1] * len(replicas)
+    for k in range(len(replicas) - 2, -1, -1):
+        keeps[k] = 1 + math.ceil(replicas[k + 1] * keeps[k + 1] / replicas[k])
+    return [WEIGHT_COPIES * sum(layer.parameters for layer in layers[first:stop])
+            + keep * sum(layer.activation for layer in layers[first:stop])
+            for first, stop, keep in zip(bounds, bounds[1:], keeps)]
+
+
 def brute_force(layers, ranks, latency, bandwidth, ar_latency, ar_bandwidth, node_size, inter, limit, replicate):
     """Every partition, priced from the module docstring's formulas written out again here; returns
     (time per microbatch, stage count, ((stop, replicas), ...)) of the best, or None when none fits."""
-    count = len(layers)
 
     def link_time(a: int, b: int, nbytes) -> float:
         lat, bw = (inter if node_size and a // node_size != b // node_size else (latency, bandwidth))
         return lat + (nbytes / bw if bw else 0)
 
     best = None
-    for stages in range(1, min(count, ranks) + 1):
-        if not replicate and stages != ranks:
+    for bounds, replicas in every_partition(len(layers), ranks, replicate):
+        if limit is not None and max(memories(layers, bounds, replicas)) > limit:
             continue
-        for bars in itertools.combinations(range(1, count), stages - 1):
-            bounds = (0,) + bars + (count,)
-            for replicas in (compositions(ranks, stages) if replicate else [(1,) * stages]):
-                # microbatches a replica keeps: 1 at the end, one more than its share of those after it before
-                keeps = [1] * stages
-                for k in range(stages - 2, -1, -1):
-                    keeps[k] = 1 + math.ceil(replicas[k + 1] * keeps[k + 1] / replicas[k])
-                times, memories, rank = [], [], 0
-                for k in range(stages):
-                    span = layers[bounds[k]:bounds[k + 1]]
-                    r = replicas[k]
-                    compute = sum(layer.F + layer.B for layer in span) / r
-                    weights = sum(layer.parameters for layer in span)
-                    sync = 0 if r == 1 else 2 * (r - 1) * ar_latency + (2 * (r - 1) * weights / (r * ar_bandwidth)
-                                                                       if ar_bandwidth else 0)
-                    cut = 0
-                    if k < stages - 1:
-                        last = rank + r - 1
-                        cut = 2 * link_time(last, last + 1, span[-1].activation)
-                    times.append(max(compute, sync, cut))
-                    memories.append(WEIGHT_COPIES * weights + keeps[k] * sum(layer.activation for layer in span))
-                    rank += r
-                if limit is not None and max(memories) > limit:
-                    continue
-                key = (max(times), stages, tuple(zip(bounds[1:], replicas)))
-                best = key if best is None or key < best else best
+        times, rank = [], 0
+        for k, r in enumerate(replicas):
+            span = layers[bounds[k]:bounds[k + 1]]
+            compute = sum(layer.F + layer.B for layer in span) / r
+            weights = sum(layer.parameters for layer in span)
+            sync = 0 if r == 1 else 2 * (r - 1) * ar_latency + (2 * (r - 1) * weights / (r * ar_bandwidth)
+                                                               if ar_bandwidth else 0)
+            cut = 0
+            if k < len(replicas) - 1:
+                last = rank + r - 1
+                cut = 2 * link_time(last, last + 1, span[-1].activation)
+            times.append(max(compute, sync, cut))
+            rank += r
+        key = (max(times), len(replicas), tuple(zip(bounds[1:], replicas)))
+        best = key if best is None or key < best else best
     return best
 
 
-def least_memory(layers, ranks, replicate):
-    """The smallest memory limit some partition fits (brute force)."""
-    return min(m for m in _every_memory(layers, ranks, replicate))
-
-
-def _every_memory(layers, ranks, replicate):
-    count = len(layers)
-    for stages in range(1, min(count, ranks) + 1):
-        if not replicate and stages != ranks:
-            continue
-        for bars in itertools.combinations(range(1, count), stages - 1):
-            bounds = (0,) + bars + (count,)
-            for replicas in (compositions(ranks, stages) if replicate else [(1,) * stages]):
-                keeps = in_flight(replicas)
-                yield max(WEIGHT_COPIES * sum(l.parameters for l in layers[bounds[k]:bounds[k + 1]])
-                          + keeps[k] * sum(l.activation for l in layers[bounds[k]:bounds[k + 1]])
-                          for k in range(stages))
+def every_peak_memory(layers, ranks, replicate) -> list:
+    """Each partition's most bytes on a rank."""
+    return [max(memories(layers, bounds, replicas)) for bounds, replicas in every_partition(len(layers), ranks,
+                                                                                            replicate)]
 
 
 def random_case(rng: random.Random):
@@ -138,11 +134,11 @@ def test_the_partition_equals_a_brute_force_over_every_cut_and_replication():
         layers, ranks, replicate, costs, priced = random_case(rng)
         limit = None
         if rng.random() < 0.5:  # a memory limit: sometimes one that fits nothing
-            memories = sorted(set(_every_memory(layers, ranks, replicate)))
-            limit = rng.choice(memories) if rng.random() < 0.8 else memories[0] - 1
+            peaks = sorted(set(every_peak_memory(layers, ranks, replicate)))
+            limit = rng.choice(peaks) if rng.random() < 0.8 else peaks[0] - 1
         expected = brute_force(layers, ranks, *priced, limit, replicate)
         if expected is None:
-            with pytest.raises(UsageError, match=f"the smallest limit that fits is {least_memory(layers, ranks, replicate)} bytes"):
+            with pytest.raises(UsageError, match=f"the smallest limit that fits is {min(every_peak_memory(layers, ranks, replicate))} bytes"):
                 partition(layers, ranks, costs, memory_limit=limit, replicate=replicate)
             infeasible += 1
             continue
