@@ -251,13 +251,15 @@ def roll_up(layers: Sequence[LayerCost], ranges: Sequence[tuple[int, int]]) -> R
     Raises:
         UsageError: ranges that are not a contiguous cover of the layers.
     """
+    if not ranges:
+        raise UsageError("a cut of the layers needs at least one chunk")
     expected = 0
     for chunk, (first, stop) in enumerate(ranges):
         if first != expected or stop <= first:
             raise UsageError(f"chunk {chunk} holds layers {first}..{stop}: a cut's chunks hold consecutive layers, "
                              f"in order, at least one each (expected it to start at {expected})")
         expected = stop
-    if expected != len(layers) or not ranges:
+    if expected != len(layers):
         raise UsageError(f"the chunks hold layers 0..{expected}, and the model has {len(layers)}")
     per_chunk = tuple((sum(layer.F for layer in layers[first:stop]), sum(layer.B for layer in layers[first:stop]))
                       for first, stop in ranges)

@@ -164,10 +164,14 @@ def in_flight(replicas: Sequence[int]) -> tuple[int, ...]:
     counts: list[int] = []
     downstream = 0  # microbatches in flight after the stage, over all the next stage's replicas
     for count_of_replicas in reversed(replicas):
-        count = 1 + -(-downstream // count_of_replicas)
-        counts.append(count)
-        downstream = count_of_replicas * count
+        counts.append(_kept(downstream, count_of_replicas))
+        downstream = count_of_replicas * counts[-1]
     return tuple(reversed(counts))
+
+
+def _kept(downstream: int, replicas: int) -> int:
+    """i_k from r_{k+1} i_{k+1} (``downstream``; 0 after the last stage) and r_k: one more than a replica's share."""
+    return 1 + -(-downstream // replicas)
 
 
 def stage_time(compute: Number, parameters: Number, boundary: Number | None, replicas: int, last_rank: int,
@@ -269,7 +273,7 @@ class _Search:
                             continue
                         time = stage_time(compute, parameters, boundary, replicas, start + replicas - 1, self.costs)
                         for downstream, rest_score in rest.items():
-                            keep = 1 + -(-downstream // replicas)
+                            keep = _kept(downstream, replicas)
                             memory = stage_memory(parameters, activations, keep) if self.track_memory else None
                             head = _Head(stop, replicas, time, memory, replicas * keep if self.track_memory else 0)
                             if not admit(head):
