@@ -66,6 +66,15 @@ def partition(cut, ranks, num_ranks=4, layers=12) -> dict:
     }
 
 
+# A cost file whose best partition over 4 ranks replicates: layers 0..5 are slow with few weights, layers
+# 6..11 fast with weights too heavy to all-reduce, so PipeDream's program puts 0..5 on 3 replicas (18 / 3 = 6
+# per microbatch) and 6..11 on one rank (4.5).
+PROFILED = {
+    "layers": [{"name": f"layer{i}", "F": 1 if i < 6 else 0.25, "B": 2 if i < 6 else 0.5, "activation": 64,
+                "parameters": 8 if i < 6 else 1_000_000} for i in range(12)],
+    "allreduce": {"bandwidth": 1000},
+}
+
 UNEVEN = partition([(0, 1), (1, 3), (3, 7), (7, 12)], [[0], [1], [2], [3]])
 REPLICAS = partition([(0, 6), (6, 9), (9, 12)], [[0, 1], [2], [3]])
 
@@ -297,12 +306,17 @@ def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("layered")
     uneven, replicas = write(folder, "uneven.json", UNEVEN), write(folder, "replicas.json", REPLICAS)
     program = write(folder, "replicated.pipe", REPLICATED)
+    # profiled costs -> pipec partition --replicate -> the schedule it writes, run with its partition file
+    profiled, generated = str(folder / "profiled.json"), str(folder / "generated.pipe")
+    assert main(["partition", "--costs", write(folder, "costs.json", PROFILED), "-D", "P=4", "--replicate",
+                 "-o", profiled, "--schedule-out", generated]) == 0
     common = ["--model", MODEL, "--seed", str(SEED), "--timeout", "60"]
     cases = {
         "1f1b": ["1f1b", "-D", "P=4", "-D", f"N={N}", "--steps", str(STEPS)],
         "interleaved": ["interleaved_1f1b", "-D", "P=4", "-D", "v=3", "-D", f"N={N}", "--steps", str(STEPS)],
         "uneven": ["1f1b", "-D", "P=4", "-D", f"N={N}", "--steps", str(STEPS), "--partition", uneven],
         "replicated": [program, "-D", f"N={N}", "--steps", str(STEPS), "--partition", replicas],
+        "partitioned": [generated, "-D", f"N={N}", "--steps", str(STEPS), "--partition", profiled],
     }
     saves = {case: str(folder / f"{case}.pt") for case in cases}
     jobs = [[*argv, *common, "--save", saves[case]] for case, argv in cases.items()]
@@ -312,6 +326,7 @@ def trained(tmp_path_factory):
                  "--resume", saves["interleaved"], "--save", saves["resumed"]])
     run = launch_batch(jobs, 4, BATCH_DEADLINE_S, env={"PYTHONPATH": TESTS})
     assert run.ok, run.describe()
+    saves["partition"] = profiled
     return run, saves
 
 
@@ -321,7 +336,7 @@ def reference(steps: int) -> dict:
     return reference_run(CONFIG, steps, N, SEED, spec=SPEC).state_dict
 
 
-@pytest.mark.parametrize("case", ["1f1b", "interleaved", "uneven", "replicated"])
+@pytest.mark.parametrize("case", ["1f1b", "interleaved", "uneven", "replicated", "partitioned"])
 def test_a_model_given_by_its_layers_trains_like_one_process(trained, case):
     run, saves = trained
     want = reference(STEPS)
@@ -331,6 +346,13 @@ def test_a_model_given_by_its_layers_trains_like_one_process(trained, case):
     for layer in range(CONFIG.depth):
         name = f"{layer}.0.weight"
         assert (want[name] - initial[name]).abs().max() > 10 * TOLERANCE, name
+
+
+def test_the_partitioner_replicates_the_slow_cheap_layers(trained):
+    _, saves = trained
+    read = load_partition(saves["partition"])
+    assert [(s.first, s.stop, s.replicas, s.ranks) for s in read.stages] == [(0, 6, 3, (0, 1, 2)), (6, 12, 1, (3,))]
+    assert read.time_per_microbatch == 6
 
 
 def test_a_checkpoint_of_one_cut_resumes_under_another(trained):
