@@ -136,7 +136,7 @@ PAPER = {
     "gpt": {"DAPPLE": 1.15, "1F1B-Int": 1.03, "Chimera": 1.09},
 }
 # Table 6 (ablation, BERT-64, D = 8): BitPipe's measured samples/s by global batch, a check of --tflops.
-PAPER_BITPIPE_BERT = {32: 39.17, 128: 46.43}
+PAPER_BITPIPE_MEASURED = {"bert": {32: 39.17, 128: 46.43}}
 
 DEFAULT_GRID = "1,3,10,25,50,100,200"
 # Below this bandwidth (GB/s) a setting is no longer the paper's NVLink node: a fit there names a missing term.
@@ -247,11 +247,11 @@ def print_table(key: str, model: Model, microbatches: list[int], hardware: Hardw
         name = " ".join([schedule.name, *(f"-D {k}={v}" for k, v in schedule.defines.items())])
         print(f"  {f'{name} ({schedule.label})':<36}" + "".join(f"{r:>10.2f}" for r in rates[schedule.name])
               + f"   {layers} layers/chunk")
-    if key == "bert":
-        checks = [(n * model.microbatch, PAPER_BITPIPE_BERT[n * model.microbatch], rate)
-                  for n, rate in zip(microbatches, rates[BITPIPE.name]) if n * model.microbatch in PAPER_BITPIPE_BERT]
-        for batch, paper, rate in checks:
-            print(f"  BitPipe at global batch {batch}: {rate:.2f} samples/s predicted, {paper} measured (Table 6)")
+    measured = PAPER_BITPIPE_MEASURED.get(key, {})
+    for n, rate in zip(microbatches, rates[BITPIPE.name]):
+        if n * model.microbatch in measured:
+            print(f"  BitPipe at global batch {n * model.microbatch}: {rate:.2f} samples/s predicted, "
+                  f"{measured[n * model.microbatch]} measured (Table 6)")
     for base in BASELINES:
         paper = PAPER[key][base.label]
         average = mean(ups[base.label])
