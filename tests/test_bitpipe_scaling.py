@@ -2,8 +2,8 @@
 
 The paper bounds the early-forward schedule's activations by (3D-3)/2 M_a, M_a
 one microbatch's activations of a device's share (L/D layers); a BitPipe chunk
-is half a share, so the bound is 3P - 3 chunk activations per rank. The default
-(`bounded`) order meets it; `-D bounded=false` is the early-forward rhythm,
+is half a share, so the bound is 3P - 3 chunk activations per rank. The
+`-D bounded=true` order meets it; the default is the early-forward rhythm,
 bubble (P-2)/(4N+P-2), which holds 3P to 4P. Both are held to exact figures, so
 a change to either order shows here.
 """
@@ -42,7 +42,7 @@ BOUNDED = {
 
 @pytest.mark.parametrize("P,N", sorted(BOUNDED))
 def test_bounded_meets_the_papers_activation_bound(P, N):
-    compiled, result = run(P, N)
+    compiled, result = run(P, N, bounded="true")
     makespan, bubble, peaks = BOUNDED[P, N]
     assert [r.peak_activations for r in result.ranks] == peaks
     assert peak_activations(compiled.program) == peaks  # what `pipec check` reports
@@ -54,7 +54,7 @@ def test_bounded_meets_the_papers_activation_bound(P, N):
 
 @pytest.mark.parametrize("P,N", sorted(BOUNDED))
 def test_unbounded_keeps_the_early_forward_bubble_and_its_memory(P, N):
-    compiled, result = run(P, N, bounded="false")
+    compiled, result = run(P, N)  # the default
     assert result.bubble_fraction() == Fraction(P - 2, 4 * N + P - 2)
     peak = 3 * P if N == 2 * P else 4 * P
     assert peak_activations(compiled.program) == [peak] * P
@@ -63,8 +63,8 @@ def test_unbounded_keeps_the_early_forward_bubble_and_its_memory(P, N):
 
 @pytest.mark.parametrize("P", [4, 8])
 def test_one_group_is_the_same_order_either_way(P):
-    bounded, result = run(P, P)
-    unbounded, _ = run(P, P, bounded="false")
+    bounded, result = run(P, P, bounded="true")
+    unbounded, _ = run(P, P)
     assert rows(bounded) == rows(unbounded)
     assert result.bubble_fraction() == Fraction(P - 2, 3 * P + P - 2)
     assert max(peak_activations(bounded.program)) == 2 * P
@@ -73,14 +73,14 @@ def test_one_group_is_the_same_order_either_way(P):
 @pytest.mark.parametrize("P", [4, 8])
 def test_bounded_peak_does_not_grow_with_microbatches(P):
     # the groups are evenly spaced: 8P microbatches hold what 2P do
-    compiled, _ = run(P, 8 * P)
+    compiled, _ = run(P, 8 * P, bounded="true")
     assert peak_activations(compiled.program) == BOUNDED[P, 2 * P][2]
 
 
 def test_bounded_order_trains_like_one_process(tmp_path):
     # test_runtime_exact runs P = 4 at N = P, where the order did not change: this runs a bounded N = 2P
     save, steps, seed = tmp_path / "model.pt", 3, 7
-    run = launch_workers(["bitpipe", "-D", "P=4", "-D", "N=8", "--steps", str(steps), "--seed", str(seed),
+    run = launch_workers(["bitpipe", "-D", "P=4", "-D", "N=8", "-D", "bounded=true", "--steps", str(steps), "--seed", str(seed),
                           "--save", str(save), "--timeout", "60"], 4, 180.0)
     assert run.ok, run.describe()
     want = reference_run(ModelConfig(), steps, 8, seed).state_dict
