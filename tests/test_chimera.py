@@ -99,6 +99,55 @@ def test_the_documented_keys_are_the_schedules():
     from pathlib import Path
     root = Path(__file__).parent.parent
     doc, pipe = (root / "docs" / "language.md").read_text(), (root / "schedules" / "chimera.pipe").read_text()
-    for line in ("key F(s, m) = s + 2 * j(m)", "key B(s, m) = 2 * P - 2 - s + 2 * j(m)",
-                 "def j(m) = m / P * (P / 2) + m % (P / 2)"):
+    for line in ("key F(s, m) = s + 2 * t(m)", "key B(s, m) = 2 * P - 2 - s + 2 * t(m)",
+                 "def j(m) = m / P * (P / 2) + m % (P / 2)", "def t(m) = double ? j(m) / 2 : j(m)"):
         assert line in doc and line in pipe
+
+
+@pytest.mark.parametrize("P", EVEN_P)
+@pytest.mark.parametrize("k", (1, 2, 4))
+def test_forward_doubling_removes_the_intermediate_bubble_for_twice_the_activations(P, k):
+    N = 2 * k * P
+    compiled, result = run("chimera", P=P, N=N, double=True)
+    idle = Fraction(3 * (P - 2), 2)
+    assert result.makespan == 3 * N + idle
+    assert result.bubble_fraction() == Fraction(P - 2, 2 * N + P - 2)
+    assert result.bubble_fraction() <= Fraction(P - 2, 1) / (Fraction(3 * N, 2) + P - 2)  # the paper's ratio
+    peaks = [P + 2 + 2 * min(r, P - 1 - r) for r in range(P)] if k == 1 else [2 * P] * P
+    assert [r.peak_activations for r in result.ranks] == peaks == peak_activations(compiled.program)
+    # a stage runs the forwards of a pair (microbatches 2i and 2i+1 of its pipeline) back to back, then their backwards
+    def pair(m):
+        return (m // P * (P // 2) + m % (P // 2)) // 2
+
+    for row in compiled.compute.ranks:
+        for a, b in zip(row[::2], row[1::2]):
+            assert (a.op, a.stage, pair(a.mb)) == (b.op, b.stage, pair(b.mb)) and a.mb < b.mb
+
+
+def test_forward_doubling_needs_pairs_of_units():
+    with pytest.raises(PipecError, match="multiple of 2P"):
+        compile_target("chimera", {"P": 4, "N": 4, "double": True})
+
+
+DOUBLED_SCALED = {(4, 8): (54, 66), (4, 16): (102, 114), (8, 16): (114, 138), (8, 32): (210, 234)}
+
+
+@pytest.mark.parametrize("P,N", sorted(DOUBLED_SCALED))
+def test_forward_doubling_under_per_chunk_costs(P, N):
+    costs = costs_from_json({"compute": {"F": 2, "B": 4}})
+    chimera = run("chimera", costs, P=P, N=N, double=True)[1]
+    assert (chimera.makespan, run("1f1b", costs, P=P, N=N)[1].makespan) == DOUBLED_SCALED[P, N]
+
+
+def test_forward_doubling_trains_like_one_process(tmp_path):
+    """The default order is held to one process by tests/test_runtime_exact.py; the doubled one here."""
+    import torch
+    from pipec.runtime.model import ModelConfig
+    from pipec.runtime.reference import reference_run
+    from runtime_util import assert_same_parameters, launch_workers
+
+    save, P, N, steps, seed = tmp_path / "model.pt", 4, 8, 2, 7
+    run = launch_workers(["chimera", "-D", f"P={P}", "-D", f"N={N}", "-D", "double=true", "--steps", str(steps),
+                          "--seed", str(seed), "--save", str(save), "--timeout", "60"], P, 180.0)
+    assert run.ok, run.describe()
+    assert_same_parameters(torch.load(save), reference_run(ModelConfig(), steps, N, seed).state_dict, "chimera double")
