@@ -1,17 +1,24 @@
-"""Chimera (schedules/chimera.pipe): its basic unit at N = P and the direct concatenation of
-units at N = kP, against the figures its comment states (unit costs F = 1, B = 2, communication
-free) and against 1F1B under per-chunk costs F = 2, B = 4."""
+"""Chimera (schedules/chimera.pipe): its basic unit at N = P, the direct concatenation of units at
+N = kP and forward doubling (-D double=true), against the figures its comment states (unit costs
+F = 1, B = 2, communication free) and against 1F1B under per-chunk costs F = 2, B = 4."""
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
+import torch
 
 from pipec.compiler.checks import peak_activations
 from pipec.compiler.costs import costs_from_json
 from pipec.compiler.driver import compile_target
 from pipec.compiler.simulate import simulate
 from pipec.errors import PipecError
+from pipec.runtime.model import ModelConfig
+from pipec.runtime.reference import reference_run
+from runtime_util import assert_same_parameters, launch_workers
+
+ROOT = Path(__file__).parent.parent
 
 EVEN_P = (2, 4, 6, 8, 10, 12)
 
@@ -69,7 +76,7 @@ def test_no_slower_than_1f1b_under_per_chunk_costs(P, N):
 
 def test_each_pipeline_keeps_1f1b_order_and_the_ranks_merge_them():
     """On stage s of either pipeline the forward of j + P-1-s comes right before the backward of j
-    (within a pipeline's own tasks on the rank); a unit is the next one shifted by P/2 microbatches."""
+    (within that pipeline's own tasks on the rank): 1F1B's order, over all N / 2 of its microbatches."""
     P, N = 4, 12
     compiled, _ = run("chimera", P=P, N=N)
     program = compiled.program
@@ -96,9 +103,7 @@ def test_the_requires_name_the_constraint():
 
 
 def test_the_documented_keys_are_the_schedules():
-    from pathlib import Path
-    root = Path(__file__).parent.parent
-    doc, pipe = (root / "docs" / "language.md").read_text(), (root / "schedules" / "chimera.pipe").read_text()
+    doc, pipe = (ROOT / "docs" / "language.md").read_text(), (ROOT / "schedules" / "chimera.pipe").read_text()
     for line in ("key F(s, m) = s + 2 * t(m)", "key B(s, m) = 2 * P - 2 - s + 2 * t(m)",
                  "def j(m) = m / P * (P / 2) + m % (P / 2)", "def t(m) = double ? j(m) / 2 : j(m)"):
         assert line in doc and line in pipe
@@ -141,11 +146,6 @@ def test_forward_doubling_under_per_chunk_costs(P, N):
 
 def test_forward_doubling_trains_like_one_process(tmp_path):
     """The default order is held to one process by tests/test_runtime_exact.py; the doubled one here."""
-    import torch
-    from pipec.runtime.model import ModelConfig
-    from pipec.runtime.reference import reference_run
-    from runtime_util import assert_same_parameters, launch_workers
-
     save, P, N, steps, seed = tmp_path / "model.pt", 4, 8, 2, 7
     run = launch_workers(["chimera", "-D", f"P={P}", "-D", f"N={N}", "-D", "double=true", "--steps", str(steps),
                           "--seed", str(seed), "--save", str(save), "--timeout", "60"], P, 180.0)
