@@ -100,7 +100,7 @@ def _compile_and_simulate(target: str, P: int, N: int, data: dict):
 
 
 def test_the_shipped_greedy_schedules_are_found():
-    assert {"zbv", "chimera"} <= set(SHIPPED_GREEDY)
+    assert "zbv" in SHIPPED_GREEDY
 
 
 @pytest.mark.parametrize("cost_name", sorted(COST_FILES))

@@ -1,0 +1,153 @@
+"""Chimera (schedules/chimera.pipe): its basic unit at N = P, the direct concatenation of units at
+N = kP and forward doubling (-D double=true), against the figures its comment states (unit costs
+F = 1, B = 2, communication free) and against 1F1B under per-chunk costs F = 2, B = 4."""
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipec.compiler.checks import peak_activations
+from pipec.compiler.costs import costs_from_json
+from pipec.compiler.driver import compile_target
+from pipec.compiler.simulate import simulate
+from pipec.errors import PipecError
+from pipec.runtime.model import ModelConfig
+from pipec.runtime.reference import reference_run
+from runtime_util import assert_same_parameters, launch_workers
+
+ROOT = Path(__file__).parent.parent
+
+EVEN_P = (2, 4, 6, 8, 10, 12)
+
+
+def run(name: str, costs=None, **params):
+    compiled = compile_target(name, params, costs=costs)  # every check runs here
+    return compiled, simulate(compiled.program, costs)
+
+
+@pytest.mark.parametrize("P", EVEN_P)
+def test_the_basic_unit_has_the_papers_bubble(P):
+    compiled, result = run("chimera", P=P, N=P)
+    N = P
+    assert result.bubble_fraction() == Fraction(P - 2, 1) / (Fraction(3 * N, 2) + P - 2)
+    assert result.makespan == 3 * N + 2 * (P - 2)
+    # rank r holds P/2 + 1 + min(r, P-1-r) chunk activations: from (P+2)/2 at the ends to P in the middle
+    peaks = [P // 2 + 1 + min(r, P - 1 - r) for r in range(P)]
+    assert [r.peak_activations for r in result.ranks] == peaks == peak_activations(compiled.program)
+
+
+@pytest.mark.parametrize("P,bubble", [(4, Fraction(1, 4)), (8, Fraction(1, 3))])
+def test_the_basic_unit_bubble_at_4_and_8_ranks(P, bubble):
+    assert run("chimera", P=P, N=P)[1].bubble_fraction() == bubble
+
+
+@pytest.mark.parametrize("P", EVEN_P)
+@pytest.mark.parametrize("k", (2, 3, 4))
+def test_concatenated_units_add_one_intermediate_bubble(P, k):
+    """N = kP: the unit's 2(P-2) idle per rank plus (P-2)/2 where the first two units join."""
+    N = k * P
+    compiled, result = run("chimera", P=P, N=N)
+    idle = Fraction(5 * (P - 2), 2)
+    assert result.makespan == 3 * N + idle
+    assert result.bubble_fraction() == idle / (3 * N + idle) == Fraction(5 * (P - 2), 6 * N + 5 * (P - 2))
+    assert all(r.busy == 3 * N for r in result.ranks)
+    assert [r.peak_activations for r in result.ranks] == [P] * P == peak_activations(compiled.program)
+    # and below 1F1B's bubble (P-1)/(N+P-1), whose idle is 3(P-1) per rank
+    assert result.bubble_fraction() < run("1f1b", P=P, N=N)[1].bubble_fraction()
+
+
+# makespans under {"compute": {"F": 2, "B": 4}}: (P, N) -> (chimera, 1f1b)
+SCALED = {(4, 4): (32, 42), (4, 8): (58, 66), (4, 16): (106, 114),
+          (8, 8): (72, 90), (8, 16): (126, 138), (8, 32): (222, 234)}
+
+
+@pytest.mark.parametrize("P,N", sorted(SCALED))
+def test_no_slower_than_1f1b_under_per_chunk_costs(P, N):
+    costs = costs_from_json({"compute": {"F": 2, "B": 4}})
+    chimera, one = run("chimera", costs, P=P, N=N)[1], run("1f1b", costs, P=P, N=N)[1]
+    assert (chimera.makespan, one.makespan) == SCALED[P, N]
+    # both twice their unit-cost makespans: 3N + idle against 3(N + P - 1)
+    idle = 2 * (P - 2) if N == P else Fraction(5 * (P - 2), 2)
+    assert chimera.makespan == 2 * (3 * N + idle) and one.makespan == 6 * (N + P - 1)
+
+
+def test_each_pipeline_keeps_1f1b_order_and_the_ranks_merge_them():
+    """On stage s of either pipeline the forward of j + P-1-s comes right before the backward of j
+    (within that pipeline's own tasks on the rank): 1F1B's order, over all N / 2 of its microbatches."""
+    P, N = 4, 12
+    compiled, _ = run("chimera", P=P, N=N)
+    program = compiled.program
+    for r, row in enumerate(compiled.compute.ranks):
+        for pipeline in (0, 1):
+            mine = [(a.op, a.mb) for a in row if (a.stage >= P) == pipeline]
+            s = r if pipeline == 0 else P - 1 - r
+            mbs = [m for m in range(N) if (m % P >= P // 2) == pipeline]
+            warm = min(P - 1 - s, len(mbs))
+            expected = [("F", m) for m in mbs[:warm]]
+            for i, m in enumerate(mbs):
+                if warm + i < len(mbs):
+                    expected.append(("F", mbs[warm + i]))
+                expected.append(("B", m))
+            assert mine == expected, (r, pipeline)
+        assert {program.stages[a.stage].rank for a in row} == {r}
+
+
+def test_the_requires_name_the_constraint():
+    with pytest.raises(PipecError, match="even number of ranks"):
+        compile_target("chimera", {"P": 3, "N": 3})
+    with pytest.raises(PipecError, match="multiple of P"):
+        compile_target("chimera", {"P": 4, "N": 6})
+
+
+def test_the_documented_keys_are_the_schedules():
+    doc, pipe = (ROOT / "docs" / "language.md").read_text(), (ROOT / "schedules" / "chimera.pipe").read_text()
+    for line in ("key F(s, m) = s + 2 * t(m)", "key B(s, m) = 2 * P - 2 - s + 2 * t(m)",
+                 "def j(m) = m / P * (P / 2) + m % (P / 2)", "def t(m) = double ? j(m) / 2 : j(m)"):
+        assert line in doc and line in pipe
+
+
+@pytest.mark.parametrize("P", EVEN_P)
+@pytest.mark.parametrize("k", (1, 2, 4))
+def test_forward_doubling_removes_the_intermediate_bubble_for_twice_the_activations(P, k):
+    N = 2 * k * P
+    compiled, result = run("chimera", P=P, N=N, double=True)
+    idle = Fraction(3 * (P - 2), 2)
+    assert result.makespan == 3 * N + idle
+    assert result.bubble_fraction() == Fraction(P - 2, 2 * N + P - 2)
+    assert result.bubble_fraction() <= Fraction(P - 2, 1) / (Fraction(3 * N, 2) + P - 2)  # the paper's ratio
+    peaks = [P + 2 + 2 * min(r, P - 1 - r) for r in range(P)] if k == 1 else [2 * P] * P
+    assert [r.peak_activations for r in result.ranks] == peaks == peak_activations(compiled.program)
+    # a stage runs the forwards of a pair (microbatches 2i and 2i+1 of its pipeline) back to back, then their backwards
+    def pair(m):
+        return (m // P * (P // 2) + m % (P // 2)) // 2
+
+    for row in compiled.compute.ranks:
+        for a, b in zip(row[::2], row[1::2]):
+            assert (a.op, a.stage, pair(a.mb)) == (b.op, b.stage, pair(b.mb)) and a.mb < b.mb
+
+
+def test_forward_doubling_needs_pairs_of_units():
+    with pytest.raises(PipecError, match="multiple of 2P"):
+        compile_target("chimera", {"P": 4, "N": 4, "double": True})
+
+
+DOUBLED_SCALED = {(4, 8): (54, 66), (4, 16): (102, 114), (8, 16): (114, 138), (8, 32): (210, 234)}
+
+
+@pytest.mark.parametrize("P,N", sorted(DOUBLED_SCALED))
+def test_forward_doubling_under_per_chunk_costs(P, N):
+    costs = costs_from_json({"compute": {"F": 2, "B": 4}})
+    chimera = run("chimera", costs, P=P, N=N, double=True)[1]
+    assert (chimera.makespan, run("1f1b", costs, P=P, N=N)[1].makespan) == DOUBLED_SCALED[P, N]
+
+
+def test_forward_doubling_trains_like_one_process(tmp_path):
+    """The default order is held to one process by tests/test_runtime_exact.py; the doubled one here."""
+    save, P, N, steps, seed = tmp_path / "model.pt", 4, 8, 2, 7
+    run = launch_workers(["chimera", "-D", f"P={P}", "-D", f"N={N}", "-D", "double=true", "--steps", str(steps),
+                          "--seed", str(seed), "--save", str(save), "--timeout", "60"], P, 180.0)
+    assert run.ok, run.describe()
+    assert_same_parameters(torch.load(save), reference_run(ModelConfig(), steps, N, seed).state_dict, "chimera double")
