@@ -16,15 +16,12 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Mapping
 
-from pipec.compiler.build import compute_program
 from pipec.compiler.checks import check_all
 from pipec.compiler.costs import CostModel
+from pipec.compiler.family import families_of, family_of_spec, first_refusal
 from pipec.compiler.guarded_read import SOURCE, looks_like_program, read_text, shown_path
 from pipec.compiler.ir import Program
 from pipec.compiler.liveness import insert_frees
-from pipec.compiler.lower_comms import insert_communication
-from pipec.compiler.lower_rings import lower_rings
-from pipec.compiler.lower_weights import insert_weight_exchanges
 from pipec.compiler.memory_counts import Number, check_sizes
 from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS, RING_COMPUTE_OPS, RULES, UPDATE_OPS
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
@@ -165,14 +162,7 @@ def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Prog
         proved every task present once, in range and at home; an order whose
         dependencies cannot be met is kept as it is for the checks to name.
     """
-    if spec.rings is not None:  # sequence rings: the order and its exchanges come from the rings
-        program = lower_rings(spec)
-        compute = replace(program, ranks=[[a for a in row if a.is_compute] for row in program.ranks])
-        return compute, program
-    compute = compute_program(spec, costs)
-    if spec.weights is not None:  # weight passing: weights move, activations stay home
-        return compute, insert_weight_exchanges(compute, spec)
-    return compute, insert_communication(compute)
+    return family_of_spec(spec).lower(spec, costs)
 
 
 def compile_spec(
@@ -202,10 +192,11 @@ def compile_spec(
         if missing:
             raise ValueError(f"a byte budget for {missing[0]!r} needs its size: the cost model gives none (sizes)")
     compute, program = lower_spec(spec, costs)
-    if program.rings is not None and (memory_budget is not None or byte_budget is not None):
-        raise UsageError(f"'{spec.name}' is a sequence ring: its memory is KV buffers, which the ring check bounds "
-                         "(two per piece under `kv again`); activation and byte budgets do not apply to it")
-    if program.rings is None:  # a ring's buffers are replaced by its exchanges, not freed
+    if memory_budget is not None or byte_budget is not None:
+        refusal = first_refusal(program, lambda family: family.refuse_memory_budget(spec.name))
+        if refusal is not None:
+            raise UsageError(refusal)
+    if all(family.frees_values for family in families_of(program)):
         program = insert_frees(program)
     check_all(program, semantics="rendezvous", memory_budget=memory_budget, byte_budget=byte_budget, sizes=sizes)
     return Compiled(spec, compute, program)

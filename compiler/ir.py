@@ -25,7 +25,7 @@ of ranks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Iterable, NamedTuple
 
@@ -210,6 +210,14 @@ class WeightPlan:
     buffers: int | None
     num_steps: int
 
+    def communicators(self, num_ranks: int) -> list[Communicator]:
+        """The groups the program's collectives meet on (``weight_communicators``)."""
+        return weight_communicators(self, num_ranks)
+
+    def group_of(self, rank: int) -> int | None:
+        """The group (node) ``rank`` belongs to, or None for a rank the plan does not have."""
+        return self.groups[rank] if 0 <= rank < len(self.groups) else None
+
     def group_ranks(self, group: int) -> tuple[int, ...]:
         """The ranks of ``group``, ascending."""
         return tuple(r for r, g in enumerate(self.groups) if g == group)
@@ -287,6 +295,14 @@ class RingPlan:
     @property
     def num_ranks(self) -> int:
         return len(self.rings[0])
+
+    def communicators(self, num_ranks: int) -> list[Communicator]:
+        """One communicator of every rank: an all_to_all exchange meets on it."""
+        return [Communicator(0, tuple(range(num_ranks)), WORLD, 0)]
+
+    def group_of(self, rank: int) -> None:
+        """A sequence ring groups no ranks."""
+        return None
 
     def chunks_of(self, rank: int) -> tuple[int, ...]:
         """The chunks ``rank`` holds, ascending (its bundles' order)."""
@@ -381,13 +397,16 @@ class Program:
     weight_versions: int | None = 1
 
     def __post_init__(self) -> None:
-        if not self.communicators:
-            if self.rings is not None:  # one all_to_all meets every rank
-                self.communicators = [Communicator(0, tuple(range(self.num_ranks)), WORLD, 0)]
-            elif self.weights is not None:
-                self.communicators = weight_communicators(self.weights, self.num_ranks)
-            else:
-                self.communicators = replica_communicators(self.stages, self.pipelines)
+        if not self.communicators:  # each plan's groups, in plan order; a program without one: the replicas'
+            plans = self.plans
+            self.communicators = ([c for plan in plans for c in plan.communicators(self.num_ranks)] if plans
+                                  else replica_communicators(self.stages, self.pipelines))
+            self.communicators = [replace(c, id=i) for i, c in enumerate(self.communicators)]
+
+    @property
+    def plans(self) -> tuple:
+        """The family plans the program holds (``compiler/family.py`` maps each to its family), in a fixed order."""
+        return tuple(plan for plan in (self.weights, self.rings) if plan)
 
     # -- stage graph -------------------------------------------------------------
 
@@ -438,9 +457,7 @@ class Program:
         the others as ``communicator_of`` says.
         """
         if RULES[action.op].communicator == GROUP_OF_RANK:
-            if self.weights is None or not 0 <= rank < len(self.weights.groups):
-                return None
-            key = self.weights.groups[rank]
+            key = next((plan.group_of(rank) for plan in self.plans if plan.group_of(rank) is not None), None)
             return next((c for c in self.communicators if c.purpose == GROUP_OF_RANK and c.key == key), None)
         return self.communicator_of(action)
 

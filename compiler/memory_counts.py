@@ -35,6 +35,7 @@ from itertools import accumulate, repeat
 from typing import Iterable, Iterator, Mapping, Union
 
 from pipec.compiler import ops
+from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.ops import Use
 
@@ -250,11 +251,12 @@ def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, 
         ValueError: an unknown size class or a negative size.
     """
     check_sizes(sizes)
-    if program.rings is not None:  # a sequence ring's memory is its keys and values
-        kv = peak_kv_bytes(program, sizes[ops.SIZE_KV]) if ops.SIZE_KV in sizes else [0] * len(program.ranks)
-        return [{size_class: kv[rank] if size_class == ops.SIZE_KV else 0 for size_class in sizes}
-                for rank in range(len(program.ranks))]
-    buffers = peak_weight_buffers(program) if program.weights is not None else [0] * len(program.ranks)
+    families = families_of(program)
+    counted = next((peaks for peaks in (family.peak_bytes(program, sizes) for family in families) if peaks), None)
+    if counted is not None:  # a family that counts its memory its own way (a ring: its keys and values)
+        return counted
+    buffers = next((peaks for peaks in (family.borrowed_buffers(program) for family in families) if peaks is not None),
+                   [0] * len(program.ranks))
     return [{size_class: size * (peak_count(row, SIZE_CLASS_DELTAS[size_class])
                                  + (borrowed if size_class == ops.SIZE_WEIGHT else 0))
              for size_class, size in sizes.items()}

@@ -56,6 +56,7 @@ from typing import Mapping, NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
+from pipec.compiler.family import families_of
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import (
@@ -791,8 +792,10 @@ class _Simulation:
         exact_makespan = max(self.clock + allreduce_ends, default=0)
         makespan = _exact(exact_makespan)
         byte_peaks = peak_bytes(self.program, self.sizes) if self.sizes is not None else [None] * self.num_ranks
-        borrowed = (peak_weight_buffers(self.program) if self.program.weights is not None
-                    else [None] * self.num_ranks)
+        families = families_of(self.program)
+        exact_times = any(family.exact_times for family in families)
+        borrowed = next((peaks for peaks in (family.borrowed_buffers(self.program) for family in families)
+                         if peaks is not None), [None] * self.num_ranks)
         exact_busy = [inline + handled for inline, handled in zip(self.busy, self.handled_busy)]
         recomputing = recomputes(self.program)
         ranks = [RankStats(_exact(busy), _exact(exact_makespan - busy), peak, peak_waiting_w(row), in_bytes, buffers,
@@ -804,7 +807,7 @@ class _Simulation:
         for compute, comms in zip(self.slots, self.comm_slots):
             # compute slots are already in start order; sorting is needed only to merge comms in
             lane = sorted(compute + comms, key=itemgetter(0)) if comms else compute
-            if self.program.rings is not None:  # exact block times, reported as plain numbers
+            if exact_times:  # exact block times (a ring's fractions), reported as plain numbers
                 lane = [slot._replace(start=_exact(slot.start), end=_exact(slot.end)) for slot in lane]
             timeline.append(lane)
         moved = traffic(self.program, self.sizes or self.costs.sizes, node_map(self.program, self.costs.node_size))

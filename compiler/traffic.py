@@ -27,6 +27,7 @@ from fractions import Fraction
 from typing import Callable, Mapping
 
 from pipec.compiler import ops
+from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, ring_hops
@@ -123,6 +124,5 @@ def node_map(program: Program, node_size: int = 0) -> Callable[[int], int]:
     if node_size:
         devices = program.devices or list(range(program.num_ranks))
         return lambda rank: devices[rank] // node_size
-    if program.weights is not None:
-        return program.weights.groups.__getitem__
-    return lambda rank: 0
+    grouped = next((by for by in map(lambda family: family.node_of(program), families_of(program)) if by), None)
+    return grouped or (lambda rank: 0)

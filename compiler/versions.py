@@ -29,6 +29,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from pipec.compiler import ops
+from pipec.compiler.family import Family, first_refusal
 from pipec.compiler.ir import Program
 from pipec.errors import VersionError
 
@@ -109,10 +110,11 @@ def version_plan(program: Program) -> VersionPlan | None:
     """
     if not has_updates(program):
         return None
-    if program.weights is not None:
+    refusal = first_refusal(program, Family.refuse_updates)
+    if refusal is not None:
         rank, index = next((r, i) for r, row in enumerate(program.ranks) for i, a in enumerate(row) if a[1] in _UPDATES)
-        raise VersionError(f"{program.ranks[rank][index].text()} updates a stage inside the list, but under weight "
-                           "passing each layer's owner steps its optimizer after it", rank, index, program.grid())
+        raise VersionError(f"{program.ranks[rank][index].text()} updates a stage inside the list, but {refusal}",
+                           rank, index, program.grid())
     bound = program.weight_versions
     replicas = Counter(info.position for info in program.stages)
     replicated = {info.id for info in program.stages if replicas[info.position] > 1}

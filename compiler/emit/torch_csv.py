@@ -48,6 +48,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pipec.compiler import ops
+from pipec.compiler.family import first_refusal
 from pipec.compiler.ir import Action, Program
 from pipec.errors import UsageError
 
@@ -140,17 +141,9 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
         UsageError: the program passes weights, is a sequence ring, has several pipelines (replicated stages), or
             an op torch cannot express.
     """
-    if program.weights is not None:
-        raise UsageError(
-            f"{program.name or 'this program'} passes weights between ranks (weight passing); torch's schedule "
-            "CSV moves activations between the stages of one pipeline and has no form for it"
-        )
-    if program.rings is not None:
-        raise UsageError(
-            f"{program.name or 'this program'} is a sequence ring (ring attention: KV moves between ranks holding "
-            "chunks of one sequence); torch's schedule CSV moves activations between the stages of one pipeline "
-            "and has no form for it"
-        )
+    refusal = first_refusal(program, lambda family: family.refuse_torch_csv(program.name or "this program"))
+    if refusal is not None:
+        raise UsageError(refusal)
     if len(program.pipelines) != 1:
         raise UsageError(
             f"{program.name or 'this program'} has {len(program.pipelines)} pipelines (replicated stages); "

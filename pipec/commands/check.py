@@ -2,9 +2,10 @@
 
 TARGET may also be a compiled program (``pipec compile --format json``),
 recognised by its content: it is read through the guarded reader and gets the
-same checks (``check_all``) and the same one-line answer. A sequence ring
-(``Program.rings``) is proved by ``check_rings`` (through ``check_all``), and
-its line says what that proved instead of activation counts.
+same checks (``check_all``) and the same one-line answer. What the line says
+the program is made of and what was proved is each family's to say
+(``Family.shape_text``, ``Family.proof_text``): a sequence ring names its
+blocks and rings instead of activation counts.
 """
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from pipec.compiler.checks import peak_activations
+    from pipec.compiler.family import families_of
     from pipec.compiler.guarded_read import looks_like_program
-    from pipec.compiler.memory_counts import peak_bytes, peak_kept_inputs, peak_weight_buffers, recomputes
 
     if looks_like_program(args.target):
         name, program, costs = _checked_program_file(args)
@@ -31,59 +31,42 @@ def run(args) -> int:
         costs = load_costs(args)
         compiled = compile_from_args(args, costs)
         name, program = compiled.spec.name, compiled.program
-    if program.rings is not None:  # sequence rings: check_all ran check_rings, which proves other things
-        write_output(_rings_ok(name, program), None)
-        return 0
+    families = families_of(program)
+    sizes = costs.sizes if costs is not None else {}
+    shape = ", ".join(family.shape_text(program) for family in families)
+    proof = "; ".join(family.proof_text(program, lambda: _memory_text(program, sizes)) for family in families)
+    write_output(f"ok: {name} ({describe_params(program.params)}): {program.num_ranks} ranks, {shape}, "
+                 f"{program.instruction_count()} instructions; {proof}", None)
+    return 0
+
+
+def _memory_text(program, sizes) -> str:
+    """Peak activations per rank (and kept inputs, and bytes per size class the cost file sizes), and what
+    a program with updates in its order keeps."""
+    from pipec.compiler.checks import peak_activations
+    from pipec.compiler.memory_counts import peak_bytes, peak_kept_inputs, recomputes
+
     peaks = peak_activations(program)
     if recomputes(program):  # recomputed stages keep their inputs instead, counted apart
         peaks = f"{peaks}, peak kept inputs per rank {[peak_kept_inputs(row) for row in program.ranks]}"
     in_bytes = ""
-    sizes = costs.sizes if costs is not None else {}
     if sizes:  # the cost file gives bytes per size class: each class's peak per rank
         per_rank = peak_bytes(program, sizes)
         in_bytes = "; peak bytes per rank " + ", ".join(
             f"{size_class} [{', '.join(human_bytes(rank[size_class]) for rank in per_rank)}]" for size_class in sizes)
-    weights = _versions(program)
-    if program.weights is not None:  # weight passing: its extra proofs and its buffers
-        weights = (f"; weights where every task runs, gradients folded into their owners once, "
-                   f"peak borrowed weight buffers per rank {peak_weight_buffers(program)}")
-    write_output(
-        f"ok: {name} ({describe_params(program.params)}): {program.num_ranks} ranks, "
-        f"{len(program.stages)} stages, {program.num_microbatches} microbatches, "
-        f"{program.instruction_count()} instructions; well-formed, messages matched, deadlock-free, "
-        f"no conflict; peak activations per rank {peaks}{in_bytes}{weights}",
-        None,
-    )
-    return 0
+    return f"peak activations per rank {peaks}{in_bytes}{_versions(program)}"
 
 
 def _versions(program) -> str:
     """For a program with updates in its order: what its stages keep (``compiler/versions.py``); else ""."""
     from pipec.compiler.versions import version_plan, version_summary
 
-    plan = version_plan(program) if program.weights is None else None
+    plan = version_plan(program)
     if plan is None:
         return ""
     summary = version_summary(program, plan)
     return (f"; every backward on its forward's weights, every gradient applied: updates per stage "
             f"{summary['updates']}, weight versions per stage {summary['weight_versions']}")
-
-
-def _rings_ok(name: str, program) -> str:
-    """The one line for a sequence-ring program that passed ``check_rings``: what it proved.
-
-    Blocks, KV and partials are what a ring moves and computes; it has no
-    stages' activations, so their counts (all zero) are not shown.
-    """
-    plan = program.rings
-    blocks = sum(1 for q in range(plan.chunks) for kv in range(plan.chunks) for piece in range(plan.pieces)
-                 if plan.visible(q, kv, piece))
-    pieces = f"{plan.pieces} KV piece{'s' if plan.pieces != 1 else ''}"
-    return (f"ok: {name} ({describe_params(program.params)}): {program.num_ranks} ranks, {plan.chunks} chunks of "
-            f"{pieces} on {len(plan.rings)} ring{'s' if len(plan.rings) != 1 else ''}, "
-            f"{program.instruction_count()} instructions; each of the {blocks} visible blocks computed once forward "
-            "and once backward, KV where every block runs, every dK, dV contribution home once, messages matched, "
-            "deadlock-free" + (f"\nnote: {plan.note}" if plan.note else ""))
 
 
 def _checked_program_file(args):

@@ -31,7 +31,7 @@ def run(args) -> int:
     sizes = costs.sizes if costs is not None else {}
     result = simulate(compiled.program, costs, sizes=sizes or None)
     program = compiled.program
-    plan = version_plan(program) if program.weights is None and program.rings is None else None
+    plan = version_plan(program)
     # asynchronous training: the same updates with a flush after each, for the throughput it gains
     flushed = None if plan is None else sum(simulate(each, costs).makespan for each in flushed_equivalent(program, plan))
     if args.json:
