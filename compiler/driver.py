@@ -12,7 +12,7 @@ front end resolves schedules against the rule table's task kinds
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from typing import Mapping
 

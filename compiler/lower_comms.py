@@ -63,7 +63,6 @@ from typing import NamedTuple
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import BATCH, NO_PEER, Action, Program, StageTables, stage_tables
 from pipec.compiler.ops import (
-    FREE,
     COLLECTIVE_OPS,
     COLLECTIVE_WAIT_OPS,
     COMM_OP_OF_KIND,
@@ -79,10 +78,7 @@ from pipec.compiler.ops import (
     SELF,
     TASK_CODE,
     VALUE_KINDS,
-    SEQUENCE_RING,
-    WEIGHT_PASSING,
     consumers,
-    declare_pass,
     producers,
 )
 from pipec.compiler.routes import ROUTES, Hop
@@ -653,12 +649,5 @@ def _wait_for(started: Action) -> Action:
 def _is_receive(code: int) -> int:
     return code & 1
 
-
-declare_pass("lower_comms", set(COMPUTE_OPS) | set(_SEND_OF_KIND) | set(_RECV_OF_KIND) | {BATCH}
-             | set(_COLLECTIVE_OF_PURPOSE.values()) | set(_WAIT_OF_PURPOSE.values())
-             | {op for op in RULES if RULES[op].category == FREE}  # frees: kept where they stand
-             # weight passing and sequence rings are lowered by ``lower_weights`` and
-             # ``lower_rings``; their ops never reach this pass
-             | {op for op in RULES if RULES[op].family in (WEIGHT_PASSING, SEQUENCE_RING)})
 
 __all__ = ["insert_communication"]

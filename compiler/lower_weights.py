@@ -89,7 +89,6 @@ from pipec.compiler.ops import (
     FORWARD,
     FREE_W,
     GRADIENT_CONTRIBUTORS,
-    OPS,
     RECV_G,
     RECV_W,
     REDUCE_G,
@@ -99,7 +98,6 @@ from pipec.compiler.ops import (
     SHIFT_G,
     SHIFT_OF_PASS,
     WEIGHT_PASS,
-    declare_pass,
 )
 from pipec.compiler.routes import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Hop, Leg
 from pipec.dsl.spec import ScheduleSpec
@@ -116,8 +114,8 @@ PASSES = (FORWARD, BACKWARD)
 
 # Lowering reads which computes use weights (and in which pass) and which
 # contribute gradients from the rule table; it makes the exchange ops and keeps
-# every other op where it is.
-declare_pass("lower_weights", OPS)
+# every other op where it is. A family's lowering interprets no op, so it
+# declares no pass (``ops.declare_pass``).
 
 
 class _Leg(NamedTuple):

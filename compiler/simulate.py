@@ -60,7 +60,7 @@ from pipec.compiler.family import families_of
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import (
-    ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_kept_inputs, peak_waiting_w, peak_weight_buffers,
+    ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_kept_inputs, peak_waiting_w,
     recomputes,
 )
 from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Network
@@ -264,7 +264,11 @@ _COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "sh
                     ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER,
                     ops.ALLTOALL_KV: "all_to_all", ops.ALLTOALL_DKV: "all_to_all"}
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})  # their ``peer`` is the root
-ops.declare_pass("simulate", [*_COMPUTE_RULES, *_COMM_RULES, *_BATCH_OPS, *_FREE_OPS, *_HANDLERS, *_EXCHANGE_PARTS])
+# An exchange's sends, receives and local copies are priced by their category; a collective part
+# by its own kind of collective (``_COLLECTIVE_KIND``).
+ops.declare_pass("simulate", [*_COMPUTE_RULES, *_COMM_RULES, *_BATCH_OPS, *_FREE_OPS, *_HANDLERS,
+                              *(op for op in _EXCHANGE_PARTS
+                                if ops.RULES[op].category != ops.PART_COLLECTIVE or op in _COLLECTIVE_KIND)])
 
 # For messages: space -> the computes publishing in it; space -> the message
 # kind its computes make (spaces of no message are absent).

@@ -47,10 +47,14 @@ _RING_OF = {
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})
 _RING_STEPS = (ops.SHIFT_F, ops.SHIFT_B, ops.SHIFT_G)
 _SENDS = frozenset(ops.SEND_OPS) | frozenset(op for op in ops.EXCHANGE_PART_OPS if ops.RULES[op].category == ops.PART_SEND)
-# What the traffic count has a rule for: messages and collectives by the rules above, and
-# every other op moves nothing over a link (computes, receives (counted at their sends),
-# waits, fills, frees).
-ops.declare_pass("traffic", ops.OPS)
+# What the traffic count has a rule for: messages, ring steps and collectives by the tables
+# above, batches and exchanges (and an all_to_all) by their parts; every other op moves
+# nothing over a link: computes, receives (counted at their sends), waits, fills, frees.
+ops.declare_pass("traffic", _SENDS | set(_RING_STEPS) | set(_RING_OF)
+                 | {op for op, rule in ops.RULES.items() if rule.category in (ops.BATCH_OF, ops.EXCHANGE_OF)}
+                 | {ops.ALLTOALL_KV, ops.ALLTOALL_DKV},
+                 leaves=(ops.COMPUTE, ops.RECV, ops.PART_RECV, ops.COLLECTIVE_WAIT, ops.EXCHANGE_WAIT_OF, ops.FREE,
+                         ops.DROP_COPY, ops.PART_LOCAL))
 
 
 def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[int], int]) -> dict[str, dict[str, Number]]:

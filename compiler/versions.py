@@ -33,7 +33,8 @@ from pipec.compiler.family import Family, first_refusal
 from pipec.compiler.ir import Program
 from pipec.errors import VersionError
 
-ops.declare_pass("weight versions", ops.OPS)  # reads the compute ops' rules; every other op is skipped
+# It reads only the compute ops' rule fields (which pass of the weights they run, whether they
+# make a weight gradient or update), so it declares no per-op table (``ops.declare_pass``).
 
 _FORWARD_USERS = frozenset(op for op, p in ops.WEIGHT_PASS.items() if p == ops.FORWARD)
 _BACKWARD_USERS = frozenset(op for op, p in ops.WEIGHT_PASS.items() if p == ops.BACKWARD)

@@ -19,6 +19,7 @@ import torch
 
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
+from added_rule import ADD_RULE
 from runtime_util import _launch
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "ir.md"
@@ -26,21 +27,7 @@ STEPS, SEED, TOLERANCE = 2, 3, 1e-5
 
 # Run in a fresh process: add the documented rule to the table before any pass
 # imports it, add the documented handler to the interpreter, then do the job.
-BOOTSTRAP = r'''
-import importlib.util, json, pathlib, sys
-import pipec.compiler
-
-example = json.loads(pathlib.Path(sys.argv[1]).read_text())
-path = pathlib.Path(pipec.compiler.__file__).parent / "ops.py"
-anchor = "\nOPS: tuple[str, ...] = tuple(RULES)"
-source = path.read_text()
-assert anchor in source, "the rule table's anchor moved; update tests/test_ir_example.py"
-source = source.replace(anchor, "\n_added = " + example["rule"] + "\nRULES[_added.op] = _added\n" + anchor)
-module = importlib.util.module_from_spec(importlib.util.spec_from_loader("pipec.compiler.ops", loader=None))
-module.__file__ = str(path)
-sys.modules["pipec.compiler.ops"] = module
-exec(compile(source, str(path), "exec"), module.__dict__)
-
+BOOTSTRAP = ADD_RULE + r'''
 if sys.argv[2] == "compile":
     from pipec.compiler.checks import peak_activations
     from pipec.compiler.driver import compile_target
@@ -75,7 +62,7 @@ def example(tmp_path_factory):
     pipe = folder / "checked.pipe"
     pipe.write_text(blocks["pipe"])
     spec = folder / "example.json"
-    spec.write_text(json.dumps({"rule": blocks["rule"].strip(), "handler": blocks["handler"], "pipe_path": str(pipe)}))
+    spec.write_text(json.dumps({"rules": [blocks["rule"].strip()], "handler": blocks["handler"], "pipe_path": str(pipe)}))
     script = folder / "bootstrap.py"
     script.write_text(BOOTSTRAP)
     return folder, script, spec, pipe

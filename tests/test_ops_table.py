@@ -1,22 +1,31 @@
-"""Every pass has a rule for every op of the rule table (``compiler/ops.py``).
+"""Every interpretation has a rule for every op of the rule table (``compiler/ops.py``).
 
-A pass registers the ops it handles with ``ops.declare_pass`` when it is
-imported, from its own dispatch or derived tables; adding an op to ``ops.RULES``
-without teaching every pass about it fails here, naming the passes that lack it.
+An interpretation of the ops (the prover's semantics, a cost, an emitter, a
+runtime handler, a trace category, a drawing) registers the ops it handles
+with ``ops.declare_pass`` when it is imported, from its own dispatch or
+derived tables, and the categories it leaves alone by design; adding an op to
+``ops.RULES`` without teaching every interpretation about it fails here,
+naming the ones that lack it. A fresh process adds throw-away ops to the
+table before anything imports it, so an interpretation that claimed every op
+wholesale would be caught (``test_a_throw_away_op_is_missing_from_every_interpretation``).
 """
 from __future__ import annotations
 
 import importlib
+import json
+import subprocess
+import sys
 
 import pytest
 
+from added_rule import ADD_RULE
 from pipec.compiler import ops
 
-# Every module that declares a pass.
+# Every module that declares an interpretation.
 PASS_MODULES = (
-    "pipec.compiler.lower_comms",
     "pipec.compiler.simulate",
     "pipec.compiler.liveness",
+    "pipec.compiler.traffic",
     "pipec.compiler.checks",
     "pipec.compiler.checks.wellformed",
     "pipec.compiler.checks.matching",
@@ -33,9 +42,10 @@ PASS_MODULES = (
 # Modules that need torch; skipped where torch cannot be imported.
 TORCH_PASS_MODULES = ("pipec.runtime.interpreter",)
 
-# The passes these modules declare.
+# The interpretations these modules declare. A family's lowering (lower_comms,
+# lower_weights, lower_rings) emits its own ops and interprets none, so it is
+# not one of them.
 PASSES = (
-    "lower_comms",
     "well-formed",
     "matching",
     "deadlock",
@@ -43,6 +53,7 @@ PASSES = (
     "memory",
     "simulate",
     "liveness",
+    "traffic",
     "task graph",
     "drawing style",
     "json program",
@@ -71,6 +82,62 @@ def _import_passes() -> tuple[str, ...]:
             importlib.import_module(name)
         expected += TORCH_PASSES
     return expected
+
+
+# Two throw-away ops, added to the table in a fresh process before any
+# interpretation imports it: a compute and a collective part of an exchange.
+THROW_AWAY = (
+    'OpRule("ZZ", COMPUTE, ACTIVATION_PASSING, reads=(Use("saved"),), trace="compute", unit_cost=1, optional=True,'
+    ' doc="a throw-away compute")',
+    'OpRule("QQ", PART_COLLECTIVE, WEIGHT_PASSING, fields=("stage", "mb"), doc="a throw-away exchange part")',
+)
+# In that process: import every interpretation, report what each lacks, then, for each
+# interpretation in turn, teach every other one the new ops and report again.
+COVERAGE = ADD_RULE + r'''
+import importlib
+from pipec.compiler import ops
+for name in example["modules"]:
+    importlib.import_module(name)
+declared = ops.declared_passes()
+report = {"declared": declared, "missing": ops.passes_missing_rules(),
+          "leaves": {name: sorted(ops._PASS_RULES[name][1]) for name in declared}, "alone": {}}
+tables = dict(ops._PASS_RULES)
+for lacking in declared:
+    for name, (handled, left) in tables.items():
+        ops._PASS_RULES[name] = (handled | ({"ZZ", "QQ"} if name != lacking else set()), left)
+    report["alone"][lacking] = ops.passes_missing_rules()
+print(json.dumps(report))
+'''
+
+
+# Which interpretations must name each throw-away op. A compute's rule says its dataflow, cost,
+# fields, trace category and torch actions, which the other interpretations derive their tables
+# from; its runtime handler and its colour are code of their own. An exchange part's rule says
+# its category and fields; its price, its traffic, its runtime handler and what the prover does
+# with it are code of their own.
+NEEDS_CODE = {
+    "ZZ": {"runtime interpreter", "drawing style"},
+    "QQ": {"runtime interpreter", "simulate", "traffic", "weight passing", "sequence rings"},
+}
+
+
+def test_a_throw_away_op_is_missing_from_every_interpretation(tmp_path):
+    """No interpretation claims an op it has no code for: each that needs code of its own names the
+    new ops as missing, and the test fails for each such interpretation alone."""
+    modules = PASS_MODULES + (TORCH_PASS_MODULES if _torch_available() else ())
+    spec = tmp_path / "added.json"
+    spec.write_text(json.dumps({"rules": list(THROW_AWAY), "modules": list(modules)}))
+    script = tmp_path / "coverage.py"
+    script.write_text(COVERAGE)
+    done = subprocess.run([sys.executable, str(script), str(spec)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["declared"]) >= set(_import_passes())
+    expected = {name: [op for op in ("ZZ", "QQ") if name in NEEDS_CODE[op]] for name in report["declared"]}
+    expected = {name: lacking for name, lacking in expected.items() if lacking}
+    assert report["missing"] == expected
+    for name in report["declared"]:
+        assert report["alone"][name] == ({name: expected[name]} if name in expected else {}), name
 
 
 def test_every_pass_has_a_rule_for_every_op():
