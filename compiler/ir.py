@@ -406,7 +406,7 @@ class Program:
     @property
     def plans(self) -> tuple:
         """The family plans the program holds (``compiler/family.py`` maps each to its family), in a fixed order."""
-        return tuple(plan for plan in (self.weights, self.rings) if plan)
+        return tuple(plan for plan in (self.weights, self.rings) if plan is not None)
 
     # -- stage graph -------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from pipec.compiler import ops
-from pipec.compiler.family import Family, first_refusal
+from pipec.compiler.family import first_refusal
 from pipec.compiler.ir import Program
 from pipec.errors import VersionError
 
@@ -111,7 +111,7 @@ def version_plan(program: Program) -> VersionPlan | None:
     """
     if not has_updates(program):
         return None
-    refusal = first_refusal(program, Family.refuse_updates)
+    refusal = first_refusal(program, lambda family: family.refuse_updates())
     if refusal is not None:
         rank, index = next((r, i) for r, row in enumerate(program.ranks) for i, a in enumerate(row) if a[1] in _UPDATES)
         raise VersionError(f"{program.ranks[rank][index].text()} updates a stage inside the list, but {refusal}",
