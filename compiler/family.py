@@ -32,11 +32,18 @@ class Family:
         frees_values: whether liveness inserts frees into its programs (a ring's buffers are
             replaced by its exchanges, never freed).
         exact_times: whether the simulator reports its timeline's times as exact plain numbers.
+        runs_ops_of: the families whose ops its programs may hold (weight passing trains stages with
+            activation passing's computes; a ring runs only its own blocks); the prover refuses others.
+        stage_checks: whether the checks that speak of stages and microbatches (well-formed,
+            matching, conflict, deadlock, versions, memory) apply to its programs; a ring's blocks
+            are proved by the symbolic run alone.
     """
 
     name: str = ""
     frees_values: bool = True
     exact_times: bool = False
+    runs_ops_of: tuple[str, ...] = ()
+    stage_checks: bool = True
 
     def spec_plan(self, spec: "ScheduleSpec") -> object | None:
         """The family's declarations in an evaluated schedule, or None when it has none."""

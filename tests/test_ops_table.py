@@ -60,6 +60,7 @@ PASSES = (
     "torch csv",
     "cost model",
     "runtime trace",
+    "prover",
 )
 TORCH_PASSES = ("runtime interpreter",)
 
@@ -113,11 +114,11 @@ print(json.dumps(report))
 # Which interpretations must name each throw-away op. A compute's rule says its dataflow, cost,
 # fields, trace category and torch actions, which the other interpretations derive their tables
 # from; its runtime handler and its colour are code of their own. An exchange part's rule says
-# its category and fields; its price, its traffic, its runtime handler and what the prover does
-# with it are code of their own.
+# its category and fields; its price, its traffic, its runtime handler and what the one prover
+# (checks/symbolic.py, its family's semantics) does with it are code of their own.
 NEEDS_CODE = {
     "ZZ": {"runtime interpreter", "drawing style"},
-    "QQ": {"runtime interpreter", "simulate", "traffic", "weight passing", "sequence rings"},
+    "QQ": {"runtime interpreter", "simulate", "traffic", "prover"},
 }
 
 

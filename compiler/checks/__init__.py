@@ -6,12 +6,15 @@
   FIFO per ordered pair of ranks.
 * ``check_conflict``: no buffer read before it is received or after it is freed.
 * ``check_deadlock``: every rank reaches its end ("rendezvous" or "async").
-* ``check_weights`` (weight passing): every copy and gradient where it must
-  be, collectives in one order, no deadlock, buffers within their bound.
-* ``check_rings`` (sequence rings): every visible attention block computed
-  exactly once forward and backward, every KV bundle where it must be, every
-  dK, dV contribution home once, messages matched, no deadlock; it stands in
-  for the checks above, which speak of stages and microbatches.
+* ``prove_exchanges`` (``checks/symbolic.py``): one symbolic run of every
+  family's exchanges (parts matched, collectives met in one order, waits, no
+  deadlock), each family giving its ops their meaning: weight passing
+  (``check_weights``: every copy and gradient where it must be, buffers within
+  their bound), sequence rings (``check_rings``: every visible attention
+  block computed exactly once forward and backward, every KV bundle where it
+  must be, every dK, dV contribution home once). A family whose programs do
+  not speak of stages and microbatches (rings: ``Family.stage_checks``) is
+  proved by this run alone.
 * ``version_plan`` (optimizer updates in the order): every backward on the
   weights its forward ran on, every weight gradient applied
   (``compiler/versions.py``).
@@ -31,7 +34,9 @@ from pipec.compiler.checks.deadlock import ASYNC, RENDEZVOUS, SEMANTICS, check_d
 from pipec.compiler.checks.matching import MessageLog, check_matching, describe_tensor, scan_messages
 from pipec.compiler.checks.memory import check_memory, peak_activations
 from pipec.compiler.checks.rings import RingReport, check_rings
+from pipec.compiler.checks.symbolic import prove_exchanges, proves_exchanges
 from pipec.compiler.checks.weights import WeightReport, check_weights
+from pipec.compiler.family import families_of
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.versions import version_plan
 from pipec.compiler.checks.wellformed import (
@@ -69,21 +74,20 @@ def check_all(
     """
     if semantics not in SEMANTICS:
         raise ValueError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
-    if program.rings is not None:  # sequence rings: one symbolic run proves coverage, routes, matching, deadlock
-        check_rings(program)
-        return
-    tables = stage_tables(program)
-    tasks = locate_tasks(program, tables)
-    check_well_formed(program, tasks=tasks, tables=tables)
-    log = scan_messages(program, tables)
-    check_matching(program, log=log, tables=tables)
-    check_conflict(program, tasks=tasks, log=log, tables=tables)
-    check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
-    if program.weights is not None:
-        check_weights(program)
-    version_plan(program)
-    check_memory(program, memory_budget, byte_budget=byte_budget, sizes=sizes)
-
+    stage_checks = all(family.stage_checks for family in families_of(program))
+    if stage_checks:
+        tables = stage_tables(program)
+        tasks = locate_tasks(program, tables)
+        check_well_formed(program, tasks=tasks, tables=tables)
+        log = scan_messages(program, tables)
+        check_matching(program, log=log, tables=tables)
+        check_conflict(program, tasks=tasks, log=log, tables=tables)
+        check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
+    if proves_exchanges(program):  # one symbolic run for every family's exchanges
+        prove_exchanges(program)
+    if stage_checks:
+        version_plan(program)
+        check_memory(program, memory_budget, byte_budget=byte_budget, sizes=sizes)
 
 __all__ = [
     "ASYNC",
@@ -99,6 +103,7 @@ __all__ = [
     "check_memory",
     "check_rings",
     "check_weights",
+    "prove_exchanges",
     "RingReport",
     "WeightReport",
     "check_well_formed",

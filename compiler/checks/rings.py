@@ -1,8 +1,10 @@
-"""Sequence rings' proof: run the program symbolically, every block, bundle and partial tracked.
+"""Sequence rings' meaning in the one symbolic run: every block, bundle and partial tracked.
 
-``check_rings(program)`` runs a sequence-ring program (``Program.rings`` set;
-ring, zigzag, TASP attention) on every rank at once, under the strictest
-semantics the runtime may meet, and proves what the lists promise:
+``check_rings(program)`` proves a sequence-ring program (``Program.rings`` set;
+ring, zigzag, TASP attention) with the engine of ``checks/symbolic.py``, which
+matches its messages, meets its all_to_alls and names a deadlock (an
+all_to_all completes when every rank joined it; its EXCHANGE_WAIT waits for
+that). What this module adds, the meaning of the family's ops:
 
 * **Mask coverage.** Every block the mask leaves visible (a query chunk
   against a KV piece: ``RingPlan.visible``) is computed exactly once forward
@@ -23,36 +25,24 @@ semantics the runtime may meet, and proves what the lists promise:
   bundle while another partial of that bundle is arriving (that one would be
   left behind); at the end every bundle's home holds each contribution exactly
   once and no partial is left on another rank. ``RouteError``.
-* **Matching.** Point-to-point parts meet FIFO per ordered pair and carry the
-  same value (KV or dKV of one bundle); the k-th all_to_all is the same on
-  every rank, and inside it every send meets the receive of its peer; both
-  sides of a message move it alike (a send inside an all_to_all against a
-  point-to-point receive is an error, the hang of mixed batching), and every
-  part sits inside an exchange. ``MatchError``.
-* **Deadlock freedom.** An EXCHANGE posts and goes on; its EXCHANGE_WAIT
-  blocks until every part completed: a point-to-point part when both sides
-  are posted (rendezvous), an all_to_all when every rank joined. A program
-  that cannot finish is a ``DeadlockError`` naming the cycle of waits.
+* **Matching and deadlock** are the engine's (a KV or dKV of one bundle on
+  both sides of a message; the k-th all_to_all the same on every rank; both
+  sides of a message moved alike: a send inside an all_to_all against a
+  point-to-point receive is the hang of mixed batching). ``MatchError``,
+  ``DeadlockError``.
 
 Each error names the rank, the instruction (step) and the block or bundle.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from typing import NamedTuple
 
 from pipec.compiler import ops
-from pipec.compiler.checks.symbolic import SymbolicRun
+from pipec.compiler.checks.symbolic import Part, RankState, Semantics, prove_exchanges, register_semantics
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import kv_buffer_counts
-from pipec.errors import CoverageError, DeadlockError, MatchError, RouteError, WellFormedError
-
-ops.declare_pass("sequence rings", ops.OPS)  # runs the ring ops; any other op is refused by name
-
-_SEND_OF = {ops.RECV_KV: ops.SEND_KV, ops.RECV_DKV: ops.SEND_DKV}
-_P2P = frozenset((ops.SEND_KV, ops.RECV_KV, ops.SEND_DKV, ops.RECV_DKV))
-_SENDS = frozenset((ops.SEND_KV, ops.SEND_DKV))
-_ALLTOALL = frozenset((ops.ALLTOALL_KV, ops.ALLTOALL_DKV))
+from pipec.errors import CoverageError, MatchError, RouteError, WellFormedError
 
 
 class RingReport(NamedTuple):
@@ -73,7 +63,7 @@ def check_rings(program: Program) -> RingReport:
     Raises:
         CoverageError, RouteError, MatchError, DeadlockError, WellFormedError: the first violation found.
     """
-    return _Run(program).run()
+    return prove_exchanges(program)[ops.SEQUENCE_RING]
 
 
 def block_text(plan, q: int, block: int) -> str:
@@ -85,223 +75,98 @@ def _bundle_text(bundle: tuple[int, int]) -> str:
     return f"rank {bundle[0]}'s KV bundle of piece {bundle[1]}"
 
 
-class _Part:
-    __slots__ = ("rank", "step", "action", "exchange", "done", "content", "inside")
+class _Holdings:
+    """One rank's KV bundles and dK, dV partials."""
 
-    def __init__(self, rank: int, step: int, action: Action, exchange: int, inside: str | None):
-        self.rank, self.step, self.action, self.exchange = rank, step, action, exchange
-        self.inside = inside      # the all_to_all op it rides, or None (point to point)
-        self.done = False
-        self.content = None       # a dKV send's partial (a Counter of contributions)
-
-
-class _Rank:
-    def __init__(self, rank: int, pieces: int):
-        self.rank = rank
-        self.pc = 0
-        self.open: dict[int, list[_Part]] = {}
+    def __init__(self, pieces: int):
         self.received: dict[int, tuple[int, int] | None] = {p: None for p in range(pieces)}  # again: per piece
         self.kept: set[tuple[int, int]] = set()
         self.sending: Counter = Counter()      # bundle -> KV sends in flight
         self.partials: dict[tuple[int, int], Counter] = {}
         self.incoming: Counter = Counter()     # bundle -> dKV receives posted, not waited
-        self.waiting_on = None
 
 
-class _Run(SymbolicRun):
-    def __init__(self, program: Program):
-        super().__init__(program)
-        self.plan = plan = program.rings
-        self.P = program.num_ranks
-        self.ranks = [_Rank(r, plan.pieces) for r in range(self.P)]
-        self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
-        self.meetings: dict[int, dict[int, _Part]] = {}
-        self.joined: Counter = Counter()
+@register_semantics
+class RingSemantics(Semantics):
+    family = ops.SEQUENCE_RING
+    part_ops = frozenset((ops.SEND_KV, ops.RECV_KV, ops.SEND_DKV, ops.RECV_DKV, ops.ALLTOALL_KV, ops.ALLTOALL_DKV))
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.plan = plan = self.program.rings
+        self.held = [_Holdings(plan.pieces) for _ in range(self.P)]
         self.forward: dict[int, set[int]] = {q: set() for q in range(plan.chunks)}
         self.backward: dict[int, set[int]] = {q: set() for q in range(plan.chunks)}
         self.expected = {q: {plan.block(kv, p) for kv in range(plan.chunks) for p in range(plan.pieces)
                              if plan.visible(q, kv, p)} for q in range(plan.chunks)}
 
-    # -- driver ------------------------------------------------------------------
-
-    def run(self) -> RingReport:
+    def start(self) -> None:
         if len(self.program.ranks) != self.P or any(len(ring) != self.P or sorted(ring) != list(range(self.P))
                                                    for ring in self.plan.rings):
             raise self.error(WellFormedError, "every ring must visit each of the program's ranks once", 0, 0)
-        self.execute(self.ranks)
+
+    def report(self) -> RingReport:
         return RingReport(self.buffers(), sum(len(b) for b in self.expected.values()))
 
-    def advance(self, state: _Rank) -> bool:
-        row = self.program.ranks[state.rank]
-        start = state.pc
-        while state.pc < len(row):
-            action = row[state.pc]
-            rule = ops.RULES.get(action.op)
-            if rule is None:
-                raise self.error(WellFormedError, f"unknown op {action.op!r}", state.rank, state.pc)
-            if action.op == ops.EXCHANGE:
-                self.post(state, action)
-            elif action.op == ops.EXCHANGE_WAIT:
-                if not self.wait(state, action):
-                    break
-            elif action.op in ops.RING_COMPUTE_OPS:
-                self.compute(state, action)
-            elif action.op in ops.RING_PART_OPS:
-                raise self.error(MatchError, f"{action.text()} stands outside an exchange: both sides of a "
-                                 "message are posted alike, inside an EXCHANGE", state.rank, state.pc)
-            else:
-                raise self.error(WellFormedError, f"{action.text()} is not an instruction of the sequence ring "
-                                 "family", state.rank, state.pc)
-            state.pc += 1
-        return state.pc != start
+    def step(self, state: RankState, action: Action) -> None:
+        if action.op in ops.RING_COMPUTE_OPS:
+            self.compute(state, action)
 
     # -- exchanges ---------------------------------------------------------------
 
-    def post(self, state: _Rank, action: Action) -> None:
-        if action.mb in state.open:
-            raise self.error(MatchError, f"exchange {action.mb} is posted again before its wait", state.rank, state.pc)
-        parts: list[_Part] = []
-        state.open[action.mb] = parts
-        for part in action.parts:
-            if part.op in _ALLTOALL:
-                collective = _Part(state.rank, state.pc, part, action.mb, None)
-                parts.append(collective)
-                for inner in part.parts:
-                    if inner.op not in _P2P:
-                        raise self.error(MatchError, f"{part.text()} holds {inner.text()}, which no all_to_all "
-                                         "moves", state.rank, state.pc)
-                    parts.append(self.post_part(state, _Part(state.rank, state.pc, inner, action.mb, part.op)))
-                self.join(state, collective)
-            elif part.op in _P2P:
-                parts.append(self.post_part(state, _Part(state.rank, state.pc, part, action.mb, None)))
-            else:
-                raise self.error(MatchError, f"{part.text()} cannot be part of a sequence ring's exchange",
-                                 state.rank, state.pc)
-
-    def post_part(self, state: _Rank, part: _Part) -> _Part:
-        action, plan = part.action, self.plan
+    def post(self, state: RankState, part: Part) -> None:
+        action, plan, h = part.action, self.plan, self.held[state.rank]
+        if ops.RULES[action.op].category == ops.PART_COLLECTIVE:
+            return  # an all_to_all brings what its sends and receives carry
         bundle = (action.stage, action.mb)
-        if not (0 <= action.stage < self.P and 0 <= action.mb < plan.pieces and 0 <= action.peer < self.P) \
-                or action.peer == state.rank:
-            raise self.error(MatchError, f"{action.text()} names no bundle of this program or no other rank "
-                             f"(peer {action.peer})", state.rank, state.pc)
+        if not (0 <= action.stage < self.P and 0 <= action.mb < plan.pieces):
+            raise self.error(MatchError, f"{action.text()} names no bundle of this program", state.rank, state.pc)
         if action.op == ops.SEND_KV:
             if not self.holds(state, bundle):
                 raise self.error(RouteError, f"{action.text()} sends {_bundle_text(bundle)}, which this rank does "
                                  "not hold now", state.rank, state.pc)
-            state.sending[bundle] += 1
+            h.sending[bundle] += 1
         elif action.op == ops.SEND_DKV:
-            if state.incoming[bundle]:
+            if h.incoming[bundle]:
                 raise self.error(RouteError, f"{action.text()} sends this rank's partial of {_bundle_text(bundle)} "
                                  "while another partial of it is still arriving: that one would be left "
                                  "behind, its contributions lost", state.rank, state.pc)
-            part.content = state.partials.pop(bundle, Counter())
+            part.content = h.partials.pop(bundle, Counter())
         elif action.op == ops.RECV_DKV:
-            state.incoming[bundle] += 1
-        if part.inside is None:
-            sender, receiver = (state.rank, action.peer) if action.op in _SENDS else (action.peer, state.rank)
-            sends, recvs = self.channels.setdefault((sender, receiver), (deque(), deque()))
-            (sends if action.op in _SENDS else recvs).append(part)
-            self.match(sends, recvs)
-        return part
+            h.incoming[bundle] += 1
 
-    def match(self, sends: deque, recvs: deque) -> None:
-        while sends and recvs:
-            send, recv = sends.popleft(), recvs.popleft()
-            if _SEND_OF[recv.action.op] != send.action.op or (send.action.stage, send.action.mb) != \
-                    (recv.action.stage, recv.action.mb):
-                raise self.error(MatchError, f"{recv.action.text()} from rank {send.rank} meets {send.action.text()}"
-                                 f" (instruction {send.step} of rank {send.rank}): the messages between the two "
-                                 "ranks are out of order or not the same value", recv.rank, recv.step,
-                                 [(send.rank, send.step)])
-            recv.content = send.content
-            send.done = recv.done = True
+    def value_text(self, value: tuple) -> str:
+        kind, holder, piece = value
+        return f"{ops.VALUE_KINDS[kind].words} of {_bundle_text((holder, piece))}"
 
-    def join(self, state: _Rank, collective: _Part) -> None:
-        k = self.joined[state.rank]
-        self.joined[state.rank] += 1
-        meeting = self.meetings.setdefault(k, {})
-        meeting[state.rank] = collective
-        if len(meeting) < self.P:
-            return
-        first = meeting[0]
-        for rank, part in meeting.items():
-            if (part.action.op, part.action.mb) != (first.action.op, first.action.mb):
-                raise self.error(MatchError, f"the {k + 1}th all_to_all is {part.action.op} {part.action.mb} on rank "
-                                 f"{rank} but {first.action.op} {first.action.mb} on rank 0", rank, part.step,
-                                 [(0, first.step)])
-        self.match_inside(meeting)
-        for part in meeting.values():
-            part.done = True
-
-    def match_inside(self, meeting: dict[int, _Part]) -> None:
-        """Inside one all_to_all: every send meets its peer's receive from this rank, in order."""
-        parts = {rank: [p for p in self.ranks[rank].open[part.exchange] if p.inside is not None]
-                 for rank, part in meeting.items()}
-        for rank, mine in parts.items():
-            for send in (p for p in mine if p.action.op in _SENDS):
-                peer = send.action.peer
-                takers = [p for p in parts[peer] if p.action.op not in _SENDS and p.action.peer == rank
-                          and not p.done]
-                if not takers:
-                    raise self.error(MatchError, f"rank {rank}'s all_to_all sends {send.action.text()} to rank {peer}, "
-                                     f"whose all_to_all takes nothing more from rank {rank}: both sides of a message "
-                                     "must move it alike", rank, send.step, [(peer, meeting[peer].step)])
-                recv = takers[0]
-                if _SEND_OF[recv.action.op] != send.action.op or \
-                        (send.action.stage, send.action.mb) != (recv.action.stage, recv.action.mb):
-                    raise self.error(MatchError, f"inside the all_to_all, rank {peer}'s {recv.action.text()} from "
-                                     f"rank {rank} meets its {send.action.text()}", peer, recv.step, [(rank, send.step)])
-                recv.content = send.content
-                send.done = recv.done = True
-        for rank, mine in parts.items():
-            left = next((p for p in mine if not p.done), None)
-            if left is not None:
-                raise self.error(MatchError, f"rank {rank}'s all_to_all expects {left.action.text()} from rank "
-                                 f"{left.action.peer}, whose all_to_all does not send it: both sides of a message "
-                                 "must move it alike", rank, left.step)
-
-    def wait(self, state: _Rank, action: Action) -> bool:
-        parts = state.open.get(action.mb)
-        if parts is None:
-            raise self.error(MatchError, f"{action.text()} waits for exchange {action.mb}, which this rank has not "
-                             "posted (or already waited)", state.rank, state.pc)
-        pending = [p for p in parts if not p.done]
-        if pending:
-            state.waiting_on = pending[0]
-            return False
-        state.waiting_on = None
-        del state.open[action.mb]
-        for part in parts:
-            self.complete(state, part)
-        return True
-
-    def complete(self, state: _Rank, part: _Part) -> None:
-        action = part.action
+    def arrive(self, state: RankState, part: Part) -> None:
+        action, h = part.action, self.held[state.rank]
         bundle = (action.stage, action.mb)
         if action.op == ops.SEND_KV:
-            state.sending[bundle] -= 1
+            h.sending[bundle] -= 1
         elif action.op == ops.RECV_KV:
             self.deliver(state, bundle)
         elif action.op == ops.RECV_DKV:
-            state.incoming[bundle] -= 1
-            state.partials.setdefault(bundle, Counter()).update(part.content or Counter())
+            h.incoming[bundle] -= 1
+            h.partials.setdefault(bundle, Counter()).update(part.content or Counter())
 
-    def deliver(self, state: _Rank, bundle: tuple[int, int]) -> None:
+    def deliver(self, state: RankState, bundle: tuple[int, int]) -> None:
         if bundle[0] == state.rank:
             return
+        h = self.held[state.rank]
         if self.plan.kv == "kept":
-            state.kept.add(bundle)
+            h.kept.add(bundle)
         else:
-            old = state.received[bundle[1]]
-            if old is not None and state.sending[old]:
+            old = h.received[bundle[1]]
+            if old is not None and h.sending[old]:
                 raise self.error(RouteError, f"{_bundle_text(bundle)} arrives into the buffer of "
                                  f"{_bundle_text(old)} while that one is still being sent: a stale buffer "
                                  "reused", state.rank, state.pc)
-            state.received[bundle[1]] = bundle
+            h.received[bundle[1]] = bundle
 
-    def holds(self, state: _Rank, bundle: tuple[int, int]) -> bool:
-        return bundle[0] == state.rank or bundle in state.kept or state.received.get(bundle[1]) == bundle
+    def holds(self, state: RankState, bundle: tuple[int, int]) -> bool:
+        h = self.held[state.rank]
+        return bundle[0] == state.rank or bundle in h.kept or h.received.get(bundle[1]) == bundle
 
     def buffers(self) -> list[int]:
         """Peak received KV bundles per rank (``memory_counts.kv_buffer_counts``, the count ``simulate``
@@ -320,7 +185,7 @@ class _Run(SymbolicRun):
 
     # -- blocks ------------------------------------------------------------------
 
-    def compute(self, state: _Rank, action: Action) -> None:
+    def compute(self, state: RankState, action: Action) -> None:
         plan, q = self.plan, action.stage
         if not (0 <= q < plan.chunks and 0 <= action.mb < plan.chunks * plan.pieces):
             raise self.error(WellFormedError, f"{action.text()} names no block of {plan.chunks} chunks of "
@@ -355,17 +220,12 @@ class _Run(SymbolicRun):
                              f"{block_text(plan, q, missing[0])}: a backward block needs its queries' global output "
                              "and log-sum-exp", state.rank, state.pc)
         self.backward[q].add(action.mb)
-        state.partials.setdefault(bundle, Counter())[(q, kv, piece)] += 1
+        self.held[state.rank].partials.setdefault(bundle, Counter())[(q, kv, piece)] += 1
 
     # -- the end -----------------------------------------------------------------
 
     def finish(self) -> None:
         plan = self.plan
-        for state in self.ranks:
-            if state.open:
-                number = next(iter(state.open))
-                raise self.error(MatchError, f"exchange {number} is never waited", state.rank,
-                                 len(self.program.ranks[state.rank]) - 1)
         for q in range(plan.chunks):
             rank = plan.holders[q]
             end = max(len(self.program.ranks[rank]) - 1, 0)
@@ -375,51 +235,25 @@ class _Run(SymbolicRun):
                     raise self.error(CoverageError, f"the {block_text(plan, q, missing[0])} is never computed "
                                      f"{words} ({len(missing)} visible block{'s' if len(missing) > 1 else ''} of "
                                      f"chunk {q} missing)", rank, end)
-        for state in self.ranks:
-            end = max(len(self.program.ranks[state.rank]) - 1, 0)
-            for bundle, partial in state.partials.items():
-                if bundle[0] != state.rank and +partial:
+        for rank, h in enumerate(self.held):
+            end = self.run.end_of(rank)
+            for bundle, partial in h.partials.items():
+                if bundle[0] != rank and +partial:
                     q, kv, piece = next(iter(partial))
                     raise self.error(RouteError, f"the dK, dV partial of {_bundle_text(bundle)} is left on rank "
-                                     f"{state.rank}, never sent home (it holds {sum(partial.values())} "
+                                     f"{rank}, never sent home (it holds {sum(partial.values())} "
                                      f"contributions, e.g. of {block_text(plan, q, plan.block(kv, piece))})",
-                                     state.rank, end)
-        for state in self.ranks:
-            end = max(len(self.program.ranks[state.rank]) - 1, 0)
+                                     rank, end)
+        for rank, h in enumerate(self.held):
+            end = self.run.end_of(rank)
             for piece in range(plan.pieces):
-                bundle = (state.rank, piece)
-                have = state.partials.get(bundle, Counter())
-                want = Counter((q, kv, piece) for kv in plan.chunks_of(state.rank) for q in range(plan.chunks)
+                bundle = (rank, piece)
+                have = h.partials.get(bundle, Counter())
+                want = Counter((q, kv, piece) for kv in plan.chunks_of(rank) for q in range(plan.chunks)
                                if plan.visible(q, kv, piece))
                 for key in sorted(set(have) | set(want)):
                     if have[key] != want[key]:
                         got = "never reaches home" if have[key] == 0 else f"is folded in {have[key]} times"
                         raise self.error(RouteError, f"the dK, dV of {block_text(plan, key[0], plan.block(key[1], key[2]))} "
-                                         f"{got} (rank {state.rank}'s {_bundle_text(bundle)} partial)",
-                                         state.rank, end)
-
-    def deadlock(self, stuck: list[_Rank]) -> DeadlockError:
-        by_rank = {s.rank: s for s in stuck}
-        lines, marks = [], []
-        state, seen = stuck[0], []
-        while state is not None and state.rank not in seen:
-            seen.append(state.rank)
-            action = self.program.ranks[state.rank][state.pc]
-            part = state.waiting_on
-            if part is None:
-                lines.append(f"rank {state.rank} (step {state.pc}) is stuck at {action.text()}")
-                others = []
-            elif part.action.op in _ALLTOALL:
-                k = self.joined[state.rank] - 1
-                others = [r for r in range(self.P) if r not in self.meetings.get(k, {})]
-                lines.append(f"rank {state.rank} (step {state.pc}) waits in {action.text()} for rank"
-                             f"{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} to join "
-                             f"{part.action.op}{part.action.mb}")
-            else:
-                others = [part.action.peer]
-                lines.append(f"rank {state.rank} (step {state.pc}) waits in {action.text()} for "
-                             f"{part.action.text()} to meet rank {part.action.peer}")
-            marks.append((state.rank, state.pc))
-            state = next((by_rank[r] for r in others if r in by_rank), None)
-        first = stuck[0]
-        return self.error(DeadlockError, "deadlock: " + "; ".join(lines), first.rank, first.pc, marks[1:])
+                                         f"{got} (rank {rank}'s {_bundle_text(bundle)} partial)",
+                                         rank, end)

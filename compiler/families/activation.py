@@ -15,6 +15,7 @@ from pipec.compiler.ops import ACTIVATION_PASSING
 
 class ActivationPassing(Family):
     name = ACTIVATION_PASSING
+    runs_ops_of = (ACTIVATION_PASSING,)
 
     def lower(self, spec, costs):
         compute = compute_program(spec, costs)

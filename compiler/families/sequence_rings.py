@@ -20,6 +20,8 @@ from pipec.compiler.ops import SEQUENCE_RING, SIZE_KV
 
 class SequenceRings(Family):
     name = SEQUENCE_RING
+    runs_ops_of = (SEQUENCE_RING,)
+    stage_checks = False
     frees_values = False
     exact_times = True
 

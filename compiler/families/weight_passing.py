@@ -14,11 +14,12 @@ from pipec.compiler.family import Family, register
 from pipec.compiler.ir import WeightPlan
 from pipec.compiler.lower_weights import insert_weight_exchanges
 from pipec.compiler.memory_counts import peak_weight_buffers
-from pipec.compiler.ops import WEIGHT_PASSING
+from pipec.compiler.ops import ACTIVATION_PASSING, WEIGHT_PASSING
 
 
 class WeightPassing(Family):
     name = WEIGHT_PASSING
+    runs_ops_of = (WEIGHT_PASSING, ACTIVATION_PASSING)
 
     def spec_plan(self, spec):
         return spec.weights

@@ -171,8 +171,15 @@ def check_launch(args, program) -> int:
             model that cannot be loaded or cut into the program's chunks (or
             by its ``--partition`` file); over
             several machines a bad ``--node-rank`` or ``--rdzv-endpoint``
-            (``nodes_of``, ``_check_endpoint``).
+            (``nodes_of``, ``_check_endpoint``); a program of several families (proved by
+            ``check_all``, but not yet run: the composition issue).
     """
+    from pipec.compiler.family import families_of
+
+    families = [family.name for family in families_of(program)]
+    if len(families) > 1:
+        raise UsageError(f"{args.target}: the program holds ops of {' and '.join(families)}; pipec proves such a "
+                         "program but its runtime trains one family at a time")
     nodes = nodes_of(args)
     nproc = _workers_per_node(args.nproc, program.num_ranks, nodes.count if nodes else 1, args.target)
     if args.steps is not None and args.steps < 1:
