@@ -28,7 +28,7 @@ _SAME = ("TARGET, -D, --costs, --steps, --seed, --model, --config, --partition (
          "--clip-grad-norm, --save, --save-every, --trace, --resume (the same checkpoint) and pipec version")
 
 
-def check_same_training(args, plan, world: int) -> None:
+def check_same_training(plan, world: int) -> None:
     """Stop this worker, with ``mismatch``'s line on stderr and status 1, unless every rank runs the same training.
 
     Collective: every rank calls it once, right after joining the default
@@ -36,8 +36,8 @@ def check_same_training(args, plan, world: int) -> None:
     JSON text per rank.
 
     Args:
-        args: the worker's parsed arguments (``runtime.worker.build_parser``).
-        plan: its ``runtime.worker.Plan``: the program, the model's config.
+        plan: the worker's ``runtime.worker.Plan``: the program, the model's config, the run's
+            configuration (``plan.run``, a ``runtime.config.RunConfig``).
         world: the world size.
     Returns:
         None, when every rank runs the same training; otherwise it does not
@@ -50,7 +50,7 @@ def check_same_training(args, plan, world: int) -> None:
     # torchrun's node rank (GROUP_RANK; none when the workers were started by hand) and the machine
     where = {"node": os.environ.get("GROUP_RANK"), "host": socket.gethostname()}
     texts = [None] * world
-    dist.all_gather_object(texts, json.dumps([what_runs(args, plan), where]))
+    dist.all_gather_object(texts, json.dumps([what_runs(plan), where]))
     gathered = [json.loads(text) for text in texts]
     line = mismatch([runs for runs, _ in gathered], [where for _, where in gathered])
     if line is not None:
@@ -58,12 +58,11 @@ def check_same_training(args, plan, world: int) -> None:
         end_process(1)
 
 
-def what_runs(args, plan) -> dict[str, str]:
+def what_runs(plan) -> dict[str, str]:
     """What this rank trains, as the ranks compare it: field -> value, all text.
 
     Args:
-        args: the worker's parsed arguments.
-        plan: its ``Plan``.
+        plan: the worker's ``Plan``, with its run configuration (``plan.run``).
     Returns:
         ``program`` (its name, parameters and a hash of the compact JSON
         ``pipec compile --format json`` writes, without ``source``: a path
@@ -81,21 +80,21 @@ def what_runs(args, plan) -> dict[str, str]:
 
     program = plan.program
     params = "".join(f" {name}={value_text(value)}" for name, value in program.params.items())
-    config = plan.config
+    config, run = plan.config, plan.run
     return {
         "program": f"{program.name}{params} #{program_digest(program)[:12]}",
         "pipec": __version__,
-        "steps": str(args.steps),
-        "seed": str(args.seed),
-        "model": str(args.model),
+        "steps": str(run.steps),
+        "seed": str(run.seed),
+        "model": str(run.model),
         # a dataclass's repr is its values; another object's may hold its address
-        "config": repr(config) if dataclasses.is_dataclass(config) else repr(list(args.config)),
-        "backend": str(args.backend),
-        "--save": "given" if args.save else "not given",
-        "--trace": "given" if args.trace else "not given",
-        "dtype": str(getattr(args, "dtype", None)),
-        "--clip-grad-norm": str(getattr(args, "clip_grad_norm", None)),
-        "--save-every": str(getattr(args, "save_every", None)),
+        "config": repr(config) if dataclasses.is_dataclass(config) else repr(list(run.config_overrides)),
+        "backend": str(run.backend),
+        "--save": "given" if run.save else "not given",
+        "--trace": "given" if run.trace else "not given",
+        "dtype": str(run.dtype),
+        "--clip-grad-norm": str(run.clip_grad_norm),
+        "--save-every": str(run.save_every),
         # the checkpoint's path may differ from node to node; the step it goes on from may not
         "--resume": f"from step {plan.checkpoint.step}" if plan.checkpoint is not None else "not given",
         "--partition": _cut_text(partition_cut(plan.spec)),

@@ -210,50 +210,77 @@ def make_context(
     """
     row = list(program.ranks[rank])
     _check_handlers(program, rank, row)
-    handlers = dict(HANDLERS)
-    replicas: dict[int, comm.ReplicaGroup] = {}
-    weight_context = None
-    if program.weights is not None:  # weight passing: every layer here, masters only where owned
-        weight_context = weights.make_weight_context(program, rank, stages, torch.device(device), groups)
-        flat_grads, parameters = weight_context.grads, weight_context.parameters()
-        handlers.update(weights.COMPUTE_HANDLERS)
-    else:
-        chunk_modules: dict[int, nn.Module] = {}
-        for stage, module in stages.items():
-            chunk_modules.setdefault(program.stages[stage].position, module)
-        flat_grads = {chunk: bind_flat_grads(_trainable(module)) for chunk, module in chunk_modules.items()}
-        parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
-        replicas = groups if groups is not None else comm.replica_groups(program, rank)
+    device = torch.device(device)
+    trained = _trained(program, rank, stages, device, groups)
     tables = stage_tables(program)
     wait, blocking = comm.wait_rule(backend)
-    wires = {} if program.weights is not None else _wires(
-        program, payload.tensor_layout(activation_shape, dtype) if layouts is None else layouts,
-        torch.device(device), precision)
+    wires = _rank_wires(program, activation_shape, layouts, dtype, device, precision)
     return RankContext(
-        program=program,
-        rank=rank,
-        row=row,
-        stages=stages,
-        loss_fn=loss_fn,
-        optimizer=make_optimizer(parameters) if parameters else None,
-        flat_grads=flat_grads,
+        program=program, rank=rank, row=row, stages=stages, loss_fn=loss_fn,
+        optimizer=make_optimizer(trained.parameters) if trained.parameters else None,
+        flat_grads=trained.flat_grads,
         stage_params={stage: _trainable(module) for stage, module in stages.items()},
-        replicas=replicas,
-        wires=wires,
-        device=torch.device(device),
-        precision=precision,
-        timeout=timeout,
-        wait=wait,
-        blocking=blocking,
-        handlers=handlers,
-        synchronize=synchronize,
-        prev=tables.prev,
-        next=tables.next,
+        replicas=trained.replicas, wires=wires, device=device, precision=precision, timeout=timeout,
+        wait=wait, blocking=blocking, handlers=_rank_handlers(program), synchronize=synchronize,
+        prev=tables.prev, next=tables.next,
         producer={op: tables.neighbour(rule.where) for op, rule in PART_RULES.items()},
-        weights=weight_context,
-        clip_grad_norm=clip_grad_norm,
-        stash=_stash(program, stages),
+        weights=trained.weights, clip_grad_norm=clip_grad_norm, stash=_stash(program, stages),
     )
+
+
+class _Trained(NamedTuple):
+    """What a rank trains and how its gradients meet (``_trained``).
+
+    Attributes:
+        flat_grads: chunk -> the flat gradient buffer its parameters' ``.grad`` view.
+        parameters: the parameters this rank's optimizer steps.
+        replicas: the replica subgroups this rank is in (empty under weight passing).
+        weights: a weight-passing program's ``weights.WeightContext``; else None.
+    """
+
+    flat_grads: dict[int, torch.Tensor]
+    parameters: list[torch.Tensor]
+    replicas: dict[int, comm.ReplicaGroup]
+    weights: weights.WeightContext | None
+
+
+def _trained(program: Program, rank: int, stages: dict[int, nn.Module], device: torch.device,
+             groups: dict[int, comm.ReplicaGroup] | None) -> _Trained:
+    """Bind this rank's gradients to flat buffers and find the parameters it steps; collective (the
+    weight context's communicators, or the replica subgroups, are made here when ``groups`` is None).
+
+    Under weight passing every layer is here but only the masters this rank keeps (the owned
+    layers', or its shards) have gradients; otherwise each chunk's module (replicas share one) gets
+    its flat buffer.
+    """
+    if program.weights is not None:  # weight passing: every layer here, masters only where owned
+        context = weights.make_weight_context(program, rank, stages, device, groups)
+        return _Trained(context.grads, context.parameters(), {}, context)
+    chunk_modules: dict[int, nn.Module] = {}
+    for stage, module in stages.items():
+        chunk_modules.setdefault(program.stages[stage].position, module)
+    flat_grads = {chunk: bind_flat_grads(_trainable(module)) for chunk, module in chunk_modules.items()}
+    parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
+    replicas = groups if groups is not None else comm.replica_groups(program, rank)
+    return _Trained(flat_grads, parameters, replicas, None)
+
+
+def _rank_handlers(program: Program) -> dict[str, Callable]:
+    """Op -> handler for a rank of ``program``: ``HANDLERS``, with weight passing's compute handlers in its programs."""
+    handlers = dict(HANDLERS)
+    if program.weights is not None:
+        handlers.update(weights.COMPUTE_HANDLERS)
+    return handlers
+
+
+def _rank_wires(program: Program, activation_shape: Sequence[int], layouts, dtype: torch.dtype,
+                device: torch.device, precision: Precision) -> dict[int, payload.Wire]:
+    """Chunk position -> the wire of what it hands the next chunk (``_wires``): from ``layouts``, or one tensor
+    of ``activation_shape`` and ``dtype`` when it is None; none under weight passing."""
+    if program.weights is not None:
+        return {}
+    return _wires(program, payload.tensor_layout(activation_shape, dtype) if layouts is None else layouts,
+                  device, precision)
 
 
 def _stash(program: Program, stages: dict[int, nn.Module]) -> WeightStash | None:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipec.errors import UsageError
+from pipec.runtime import config as run_config
 from pipec.runtime.layered import LayeredChunks, LayeredModel
 
 if TYPE_CHECKING:  # for annotations only: payload and precision are imported where they are used
@@ -653,7 +654,8 @@ LLAMA = ModelSpec(
 )
 """The built-in model: the default of ``--model``."""
 
-DEFAULT_MODEL = "pipec.runtime.model:LLAMA"
+DEFAULT_MODEL = run_config.DEFAULT_MODEL
+"""``--model``'s default, ``pipec.runtime.model:LLAMA`` (kept in ``runtime.config``, which loads no torch)."""
 
 
 def load_model_spec(text: str) -> ModelSpec:

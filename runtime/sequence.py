@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from pipec.errors import UsageError
 from pipec.runtime import comm
+from pipec.runtime.config import RunConfig
 from pipec.runtime.data import BatchSource, data_needs
 from pipec.runtime.rings import RingAttention, chunk_length
 
@@ -114,27 +115,31 @@ def check_ring_model(spec, config, program) -> None:
                          f"{pieces}: it must be a multiple of {cut} (--config seq_len=N sets it)")
 
 
-def check_ring_options(args, program) -> None:
+def check_ring_options(config: RunConfig, program) -> None:
     """The worker options a sequence-ring run does not support: ``--trace`` and fault injection.
+
+    Args:
+        config: the run's configuration.
+        program: the sequence-ring program it trains.
 
     Raises:
         UsageError: either was given (``--inject late:R:S``, a late start, is allowed).
     """
     name = program.name or "the program"
-    if getattr(args, "trace", None):
+    if config.trace:
         raise UsageError(f"--trace is not supported for sequence-ring schedules ({name}): a ring's instructions "
                          "run inside every layer's attention, forward and backward, not as one list per step")
-    inject = getattr(args, "inject", None)
+    inject = config.inject
     if inject and not inject.startswith("late:"):
         raise UsageError(f"--inject {inject}: faults cannot be planted in a sequence-ring schedule's list ({name})")
 
 
-def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
-    """Run ``args.steps`` sequence-parallel training steps of a ring program on this rank; the group is joined.
+def train_ring(plan, rank: int, world: int, device) -> list[float]:
+    """Run ``plan.run.steps`` sequence-parallel training steps of a ring program on this rank; the group is joined.
 
     Collective: every rank calls it with the same arguments. Rank 0 prints the
     loss per step (the sum of the ranks' losses: the batch's mean loss) and,
-    with ``args.save``, writes the whole model's state_dict.
+    with ``--save``, writes the whole model's state_dict.
 
     Returns:
         on rank 0 the loss of each step; elsewhere an empty list.
@@ -142,16 +147,16 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     from pipec.runtime import checkpoint as checkpoints
     from pipec.runtime.worker import saves_after, step_line
 
-    program, spec, config = plan.program, plan.spec, plan.config
+    program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
     ring = program.rings
     check_ring_model(spec, config, program)
     positions = token_positions(ring, rank, config.seq_len).to(device)
     # one whole batch a step (N = 1), the same on every rank: each keeps its tokens of it
-    data = BatchSource(spec, config, args.seed, 1, data_needs(program, rank), name=args.model)
-    model = spec.build_model(config, args.seed).to(device)
+    data = BatchSource(spec, config, run.seed, 1, data_needs(program, rank), name=run.model)
+    model = spec.build_model(config, run.seed).to(device)
     first, resumed = 1, plan.checkpoint
     if resumed is not None:
-        checkpoints.load_modules([model], resumed.model, args.resume)
+        checkpoints.load_modules([model], resumed.model, run.resume)
     optimizer = spec.make_optimizer(model.parameters())
     names = checkpoints.parameter_names([model])
     if resumed is not None:
@@ -162,29 +167,29 @@ def train_ring(args, plan, rank: int, world: int, device) -> list[float]:
     others = tuple(r for r in range(world) if r != rank)
     dist.barrier()
     losses: list[float] = []
-    for iteration in range(first, args.steps + 1):
+    for iteration in range(first, run.steps + 1):
         optimizer.zero_grad(set_to_none=True)
         (inputs,), (targets,) = data.batch(iteration - 1)
         tokens = targets.numel()  # the global batch's: every rank's losses sum to its mean
         inputs, targets = inputs.to(device)[:, positions], targets.to(device)[:, positions]
-        attend = ring_attend(program, rank, timeout=args.timeout, iteration=iteration)
+        attend = ring_attend(program, rank, timeout=run.timeout, iteration=iteration)
         with plan.precision.autocast(device):
             logits = model(inputs, positions=positions, attend=attend)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                    reduction="sum") / tokens
         loss.backward()
-        total = _all_reduce_gradients(parameters, loss.detach(), args.timeout,
+        total = _all_reduce_gradients(parameters, loss.detach(), run.timeout,
                                       comm.Site(rank, len(program.ranks[rank]), "the step's gradient all-reduce",
                                                 others, iteration))
         norm = None
-        if args.clip_grad_norm is not None:  # every replica holds the whole summed gradient: no message
-            norm = torch.nn.utils.clip_grad_norm_(parameters, args.clip_grad_norm).item()
+        if run.clip_grad_norm is not None:  # every replica holds the whole summed gradient: no message
+            norm = torch.nn.utils.clip_grad_norm_(parameters, run.clip_grad_norm).item()
         optimizer.step()
         if rank == 0:
             losses.append(total)
             print(step_line(iteration, total, norm), flush=True)
-        if saves_after(args, iteration) and rank == 0:  # every rank holds the same replica: rank 0's is the model
-            _save(args, plan, model, optimizer, names, data.state_after(iteration), world, iteration)
+        if saves_after(run, iteration) and rank == 0:  # every rank holds the same replica: rank 0's is the model
+            _save(plan, model, optimizer, names, data.state_after(iteration), world, iteration)
     return losses
 
 
@@ -210,16 +215,16 @@ def _all_reduce_gradients(parameters, loss: torch.Tensor, timeout: float, site: 
     return flat[-1].item()
 
 
-def _save(args, plan, model, optimizer, names: dict, data_state: dict, world: int, iteration: int) -> None:
+def _save(plan, model, optimizer, names: dict, data_state: dict, world: int, iteration: int) -> None:
     """Write the checkpoint after step ``iteration`` from this rank's replica (``checkpoint.write_checkpoint``),
     with the data position ``data_state``."""
     from pipec.runtime import checkpoint
     from pipec.runtime.worker import checkpoint_meta
 
-    path = checkpoint.checkpoint_path(args.save, iteration)
+    path = checkpoint.checkpoint_path(plan.run.save, iteration)
     checkpoint.write_checkpoint(
         path, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()},
-        checkpoint.named_optimizer_state(optimizer, names), step=iteration, seed=args.seed,
+        checkpoint.named_optimizer_state(optimizer, names), step=iteration, seed=plan.run.seed,
         data=data_state, meta=checkpoint_meta(plan.program, world, plan.precision))
     print(f"saved: {path}", flush=True)
 

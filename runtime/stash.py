@@ -34,16 +34,21 @@ from torch import nn
 from pipec.compiler.ir import Program
 from pipec.compiler.versions import VersionPlan, has_updates
 from pipec.errors import UsageError
+from pipec.runtime.config import RunConfig
 
 
-def check_update_options(args, program: Program) -> None:
+def check_update_options(config: RunConfig, program: Program) -> None:
     """Refuse the run options that assume one optimizer step after the list, for a program with updates.
+
+    Args:
+        config: the run's configuration.
+        program: the program it trains.
 
     Raises:
         UsageError: ``--clip-grad-norm`` (it scales a whole step's gradients by
             their global norm over every rank; here each stage updates by itself).
     """
-    if getattr(args, "clip_grad_norm", None) is not None and has_updates(program):
+    if config.clip_grad_norm is not None and has_updates(program):
         raise UsageError(f"--clip-grad-norm clips a whole step's gradients by their norm over every rank, but "
                          f"{program.name} updates each stage inside its list (U): drop --clip-grad-norm")
 

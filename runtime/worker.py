@@ -37,14 +37,13 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
 from pipec.errors import PipecError, RuntimeFault, UsageError
+from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_STEPS,
+                                  DEFAULT_TIMEOUT_S, RunConfig)
 
-DEFAULT_STEPS = 5
-DEFAULT_SEED = 0
-DEFAULT_TIMEOUT_S = 60.0
 # How long joining the group may take. Workers start at different moments
 # (importing torch, compiling the schedule, on other nodes), which has nothing
 # to do with --timeout, the deadline of a training step's waits: the group's own
@@ -85,7 +84,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -
                         help="set a schedule parameter (repeatable)")
     parser.add_argument("--steps", type=count_arg, default=default(DEFAULT_STEPS), metavar="K",
                         help=f"training steps, those before a --resume's checkpoint included (default {DEFAULT_STEPS})")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=default("gloo"),
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=default(DEFAULT_BACKEND),
                         help="gloo (CPU, default) or nccl (one GPU per rank)")
     parser.add_argument("--trace", metavar="FILE", help="write every instruction's start and end as Chrome/Perfetto JSON")
     parser.add_argument("--save", metavar="FILE",
@@ -109,7 +108,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -
                              "chunks as this partition file says (`pipec partition -o` writes one; default: "
                              "an even cut)")
     parser.add_argument("--costs", metavar="FILE", help="a JSON cost file, for schedules whose order depends on costs")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=default("fp32"),
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=default(DEFAULT_DTYPE),
                         help="compute precision: bf16 runs the forwards under autocast, keeps fp32 master weights, "
                              "optimizer state and gradient reductions, and sends bf16 activations (default fp32)")
     parser.add_argument("--clip-grad-norm", dest="clip_grad_norm", type=positive_decimal_arg, metavar="X",
@@ -127,23 +126,26 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -> N
         parser: the parser to add them to.
         defaults: whether ``--model`` defaults to the built-in model here (see ``add_training_arguments``).
     """
-    from pipec.runtime.model import DEFAULT_MODEL
-
     parser.add_argument("--model", default=DEFAULT_MODEL if defaults else None, metavar="MODULE:ATTR",
                         help="a model spec (default: the built-in LLaMA-style decoder)")
     parser.add_argument("--config", dest="config", action="append", default=[], metavar="NAME=VALUE",
                         help="override a field of the model's config, e.g. --config layers=16 (repeatable)")
 
 
+def parse_run_config(argv: list[str] | None = None) -> RunConfig:
+    """A worker's command line (``build_parser``; None: ``sys.argv``) as the run's configuration."""
+    return RunConfig.from_args(build_parser().parse_args(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the worker; returns its exit status (a fault ends the process itself)."""
-    args = build_parser().parse_args(argv)
+    config = parse_run_config(argv)
     _die_with_launcher()
     try:
         rank, world, local_rank = _environment()
-        plan = make_plan(args, world)
+        plan = make_plan(config, world)
         # before joining: a map this node cannot honour is every rank's mistake, not a fault
-        index = device_index(plan.program.devices, rank, local_rank, _node_size(world)) if args.backend == "nccl" else None
+        index = device_index(plan.program.devices, rank, local_rank, _node_size(world)) if config.backend == "nccl" else None
     except PipecError as error:
         sys.stderr.write(error.render() + "\n")
         return 1
@@ -151,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     if plan.inject and plan.inject.kind == _LATE and plan.inject.rank == rank:
         time.sleep(plan.inject.index)
     with fatal_errors(rank):
-        device = join_group(args.backend, rank, world, local_rank, args.timeout, gpu=index)
+        device = join_group(config.backend, rank, world, local_rank, config.timeout, gpu=index)
         from pipec.runtime.agreement import check_same_training  # every node must train the same thing
 
-        check_same_training(args, plan, world)
-        train(args, plan, rank, world, device)
+        check_same_training(plan, world)
+        train(plan, rank, world, device)
         # The run's cyclic garbage (autograd graphs, communication works that
         # hold the group) is freed now, while the group and the interpreter are
         # alive, not by whatever collection happens to come later.
@@ -247,14 +249,17 @@ class Plan:
     """What every rank derives from the arguments alone, before joining the group.
 
     Attributes:
+        run: the run's configuration, its seed settled (``resolve_checkpoint``):
+            what every step below reads of the command line.
         layouts: chunk position c -> what chunk c hands chunk c + 1
             (``payload.Layout``); None when no activation leaves its rank
             (weight passing) or the program is a sequence ring.
         precision: the run's compute precision (``--dtype``).
         checkpoint: with ``--resume``, the checkpoint the run goes on from
-            (``runtime/checkpoint.py``); ``args.seed`` is then its seed.
+            (``runtime/checkpoint.py``); ``run.seed`` is then its seed.
     """
 
+    run: RunConfig
     program: object
     spec: object
     config: object
@@ -264,35 +269,35 @@ class Plan:
     checkpoint: object = None
 
 
-def make_plan(args, world: int) -> Plan:
+def make_plan(config: RunConfig, world: int) -> Plan:
     """Get the program (``--program``'s file, or compile the target), load the model, check the arguments against the world size."""
-    if args.steps < 1:
-        raise UsageError(f"--steps must be at least 1, got {args.steps}")
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    checkpoint = resolve_checkpoint(args)
-    program = load_program(args.program) if getattr(args, "program", None) else compile_program(args)
+    if config.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {config.steps}")
+    if not config.timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {config.timeout}")
+    config, checkpoint = resolve_checkpoint(config)
+    program = load_program(config.program) if config.program else compile_program(config)
     if world != program.num_ranks:
         raise UsageError(
-            f"{args.target} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
+            f"{config.target} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
             f"start {program.num_ranks} workers (torchrun --nproc-per-node {program.num_ranks}), or change -D P=..."
         )
-    spec = run_model_spec(args.model, getattr(args, "partition", None), program)
-    config = override_config(spec.config, args.config)
-    precision = run_precision(args)
+    spec = run_model_spec(config.model, config.partition, program)
+    model_config = override_config(spec.config, config.config_overrides)
+    precision = run_precision(config)
     # `pipec run` checked the model before starting the workers (check_plan_model): only what a worker
     # needs is redone then; under torchrun nothing was checked: say what is wrong before joining the group
-    layouts = model_layouts(spec, config, program, args.seed, args.model, precision,
-                            checked=bool(getattr(args, "program", None)))
+    layouts = model_layouts(spec, model_config, program, config.seed, config.model, precision,
+                            checked=bool(config.program))
     if program.rings is not None:
         from pipec.runtime.sequence import check_ring_options
 
-        check_ring_options(args, program)
+        check_ring_options(config, program)
     from pipec.runtime.stash import check_update_options
 
-    check_update_options(args, program)
-    inject = parse_injection(args.inject) if args.inject else None
-    return Plan(program, spec, config, layouts, precision, inject, checkpoint)
+    check_update_options(config, program)
+    inject = parse_injection(config.inject) if config.inject else None
+    return Plan(config, program, spec, model_config, layouts, precision, inject, checkpoint)
 
 
 def run_model_spec(name: str, partition: str | None, program):
@@ -321,32 +326,31 @@ def run_model_spec(name: str, partition: str | None, program):
     return cut_by_partition(spec, load_partition(partition), partition, program, name)
 
 
-def resolve_checkpoint(args):
-    """Check ``--save-every`` and ``--resume``, read the checkpoint and settle ``args.seed`` (the
+def resolve_checkpoint(config: RunConfig) -> tuple[RunConfig, object]:
+    """Check ``--save-every`` and ``--resume``, read the checkpoint and settle the seed (the
     checkpoint's under ``--resume``, else ``--seed`` or the default).
 
     Returns:
-        the ``checkpoint.Checkpoint`` to go on from, or None.
+        (``config`` with its seed settled, an int; the ``checkpoint.Checkpoint`` to go on from, or None).
     Raises:
         UsageError: ``--save-every`` without ``--save``; ``check_resumable``'s and ``read_checkpoint``'s.
     """
-    if getattr(args, "save_every", None) and not args.save:
+    if config.save_every and not config.save:
         raise UsageError("--save-every K saves to the --save file: pass --save FILE too")
-    if not getattr(args, "resume", None):
-        args.seed = DEFAULT_SEED if args.seed is None else args.seed
-        return None
+    if not config.resume:
+        return dataclasses.replace(config, seed=DEFAULT_SEED if config.seed is None else config.seed), None
     from pipec.runtime.checkpoint import check_resumable, read_checkpoint
 
-    checkpoint = read_checkpoint(args.resume)
-    args.seed = check_resumable(checkpoint, args.steps, args.seed, args.resume)
-    return checkpoint
+    checkpoint = read_checkpoint(config.resume)
+    seed = check_resumable(checkpoint, config.steps, config.seed, config.resume)
+    return dataclasses.replace(config, seed=seed), checkpoint
 
 
-def run_precision(args):
+def run_precision(config: RunConfig):
     """The run's compute precision (``--dtype``)."""
     from pipec.runtime.precision import precision
 
-    return precision(getattr(args, "dtype", None))
+    return precision(config.dtype)
 
 
 def model_layouts(spec, config, program, seed: int, name: str, precision=None, *, checked: bool = False):
@@ -398,8 +402,8 @@ def check_plan_model(spec, config, program, seed: int, name: str, precision=None
     return model_layouts(spec, config, program, seed, name, precision)
 
 
-def compile_program(args):
-    """Compile ``args.target`` with its ``-D`` values and ``--costs``: what a worker started without ``--program`` runs.
+def compile_program(config: RunConfig):
+    """Compile ``config.target`` with its ``-D`` values and ``--costs``: what a worker started without ``--program`` runs.
 
     Returns:
         the checked program, the same on every rank (compilation is deterministic).
@@ -410,11 +414,11 @@ def compile_program(args):
     from pipec.compiler.driver import compile_target
 
     costs = None
-    if args.costs:
+    if config.costs:
         from pipec.compiler.costs import load_costs
 
-        costs = load_costs(args.costs)
-    return compile_target(args.target, parse_defines(args.defines), costs=costs).program
+        costs = load_costs(config.costs)
+    return compile_target(config.target, parse_defines(list(config.defines)), costs=costs).program
 
 
 def load_program(path: str):
@@ -438,7 +442,7 @@ def load_program(path: str):
     return read_program(path)
 
 
-def override_config(config, items: list[str]):
+def override_config(config, items: Sequence[str]):
     """The model config with ``--config NAME=VALUE`` overrides (a dataclass config, values typed like its fields)."""
     if not items:
         return config
@@ -565,8 +569,8 @@ def leave_group() -> None:
     dist.destroy_process_group()
 
 
-def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
-    """Run ``args.steps`` training steps of ``plan`` on this rank; the group is joined.
+def train(plan: Plan, rank: int, world: int, device) -> list[float]:
+    """Run ``plan.run.steps`` training steps of ``plan`` on this rank; the group is joined.
 
     Collective: every rank calls it with the same arguments. Rank 0 prints the
     loss per step, and writes the trace and the saved model when asked.
@@ -582,22 +586,22 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
     from pipec.runtime.checkpoint import load_modules, restore_optimizer
     from pipec.runtime.interpreter import make_context, run_step, stage_modules
 
-    program, spec, config = plan.program, plan.spec, plan.config
+    program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
     if program.rings is not None:  # sequence parallel: every rank runs the whole model on its tokens
         from pipec.runtime.sequence import train_ring
 
-        return train_ring(args, plan, rank, world, device)
+        return train_ring(plan, rank, world, device)
     stages = stage_modules(program, rank,
-                           lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, args.seed).to(device))
+                           lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, run.seed).to(device))
     checkpoint = plan.checkpoint
     if checkpoint is not None:  # before the context: weight passing cuts its shards from the modules
-        load_modules(stages.values(), checkpoint.model, args.resume)
-    synchronize = torch.cuda.synchronize if (args.trace and device.type == "cuda") else None
+        load_modules(stages.values(), checkpoint.model, run.resume)
+    synchronize = torch.cuda.synchronize if (run.trace and device.type == "cuda") else None
     context = make_context(
         program, rank, stages,
         loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, layouts=plan.layouts or [],
-        precision=plan.precision, device=device, backend=args.backend, timeout=args.timeout, synchronize=synchronize,
-        clip_grad_norm=args.clip_grad_norm,
+        precision=plan.precision, device=device, backend=run.backend, timeout=run.timeout, synchronize=synchronize,
+        clip_grad_norm=run.clip_grad_norm,
     )
     if plan.inject and plan.inject.kind != _LATE:
         _inject(context, plan.inject)
@@ -606,40 +610,40 @@ def train(args, plan: Plan, rank: int, world: int, device) -> list[float]:
         restore_optimizer(context, stages, checkpoint.optimizer)
         first, plan.checkpoint = checkpoint.step + 1, None  # what the modules and optimizer took is theirs now
     # this rank reads only the inputs and targets its first and last stages use
-    data = BatchSource(spec, config, args.seed, program.num_microbatches, data_needs(program, rank),
-                       device=device, name=args.model)
+    data = BatchSource(spec, config, run.seed, program.num_microbatches, data_needs(program, rank),
+                       device=device, name=run.model)
     if checkpoint is not None:
         data.restore(checkpoint.data)
     dist.barrier()
     t0 = time.perf_counter()
     recorded = []
     losses = []
-    for iteration in range(first, args.steps + 1):
+    for iteration in range(first, run.steps + 1):
         context.iteration = iteration
         batch = data.batch(iteration - 1)
         loss, events = run_step(program, rank, stages, batch, context)
-        if args.trace:
+        if run.trace:
             recorded.append(events)
         total = (loss.detach().reshape(1).float() if loss is not None else torch.zeros(1, device=device))
         # waited like an instruction: a peer that hangs after its last one ends the run at --timeout
         reduced = dist.reduce(total, dst=0, op=dist.ReduceOp.SUM, async_op=True)
         others = tuple(r for r in range(world) if r != rank) if rank == 0 else (0,)
         site = comm.Site(rank, len(context.row), "the step's loss reduce", others, iteration)
-        comm.settle([reduced], args.timeout, site)
+        comm.settle([reduced], run.timeout, site)
         if rank == 0:
             losses.append(total.item())
             print(step_line(iteration, losses[-1], context.grad_norm), flush=True)
-        if saves_after(args, iteration):
-            _save_checkpoint(args, plan, context, stages, data.state_after(iteration), rank, world, iteration)
-    if args.trace:
-        _write_trace(args, context, recorded, t0, world)
+        if saves_after(run, iteration):
+            _save_checkpoint(plan, context, stages, data.state_after(iteration), rank, world, iteration)
+    if run.trace:
+        _write_trace(run, context, recorded, t0, world)
     return losses
 
 
-def saves_after(args, iteration: int) -> bool:
+def saves_after(config: RunConfig, iteration: int) -> bool:
     """Whether a checkpoint is written after step ``iteration``: the last, and every ``--save-every``-th."""
-    every = getattr(args, "save_every", None)
-    return bool(args.save) and (iteration == args.steps or bool(every and iteration % every == 0))
+    every = config.save_every
+    return bool(config.save) and (iteration == config.steps or bool(every and iteration % every == 0))
 
 
 def checkpoint_meta(program, world: int, precision) -> dict:
@@ -647,7 +651,7 @@ def checkpoint_meta(program, world: int, precision) -> dict:
     return {"schedule": program.name, "params": dict(program.params), "ranks": world, "dtype": precision.name}
 
 
-def _save_checkpoint(args, plan, context, stages, data_state: dict, rank: int, world: int, iteration: int) -> None:
+def _save_checkpoint(plan: Plan, context, stages, data_state: dict, rank: int, world: int, iteration: int) -> None:
     """Gather every rank's part of the checkpoint after step ``iteration`` on rank 0, which writes it
     (``checkpoint.write_checkpoint``: ``F.resume``, then F, the whole model's state_dict), with the data
     position ``data_state`` (``BatchSource.state_after``)."""
@@ -656,8 +660,8 @@ def _save_checkpoint(args, plan, context, stages, data_state: dict, rank: int, w
     gathered = _gather(checkpoint.rank_part(context, stages), rank, world)
     if rank == 0:
         model, optimizer = checkpoint.merged_parts(context, gathered)
-        path = checkpoint.checkpoint_path(args.save, iteration)
-        checkpoint.write_checkpoint(path, model, optimizer, step=iteration, seed=args.seed,
+        path = checkpoint.checkpoint_path(plan.run.save, iteration)
+        checkpoint.write_checkpoint(path, model, optimizer, step=iteration, seed=plan.run.seed,
                                     data=data_state,
                                     meta=checkpoint_meta(context.program, world, plan.precision))
         print(f"saved: {path}", flush=True)
@@ -678,7 +682,7 @@ def _gather(obj, rank: int, world: int):
     return out
 
 
-def _write_trace(args, context, recorded, t0: float, world: int) -> None:
+def _write_trace(config: RunConfig, context, recorded, t0: float, world: int) -> None:
     """Gather every rank's events to rank 0 and write them, with what ran: the
     target and cost file (so that ``pipec render --trace`` compiles the same
     program again), the schedule's name and parameters."""
@@ -689,11 +693,11 @@ def _write_trace(args, context, recorded, t0: float, world: int) -> None:
     gathered = _gather(events, context.rank, world)
     if context.rank == 0:
         program = context.program
-        metadata = {"schedule": program.name, "params": dict(program.params), "target": lasting_target(args.target)}
-        if args.costs:
-            metadata["costs"] = os.path.abspath(args.costs)
-        write_chrome_trace(args.trace, gathered, metadata)
-        print(f"trace: {args.trace}", flush=True)
+        metadata = {"schedule": program.name, "params": dict(program.params), "target": lasting_target(config.target)}
+        if config.costs:
+            metadata["costs"] = os.path.abspath(config.costs)
+        write_chrome_trace(config.trace, gathered, metadata)
+        print(f"trace: {config.trace}", flush=True)
 
 
 class Injection(NamedTuple):
@@ -763,5 +767,5 @@ _INJECTED = {"INJECT_HANG": _hang, "INJECT_STOP": _stop, "INJECT_KILL": _kill, "
 
 __all__ = [
     "RuntimeFault", "build_parser", "check_device_map", "compile_program", "device_index", "fatal_errors",
-    "join_group", "leave_group", "load_program", "main", "make_plan", "train",
+    "join_group", "leave_group", "load_program", "main", "make_plan", "parse_run_config", "train",
 ]

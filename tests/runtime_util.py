@@ -157,12 +157,10 @@ def _batch_main(jobs: list[list[str]]) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with worker.fatal_errors(rank):
-        parser = worker.build_parser()
-        first = parser.parse_args(jobs[0])
+        first = worker.parse_run_config(jobs[0])
         device = worker.join_group(first.backend, rank, world, int(os.environ["LOCAL_RANK"]), first.timeout)
         for index, job in enumerate(jobs):
-            args = parser.parse_args(job)
-            worker.train(args, worker.make_plan(args, world), rank, world, device)
+            worker.train(worker.make_plan(worker.parse_run_config(job), world), rank, world, device)
             torch.distributed.barrier()  # rank 0 has written the job's files: a later job may read them
             if rank == 0:
                 print(f"job {index} done", flush=True)

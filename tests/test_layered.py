@@ -194,11 +194,11 @@ def test_a_module_with_layers_and_no_build_chunk_is_a_spec(tmp_path, monkeypatch
 def test_the_ranks_compare_the_cut_a_partition_gives(tmp_path):
     """Nodes started with partitions of other cuts would train other chunks: the agreement check names the cut."""
     from pipec.runtime.agreement import what_runs
-    from pipec.runtime.worker import make_plan
+    from pipec.runtime.worker import make_plan, parse_run_config
 
     def cut_of(*extra):
-        args = worker_parser().parse_args(["1f1b", "-D", "P=4", "-D", "N=4", "--model", MODEL, *extra])
-        return what_runs(args, make_plan(args, 4))["--partition"]
+        config = parse_run_config(["1f1b", "-D", "P=4", "-D", "N=4", "--model", MODEL, *extra])
+        return what_runs(make_plan(config, 4))["--partition"]
 
     assert cut_of() == "not given"
     assert cut_of("--partition", write(tmp_path, "p.json", UNEVEN)) == "layers 0-1, 1-3, 3-7, 7-12"

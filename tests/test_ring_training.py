@@ -144,12 +144,12 @@ def test_trace_injection_and_a_users_model_are_refused(capsys, no_launch, tmp_pa
 
 def test_the_worker_refuses_the_same_under_torchrun():
     """Without ``pipec run``'s checks (torchrun), every worker says it before joining the group."""
-    args = worker.build_parser().parse_args(["zigzag_ring", "-D", "P=2", "-D", "causal=false"])
+    config = worker.parse_run_config(["zigzag_ring", "-D", "P=2", "-D", "causal=false"])
     with pytest.raises(UsageError, match="-D causal=true"):
-        worker.make_plan(args, 2)
-    args = worker.build_parser().parse_args(["zigzag_ring", "-D", "P=4", "--config", "seq_len=12"])
+        worker.make_plan(config, 2)
+    config = worker.parse_run_config(["zigzag_ring", "-D", "P=4", "--config", "seq_len=12"])
     with pytest.raises(UsageError, match="seq_len 12 .* 8 chunks.*multiple of 8"):
-        worker.make_plan(args, 4)
+        worker.make_plan(config, 4)
 
 
 # ------------------------------------------------------------------ in this process

@@ -92,9 +92,9 @@ def test_a_model_that_cannot_be_cut_is_named_before_any_worker_starts(user_model
 
 
 def test_a_worker_under_torchrun_checks_the_shape_before_joining(user_model):
-    args = worker.build_parser().parse_args([*GPIPE_2, "--model", user_model, "--config", "claimed=64"])
+    config = worker.parse_run_config([*GPIPE_2, "--model", user_model, "--config", "claimed=64"])
     with pytest.raises(UsageError, match=r"activation_shape \(8, 64\) does not match what chunk 0 outputs \(4, 32\)"):
-        worker.make_plan(args, 2)
+        worker.make_plan(config, 2)
 
 
 def test_an_interrupted_run_says_where_its_logs_are(monkeypatch, capsys):

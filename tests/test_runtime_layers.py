@@ -155,18 +155,18 @@ def test_a_worker_given_a_program_file_does_not_compile(tmp_path, monkeypatch):
     program = compile_target("zb_h1", {"P": "2", "N": "4"}).program
     path = run_command.write_program(program, str(tmp_path))
     monkeypatch.setattr(driver, "compile_target", lambda *a, **k: pytest.fail("the worker compiled"))
-    args = worker.build_parser().parse_args(["zb_h1", "-D", "P=2", "-D", "N=4", "--program", path])
-    plan = worker.make_plan(args, world=2)
+    config = worker.parse_run_config(["zb_h1", "-D", "P=2", "-D", "N=4", "--program", path])
+    plan = worker.make_plan(config, world=2)
     assert plan.program == program
     # the world size is still checked against the loaded program
     with pytest.raises(UsageError, match="compiled for 2 ranks"):
-        worker.make_plan(args, world=3)
+        worker.make_plan(config, world=3)
 
 
 def test_a_worker_without_a_program_file_compiles_the_target():
-    args = worker.build_parser().parse_args(["zb_h1", "-D", "P=2", "-D", "N=4"])
-    assert args.program is None
-    assert worker.make_plan(args, world=2).program == compile_target("zb_h1", {"P": "2", "N": "4"}).program
+    config = worker.parse_run_config(["zb_h1", "-D", "P=2", "-D", "N=4"])
+    assert config.program is None
+    assert worker.make_plan(config, world=2).program == compile_target("zb_h1", {"P": "2", "N": "4"}).program
 
 
 @pytest.mark.parametrize("content, words", [(None, "cannot read the program"), ("{not json", "is not JSON"),
@@ -193,9 +193,9 @@ def test_pipec_run_writes_the_program_once_and_the_workers_load_it(tmp_path, mon
         launched.update(python_args=python_args, nproc=nproc, run_dir=run_dir,
                         listing=sorted(os.listdir(run_dir)))
         assert python_args[:2] == ["-m", run_command.WORKER_MODULE]
-        args = worker.build_parser().parse_args(python_args[2:])
-        launched["plan"] = worker.make_plan(args, nproc)
-        launched["target"] = args.target
+        config = worker.parse_run_config(python_args[2:])
+        launched["plan"] = worker.make_plan(config, nproc)
+        launched["target"] = config.target
         shutil.rmtree(run_dir)  # as launch does after a successful run
         return run_command.LaunchResult(ok=True)
 

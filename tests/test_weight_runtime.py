@@ -344,13 +344,13 @@ def test_the_worker_plans_a_weight_program_without_an_activation_shape(user_mode
     plan no layouts; an activation-passing program without one has its boundaries found by running the
     first microbatch through the chunks: the user model's (rows, width) fp32 hidden state."""
     from pipec.runtime.payload import tensor_layout
-    from pipec.runtime.worker import build_parser, check_plan_model, make_plan
+    from pipec.runtime.worker import check_plan_model, make_plan, parse_run_config
 
     path = tmp_path / "weipipe.json"
     with open(path, "w") as handle:
         write_program_json(compiled["user-weipipe-P2"], handle)
-    args = build_parser().parse_args(["weipipe", "--program", str(path), "--model", f"{USER_MODULE}:NO_SHAPE"])
-    plan = make_plan(args, 2)
+    config = parse_run_config(["weipipe", "--program", str(path), "--model", f"{USER_MODULE}:NO_SHAPE"])
+    plan = make_plan(config, 2)
     assert plan.layouts is None and plan.program.weights is not None
     spec = user_model.NO_SHAPE
     assert check_plan_model(spec, spec.config, plan.program, SEED, "user") is None

@@ -51,6 +51,7 @@ from pipec.compiler.defines import parse_defines
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
 from pipec.errors import UsageError, printable
 from pipec.runtime.agreement import MISMATCH_PREFIX
+from pipec.runtime.config import DEFAULT_MODEL, DEFAULT_SEED, RunConfig
 from pipec.runtime.worker import JOIN_ALLOWANCE_S
 
 # How often the launcher's agent looks at its workers, in seconds: the delay
@@ -181,6 +182,7 @@ def check_launch(args, program) -> int:
         raise UsageError(f"{args.target}: the program holds ops of {' and '.join(families)}; pipec proves such a "
                          "program but its runtime trains one family at a time")
     nodes = nodes_of(args)
+    config = RunConfig.from_args(args)  # the runtime's checks read this, as the workers' do theirs
     nproc = _workers_per_node(args.nproc, program.num_ranks, nodes.count if nodes else 1, args.target)
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
@@ -193,15 +195,15 @@ def check_launch(args, program) -> int:
         _check_outputs(args)
     if nodes is not None:
         _check_endpoint(nodes)
-    _check_resume(args)
+    _check_resume(config)
     from pipec.runtime.stash import check_update_options
 
-    check_update_options(args, program)
-    _check_model(args, program)
+    check_update_options(config, program)
+    _check_model(config, program)
     if program.rings is not None:  # sequence-parallel training: no --trace, no planted faults
         from pipec.runtime.sequence import check_ring_options
 
-        check_ring_options(args, program)
+        check_ring_options(config, program)
     return nproc
 
 
@@ -339,15 +341,12 @@ def _check_outputs(args) -> None:
             check_writable(path, f"{what} (--{option})")
 
 
-def _check_resume(args) -> None:
+def _check_resume(config: RunConfig) -> None:
     """Check ``--save-every`` and ``--resume`` as the workers will (``runtime.worker.resolve_checkpoint``):
     a checkpoint that is missing, broken, finished or of another seed stops the run here."""
-    from pipec.runtime.worker import DEFAULT_STEPS, resolve_checkpoint
+    from pipec.runtime.worker import resolve_checkpoint
 
-    probe = argparse.Namespace(save=args.save, save_every=getattr(args, "save_every", None),
-                               resume=getattr(args, "resume", None), seed=args.seed,
-                               steps=DEFAULT_STEPS if args.steps is None else args.steps)
-    resolve_checkpoint(probe)
+    resolve_checkpoint(config)
 
 
 def _check_gpus(nproc: int) -> None:
@@ -374,19 +373,18 @@ def _check_device_map(program, nproc: int) -> None:
     check_device_map(program.devices, program.num_ranks, node_size=nproc)
 
 
-def _check_model(args, program) -> None:
+def _check_model(config: RunConfig, program) -> None:
     """Load the model spec and its config as the workers will (cut by ``--partition`` when given), and check
     that it cuts into the program's chunks (``runtime.worker.check_plan_model``): an error shows here, once,
     not P times after start-up.
     """
-    from pipec.runtime.model import DEFAULT_MODEL
-    from pipec.runtime.worker import DEFAULT_SEED, check_plan_model, override_config, run_model_spec, run_precision
+    from pipec.runtime.worker import check_plan_model, override_config, run_model_spec, run_precision
 
-    name = args.model or DEFAULT_MODEL
-    spec = run_model_spec(name, getattr(args, "partition", None), program)
-    config = override_config(spec.config, args.config)
-    seed = DEFAULT_SEED if args.seed is None else args.seed
-    check_plan_model(spec, config, program, seed, name, run_precision(args))
+    name = config.model or DEFAULT_MODEL
+    spec = run_model_spec(name, config.partition, program)
+    model_config = override_config(spec.config, config.config_overrides)
+    seed = DEFAULT_SEED if config.seed is None else config.seed
+    check_plan_model(spec, model_config, program, seed, name, run_precision(config))
 
 
 def worker_arguments(args) -> list[str]:
