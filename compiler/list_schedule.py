@@ -74,85 +74,89 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
     Raises:
         ScheduleError: the policy cannot finish the schedule.
     """
-    policy = spec.policy
-    costs = costs or CostModel.unit()
-    S, N, P = spec.num_stages, spec.num_microbatches, spec.num_ranks
-    stage_rank = [r for row in spec.placement for r in row]
-    devices = spec.devices or list(range(P))
-    kinds = ("F",) + spec.backward_kinds
-    kind_rank = {k: i for i, k in enumerate(policy.prefer)}
-    order_of_kinds = sorted(kinds, key=kind_rank.__getitem__)
-    backward = "I" if spec.split_backward else "B"
-    recomputed = spec.recomputed
-    memory = _Activations(spec, stage_rank)
-    memory.check_feasible()
+    return _ListScheduler(spec, costs or CostModel.unit()).run()
 
-    # remaining[kind][sid * N + m]: dependencies not yet finished.
-    remaining = {k: bytearray(len(stage_rank) * N) for k in kinds}
-    for m, p in enumerate(spec.mb_pipeline):
-        for s in range(S):
-            sid = p * S + s
-            index = sid * N + m
-            remaining["F"][index] = 1 if s > 0 else 0
-            remaining[backward][index] = 2 if s < S - 1 else 1
-            if spec.split_backward:
-                remaining["W"][index] = 1
 
-    ready = [{k: [] for k in kinds} for _ in range(P)]  # per rank, per kind: heap of (key, ready at, mb, sid)
-    in_order = _InOrder(spec, stage_rank, kinds)
-    pending = [[] for _ in range(P)]  # per rank: heap of (ready time, kind, sid, mb)
-    left = [{k: 0 for k in kinds} for _ in range(P)]  # tasks of each kind not yet started
-    riders = [spec.mb_pipeline.count(p) for p in range(spec.num_pipelines)]
-    for sid, rank in enumerate(stage_rank):
-        for k in kinds:
-            left[rank][k] += riders[sid // S]
-    priority = policy.priority
-    warmup = policy.warmup
-    deferral = policy.deferred or [None] * P
-    deferred = [0] * P  # per rank: I started whose W has not
-    forwards_started = [0] * P
-    backwards_started = [0] * P
-    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(P)]
-    busy = [False] * P
-    events: list = []  # (time, seq, kind of event, payload)
-    seq = 0
+class _ListScheduler:
+    """One run of the list scheduler (module docstring): the ranks' queues, the events, the orders."""
 
-    def release(kind: str, sid: int, m: int, at: float) -> None:
-        nonlocal seq
-        rank = stage_rank[sid]
-        heapq.heappush(pending[rank], (at, kind, sid, m))
+    def __init__(self, spec: ScheduleSpec, costs: CostModel):
+        policy = spec.policy
+        self.spec, self.costs, self.policy = spec, costs, policy
+        S, N, P = spec.num_stages, spec.num_microbatches, spec.num_ranks
+        self.S, self.N, self.P = S, N, P
+        self.stage_rank = stage_rank = [r for row in spec.placement for r in row]
+        self.devices = spec.devices or list(range(P))
+        self.kinds = kinds = ("F",) + spec.backward_kinds
+        kind_rank = {k: i for i, k in enumerate(policy.prefer)}
+        self.order_of_kinds = sorted(kinds, key=kind_rank.__getitem__)
+        self.backward = "I" if spec.split_backward else "B"
+        self.recomputed = spec.recomputed
+        self.memory = _Activations(spec, stage_rank)
+        self.memory.check_feasible()
+        # remaining[kind][sid * N + m]: dependencies not yet finished.
+        self.remaining = {k: bytearray(len(stage_rank) * N) for k in kinds}
+        for m, p in enumerate(spec.mb_pipeline):
+            for s in range(S):
+                index = (p * S + s) * N + m
+                self.remaining["F"][index] = 1 if s > 0 else 0
+                self.remaining[self.backward][index] = 2 if s < S - 1 else 1
+                if spec.split_backward:
+                    self.remaining["W"][index] = 1
+        self.ready = [{k: [] for k in kinds} for _ in range(P)]  # per rank, per kind: heap of (key, ready at, mb, sid)
+        self.in_order = _InOrder(spec, stage_rank, kinds)
+        self.pending = [[] for _ in range(P)]  # per rank: heap of (ready time, kind, sid, mb)
+        self.left = [{k: 0 for k in kinds} for _ in range(P)]  # tasks of each kind not yet started
+        riders = [spec.mb_pipeline.count(p) for p in range(spec.num_pipelines)]
+        for sid, rank in enumerate(stage_rank):
+            for k in kinds:
+                self.left[rank][k] += riders[sid // S]
+        self.deferral = policy.deferred or [None] * P
+        self.deferred = [0] * P  # per rank: I started whose W has not
+        self.forwards_started = [0] * P
+        self.backwards_started = [0] * P
+        self.orders: list[list[tuple[str, int, int]]] = [[] for _ in range(P)]
+        self.busy = [False] * P
+        self.events: list = []  # (time, seq, kind of event, payload)
+        self.seq = 0
+
+    def push_event(self, at: float, what: int, payload) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, what, payload))
+
+    def release(self, kind: str, sid: int, m: int, at: float) -> None:
+        rank = self.stage_rank[sid]
+        heapq.heappush(self.pending[rank], (at, kind, sid, m))
         # Wake the rank when the input lands, even if it is busy now: it may
         # be free by then, and nothing else would wake it.
-        seq += 1
-        heapq.heappush(events, (at, seq, 1, rank))
+        self.push_event(at, 1, rank)
 
-    for m, p in enumerate(spec.mb_pipeline):
-        release("F", p * S, m, 0)
-
-    def allowed_kinds(rank: int):
+    def allowed_kinds(self, rank: int):
         """Kinds the rank may start now, most preferred first (see module docstring)."""
-        if warmup[rank] is None:
-            return order_of_kinds
-        forwards, backwards = forwards_started[rank], backwards_started[rank]
-        if left[rank]["F"] and forwards - warmup[rank] <= backwards:
+        warmup = self.policy.warmup[rank]
+        if warmup is None:
+            return self.order_of_kinds
+        forwards, backwards = self.forwards_started[rank], self.backwards_started[rank]
+        if self.left[rank]["F"] and forwards - warmup <= backwards:
             wanted = "F"  # warm-up, or the forward that opens a steady (F, B) pair
-        elif left[rank][backward]:
-            wanted = backward
+        elif self.left[rank][self.backward]:
+            wanted = self.backward
         else:
             wanted = "F"
         # W (split backward) never delays the alternation: it fills waits.
-        return (wanted, "W") if spec.split_backward else (wanted,)
+        return (wanted, "W") if self.spec.split_backward else (wanted,)
 
-    def take(rank: int, kind: str):
+    def take(self, rank: int, kind: str):
         """Pop the best task of ``kind`` the rank may start now, or None."""
-        if kind == "I" and deferral[rank] is not None and deferred[rank] >= deferral[rank]:
+        memory = self.memory
+        if kind == "I" and self.deferral[rank] is not None and self.deferred[rank] >= self.deferral[rank]:
             return None
-        if in_order.holds(kind):
-            entry = in_order.next_ready(rank, kind)
+        if self.in_order.holds(kind):
+            entry = self.in_order.next_ready(rank, kind)
             if entry is None or (kind == "F" and not memory.may_start(rank, entry[2])):
                 return None
-            return in_order.pop(rank, kind)
-        queue = ready[rank][kind]
+            return self.in_order.pop(rank, kind)
+        queue = self.ready[rank][kind]
         if not queue:
             return None
         if kind != "F":
@@ -171,82 +175,89 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
             heapq.heappush(queue, entry)
         return chosen
 
-    def try_start(rank: int, now: float) -> None:
-        nonlocal seq
-        heap = pending[rank]
+    def try_start(self, rank: int, now: float) -> None:
+        heap = self.pending[rank]
         while heap and heap[0][0] <= now:
             at, kind, sid, m = heapq.heappop(heap)
-            if not in_order.arrive(rank, kind, sid, m, at):
-                heapq.heappush(ready[rank][kind], (priority(kind, sid, m), at, m, sid))
-        for kind in allowed_kinds(rank):
-            entry = take(rank, kind)
-            if entry is None:
-                continue
-            _, _, m, sid = entry
-            if kind == "I":
-                deferred[rank] += 1
-            elif kind == "W":
-                deferred[rank] -= 1
-            if kind == "F":
-                memory.start(rank, m)
-                forwards_started[rank] += 1
-            elif kind == backward:
-                backwards_started[rank] += 1
-            left[rank][kind] -= 1
-            duration = costs.compute(kind, sid % S)
-            if sid % S not in recomputed:
-                orders[rank].append((kind, sid, m))
-            elif kind == "F":
-                orders[rank].append((_CHECKPOINTED, sid, m))
-                duration = costs.compute(_CHECKPOINTED, sid % S)
-            else:
-                if kind == backward:  # the recompute, then the backward that reads what it remade
-                    orders[rank].append((_RECOMPUTE, sid, m))
-                    duration += costs.compute(_RECOMPUTE, sid % S)
-                orders[rank].append((kind, sid, m))
-            busy[rank] = True
-            seq += 1
-            heapq.heappush(events, (now + duration, seq, 0, (kind, sid, m)))
-            return
+            if not self.in_order.arrive(rank, kind, sid, m, at):
+                heapq.heappush(self.ready[rank][kind], (self.policy.priority(kind, sid, m), at, m, sid))
+        for kind in self.allowed_kinds(rank):
+            entry = self.take(rank, kind)
+            if entry is not None:
+                _, _, m, sid = entry
+                self.start(rank, kind, sid, m, now)
+                return
 
-    def transfer(src: int, dst: int, tensor: str):
+    def start(self, rank: int, kind: str, sid: int, m: int, now: float) -> None:
+        """Start task (kind, sid, m) on ``rank`` at ``now``: count it, record it, schedule its end."""
+        S, costs, orders = self.S, self.costs, self.orders[rank]
+        if kind == "I":
+            self.deferred[rank] += 1
+        elif kind == "W":
+            self.deferred[rank] -= 1
+        if kind == "F":
+            self.memory.start(rank, m)
+            self.forwards_started[rank] += 1
+        elif kind == self.backward:
+            self.backwards_started[rank] += 1
+        self.left[rank][kind] -= 1
+        duration = costs.compute(kind, sid % S)
+        if sid % S not in self.recomputed:
+            orders.append((kind, sid, m))
+        elif kind == "F":
+            orders.append((_CHECKPOINTED, sid, m))
+            duration = costs.compute(_CHECKPOINTED, sid % S)
+        else:
+            if kind == self.backward:  # the recompute, then the backward that reads what it remade
+                orders.append((_RECOMPUTE, sid, m))
+                duration += costs.compute(_RECOMPUTE, sid % S)
+            orders.append((kind, sid, m))
+        self.busy[rank] = True
+        self.push_event(now + duration, 0, (kind, sid, m))
+
+    def transfer(self, src: int, dst: int, tensor: str):
         """The time a message takes between two ranks, priced between their devices."""
-        return costs.transfer(devices[src], devices[dst], tensor)
+        return self.costs.transfer(self.devices[src], self.devices[dst], tensor)
 
-    for rank in range(P):
-        try_start(rank, 0)
-    while events:
-        # Settle everything that happens at `now` before any rank chooses, so
-        # that a choice never misses a task released at the same instant.
-        now = events[0][0]
-        woken = set()
-        freed = False
-        while events and events[0][0] == now:
-            _, _, what, payload = heapq.heappop(events)
-            if what == 1:
-                woken.add(payload)
-                continue
-            kind, sid, m = payload
-            rank = stage_rank[sid]
-            busy[rank] = False
-            woken.add(rank)
-            _finish(kind, sid, m, now, spec, remaining, release, transfer, stage_rank, backward)
-            if kind in _BACKWARD:
-                memory.free(rank, m)
-                freed = True
-        if freed:
-            # An activation freed on one rank may make another rank's
-            # forward safe (the in-flight check looks at every rank).
-            woken.update(range(P))
-        for rank in sorted(woken):
-            if not busy[rank]:
-                try_start(rank, now)
-
-    total = sum(len(o) for o in orders)
-    expected = (len(kinds) * S + len(recomputed)) * N
-    if total != expected:
-        raise _stall(spec, orders, ready, memory, in_order)
-    return orders
+    def run(self) -> list[list[tuple[str, int, int]]]:
+        spec, S, N = self.spec, self.S, self.N
+        for m, p in enumerate(spec.mb_pipeline):
+            self.release("F", p * S, m, 0)
+        for rank in range(self.P):
+            self.try_start(rank, 0)
+        events = self.events
+        while events:
+            # Settle everything that happens at `now` before any rank chooses, so
+            # that a choice never misses a task released at the same instant.
+            now = events[0][0]
+            woken = set()
+            freed = False
+            while events and events[0][0] == now:
+                _, _, what, payload = heapq.heappop(events)
+                if what == 1:
+                    woken.add(payload)
+                    continue
+                kind, sid, m = payload
+                rank = self.stage_rank[sid]
+                self.busy[rank] = False
+                woken.add(rank)
+                _finish(kind, sid, m, now, spec, self.remaining, self.release, self.transfer, self.stage_rank,
+                        self.backward)
+                if kind in _BACKWARD:
+                    self.memory.free(rank, m)
+                    freed = True
+            if freed:
+                # An activation freed on one rank may make another rank's
+                # forward safe (the in-flight check looks at every rank).
+                woken.update(range(self.P))
+            for rank in sorted(woken):
+                if not self.busy[rank]:
+                    self.try_start(rank, now)
+        total = sum(len(o) for o in self.orders)
+        expected = (len(self.kinds) * S + len(self.recomputed)) * N
+        if total != expected:
+            raise _stall(spec, self.orders, self.ready, self.memory, self.in_order)
+        return self.orders
 
 
 class _InOrder:

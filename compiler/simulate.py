@@ -446,19 +446,14 @@ class _Simulation:
         """
         ready, waiters, work = self.ready, self.waiters, self.work
         compute_plan, comm_plan, handlers = self.compute_plan, self.comm_plan, self.handlers
-        sent_tensors = self.sent_tensors
         batch_ops, free_ops = _BATCH_OPS, _FREE_OPS
-        post = self.costs.post
-        network, devices, kind_bytes = self.network, self.devices, self.kind_bytes
-        shared = network.shared
         channels, ranks, all_slots = self.channels, self.program.ranks, self.slots
         # per rank: what a resume needs that never changes, and its progress
         fixed = [(row, len(row), channels[r], all_slots[r].append) for r, row in enumerate(ranks)]
         progress = list(zip(self.pc, self.clock, self.busy, self.live, self.peak))
         parked_ons = self.parked_on
-        comm_slots = self.comm_slots
         new_tuple = tuple.__new__
-        num_stages, num_mbs, num_ranks = self.num_stages, self.num_mbs, self.num_ranks
+        num_stages, num_mbs = self.num_stages, self.num_mbs
         while work:
             r = work.pop()
             row, end_of_row, outgoing, slots_append = fixed[r]
@@ -496,91 +491,21 @@ class _Simulation:
                         peak = live
                     pc += 1
                     continue
-                # A single SEND/RECV posts exactly like a one-part BATCH: all
-                # parts or none, each at ``clock``; the rank goes on.
-                if op in batch_ops:
-                    group = parts
-                elif op in free_ops:  # memory bookkeeping only; it takes no time
+                if op in free_ops:  # memory bookkeeping only; it takes no time
                     pc += 1
                     continue
-                elif op in comm_plan:
-                    group = (action,)
-                else:
-                    handler = handlers.get(op)
-                    if handler is None:
-                        raise self._error(WellFormedError, f"unknown instruction {action.text()}", r, pc)
-                    next_clock = handler(r, pc, action, clock)
+                if op in batch_ops or op in comm_plan:
+                    # A single SEND/RECV posts exactly like a one-part BATCH: all
+                    # parts or none, each at ``clock``; the rank goes on.
+                    group = parts if op in batch_ops else (action,)
+                    clock, parked_on = self._post(r, pc, action, group, clock, outgoing)
+                    if parked_on >= 0:
+                        break
+                else:  # the rare collectives and exchanges, through their handlers
+                    next_clock = handlers.get(op, self._unknown)(r, pc, action, clock)
                     if next_clock is None:  # the handler parked the rank
                         break
                     clock = next_clock
-                    pc += 1
-                    continue
-                # Posting is all or none, in two passes (the order of checks
-                # decides which error a program with several faults gets).
-                # First pass: every part is a message, and every tensor sent is
-                # produced (by this rank, earlier in its list) or the rank parks.
-                if not group:
-                    raise self._error(WellFormedError, f"{action.text()} posts nothing", r, pc)
-                for part in group:
-                    bases = sent_tensors.get(part[1], _NOT_A_MESSAGE)
-                    if bases is None:  # a receive: it never waits
-                        continue
-                    if bases is _NOT_A_MESSAGE:
-                        raise self._malformed(part, r, pc)
-                    p_stage, _, p_mb, p_peer, _ = part
-                    if 0 <= p_stage < num_stages and 0 <= p_mb < num_mbs:
-                        base = bases[p_stage]
-                        if base is not None and ready[base + p_mb] is None:
-                            if op not in batch_ops and (not 0 <= p_peer < num_ranks or p_peer == r):
-                                raise self._malformed(part, r, pc)  # a lone send is checked in full first
-                            parked_on = base + p_mb
-                            break
-                if parked_on >= 0:
-                    break
-                if post:  # the rank posts every part; the sends leave when it is done
-                    clock += post * len(group)
-                # Second pass: check each part in full, then post it; a part
-                # that finds its counterpart waiting in the channel delivers.
-                for part in group:
-                    p_stage, p_op, p_mb, p_peer, _ = part
-                    if not (0 <= p_stage < num_stages and 0 <= p_mb < num_mbs and 0 <= p_peer < num_ranks) or p_peer == r:
-                        raise self._malformed(part, r, pc)
-                    message = comm_plan[p_op][p_stage]
-                    if message is None:
-                        raise self._malformed(part, r, pc)
-                    is_send, tensor_base, arrival_base, kind = message
-                    if is_send:
-                        sends, receives, transfer = outgoing[p_peer] or self._channel(r, p_peer)
-                        produced = ready[tensor_base + p_mb]
-                        sent = (tensor_base + p_mb, produced if produced > clock else clock, r, pc)
-                        if not receives:
-                            sends.append(sent)
-                            continue
-                        posted = receives.popleft()
-                    else:
-                        sends, receives, transfer = channels[p_peer][r] or self._channel(p_peer, r)
-                        posted = (tensor_base + p_mb, arrival_base + p_mb, r, pc, part)
-                        if not sends:
-                            receives.append(posted)
-                            continue
-                        sent = sends.popleft()
-                    # sent: (tensor, time, rank, step); posted: (tensor, arrival key, rank, step, part)
-                    if sent[0] != posted[0]:
-                        raise self._mismatch(sent, posted)
-                    sent_at, delay = sent[1], transfer[kind]
-                    if shared:  # links and NICs shared: the network reserves its bandwidth
-                        arrival = network.transfer(devices[sent[2]], devices[posted[2]], kind_bytes[kind], sent_at)
-                        delay = arrival - sent_at
-                    else:
-                        arrival = sent_at + delay
-                        if delay:
-                            network.record(devices[sent[2]], devices[posted[2]], sent_at, arrival)
-                    if delay:
-                        comm_slots[posted[2]].append(new_tuple(Slot, (sent_at, arrival, posted[4], True)))
-                    key = posted[1]
-                    ready[key] = arrival
-                    if key in waiters:
-                        work.extend(waiters.pop(key))
                 pc += 1
             if parked_on >= 0:  # wait until parked_on is published
                 parked_ons[r] = parked_on
@@ -589,6 +514,86 @@ class _Simulation:
         # hand the progress back to the per-rank lists that results and reports read
         for r, state in enumerate(progress):
             self.pc[r], self.clock[r], self.busy[r], self.live[r], self.peak[r] = state
+
+    def _unknown(self, r: int, pc: int, action: Action, clock) -> None:
+        raise self._error(WellFormedError, f"unknown instruction {action.text()}", r, pc)
+
+    def _post(self, r: int, pc: int, action: Action, group: tuple, clock, outgoing: list) -> tuple:
+        """Post the message parts ``group`` of ``r``'s instruction ``pc`` at ``clock``, all or none.
+
+        Returns:
+            (the rank's clock after posting, -1), or (``clock``, the key of a tensor to send that is
+            not produced yet: the rank parks on it and posts nothing).
+        """
+        ready, waiters, work, comm_plan = self.ready, self.waiters, self.work, self.comm_plan
+        sent_tensors, channels, comm_slots, network = self.sent_tensors, self.channels, self.comm_slots, self.network
+        devices, kind_bytes, shared, new_tuple = self.devices, self.kind_bytes, network.shared, tuple.__new__
+        num_stages, num_mbs, num_ranks, op = self.num_stages, self.num_mbs, self.num_ranks, action[1]
+        post = self.costs.post
+        # Posting is all or none, in two passes (the order of checks
+        # decides which error a program with several faults gets).
+        # First pass: every part is a message, and every tensor sent is
+        # produced (by this rank, earlier in its list) or the rank parks.
+        if not group:
+            raise self._error(WellFormedError, f"{action.text()} posts nothing", r, pc)
+        for part in group:
+            bases = sent_tensors.get(part[1], _NOT_A_MESSAGE)
+            if bases is None:  # a receive: it never waits
+                continue
+            if bases is _NOT_A_MESSAGE:
+                raise self._malformed(part, r, pc)
+            p_stage, _, p_mb, p_peer, _ = part
+            if 0 <= p_stage < num_stages and 0 <= p_mb < num_mbs:
+                base = bases[p_stage]
+                if base is not None and ready[base + p_mb] is None:
+                    if op not in _BATCH_OPS and (not 0 <= p_peer < num_ranks or p_peer == r):
+                        raise self._malformed(part, r, pc)  # a lone send is checked in full first
+                    return clock, base + p_mb
+        if post:  # the rank posts every part; the sends leave when it is done
+            clock += post * len(group)
+        # Second pass: check each part in full, then post it; a part
+        # that finds its counterpart waiting in the channel delivers.
+        for part in group:
+            p_stage, p_op, p_mb, p_peer, _ = part
+            if not (0 <= p_stage < num_stages and 0 <= p_mb < num_mbs and 0 <= p_peer < num_ranks) or p_peer == r:
+                raise self._malformed(part, r, pc)
+            message = comm_plan[p_op][p_stage]
+            if message is None:
+                raise self._malformed(part, r, pc)
+            is_send, tensor_base, arrival_base, kind = message
+            if is_send:
+                sends, receives, transfer = outgoing[p_peer] or self._channel(r, p_peer)
+                produced = ready[tensor_base + p_mb]
+                sent = (tensor_base + p_mb, produced if produced > clock else clock, r, pc)
+                if not receives:
+                    sends.append(sent)
+                    continue
+                posted = receives.popleft()
+            else:
+                sends, receives, transfer = channels[p_peer][r] or self._channel(p_peer, r)
+                posted = (tensor_base + p_mb, arrival_base + p_mb, r, pc, part)
+                if not sends:
+                    receives.append(posted)
+                    continue
+                sent = sends.popleft()
+            # sent: (tensor, time, rank, step); posted: (tensor, arrival key, rank, step, part)
+            if sent[0] != posted[0]:
+                raise self._mismatch(sent, posted)
+            sent_at, delay = sent[1], transfer[kind]
+            if shared:  # links and NICs shared: the network reserves its bandwidth
+                arrival = network.transfer(devices[sent[2]], devices[posted[2]], kind_bytes[kind], sent_at)
+                delay = arrival - sent_at
+            else:
+                arrival = sent_at + delay
+                if delay:
+                    network.record(devices[sent[2]], devices[posted[2]], sent_at, arrival)
+            if delay:
+                comm_slots[posted[2]].append(new_tuple(Slot, (sent_at, arrival, posted[4], True)))
+            key = posted[1]
+            ready[key] = arrival
+            if key in waiters:
+                work.extend(waiters.pop(key))
+        return clock, -1
 
     def _malformed(self, part: Action, rank: int, step: int) -> WellFormedError:
         """The error for a message (or batch part) of ``rank`` that cannot be posted."""

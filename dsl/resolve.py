@@ -72,20 +72,34 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
             _resolve_decl(out, decl, scope)
 
     if ring:  # its layout is derived, its order too unless written: only its own rules apply
-        check_ring_rules(resolver, out.ring_decls, schedule)
-        for node in recomputes:
-            resolver.error("`recompute stage` belongs to activation passing: a sequence ring keeps no stage "
-                           "activations to recompute (its attention backward recomputes each block from the "
-                           "(out, lse) its forward kept)", node.span)
-        if out.stash is not None:
-            resolver.error("`stash weights` belongs to activation passing: a sequence ring has no weights that an "
-                           "update could change under a microbatch in flight", out.stash[0].span)
-        written = [d for d in orders if isinstance(d, ast.ExplicitOrder)]
-        for extra in written[1:]:
-            resolver.error(f"a schedule has one order; another is at line {written[0].span.line}", extra.span)
-        if resolver.errors:
-            _raise_all(resolver.errors)
-        return out
+        _check_ring_schedule(out, schedule, recomputes, orders)
+    else:
+        _check_pipeline_schedule(out, schedule, recomputes, orders, backward_nodes)
+    if resolver.errors:
+        _raise_all(resolver.errors)
+    return out
+
+
+def _check_ring_schedule(out: ResolvedSchedule, schedule: ast.Schedule, recomputes: list, orders: list) -> None:
+    """What a sequence ring's schedule must (not) declare; errors go to ``out.resolver``."""
+    resolver = out.resolver
+    check_ring_rules(resolver, out.ring_decls, schedule)
+    for node in recomputes:
+        resolver.error("`recompute stage` belongs to activation passing: a sequence ring keeps no stage "
+                       "activations to recompute (its attention backward recomputes each block from the "
+                       "(out, lse) its forward kept)", node.span)
+    if out.stash is not None:
+        resolver.error("`stash weights` belongs to activation passing: a sequence ring has no weights that an "
+                       "update could change under a microbatch in flight", out.stash[0].span)
+    written = [d for d in orders if isinstance(d, ast.ExplicitOrder)]
+    for extra in written[1:]:
+        resolver.error(f"a schedule has one order; another is at line {written[0].span.line}", extra.span)
+
+
+def _check_pipeline_schedule(out: ResolvedSchedule, schedule: ast.Schedule, recomputes: list, orders: list,
+                             backward_nodes: list) -> None:
+    """What a pipeline's (activation or weight passing) schedule must declare; errors go to ``out.resolver``."""
+    resolver = out.resolver
     if out.stages.node is None:
         resolver.error("a schedule needs `stages EXPR` (how many stages each pipeline has)", schedule.span)
     check_weight_rules(resolver, out.weight_decls, schedule)
@@ -109,9 +123,6 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
         resolver.error(f"a schedule has one order; another is at line {orders[0].span.line}", extra.span)
     for extra in backward_nodes[1:]:
         resolver.error(f"`backward` is already declared at line {backward_nodes[0].span.line}", extra.span)
-    if resolver.errors:
-        _raise_all(resolver.errors)
-    return out
 
 
 def _resolve_params(out: ResolvedSchedule, schedule: ast.Schedule, scope: Scope) -> None:

@@ -299,13 +299,7 @@ def program_from_json(data: dict) -> Program:
         ImportError_: a missing or mistyped field, an unknown op, an index out
             of range, or an instruction whose ``text`` disagrees with its fields.
     """
-    if not isinstance(data, dict):
-        raise ImportError_(f"a pipec program is a JSON object, not {type(data).__name__}")
-    if data.get("format") != FORMAT:
-        raise ImportError_(f"not a pipec program: \"format\" is {data.get('format')!r}, expected {FORMAT!r}")
-    if data.get("version") != VERSION or type(data.get("version")) is not int:
-        raise ImportError_(f"unsupported pipec program version {data.get('version')!r}; this pipec reads version {VERSION}")
-
+    _check_format(data)
     name = _get(data, "name", str)
     source = data.get("source", "")
     if not isinstance(source, str):
@@ -321,13 +315,7 @@ def program_from_json(data: dict) -> Program:
     mb_pipeline = _read_int_list(_get(data, "mb_pipeline", list), "mb_pipeline", len(pipelines))
     if len(mb_pipeline) != num_microbatches:
         raise ImportError_(f"\"mb_pipeline\" has {len(mb_pipeline)} entries for {num_microbatches} microbatches")
-    devices = data.get("devices")
-    if devices is not None:
-        if not isinstance(devices, list):
-            raise ImportError_("field \"devices\" must be a list or null")
-        devices = _read_int_list(devices, "devices", None)
-        if len(devices) != num_ranks:
-            raise ImportError_(f"\"devices\" has {len(devices)} entries for {num_ranks} ranks")
+    devices = _read_devices(data, num_ranks)
     communicators = []
     if "communicators" in data:
         communicators = _read_communicators(_get(data, "communicators", list), num_ranks)
@@ -369,6 +357,29 @@ def program_from_json(data: dict) -> Program:
         rings=rings,
         weight_versions=weight_versions,
     )
+
+
+def _check_format(data) -> None:
+    """``data`` is a JSON object of this format, at the version this pipec reads."""
+    if not isinstance(data, dict):
+        raise ImportError_(f"a pipec program is a JSON object, not {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise ImportError_(f"not a pipec program: \"format\" is {data.get('format')!r}, expected {FORMAT!r}")
+    if data.get("version") != VERSION or type(data.get("version")) is not int:
+        raise ImportError_(f"unsupported pipec program version {data.get('version')!r}; this pipec reads version {VERSION}")
+
+
+def _read_devices(data: dict, num_ranks: int) -> list[int] | None:
+    """``Program.devices`` from ``devices`` (null or absent: the identity)."""
+    devices = data.get("devices")
+    if devices is None:
+        return None
+    if not isinstance(devices, list):
+        raise ImportError_("field \"devices\" must be a list or null")
+    devices = _read_int_list(devices, "devices", None)
+    if len(devices) != num_ranks:
+        raise ImportError_(f"\"devices\" has {len(devices)} entries for {num_ranks} ranks")
+    return devices
 
 
 def _get(data: dict, key: str, kind: type):
