@@ -53,6 +53,10 @@ class Family:
         """Order and lower ``spec``: (compute-only program, program with communication), unchecked."""
         raise NotImplementedError(self.name)
 
+    def plan_to_json(self, program: "Program") -> dict:
+        """The family's fields of the program file's header (``emit/json_program.py``), in the format's order."""
+        return {}
+
     def refuse_memory_budget(self, name: str) -> str | None:
         """Why activation and byte budgets do not apply to the family's program ``name``, or None."""
         return None

@@ -96,6 +96,7 @@ from pipec.compiler.ir import (
 )
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; these passes build hundreds of thousands of acyclic ones.
+from pipec.compiler.family import families_of
 from pipec.compiler.gc_pause import paused_gc
 from pipec.errors import ImportError_
 
@@ -207,24 +208,14 @@ def _header_to_json(program: Program) -> dict:
             {"id": c.id, "ranks": list(c.ranks), "purpose": c.purpose, "key": c.key}
             for c in program.communicators
         ],
-        "owners": None if program.weights is None or program.weights.owners is None else list(program.weights.owners),
-        "weights": None if program.weights is None else {
-            "groups": list(program.weights.groups), "route": program.weights.route,
-            "ring_by": program.weights.ring_by, "gradients": program.weights.gradients,
-            "prefetch": program.weights.prefetch, "buffers": program.weights.buffers,
-            "num_steps": program.weights.num_steps},
-        # only for a sequence ring: the other families' files stay as they were
-        **({} if program.rings is None else {"rings": _rings_to_json(program.rings)}),
+        # a weight-passing program fills these; every other program's file has them null
+        "owners": None,
+        "weights": None,
+        # a family's plan fields, in the family's words (a sequence ring adds "rings")
+        **{key: value for family in families_of(program) for key, value in family.plan_to_json(program).items()},
         # only under weight stashing: other programs' files stay as they were
         **({} if program.weight_versions == 1 else {"weight_versions": program.weight_versions}),
     }
-
-
-def _rings_to_json(plan: RingPlan) -> dict:
-    """``Program.rings`` as the header's ``rings`` object."""
-    return {"chunks": plan.chunks, "holders": list(plan.holders), "pieces": plan.pieces,
-            "rings": [list(ring) for ring in plan.rings], "causal": plan.causal, "kv": plan.kv, "dkv": plan.dkv,
-            "transfer": plan.transfer, "note": plan.note}
 
 
 def _instruction_to_json(action: Action) -> dict:

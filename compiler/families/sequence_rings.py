@@ -25,6 +25,12 @@ class SequenceRings(Family):
     frees_values = False
     exact_times = True
 
+    def plan_to_json(self, program):
+        plan = program.rings
+        return {"rings": {"chunks": plan.chunks, "holders": list(plan.holders), "pieces": plan.pieces,
+                          "rings": [list(ring) for ring in plan.rings], "causal": plan.causal, "kv": plan.kv,
+                          "dkv": plan.dkv, "transfer": plan.transfer, "note": plan.note}}
+
     def spec_plan(self, spec):
         return spec.rings
 

@@ -21,6 +21,13 @@ class WeightPassing(Family):
     name = WEIGHT_PASSING
     runs_ops_of = (WEIGHT_PASSING, ACTIVATION_PASSING)
 
+    def plan_to_json(self, program):
+        plan = program.weights
+        return {"owners": None if plan.owners is None else list(plan.owners),
+                "weights": {"groups": list(plan.groups), "route": plan.route, "ring_by": plan.ring_by,
+                            "gradients": plan.gradients, "prefetch": plan.prefetch, "buffers": plan.buffers,
+                            "num_steps": plan.num_steps}}
+
     def spec_plan(self, spec):
         return spec.weights
 
