@@ -18,10 +18,11 @@ that differ between backends and the one thing that must never differ:
   communicator of the program (``Program.communicators``) in list order, on
   every rank, members or not, as torch.distributed requires.
 
-Weight passing's exchanges post point-to-point parts with ``post_p2p`` (a
-group and a tag per kind, so that each kind keeps its own FIFO channel) and
-their collectives with ``start_broadcast``, ``start_reduce``,
-``start_all_gather`` and ``start_reduce_scatter``, all asynchronous.
+The exchanges of weight passing and sequence rings (``runtime/exchange.py``)
+post point-to-point parts with ``post_p2p`` (a group and a tag per kind, so
+that each kind keeps its own FIFO channel); weight passing's collectives use
+``start_broadcast``, ``start_reduce``, ``start_all_gather`` and
+``start_reduce_scatter``, all asynchronous.
 """
 from __future__ import annotations
 

@@ -662,7 +662,7 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
 }
 # Sequence rings run through ``runtime/rings.py``'s handlers: its blocks, exchanges and their parts.
 ops.declare_pass("runtime interpreter", set(HANDLERS) | set(weights.PART_POSTERS) | set(rings.HANDLERS)
-                 | set(ops.RING_PART_OPS))
+                 | set(rings.PART_POSTERS))
 
 
 def run_step(

@@ -34,6 +34,9 @@ the checker's semantics op for op:
   is checked when the list ends, ``comm.settle``); then received bundles
   become usable and received partials are added to this rank's.
 
+The posting and the waiting are ``runtime/exchange.py``'s, shared with weight
+passing; this module gives it what each part means (``PART_POSTERS``).
+
 At the end rank r's partials of its own bundles are the whole dK, dV of its
 chunks. Anything a checked program never does (a block whose bundle this rank
 does not hold, an exchange never waited, a partial left away from home, an op
@@ -42,7 +45,6 @@ instruction; a wait past the deadline is one too, never a hang.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple
 
 import torch
@@ -52,6 +54,7 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, RingPlan
 from pipec.errors import RuntimeFault, UsageError
 from pipec.runtime import comm
+from pipec.runtime.exchange import Exchange, PartHandler, check_all_waited, post_exchange, wait_exchange
 from pipec.runtime.attention import (_accumulating, block_backward_at, block_forward_at, empty_result,
                                      merge_rows)
 
@@ -270,19 +273,6 @@ def wait_within(works, timeout: float, site: comm.Site, wait=comm.await_blocking
 # ------------------------------------------------------------------ state
 
 
-@dataclass
-class _Exchange:
-    """One posted exchange: its works, what arrives when it is waited, and what it must keep alive."""
-
-    number: int
-    index: int
-    works: list = field(default_factory=list)
-    p2p: list = field(default_factory=list)
-    arrivals: list[Callable[[], None]] = field(default_factory=list)
-    peers: set = field(default_factory=set)
-    keep: list = field(default_factory=list)  # tensors the backend reads or writes until the wait
-
-
 class _RingRank:
     """One rank's state while it runs its list (``load`` the inputs first, ``load_grad`` before the backward)."""
 
@@ -310,7 +300,7 @@ class _RingRank:
         self.dq: dict[int, torch.Tensor] = {}
         self.partials: dict[tuple[int, int], torch.Tensor] = {}
         self.incoming: dict[tuple[int, int], int] = {}
-        self.open: dict[int, _Exchange] = {}
+        self.open: dict[int, Exchange] = {}
         # A program without exchanges (one rank) runs without a process group.
         self.backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
         if self.backend is not None and (dist.get_world_size(), dist.get_rank()) != (program.num_ranks, rank):
@@ -396,6 +386,12 @@ class _RingRank:
     def site(self, index: int, text: str, peers: tuple[int, ...]) -> comm.Site:
         return comm.Site(self.rank, index, self._labelled(text), peers, self.iteration or 1)
 
+    def wait_works(self, ex: Exchange, site: comm.Site) -> None:
+        """Wait for an exchange's works within the timeout, the backend's way (``wait_within``)."""
+        wait_within(ex.works, self.timeout, site, self.wait_fn, training=self.iteration is not None)
+        if not self.blocking:  # NCCL: the stream waits; the buffers live until the deadline is checked
+            self.streamed.append((ex.works, site, ex.keep))
+
     def _labelled(self, text: str) -> str:
         return f"{text}, in {self.label}" if self.label else text
 
@@ -451,9 +447,7 @@ class _RingRank:
 
     def finish(self) -> RingResult:
         end = len(self.row)
-        if self.open:
-            number, ex = next(iter(self.open.items()))
-            raise self.fault(ex.index, f"exchange {number} is never waited")
+        check_all_waited(self.open, self.fault)
         self.settle()
         away = sorted(b for b in self.partials if b[0] != self.rank)
         if away:
@@ -545,7 +539,7 @@ def attention_backward(run: _RingRank, action: Action, index: int) -> None:
 # ------------------------------------------------------------------ exchanges
 
 
-def _bundle_of(run: _RingRank, part: Action, ex: _Exchange) -> tuple[int, int]:
+def _bundle_of(run: _RingRank, part: Action, ex: Exchange) -> tuple[int, int]:
     plan = run.plan
     if not (0 <= part.stage < run.program.num_ranks and 0 <= part.mb < plan.pieces
             and 0 <= part.peer < run.program.num_ranks) or part.peer == run.rank:
@@ -553,7 +547,7 @@ def _bundle_of(run: _RingRank, part: Action, ex: _Exchange) -> tuple[int, int]:
     return part.stage, part.mb
 
 
-def _kv_to_send(run: _RingRank, part: Action, ex: _Exchange) -> torch.Tensor:
+def _kv_to_send(run: _RingRank, part: Action, ex: Exchange) -> torch.Tensor:
     bundle = _bundle_of(run, part, ex)
     tensor = run.held(bundle)
     if tensor is None:
@@ -563,7 +557,7 @@ def _kv_to_send(run: _RingRank, part: Action, ex: _Exchange) -> torch.Tensor:
     return tensor
 
 
-def _dkv_to_send(run: _RingRank, part: Action, ex: _Exchange) -> torch.Tensor:
+def _dkv_to_send(run: _RingRank, part: Action, ex: Exchange) -> torch.Tensor:
     tensor = run.take_partial(_bundle_of(run, part, ex), ex.index)
     ex.keep.append(tensor)
     return tensor
@@ -582,24 +576,38 @@ def _arrive_dkv(run: _RingRank, bundle: tuple[int, int], buffer: torch.Tensor) -
     return arrive
 
 
-def _post_point_to_point(run: _RingRank, part: Action, ex: _Exchange) -> None:
-    """A SEND_KV, RECV_KV, SEND_DKV or RECV_DKV directly in the exchange: one op of its batch."""
-    op = part.op
-    if op == ops.SEND_KV:
-        ex.p2p.append((True, _kv_to_send(run, part, ex), part.peer, _TAGS[op]))
-    elif op == ops.SEND_DKV:
-        ex.p2p.append((True, _dkv_to_send(run, part, ex), part.peer, _TAGS[op]))
-    else:
-        bundle = _bundle_of(run, part, ex)
-        wide = op == ops.RECV_DKV
-        buffer = torch.empty(run.bundle_shape(bundle[0]), dtype=run.wide if wide else run.dtype, device=run.device)
-        ex.keep.append(buffer)
-        ex.p2p.append((False, buffer, part.peer, _TAGS[op]))
-        ex.arrivals.append((_arrive_dkv if wide else _arrive_kv)(run, bundle, buffer))
-    ex.peers.add(part.peer)
+def _send_kv(run: _RingRank, part: Action, ex: Exchange) -> None:
+    """SEND_KV: the bundle this rank holds now, to the part's peer on the KV channel."""
+    ex.send(_kv_to_send(run, part, ex), part.peer, _TAGS[part.op])
 
 
-def _post_all_to_all(run: _RingRank, part: Action, ex: _Exchange) -> None:
+def _send_dkv(run: _RingRank, part: Action, ex: Exchange) -> None:
+    """SEND_DKV: this rank's partial of the bundle (taken from it; zeros when it has none), to the peer."""
+    ex.send(_dkv_to_send(run, part, ex), part.peer, _TAGS[part.op])
+
+
+def _recv_kv(run: _RingRank, part: Action, ex: Exchange) -> None:
+    """RECV_KV: the bundle into a new buffer, usable (delivered) once waited."""
+    bundle, buffer = _receive(run, part, ex, run.dtype)
+    ex.arrivals.append(_arrive_kv(run, bundle, buffer))
+
+
+def _recv_dkv(run: _RingRank, part: Action, ex: Exchange) -> None:
+    """RECV_DKV: a partial of the bundle into a new buffer, added to this rank's once waited."""
+    bundle, buffer = _receive(run, part, ex, run.wide)
+    ex.arrivals.append(_arrive_dkv(run, bundle, buffer))
+
+
+def _receive(run: _RingRank, part: Action, ex: Exchange, dtype: torch.dtype) -> tuple[tuple[int, int], torch.Tensor]:
+    """(the bundle, a new buffer of its shape in ``dtype``) received from the part's peer."""
+    bundle = _bundle_of(run, part, ex)
+    buffer = torch.empty(run.bundle_shape(bundle[0]), dtype=dtype, device=run.device)
+    ex.keep.append(buffer)
+    ex.receive(buffer, part.peer, _TAGS[part.op])
+    return bundle, buffer
+
+
+def _post_all_to_all(run: _RingRank, part: Action, ex: Exchange) -> None:
     """ALLTOALL_KV / ALLTOALL_DKV: its sends and receives moved by one all_to_all of every rank."""
     kinds = _ALLTOALL_KIND[part.op]
     communicator = run.program.communicator_on(part, run.rank)
@@ -645,40 +653,27 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def exchange(run: _RingRank, action: Action, index: int) -> None:
     """EXCHANGE: post every part in list order; the point-to-point parts go out together as one batch."""
-    number = action.mb
     if run.backend is None:
         raise run.fault(index, "an exchange needs the process group, and none is joined (torch.distributed."
                                "init_process_group)")
-    if number in run.open:
-        raise run.fault(index, f"exchange {number} is posted again before it was waited")
-    ex = _Exchange(number, index)
-    for part in action.parts:
-        if part.op in _TAGS:
-            _post_point_to_point(run, part, ex)
-        elif part.op in _ALLTOALL_KIND:
-            _post_all_to_all(run, part, ex)
-        else:
-            raise run.fault(index, f"a sequence ring's exchange cannot hold {part.text()}")
-    if ex.p2p:
-        ex.works += comm.post_p2p(ex.p2p)
-    run.open[number] = ex
+    post_exchange(run, action, index, run.open, PART_POSTERS, fault=run.fault,
+                  refusal="a sequence ring's exchange cannot hold")
 
 
 def exchange_wait(run: _RingRank, action: Action, index: int) -> None:
     """EXCHANGE_WAIT: wait for every part of exchange ``mb``, then take what arrived."""
-    ex = run.open.pop(action.mb, None)
-    if ex is None:
-        raise run.fault(index, f"it waits for exchange {action.mb}, which this rank has not posted (or already waited)")
-    if ex.works:
-        text = f"{run.row[index].text()}, for {run.row[ex.index].text()} of step {ex.index}"
-        site = run.site(index, text, tuple(sorted(ex.peers)))
-        wait_within(ex.works, run.timeout, site, run.wait_fn, training=run.iteration is not None)
-        if not run.blocking:  # NCCL: the stream waits; the buffers live until the deadline is checked
-            run.streamed.append((ex.works, site, ex.keep))
-    for arrive in ex.arrivals:
-        arrive()
+    wait_exchange(action, index, run.open, run.row, fault=run.fault, site=run.site, wait=run.wait_works)
 
 
+# part op -> its poster (run, part, exchange) -> None; every point-to-point part on the default group
+PART_POSTERS: dict[str, PartHandler] = {
+    ops.SEND_KV: _send_kv,
+    ops.RECV_KV: _recv_kv,
+    ops.SEND_DKV: _send_dkv,
+    ops.RECV_DKV: _recv_dkv,
+    ops.ALLTOALL_KV: _post_all_to_all,
+    ops.ALLTOALL_DKV: _post_all_to_all,
+}
 HANDLERS: dict[str, Callable[[_RingRank, Action, int], None]] = {
     ops.AF: attention_forward,
     ops.AB: attention_backward,
@@ -687,5 +682,5 @@ HANDLERS: dict[str, Callable[[_RingRank, Action, int], None]] = {
 }
 
 
-__all__ = ["HANDLERS", "RingAttention", "RingResult", "chunk_length", "forward_end", "own_chunks", "run_ring_attention",
+__all__ = ["HANDLERS", "PART_POSTERS", "RingAttention", "RingResult", "chunk_length", "forward_end", "own_chunks", "run_ring_attention",
            "wait_within"]

@@ -31,7 +31,9 @@ part for that family, mirroring the symbolic executor op for op:
   stashes it and ``W`` adds it. ``EXCHANGE`` posts every part (point-to-point
   parts in one batch per group, collectives asynchronously, local fills at
   once) and ``EXCHANGE_WAIT`` waits for them and applies what arrived, so
-  communication overlaps the computes between the two.
+  communication overlaps the computes between the two. The posting and the
+  waiting are ``runtime/exchange.py``'s, shared with sequence rings; this
+  module gives it what each part means (``PART_POSTERS``).
 * ``finish_step``: folds what is left into the owners' accumulators and sets
   the masters' gradients; the interpreter then steps the optimizer, which
   holds only this rank's masters (or shards).
@@ -54,6 +56,7 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, WeightPlan
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.runtime import comm, payload
+from pipec.runtime.exchange import Exchange, FaultMaker, PartHandler, check_all_waited, post_exchange, wait_exchange
 from pipec.runtime.flat import bind_flat_grads
 
 ACT, GRAD = ops.MESSAGE_KIND_CODE["act"], ops.MESSAGE_KIND_CODE["grad"]
@@ -64,7 +67,6 @@ _SHIFTS = (ops.SHIFT_F, ops.SHIFT_B, ops.SHIFT_G)
 # tags; there the program's order per pair (proven by the checks) matches them.
 _TAGS = {ops.SEND_W: 1, ops.RECV_W: 1, ops.SEND_G: 2, ops.RECV_G: 2,
          ops.SHIFT_F: 3, ops.SHIFT_B: 4, ops.SHIFT_G: 5}
-_DEFAULT_GROUP = -1  # the key of the default process group among an exchange's batches
 
 
 class LayerLayout(NamedTuple):
@@ -246,28 +248,6 @@ def _ring_takes(program: Program, successor: int, layer_of: list[int]) -> dict[t
 
 
 @dataclass
-class _Exchange:
-    """One posted exchange: where it was posted, its works, and what to do when it is waited.
-
-    Attributes:
-        number: its number (``Action.mb``).
-        index: the index of its EXCHANGE in the rank's list.
-        works: the backend's works of its parts.
-        p2p: group key (communicator id, or the default group) -> its point-to-point
-            operations (is_send, tensor, peer, tag), posted together after the parts are read.
-        arrivals: what each part does on this rank once waited, in part order.
-        peers: the other ranks its parts involve (for a fault's message).
-    """
-
-    number: int
-    index: int
-    works: list = field(default_factory=list)
-    p2p: dict = field(default_factory=dict)
-    arrivals: list[Callable[[], None]] = field(default_factory=list)
-    peers: set = field(default_factory=set)
-
-
-@dataclass
 class WeightStep:
     """What a rank holds during one training step of a weight-passing program.
 
@@ -280,7 +260,7 @@ class WeightStep:
         in_flight: layer -> the exchange sending or reducing that partial (no add meanwhile).
         partial: the ring gradient slot, (layer, fp32 partial), or None.
         partial_arriving: a ring step brings this rank's next gradient slot, not waited yet.
-        open: exchange number -> the posted ``_Exchange``.
+        open: exchange number -> the posted ``exchange.Exchange``.
         stash: stage * N + mb -> (layer, weight gradient) an I left for its W.
     """
 
@@ -299,6 +279,11 @@ def _fault(step, index: int, message: str, peer: int | None = None) -> RuntimeFa
     ctx = step.ctx
     return RuntimeFault(message, ctx.rank, index, ctx.row[index].text() if index < len(ctx.row) else "the step's end",
                         peer)
+
+
+def _faults(step) -> FaultMaker:
+    """``_fault`` of this step, as the exchange machinery (``runtime/exchange.py``) raises it."""
+    return lambda index, message: _fault(step, index, message)
 
 
 def _master(step, layer: int) -> torch.Tensor:
@@ -393,7 +378,7 @@ def _add_partial(step, layer: int, grad: torch.Tensor, index: int) -> None:
     partial[:grad.numel()].add_(grad)
 
 
-def _lend(step, layer: int, ex: _Exchange, index: int) -> torch.Tensor:
+def _lend(step, layer: int, ex: Exchange, index: int) -> torch.Tensor:
     """This rank's accumulated partial of ``layer`` (zeros when it has none), now in flight with ``ex``."""
     wctx, ws = step.ctx.weights, step.weights
     if layer in ws.in_flight:
@@ -527,78 +512,52 @@ def free_copy(step, action: Action, index: int) -> None:
 
 def exchange(step, action: Action, index: int) -> None:
     """EXCHANGE: post every part in list order; point-to-point parts go out together at the end, per group."""
-    ws = step.weights
-    number = action[2]
-    if number in ws.open:
-        raise _fault(step, index, f"exchange {number} is posted again before it was waited")
-    ex = _Exchange(number, index)
-    for part in action[4]:
-        poster = PART_POSTERS.get(part[1])
-        if poster is None:
-            raise _fault(step, index, f"an exchange cannot hold {part.text()}")
-        poster(step, part, ex)
-    wctx = step.ctx.weights
-    for key, p2p in ex.p2p.items():
-        group = None if key == _DEFAULT_GROUP else wctx.groups[key].group
-        ex.works += comm.post_p2p(p2p, group)
-    ws.open[number] = ex
+    post_exchange(step, action, index, step.weights.open, PART_POSTERS, fault=_faults(step),
+                  refusal="an exchange cannot hold", groups=step.ctx.weights.groups)
 
 
 def exchange_wait(step, action: Action, index: int) -> None:
     """EXCHANGE_WAIT: wait for every part of exchange ``mb`` on this rank, then apply what arrived."""
-    ex = step.weights.open.pop(action[2], None)
-    if ex is None:
-        raise _fault(step, index, f"it waits for exchange {action[2]}, which this rank has not posted (or already "
-                                  "waited)")
-    if ex.works:
-        row = step.ctx.row
-        text = f"{row[index].text()}, for {row[ex.index].text()} of step {ex.index}"
-        step.wait(ex.works, step.site(index, text, tuple(sorted(ex.peers))))
-    for arrive in ex.arrivals:
-        arrive()
-
-
-def _p2p(ex: _Exchange, is_send: bool, tensor: torch.Tensor, peer: int, group_key: int, tag: int) -> None:
-    ex.p2p.setdefault(group_key, []).append((is_send, tensor, peer, tag))
-    ex.peers.add(peer)
+    wait_exchange(action, index, step.weights.open, step.ctx.row, fault=_faults(step), site=step.site,
+                  wait=lambda ex, site: step.wait(ex.works, site))
 
 
 def _layer(step, part: Action) -> int:
     return step.ctx.weights.layer_of[part[0]] if part[0] >= 0 else -1
 
 
-def _send_w(step, part: Action, ex: _Exchange) -> None:
+def _send_w(step, part: Action, ex: Exchange) -> None:
     tensor = _source(step, _layer(step, part), ex.index, f"{part.text()} sends")
-    _p2p(ex, True, tensor, part[3], _DEFAULT_GROUP, _TAGS[part[1]])
+    ex.send(tensor, part[3], _TAGS[part[1]])
 
 
-def _recv_w(step, part: Action, ex: _Exchange) -> None:
+def _recv_w(step, part: Action, ex: Exchange) -> None:
     layer, key = _layer(step, part), ("W", _layer(step, part), part[2])
     buffer = _new_weights(step, layer)
     _expect(step, key, layer, ex.index)
-    _p2p(ex, False, buffer, part[3], _DEFAULT_GROUP, _TAGS[part[1]])
+    ex.receive(buffer, part[3], _TAGS[part[1]])
     ex.arrivals.append(lambda: _deliver(step, key, layer, buffer, ex.index))
 
 
-def _send_g(step, part: Action, ex: _Exchange) -> None:
+def _send_g(step, part: Action, ex: Exchange) -> None:
     ws, layer = step.weights, _layer(step, part)
     if step.ctx.weights.plan.gradients == "ring" and ws.partial is not None and ws.partial[0] == layer:
         tensor, ws.partial = ws.partial[1], None  # the ring slot leaves for the owner
     else:
         tensor = _lend(step, layer, ex, ex.index)
         ex.arrivals.append(lambda: _settle_lent(step, layer, ex.number))
-    _p2p(ex, True, tensor, part[3], _DEFAULT_GROUP, _TAGS[part[1]])
+    ex.send(tensor, part[3], _TAGS[part[1]])
 
 
-def _recv_g(step, part: Action, ex: _Exchange) -> None:
+def _recv_g(step, part: Action, ex: Exchange) -> None:
     layer = _layer(step, part)
     wctx = step.ctx.weights
     buffer = torch.empty(_grad_size(wctx, layer), dtype=torch.float32, device=wctx.device)
-    _p2p(ex, False, buffer, part[3], _DEFAULT_GROUP, _TAGS[part[1]])
+    ex.receive(buffer, part[3], _TAGS[part[1]])
     ex.arrivals.append(lambda: _add_partial(step, layer, buffer, ex.index))
 
 
-def _ring_group(step, part: Action, ex: _Exchange) -> int:
+def _ring_group(step, part: Action, ex: Exchange) -> int:
     """The communicator id of the ring a SHIFT meets on."""
     communicator = step.ctx.program.communicator_on(part, step.ctx.rank)
     if communicator is None or communicator.id not in step.ctx.weights.groups:
@@ -606,7 +565,7 @@ def _ring_group(step, part: Action, ex: _Exchange) -> int:
     return communicator.id
 
 
-def _successor_takes(step, part: Action, ex: _Exchange) -> int:
+def _successor_takes(step, part: Action, ex: Exchange) -> int:
     taken = step.ctx.weights.successor_takes.get((ex.number, part[1], part[2]))
     if taken is None:
         raise _fault(step, ex.index, f"{part.text()}: rank {step.ctx.weights.successor}'s exchange {ex.number} has "
@@ -614,7 +573,7 @@ def _successor_takes(step, part: Action, ex: _Exchange) -> int:
     return taken
 
 
-def _shift_weights(step, part: Action, ex: _Exchange) -> None:
+def _shift_weights(step, part: Action, ex: Exchange) -> None:
     """SHIFT_F / SHIFT_B: pass this rank's slot of step t - 1 on (if the successor takes it), take the predecessor's."""
     wctx, ws = step.ctx.weights, step.weights
     op, t = part[1], part[2]
@@ -629,17 +588,17 @@ def _shift_weights(step, part: Action, ex: _Exchange) -> None:
             what = "nothing" if held is None else f"layer {held[0]}"
             raise _fault(step, ex.index, f"{part.text()}: rank {wctx.successor} takes layer {taken} from this rank's "
                                          f"{pass_} slot of step {t - 1}, which holds {what}", wctx.successor)
-        _p2p(ex, True, held[1], wctx.successor, group, _TAGS[op])
+        ex.send(held[1], wctx.successor, _TAGS[op], group)
     if held is not None:  # the slot is passed on (or no longer needed): dropped once the step is waited
         ex.arrivals.append(lambda: ws.copies.pop(given, None))
     if layer >= 0:
         key, buffer = (pass_, t), _new_weights(step, layer)
         _expect(step, key, layer, ex.index)
-        _p2p(ex, False, buffer, wctx.predecessor, group, _TAGS[op])
+        ex.receive(buffer, wctx.predecessor, _TAGS[op], group)
         ex.arrivals.append(lambda: _deliver(step, key, layer, buffer, ex.index))
 
 
-def _shift_gradient(step, part: Action, ex: _Exchange) -> None:
+def _shift_gradient(step, part: Action, ex: Exchange) -> None:
     """SHIFT_G: pass the ring gradient slot on (or fold it in, when no one takes it); take the predecessor's."""
     wctx, ws = step.ctx.weights, step.weights
     group, taken, layer = _ring_group(step, part, ex), _successor_takes(step, part, ex), _layer(step, part)
@@ -651,13 +610,13 @@ def _shift_gradient(step, part: Action, ex: _Exchange) -> None:
             what = "no partial" if held is None else f"layer {held[0]}'s partial"
             raise _fault(step, ex.index, f"{part.text()}: rank {wctx.successor} takes layer {taken}'s gradient "
                                          f"partial, but this rank holds {what}", wctx.successor)
-        _p2p(ex, True, held[1], wctx.successor, group, _TAGS[part[1]])
+        ex.send(held[1], wctx.successor, _TAGS[part[1]], group)
     elif held is not None:
         _strand(step, held, ex.index)
     if layer >= 0:
         buffer = torch.empty(_grad_size(wctx, layer), dtype=torch.float32, device=wctx.device)
         ws.partial_arriving = True
-        _p2p(ex, False, buffer, wctx.predecessor, group, _TAGS[part[1]])
+        ex.receive(buffer, wctx.predecessor, _TAGS[part[1]], group)
 
         def arrive() -> None:
             ws.partial, ws.partial_arriving = (layer, buffer), False
@@ -665,7 +624,7 @@ def _shift_gradient(step, part: Action, ex: _Exchange) -> None:
         ex.arrivals.append(arrive)
 
 
-def _fill(step, part: Action, ex: _Exchange) -> None:
+def _fill(step, part: Action, ex: Exchange) -> None:
     """FILL_F / FILL_B: a copy of the layer into this rank's slot of step ``mb``, from its master or its other slot."""
     pass_, layer = ops.PASS_OF_SLOT_OP[part[1]], _layer(step, part)
     source = _source(step, layer, ex.index, f"{part.text()} fills the {pass_} slot with")
@@ -674,7 +633,7 @@ def _fill(step, part: Action, ex: _Exchange) -> None:
     _deliver(step, key, layer, source.clone(), ex.index)  # local: done when posted
 
 
-def _group_of(step, part: Action, ex: _Exchange) -> tuple[comm.ReplicaGroup | None, tuple[int, ...]]:
+def _group_of(step, part: Action, ex: Exchange) -> tuple[comm.ReplicaGroup | None, tuple[int, ...]]:
     """(this rank's process group for the collective, or None when it is the only member; the members)."""
     communicator = step.ctx.program.communicator_on(part, step.ctx.rank)
     if communicator is None or step.ctx.rank not in communicator.ranks:
@@ -683,7 +642,7 @@ def _group_of(step, part: Action, ex: _Exchange) -> tuple[comm.ReplicaGroup | No
     return step.ctx.weights.groups.get(communicator.id), communicator.ranks
 
 
-def _bcast_w(step, part: Action, ex: _Exchange) -> None:
+def _bcast_w(step, part: Action, ex: Exchange) -> None:
     layer, root, t = _layer(step, part), part[3], part[2]
     group, members = _group_of(step, part, ex)
     if root not in members:
@@ -699,7 +658,7 @@ def _bcast_w(step, part: Action, ex: _Exchange) -> None:
     ex.arrivals.append(lambda: _deliver(step, key, layer, buffer, ex.index))
 
 
-def _reduce_g(step, part: Action, ex: _Exchange) -> None:
+def _reduce_g(step, part: Action, ex: Exchange) -> None:
     ws, layer, root = step.weights, _layer(step, part), part[3]
     group, members = _group_of(step, part, ex)
     if root not in members:
@@ -716,7 +675,7 @@ def _reduce_g(step, part: Action, ex: _Exchange) -> None:
     ex.arrivals.append(arrive)
 
 
-def _allgather_w(step, part: Action, ex: _Exchange) -> None:
+def _allgather_w(step, part: Action, ex: Exchange) -> None:
     wctx, layer = step.ctx.weights, _layer(step, part)
     if not wctx.sharded:
         raise _fault(step, ex.index, f"{part.text()} gathers shards, but the program's layers have owners")
@@ -732,7 +691,7 @@ def _allgather_w(step, part: Action, ex: _Exchange) -> None:
     ex.arrivals.append(lambda: _deliver(step, key, layer, gathered[:layout.size], ex.index))
 
 
-def _reducescatter_g(step, part: Action, ex: _Exchange) -> None:
+def _reducescatter_g(step, part: Action, ex: Exchange) -> None:
     wctx, layer = step.ctx.weights, _layer(step, part)
     if not wctx.sharded:
         raise _fault(step, ex.index, f"{part.text()} scatters into shards, but the program's layers have owners")
@@ -752,7 +711,7 @@ def _reducescatter_g(step, part: Action, ex: _Exchange) -> None:
 
 
 # part op -> its poster (step, part, exchange) -> None
-PART_POSTERS: dict[str, Callable] = {
+PART_POSTERS: dict[str, PartHandler] = {
     ops.SEND_W: _send_w,
     ops.RECV_W: _recv_w,
     ops.SEND_G: _send_g,
@@ -783,9 +742,7 @@ def finish_step(step, end: int) -> None:
             that does not own its layer (a program the checks did not pass).
     """
     wctx, ws = step.ctx.weights, step.weights
-    if ws.open:
-        number, ex = next(iter(ws.open.items()))
-        raise _fault(step, ex.index, f"exchange {number} is never waited")
+    check_all_waited(ws.open, _faults(step))
     if ws.partial is not None:
         held, ws.partial = ws.partial, None
         _strand(step, held, end)
