@@ -9,9 +9,12 @@ the emitters and the runtime read. It is deliberately plain data:
   (``batch_isend_irecv``) is an ``Action`` with op ``BATCH`` and ``parts``; its
   text is torch's sub-action form ``(0SEND_F1;0RECV_B0)BATCH``.
 * ``StageInfo``: where each stage lives. A stage is one (pipeline, position)
-  pair with exactly one home rank; stages at the same position of different
-  pipelines are replicas holding the same model chunk (BitPipe, Chimera), and
-  their weight gradients are all-reduced.
+  pair on one home rank, or on a group of ranks (``Placement``: each member
+  runs the stage's computes on its share); stages at the same position of
+  different pipelines are replicas holding the same model chunk (BitPipe,
+  Chimera), and their weight gradients are all-reduced. A compute of a stage
+  on a group may hold *sub-steps* (its ``parts``): collectives on the group's
+  communicator that run inside it, in order (docs/ir.md, placements).
 * ``Program``: stages, pipelines, the pipeline each microbatch rides, and one
   instruction list per rank.
 * ``Communicator``: a group of ranks that meets in collectives. Groups are
@@ -53,6 +56,7 @@ from pipec.compiler.ops import (  # noqa: F401  (re-exported)
     RECV_OPS,
     REPLICAS_OF_CHUNK,
     RULES,
+    STAGE_GROUP,
     SEND_B,
     SEND_F,
     SEND_OPS,
@@ -84,9 +88,10 @@ class Action(NamedTuple):
 
     def text(self) -> str:
         """torch.distributed.pipelining's token for this action."""
-        if self.parts:  # a batch; an exchange also shows its number
+        if self.parts:  # a batch; an exchange also shows its number; a compute with sub-steps its own token
             number = str(self.mb) if self.mb >= 0 else ""
-            return "(" + ";".join(p.text() for p in self.parts) + ")" + self.op + number
+            own = f"{self.stage}{self.op}{number}" if self.stage >= 0 else self.op + number
+            return "(" + ";".join(p.text() for p in self.parts) + ")" + own
         if self.stage < 0:  # an exchange's wait, a ring step: no stage
             return f"{self.op}{self.mb}" if self.mb >= 0 else self.op
         if self.mb < 0:
@@ -122,14 +127,34 @@ def batch(parts: Iterable[Action]) -> Action:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """A stage placed on a group of ranks (a data-, fully sharded or context-parallel group).
+
+    Every member runs each of the stage's computes on its share: member i of
+    k holds share i of k of each value the stage makes or reads (rows of a
+    microbatch, pieces of a sequence, 1/k of its weights), and the group meets
+    in collectives, its computes' sub-steps, on one communicator.
+
+    Attributes:
+        ranks: the members, ascending, two or more (a stage on one rank has no placement).
+        communicator: the id of its communicator in ``Program.communicators``, whose
+            members are exactly ``ranks`` (purpose ``STAGE_GROUP``).
+    """
+
+    ranks: tuple[int, ...]
+    communicator: int
+
+
+@dataclass(frozen=True)
 class StageInfo:
-    """One stage: a model chunk placed on one rank as part of one pipeline.
+    """One stage: a model chunk placed on one rank, or on a group of ranks, as part of one pipeline.
 
     Attributes:
         id: global stage id, index into ``Program.stages``.
-        rank: the rank that runs it.
+        rank: the rank that runs it; on a group, its first member.
         pipeline: which pipeline it belongs to (0 when there is only one).
         position: its place along that pipeline, 0 = first.
+        placement: the group it is placed on, or None for the one rank ``rank`` (the default).
         chunk: the model chunk (block of layers) it computes; replicas share it.
             Equal to ``position``: every pipeline runs the whole model.
     """
@@ -138,10 +163,16 @@ class StageInfo:
     rank: int
     pipeline: int
     position: int
+    placement: Placement | None = None
 
     @property
     def chunk(self) -> int:
         return self.position
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank that runs the stage: its group's members, or its one rank."""
+        return self.placement.ranks if self.placement is not None else (self.rank,)
 
 
 @dataclass(frozen=True)
@@ -430,6 +461,20 @@ class Program:
     def rank_of(self, stage: int) -> int:
         return self.stages[stage].rank
 
+    @property
+    def placed_on_groups(self) -> bool:
+        """Whether some stage is placed on a group of ranks (``Placement``)."""
+        return any(info.placement is not None for info in self.stages)
+
+    def share_peers(self, stage: int, rank: int, other: int) -> tuple[int, ...]:
+        """The ranks of stage ``other`` that hold some of ``rank``'s share of a value ``stage`` hands to
+        ``other`` (or takes from it): share i of k covers [i/k, (i+1)/k) of the value, and a member of
+        ``other``'s group of k' the same with k', so two shares meet where their intervals overlap.
+        A group of k hands to a group of k member i to member i; to one rank, every member to it."""
+        mine, theirs = self.stages[stage].ranks, self.stages[other].ranks
+        i, k, n = mine.index(rank), len(mine), len(theirs)
+        return tuple(theirs[j] for j in range(n) if i * n < (j + 1) * k and j * k < (i + 1) * n)
+
     def replicas(self, stage: int) -> list[int]:
         """Every stage (this one included) that holds the same model chunk."""
         position = self.stages[stage].position
@@ -448,6 +493,10 @@ class Program:
             return next((c for c in self.communicators if c.purpose == purpose and c.key == key), None)
         if purpose in (RING, WORLD):
             return next((c for c in self.communicators if c.purpose == purpose), None)
+        if purpose == STAGE_GROUP and 0 <= action.stage < len(self.stages):  # a sub-step: its stage's group
+            placement = self.stages[action.stage].placement
+            if placement is not None and 0 <= placement.communicator < len(self.communicators):
+                return self.communicators[placement.communicator]
         return None
 
     def communicator_on(self, action: Action, rank: int) -> Communicator | None:

@@ -231,6 +231,8 @@ REPLICAS_OF_CHUNK = "replicas of the stage's chunk"
 RING = "the ring of every rank"
 GROUP_OF_RANK = "the acting rank's group"
 WORLD = "every rank"
+# A sub-step's communicator: the group its stage is placed on (``ir.Placement``).
+STAGE_GROUP = "the group the stage is placed on"
 
 # Op names (the text form's tokens, torch's where torch has them).
 F, B, I, W = "F", "B", "I", "W"
@@ -249,6 +251,7 @@ BCAST_W, ALLGATHER_W, REDUCE_G, REDUCESCATTER_G = "BCAST_W", "ALLGATHER_W", "RED
 AF, AB = "AF", "AB"
 SEND_KV, RECV_KV, SEND_DKV, RECV_DKV = "SEND_KV", "RECV_KV", "SEND_DKV", "RECV_DKV"
 ALLTOALL_KV, ALLTOALL_DKV = "ALLTOALL_KV", "ALLTOALL_DKV"
+UNSHARD = "UNSHARD"
 
 _AP = ACTIVATION_PASSING
 _WP = WEIGHT_PASSING
@@ -385,6 +388,12 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
            communicator=WORLD, doc="one all_to_all of every rank moving the KV sends and receives it holds"),
     OpRule(ALLTOALL_DKV, PART_COLLECTIVE, _SR, reads=(Use("dkv"),), writes=(Use("dkv"),), fields=("mb", "parts"),
            communicator=WORLD, doc="one all_to_all of every rank moving the dK, dV partials it holds"),
+    # -- placements on rank groups (docs/ir.md). A compute of a stage placed on
+    # a group may hold sub-steps, its ``parts``: exchange parts that run inside
+    # it, in order, on the group's communicator. UNSHARD(s, m) gathers stage
+    # s's weights from its members' shards for the compute of (s, m) it sits in.
+    OpRule(UNSHARD, PART_COLLECTIVE, _AP, reads=(Use("shard"),), writes=(Use("weight"),), fields=("stage", "mb"),
+           communicator=STAGE_GROUP, doc="all-gather the stage's weights from its group's shards (a sub-step)"),
 )}
 
 OPS: tuple[str, ...] = tuple(RULES)
@@ -452,6 +461,8 @@ DROP_COPY_OPS = ops_of(DROP_COPY)
 # Sequence rings: the attention blocks, and the parts that move KV and dKV.
 RING_COMPUTE_OPS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if RULES[op].family == SEQUENCE_RING)
 RING_PART_OPS: tuple[str, ...] = tuple(op for op in EXCHANGE_PART_OPS if RULES[op].family == SEQUENCE_RING)
+# Placements: the parts a compute of a stage on a group may hold (its sub-steps, on the group's communicator).
+SUBSTEP_OPS: tuple[str, ...] = tuple(op for op in EXCHANGE_PART_OPS if RULES[op].communicator == STAGE_GROUP)
 # The compute ops that run on a layer's weights (a borrowed copy under weight
 # passing), each with the pass whose copy it reads: the ops that make the
 # activation run forward, the others backward (a ring keeps one slot per pass).

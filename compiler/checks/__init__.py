@@ -15,6 +15,10 @@
   must be, every dK, dV contribution home once). A family whose programs do
   not speak of stages and microbatches (rings: ``Family.stage_checks``) is
   proved by this run alone.
+* ``check_placed`` (``checks/placement.py``): a program with stages on rank
+  groups is proved per member instead of by the single-home checks above
+  (groups real, each member's tasks once, sub-steps alike), its messages and
+  sub-steps by the one symbolic run.
 * ``version_plan`` (optimizer updates in the order): every backward on the
   weights its forward ran on, every weight gradient applied
   (``compiler/versions.py``).
@@ -33,6 +37,7 @@ from pipec.compiler.checks.conflict import check_conflict
 from pipec.compiler.checks.deadlock import ASYNC, RENDEZVOUS, SEMANTICS, check_deadlock
 from pipec.compiler.checks.matching import MessageLog, check_matching, describe_tensor, scan_messages
 from pipec.compiler.checks.memory import check_memory, peak_activations
+from pipec.compiler.checks.placement import check_placed
 from pipec.compiler.checks.rings import RingReport, check_rings
 from pipec.compiler.checks.symbolic import prove_exchanges, proves_exchanges
 from pipec.compiler.checks.weights import WeightReport, check_weights
@@ -75,7 +80,9 @@ def check_all(
     if semantics not in SEMANTICS:
         raise ValueError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
     stage_checks = all(family.stage_checks for family in families_of(program))
-    if stage_checks:
+    if program.placed_on_groups:  # each member's share, by the placement checks and the symbolic run
+        check_placed(program)
+    elif stage_checks:
         tables = stage_tables(program)
         tasks = locate_tasks(program, tables)
         check_well_formed(program, tasks=tasks, tables=tables)
@@ -101,6 +108,7 @@ __all__ = [
     "check_deadlock",
     "check_matching",
     "check_memory",
+    "check_placed",
     "check_rings",
     "check_weights",
     "prove_exchanges",

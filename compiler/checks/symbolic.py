@@ -1,37 +1,29 @@
-"""The one symbolic run: a program's exchanges posted, matched, met and waited on every rank at once.
+"""The one symbolic run: every rank's communication posted, matched, met and waited at once.
 
 ``prove_exchanges(program)`` runs ``program`` under the strictest semantics the
-runtime may meet, whatever families its ops come from. The engine owns what
-every family's exchanges share; each family that moves values in exchanges
-registers a ``Semantics`` (``checks/weights.py``, ``checks/rings.py``) saying
-what its ops mean, and a program of several families is proved by one run in
-which each family's semantics sees its own ops.
+runtime may meet (rendezvous messages, atomic batches, collectives as meetings
+of their communicator), whatever families its ops come from. The engine owns
+what every family shares; each family registers a ``Semantics`` saying what its
+ops mean (``checks/weights.py``, ``checks/rings.py``, ``checks/placement.py``),
+so one run proves a program that mixes them: a hazard that shows only when two
+families' communication interleaves on one rank is named here or nowhere.
 
-What the engine proves, for every family:
+The contract, for every family:
 
-* **Placement.** Every instruction is one of the program's families' (a family
-  names the families whose ops its programs run: ``Family.runs_ops_of``); an
-  exchange part sits inside an EXCHANGE, and a family has code for it.
-* **Matching.** Point-to-point parts meet FIFO per ordered pair of ranks, and a
-  send and its receive carry the same value (the family's ``value``); a
-  collective part meets on its communicator (``Program.communicator_on``), of
-  which its rank is a member, and the k-th collective of a communicator is the
-  same (the family's ``signature``) on every member. A collective holding
-  point-to-point parts (an all_to_all) matches each send with its peer's
-  receive inside the meeting, and both sides must move a message alike.
-* **Deadlock freedom.** An EXCHANGE posts its parts in list order: a
-  point-to-point part never blocks; a collective the family marks blocking
-  holds the rank until every member posted it (one stream: two communicators
-  met in different orders by two ranks hang here as they would there); any
-  other completes when every member joined. An EXCHANGE_WAIT blocks until
-  every part of its exchange is complete. Ranks that cannot finish are a
+* An exchange part sits inside an EXCHANGE (or, posted and waited at once, in
+  an instruction its family inlines: ``Semantics.inline``), and a family of the
+  program has code for it; every instruction is one of the program's families'.
+* Point-to-point parts meet FIFO per ordered pair and carry the same value on
+  both sides; the k-th collective of a communicator (``Program.communicator_on``)
+  is the same (``Semantics.signature``) on every member, and only members join.
+* Posting never blocks but for a collective its family marks blocking (one
+  stream: two communicators met in different orders hang here as on NCCL); an
+  EXCHANGE_WAIT blocks until its parts complete. Ranks that cannot finish are a
   ``DeadlockError`` naming the cycle of waits.
-* **The end.** Every exchange waited, every point-to-point part matched; then
-  each family's own end checks (``Semantics.finish``).
+* At the end every exchange is waited and every part matched; then each
+  family's own end checks (``Semantics.finish``).
 
-The families' semantics add what their values mean: weights and gradients
-(``checks/weights.py``), KV bundles, attention blocks and dK, dV partials
-(``checks/rings.py``).
+Errors name the rank and step, with the program's grid.
 """
 from __future__ import annotations
 
@@ -104,6 +96,15 @@ class Semantics:
     part_ops: frozenset[str] = frozenset()
     blocking: frozenset[str] = frozenset()
 
+    @classmethod
+    def applies(cls, program: Program) -> bool:
+        """Whether the family's ops in ``program`` need this run (activation passing's: only on rank groups)."""
+        return True
+
+    def inline(self, action: Action) -> tuple[Action, ...]:
+        """The parts an instruction outside any exchange posts and waits at once (none: a plain step)."""
+        return ()
+
     def __init__(self, run: SymbolicRun):
         self.run, self.program, self.error = run, run.program, run.error
         self.P = run.program.num_ranks
@@ -148,6 +149,9 @@ class Semantics:
 
 
 _SEMANTICS: dict[str, type[Semantics]] = {}
+# What an inlined instruction may post (a plain send or receive besides an exchange's parts), and the sends.
+_INLINE_CATEGORIES = ops.EXCHANGE_PART_CATEGORIES + (ops.SEND, ops.RECV)
+_SEND_CATEGORIES = (ops.PART_SEND, ops.SEND)
 
 
 def register_semantics(semantics: type[Semantics]) -> type[Semantics]:
@@ -160,7 +164,7 @@ def register_semantics(semantics: type[Semantics]) -> type[Semantics]:
 
 def proves_exchanges(program: Program) -> bool:
     """Whether any family of ``program`` gives meaning to exchanges (the symbolic run has work)."""
-    return any(f.name in _SEMANTICS for f in families_of(program))
+    return any(f.name in _SEMANTICS and _SEMANTICS[f.name].applies(program) for f in families_of(program))
 
 
 def prove_exchanges(program: Program) -> dict[str, object]:
@@ -195,7 +199,8 @@ class SymbolicRun:
         families = families_of(program)
         self.runs_ops_of = frozenset(name for f in families for name in f.runs_ops_of)
         self.family_names = [f.name for f in families]
-        self.semantics = [_SEMANTICS[f.name](self) for f in families if f.name in _SEMANTICS]
+        self.semantics = [_SEMANTICS[f.name](self) for f in families
+                          if f.name in _SEMANTICS and _SEMANTICS[f.name].applies(program)]
         self.of_family = {s.family: s for s in self.semantics}
         self.ranks = [RankState(r) for r in range(program.num_ranks)]
         self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
@@ -250,6 +255,8 @@ class SymbolicRun:
                 raise self.error(WellFormedError, f"{action.text()} is an instruction of {rule.family}, which "
                                  f"this program ({', '.join(self.family_names)}) does not run", state.rank, state.pc)
             else:
+                if not self.post_inline(state, action):
+                    break
                 for semantics in self.semantics:
                     semantics.step(state, action)
             state.pc += 1
@@ -268,11 +275,27 @@ class SymbolicRun:
                                  state.rank, state.pc)
             state.open[number] = (state.pc, [])
             state.posting = state.pc
+        return self.post_parts(state, number, action.parts)
+
+    def post_inline(self, state: RankState, action: Action) -> bool:
+        """An instruction whose family inlines parts (a message of a placed stage, a compute's sub-steps):
+        its parts posted in order, then waited, before the instruction itself; False while they wait."""
+        actions = next((found for found in (s.inline(action) for s in self.semantics) if found), ())
+        if not actions:
+            return True
+        number = -1 - state.pc  # an exchange of its own, numbered apart from every EXCHANGE's
+        if state.posting != state.pc:
+            state.open[number] = (state.pc, [])
+            state.posting = state.pc
+        return self.post_parts(state, number, actions) and self.complete(state, number)
+
+    def post_parts(self, state: RankState, number: int, actions: tuple[Action, ...]) -> bool:
+        """Post ``actions`` into open exchange ``number`` from where the rank stopped."""
         parts = state.open[number][1]
-        while state.part_index < len(action.parts):
+        while state.part_index < len(actions):
             part, state.blocked = state.blocked, None
             if part is None:
-                part = self.post_part(state, action.parts[state.part_index], number, parts)
+                part = self.post_part(state, actions[state.part_index], number, parts)
             if part.action.op in self.semantics_of(part).blocking and not part.done:
                 state.blocked = part
                 state.waiting_on = (part, part.meeting.absent())
@@ -284,7 +307,8 @@ class SymbolicRun:
         action = part.action
         rule = ops.RULES.get(action.op)
         semantics = self.of_family.get(rule.family) if rule is not None else None
-        if rule is None or rule.category not in ops.EXCHANGE_PART_CATEGORIES or semantics is None \
+        categories = ops.EXCHANGE_PART_CATEGORIES if part.exchange >= 0 else _INLINE_CATEGORIES
+        if rule is None or rule.category not in categories or semantics is None \
                 or action.op not in semantics.part_ops:
             raise self.error(MatchError, f"{action.text()} cannot be part of an exchange of this program: an "
                              f"exchange may only hold sends, receives, collectives and copies of its families "
@@ -323,7 +347,7 @@ class SymbolicRun:
                              part.rank, part.step)
 
     def post_p2p(self, part: Part) -> None:
-        is_send = ops.RULES[part.action.op].category == ops.PART_SEND
+        is_send = ops.RULES[part.action.op].category in _SEND_CATEGORIES
         peer = part.action.peer
         sends, recvs = self.channels.setdefault((part.rank, peer) if is_send else (peer, part.rank),
                                                 (deque(), deque()))
@@ -406,6 +430,10 @@ class SymbolicRun:
         if number not in state.open:
             raise self.error(MatchError, f"{action.text()} waits for exchange {number}, which this rank has not "
                              "posted (or already waited)", state.rank, state.pc)
+        return self.complete(state, number)
+
+    def complete(self, state: RankState, number: int) -> bool:
+        """Whether every part of open exchange ``number`` completed (then each arrives); else the rank waits."""
         _, parts = state.open[number]
         pending = [part for part in parts if not part.done]
         if pending:

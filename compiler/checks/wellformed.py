@@ -179,7 +179,7 @@ def _check_complete(program: Program, tables: StageTables, tasks: TaskIndex) -> 
             continue
         stage, mb = divmod(index, program.num_microbatches)
         for task_set in task_sets:
-            text = _task_problem(task_set, {op: column[index] for op, column in has.items()}, stage, mb)
+            text = task_problem(task_set, {op: column[index] for op, column in has.items()}, stage, mb)
             if text is None:
                 continue
             base = index * _CODES
@@ -202,7 +202,7 @@ def _complete_everywhere(task_set, has: dict[str, list[bool]], expected: list[bo
     return list(map(any, zip(*firsts))) == expected and all(sum(row) <= 1 for row in zip(*firsts))
 
 
-def _task_problem(task_set, present: dict[str, bool], s: int, m: int) -> str | None:
+def task_problem(task_set, present: dict[str, bool], s: int, m: int) -> str | None:
     """What is wrong with one (stage, mb)'s task set, in words; None when nothing is.
 
     In order: two alternatives whose first ops both appear; an alternative
@@ -395,5 +395,6 @@ __all__ = [
     "locate_tasks",
     "stage_tables",
     "task_key",
+    "task_problem",
     "task_text",
 ]

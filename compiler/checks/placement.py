@@ -1,0 +1,287 @@
+"""Stages placed on groups of ranks: what the prover proves of them (docs/ir.md, placements).
+
+A stage on a group (``ir.Placement``) is run by every member on its share, so
+the single-home checks (well-formed, matching, conflict, deadlock) do not
+apply; ``check_all`` runs these instead, and they say the same things of each
+member's share:
+
+* ``check_placed``: every group is real (ranks of the program, two or more,
+  its communicator of exactly its members); every compute runs on a member of
+  its stage; each member runs each of its stage's tasks exactly once (the
+  family's task sets, per member); a compute's sub-steps (its ``parts``) are
+  sub-step ops of its own stage and microbatch, on a stage on a group, and
+  every member runs a compute with the same sub-steps.
+* ``PlacedStages``, the activation family's meaning in the one symbolic run
+  (``checks/symbolic.py``): its messages are inlined exchanges (rendezvous,
+  a batch atomic), its sub-steps blocking meetings of the group's
+  communicator in list order; a message goes between the members whose shares
+  meet (``Program.share_peers``); a compute reads only shares this rank made
+  or received before it, a send ships only what this rank made.
+
+Errors name the rank and step, as the single-home checks do.
+"""
+from __future__ import annotations
+
+from pipec.compiler import ops
+from pipec.compiler.checks.symbolic import Part, RankState, Semantics, register_semantics
+from pipec.compiler.checks.wellformed import task_problem
+from pipec.compiler.ir import Action, Program, stage_tables
+from pipec.errors import ConflictError, MatchError, WellFormedError
+
+_SUBSTEPS = frozenset(ops.SUBSTEP_OPS)
+_TASK_SETS = ops.FAMILY_TASKS[ops.ACTIVATION_PASSING]
+# The replica all-reduce meets on replicas' ranks, which a placement does not define yet.
+_NOT_YET = (ops.COLLECTIVE, ops.COLLECTIVE_WAIT)
+
+
+def ranks_text(ranks) -> str:
+    ranks = list(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def check_placed(program: Program) -> None:
+    """Prove the groups, the computes' places, each member's tasks and the sub-steps (module docstring).
+
+    Raises:
+        WellFormedError: at the group's first rank for a bad group; at the instruction otherwise.
+    """
+    _check_groups(program)
+    tasks = _locate(program)
+    _check_complete(program, tasks)
+    _check_substeps_agree(program, tasks)
+
+
+def _error(program: Program, message: str, rank: int | None, step: int | None, marks=()) -> WellFormedError:
+    return WellFormedError(message, rank, step, program.grid(), marks)
+
+
+def _check_groups(program: Program) -> None:
+    count = len(program.communicators)
+    for info in program.stages:
+        placement = info.placement
+        if placement is None:
+            continue
+        ranks, where = placement.ranks, info.rank if 0 <= info.rank < program.num_ranks else None
+        outside = [r for r in ranks if not 0 <= r < program.num_ranks]
+        if outside:
+            message = (f"stage {info.id} is placed on {ranks_text(ranks)}, but rank {outside[0]} is none of the "
+                       f"program's (ranks 0..{program.num_ranks - 1})")
+        elif len(ranks) < 2 or list(ranks) != sorted(set(ranks)):
+            message = (f"stage {info.id} is placed on {ranks_text(ranks) if ranks else 'no ranks'}: a group lists "
+                       "two or more ranks, ascending (a stage on one rank has no placement)")
+        elif info.rank != ranks[0]:
+            message = (f"stage {info.id} is on rank {info.rank} and placed on {ranks_text(ranks)}: a stage on a "
+                       "group names its first member as its rank")
+        elif not 0 <= placement.communicator < count:
+            message = (f"stage {info.id} is placed on {ranks_text(ranks)} meeting on communicator "
+                       f"{placement.communicator}, but the program has {count} communicators")
+        elif program.communicators[placement.communicator].ranks != ranks \
+                or program.communicators[placement.communicator].purpose != ops.STAGE_GROUP:
+            group = program.communicators[placement.communicator]
+            message = (f"stage {info.id} is placed on {ranks_text(ranks)}, but its communicator {group.id} is "
+                       f"{group.purpose!r} on {ranks_text(group.ranks)}: a stage's group meets on a communicator "
+                       f"of exactly its members ({ops.STAGE_GROUP!r})")
+        else:
+            continue
+        raise _error(program, message, where, None)
+
+
+def _locate(program: Program) -> dict[tuple[int, int, str, int], int]:
+    """(rank, stage, op, mb) -> the step of every compute, each checked in range, on a member, once per rank."""
+    tasks: dict[tuple[int, int, str, int], int] = {}
+    num_stages, num_mb = len(program.stages), program.num_microbatches
+    for rank, row in enumerate(program.ranks):
+        for step, action in enumerate(row):
+            category = ops.RULES[action.op].category if action.op in ops.RULES else None
+            if action.op in _SUBSTEPS or (category == ops.EXCHANGE_OF and _SUBSTEPS & {p.op for p in action.parts}):
+                raise _error(program, f"{action.text()} stands outside a compute: a sub-step ({', '.join(_SUBSTEPS)}) "
+                             "is a part of the compute it runs in", rank, step)
+            if category in _NOT_YET:
+                raise _error(program, f"{action.text()}: a program with stages on rank groups cannot hold "
+                             f"{action.op} yet (the replica all-reduce has no placement on groups)", rank, step)
+            if category != ops.COMPUTE:
+                continue
+            stage, mb, text = action.stage, action.mb, action.text()
+            if not 0 <= stage < num_stages:
+                raise _error(program, f"{text}: there is no stage {stage} (stages 0..{num_stages - 1})", rank, step)
+            if not 0 <= mb < num_mb:
+                raise _error(program, f"{text}: there is no microbatch {mb} (microbatches 0..{num_mb - 1})",
+                             rank, step)
+            info = program.stages[stage]
+            if rank not in info.ranks:
+                raise _error(program, f"{text} runs on rank {rank}, but stage {stage} lives on "
+                             f"{ranks_text(info.ranks)}", rank, step)
+            if info.pipeline != program.mb_pipeline[mb]:
+                raise _error(program, f"{text}: microbatch {mb} rides pipeline {program.mb_pipeline[mb]}, but stage "
+                             f"{stage} belongs to pipeline {info.pipeline}", rank, step)
+            _check_parts(program, rank, step, action)
+            key = (rank, stage, action.op, mb)
+            if key in tasks:
+                raise _error(program, f"{text} appears twice on rank {rank} (first at step {tasks[key]})",
+                             rank, step, [(rank, tasks[key])])
+            tasks[key] = step
+    return tasks
+
+
+def _check_parts(program: Program, rank: int, step: int, action: Action) -> None:
+    """A compute's sub-steps: on a stage on a group, sub-step ops naming its own stage and microbatch."""
+    if not action.parts:
+        return
+    text = action.text()
+    if program.stages[action.stage].placement is None:
+        raise _error(program, f"{text} holds sub-steps, but stage {action.stage} lives on one rank: sub-steps meet "
+                     "on the group a stage is placed on", rank, step)
+    for part in action.parts:
+        if part.op not in _SUBSTEPS:
+            raise _error(program, f"{text} holds {part.text()}, which is no sub-step (a compute may hold "
+                         f"{', '.join(_SUBSTEPS)})", rank, step)
+        if (part.stage, part.mb) != (action.stage, action.mb):
+            raise _error(program, f"{text} holds {part.text()}, which names another compute: a sub-step names the "
+                         "stage and microbatch of the compute it runs in", rank, step)
+
+
+def _check_complete(program: Program, tasks) -> None:
+    """Each member of each stage runs exactly one alternative of each task set for every microbatch riding it."""
+    for info in program.stages:
+        for rank in info.ranks:
+            for mb in program.microbatches_of(info.id):
+                for task_set in _TASK_SETS:
+                    present = {op: (rank, info.id, op, mb) in tasks for alt in task_set.alternatives for op in alt}
+                    text = task_problem(task_set, present, info.id, mb)
+                    if text is None:
+                        continue
+                    steps = [tasks[(rank, info.id, op, mb)] for op in present if present[op]]
+                    where = f" on rank {rank}" + (f" ({ranks_text(info.ranks)} run stage {info.id})"
+                                                  if info.placement is not None else "")
+                    raise _error(program, text + where, rank, steps[0] if steps else None)
+
+
+def _check_substeps_agree(program: Program, tasks) -> None:
+    """Every member runs each compute of its stage with the first member's sub-steps, in the same order."""
+    for (rank, stage, op, mb), step in tasks.items():
+        info = program.stages[stage]
+        first = info.ranks[0]
+        if info.placement is None or rank == first:
+            continue
+        theirs_step = tasks.get((first, stage, op, mb))
+        if theirs_step is None:
+            continue  # the first member lacks the task: _check_complete named it
+        mine = program.ranks[rank][step].parts
+        theirs = program.ranks[first][theirs_step].parts
+        if mine == theirs:
+            continue
+        task, rule = f"{stage}{op}{mb}", (f"every member of stage {stage}'s group ({ranks_text(info.ranks)}) runs "
+                                         "each compute with the same sub-steps, in the same order")
+        missing = [p for p in theirs if p not in mine]
+        extra = [p for p in mine if p not in theirs]
+        if missing:
+            message = (f"rank {rank} runs {task} without the sub-step {missing[0].text()} that rank {first} runs in "
+                       f"it (step {theirs_step}): {rule}")
+        elif extra:
+            message = (f"rank {rank} runs {task} with the sub-step {extra[0].text()}, which rank {first}'s (step "
+                       f"{theirs_step}) lacks: {rule}")
+        else:
+            message = (f"rank {rank} runs the sub-steps of {task} in another order than rank {first} (step "
+                       f"{theirs_step}): {rule}")
+        raise _error(program, message, rank, step, [(first, theirs_step)])
+
+
+@register_semantics
+class PlacedStages(Semantics):
+    """Activation passing on stages placed on rank groups: its messages, sub-steps and dataflow in the one run."""
+
+    family = ops.ACTIVATION_PASSING
+    part_ops = frozenset(ops.SEND_OPS + ops.RECV_OPS + ops.SUBSTEP_OPS)
+    blocking = _SUBSTEPS
+
+    @classmethod
+    def applies(cls, program: Program) -> bool:
+        return program.placed_on_groups
+
+    def start(self) -> None:
+        self.tables = stage_tables(self.program)
+        self.done: list[set] = [set() for _ in range(self.P)]      # (op, stage, mb) this rank ran
+        self.arrived: list[set] = [set() for _ in range(self.P)]   # (value, from rank) this rank received
+
+    def inline(self, action: Action) -> tuple[Action, ...]:
+        category = ops.RULES[action.op].category
+        if category in (ops.SEND, ops.RECV):
+            return (action,)
+        if category in (ops.BATCH_OF, ops.COMPUTE):  # a batch's messages; a compute's sub-steps
+            return action.parts
+        return ()
+
+    def value(self, action: Action) -> tuple:
+        rule = ops.PART_RULES[action.op]
+        return (rule.kind, self.tables.neighbour(rule.where)[action.stage], action.mb)
+
+    def value_text(self, value: tuple) -> str:
+        kind, stage, mb = value
+        return ops.describe(ops.Value(kind, (stage, mb)))
+
+    def signature(self, part: Part) -> tuple:
+        return (part.action.op, part.action.stage, part.action.mb)
+
+    def post(self, state: RankState, part: Part) -> None:
+        action = part.action
+        if action.op in _SUBSTEPS:
+            return
+        if not (0 <= action.stage < len(self.program.stages) and 0 <= action.mb < self.program.num_microbatches):
+            raise self.error(MatchError, f"{action.text()}: there is no stage {action.stage} or microbatch "
+                             f"{action.mb} of the program", state.rank, part.step)
+        self.check_route(state.rank, part)
+
+    def check_route(self, rank: int, part: Part) -> None:
+        """A message goes between the members whose shares of its value meet; a send ships what this rank made."""
+        action, rule = part.action, ops.PART_RULES[part.action.op]
+        kind, producer, mb = self.value(action)
+        consumer = self.tables.neighbour(ops.READER_OF[kind])[producer] if producer >= 0 else -1
+        what = self.value_text((kind, producer, mb)) if producer >= 0 else ops.VALUE_KINDS[kind].words
+        mine, other = (producer, consumer) if rule.is_send else (consumer, producer)
+        if other < 0:
+            raise self.error(MatchError, f"{action.text()} moves the {what}, which no stage "
+                             f"{'reads' if rule.is_send else 'makes'}", rank, part.step)
+        if rank not in self.program.stages[mine].ranks:
+            raise self.error(MatchError, f"{action.text()} runs on rank {rank}, but stage {mine} lives on "
+                             f"{ranks_text(self.program.stages[mine].ranks)}", rank, part.step)
+        right = self.program.share_peers(mine, rank, other)
+        if action.peer not in right:
+            verb, role = ("sends", "takes") if rule.is_send else ("takes", "makes")
+            raise self.error(MatchError, f"{action.text()} {verb} rank {rank}'s share of the {what} "
+                             f"{'to' if rule.is_send else 'from'} rank {action.peer}, but stage {other} (on "
+                             f"{ranks_text(self.program.stages[other].ranks)}) {role} that share on "
+                             f"{ranks_text(right)}", rank, part.step)
+        if rule.is_send and not any((op, producer, mb) in self.done[rank] for op in ops.producers(kind)):
+            raise self.error(ConflictError, f"{action.text()} ships the {what} before this rank made its share",
+                             rank, part.step)
+
+    def arrive(self, state: RankState, part: Part) -> None:
+        if part.action.op in _SUBSTEPS or ops.PART_RULES[part.action.op].is_send:
+            return
+        got = (self.value(part.action), part.action.peer)
+        if got in self.arrived[state.rank]:
+            raise self.error(MatchError, f"{part.action.text()}: rank {state.rank} receives rank {part.action.peer}'s "
+                             f"share of the {self.value_text(got[0])} a second time", state.rank, part.step)
+        self.arrived[state.rank].add(got)
+
+    def step(self, state: RankState, action: Action) -> None:
+        if action.op not in ops.DEPENDENCIES:
+            return
+        rank, stage, mb = state.rank, action.stage, action.mb
+        for dependency in ops.DEPENDENCIES[action.op]:
+            other = self.tables.neighbour(dependency.where)[stage]
+            if other < 0:
+                continue
+            if dependency.where == ops.SELF:
+                if not any((op, stage, mb) in self.done[rank] for op in dependency.made_by):
+                    raise self.error(WellFormedError, f"{action.text()} needs {stage}{dependency.made_by[0]}{mb}, "
+                                     "which this rank has not run before it", rank, state.pc)
+                continue
+            value = (dependency.kind, other, mb)
+            for peer in self.program.share_peers(stage, rank, other):
+                made_here = peer == rank and any((op, other, mb) in self.done[rank] for op in dependency.made_by)
+                if not made_here and (value, peer) not in self.arrived[rank]:
+                    raise self.error(ConflictError, f"{action.text()} reads rank {peer}'s share of the "
+                                     f"{self.value_text(value)}, which this rank has not "
+                                     f"{'made' if peer == rank else 'received'} before it", rank, state.pc)
+        self.done[rank].add((action.op, stage, mb))
