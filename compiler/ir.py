@@ -518,6 +518,17 @@ class Program:
         return sum(len(row) for row in self.ranks)
 
 
+def groups_refusal(program: Program, interpretation: str) -> str | None:
+    """Why ``interpretation`` (the simulator, ``pipec run``, torch's CSV) cannot take ``program`` yet: a stage
+    placed on a group of ranks, which the prover proves and those do not run (docs/ir.md); None otherwise."""
+    placed = next((info for info in program.stages if info.placement is not None), None)
+    if placed is None:
+        return None
+    return (f"{program.name or 'this program'} places stage {placed.id} on the group of ranks "
+            f"{', '.join(map(str, placed.placement.ranks))}; pipec proves a program with stages on rank groups, "
+            f"but {interpretation} does not run one yet")
+
+
 def tensor_of(action: Action, program: Program) -> tuple[str, int, int]:
     """The value a send or receive carries, as (value kind, producer stage, mb).
 

@@ -251,7 +251,7 @@ BCAST_W, ALLGATHER_W, REDUCE_G, REDUCESCATTER_G = "BCAST_W", "ALLGATHER_W", "RED
 AF, AB = "AF", "AB"
 SEND_KV, RECV_KV, SEND_DKV, RECV_DKV = "SEND_KV", "RECV_KV", "SEND_DKV", "RECV_DKV"
 ALLTOALL_KV, ALLTOALL_DKV = "ALLTOALL_KV", "ALLTOALL_DKV"
-UNSHARD = "UNSHARD"
+GATHER = "GATHER"
 
 _AP = ACTIVATION_PASSING
 _WP = WEIGHT_PASSING
@@ -390,9 +390,9 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
            communicator=WORLD, doc="one all_to_all of every rank moving the dK, dV partials it holds"),
     # -- placements on rank groups (docs/ir.md). A compute of a stage placed on
     # a group may hold sub-steps, its ``parts``: exchange parts that run inside
-    # it, in order, on the group's communicator. UNSHARD(s, m) gathers stage
+    # it, in order, on the group's communicator. GATHER(s, m) gathers stage
     # s's weights from its members' shards for the compute of (s, m) it sits in.
-    OpRule(UNSHARD, PART_COLLECTIVE, _AP, reads=(Use("shard"),), writes=(Use("weight"),), fields=("stage", "mb"),
+    OpRule(GATHER, PART_COLLECTIVE, _AP, reads=(Use("shard"),), writes=(Use("weight"),), fields=("stage", "mb"),
            communicator=STAGE_GROUP, doc="all-gather the stage's weights from its group's shards (a sub-step)"),
 )}
 

@@ -58,14 +58,14 @@ from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
 from pipec.compiler.family import families_of
 from pipec.compiler.gc_pause import paused_gc
-from pipec.compiler.ir import Action, Program
+from pipec.compiler.ir import Action, Program, groups_refusal
 from pipec.compiler.memory_counts import (
     ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_kept_inputs, peak_waiting_w,
     recomputes,
 )
 from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Network
 from pipec.compiler.traffic import node_map, traffic
-from pipec.errors import DeadlockError, MatchError, WellFormedError
+from pipec.errors import DeadlockError, MatchError, UsageError, WellFormedError
 
 # A bubble fraction with a larger denominator is shown as a decimal only (float
 # costs give exact but meaningless ones, like 7130774469997077/21935682705033476).
@@ -262,7 +262,7 @@ _EXCHANGE_PARTS = frozenset(ops.EXCHANGE_PART_OPS)
 # What a collective part is priced as (``Network.collective``; a ring step as its hops).
 _COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "shift", ops.BCAST_W: BROADCAST,
                     ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER,
-                    ops.ALLTOALL_KV: "all_to_all", ops.ALLTOALL_DKV: "all_to_all"}
+                    ops.ALLTOALL_KV: "all_to_all", ops.ALLTOALL_DKV: "all_to_all", ops.GATHER: ALL_GATHER}
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})  # their ``peer`` is the root
 # An exchange's sends, receives and local copies are priced by their category; a collective part
 # by its own kind of collective (``_COLLECTIVE_KIND``).
@@ -293,7 +293,11 @@ def simulate(program: Program, costs: CostModel | None = None, *,
         MatchError: a RECV matched (FIFO) to a SEND of another tensor.
         DeadlockError: a rank waits for an input that never arrives.
         ValueError: an unknown size class or a negative size.
+        UsageError: a stage placed on a group of ranks (``ir.groups_refusal``).
     """
+    refusal = groups_refusal(program, "the simulator")
+    if refusal is not None:
+        raise UsageError(refusal)
     if sizes is not None:
         check_sizes(sizes)  # before the run, not after it
     with paused_gc():

@@ -41,6 +41,7 @@ _RING_OF = {
     ops.BCAST_W: (BROADCAST, 1),
     ops.REDUCE_G: (REDUCE, 1),
     ops.ALLGATHER_W: (ALL_GATHER, 1),
+    ops.GATHER: (ALL_GATHER, 1),
     ops.REDUCESCATTER_G: (REDUCE_SCATTER, 1),
     ops.ALLREDUCE_GRAD: (REDUCE_SCATTER, 2),
 }

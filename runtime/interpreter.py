@@ -660,9 +660,11 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     ops.U: _update,
     **weights.HANDLERS,
 }
+# Ops the interpreter names as not runnable yet, with why; ``pipec run`` and the worker refuse their programs.
+NOT_RUNNABLE = {ops.GATHER: "a sub-step of a stage placed on a group of ranks (ir.groups_refusal)"}
 # Sequence rings run through ``runtime/rings.py``'s handlers: its blocks, exchanges and their parts.
 ops.declare_pass("runtime interpreter", set(HANDLERS) | set(weights.PART_POSTERS) | set(rings.HANDLERS)
-                 | set(rings.PART_POSTERS))
+                 | set(rings.PART_POSTERS) | set(NOT_RUNNABLE))
 
 
 def run_step(

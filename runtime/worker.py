@@ -40,6 +40,7 @@ from datetime import timedelta
 from typing import Iterator, NamedTuple, Sequence
 
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
+from pipec.compiler.ir import groups_refusal
 from pipec.errors import PipecError, RuntimeFault, UsageError
 from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_STEPS,
                                   DEFAULT_TIMEOUT_S, RunConfig)
@@ -277,6 +278,9 @@ def make_plan(config: RunConfig, world: int) -> Plan:
         raise UsageError(f"--timeout must be a positive number of seconds, got {config.timeout}")
     config, checkpoint = resolve_checkpoint(config)
     program = load_program(config.program) if config.program else compile_program(config)
+    refusal = groups_refusal(program, "its runtime")
+    if refusal is not None:
+        raise UsageError(f"{config.target}: {refusal}")
     if world != program.num_ranks:
         raise UsageError(
             f"{config.target} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "

@@ -202,6 +202,7 @@ class PlacedStages(Semantics):
         self.tables = stage_tables(self.program)
         self.done: list[set] = [set() for _ in range(self.P)]      # (op, stage, mb) this rank ran
         self.arrived: list[set] = [set() for _ in range(self.P)]   # (value, from rank) this rank received
+        self.sent: list[set] = [set() for _ in range(self.P)]      # (value, to rank) this rank sent
 
     def inline(self, action: Action) -> tuple[Action, ...]:
         category = ops.RULES[action.op].category
@@ -251,9 +252,17 @@ class PlacedStages(Semantics):
                              f"{'to' if rule.is_send else 'from'} rank {action.peer}, but stage {other} (on "
                              f"{ranks_text(self.program.stages[other].ranks)}) {role} that share on "
                              f"{ranks_text(right)}", rank, part.step)
-        if rule.is_send and not any((op, producer, mb) in self.done[rank] for op in ops.producers(kind)):
+        if not rule.is_send:
+            return
+        if not any((op, producer, mb) in self.done[rank] for op in ops.producers(kind)):
             raise self.error(ConflictError, f"{action.text()} ships the {what} before this rank made its share",
                              rank, part.step)
+        if ((kind, producer, mb), action.peer) in self.sent[rank]:
+            raise self.error(MatchError, f"{action.text()} sends rank {rank}'s share of the {what} to rank "
+                             f"{action.peer} a second time: every member of stage {other} (on "
+                             f"{ranks_text(self.program.stages[other].ranks)}) takes its own share, from "
+                             f"{ranks_text(self.program.share_peers(other, action.peer, mine))}", rank, part.step)
+        self.sent[rank].add(((kind, producer, mb), action.peer))
 
     def arrive(self, state: RankState, part: Part) -> None:
         if part.action.op in _SUBSTEPS or ops.PART_RULES[part.action.op].is_send:

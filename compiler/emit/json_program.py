@@ -89,6 +89,7 @@ from pipec.compiler.ir import (
     WORLD,
     Action,
     Communicator,
+    Placement,
     Program,
     RingPlan,
     StageInfo,
@@ -123,12 +124,16 @@ _ALLTOALL_OPS = tuple(op for op in ops.RING_PART_OPS if "parts" in ops.RULES[op]
 # The ops a posting instruction may hold: a BATCH sends and receives, an EXCHANGE
 # its parts, an all_to_all the ring's sends and receives; and how messages say so.
 _PARTS_OF = {op: ops.COMM_OPS for op in ops.ops_of(ops.BATCH_OF)}
-_PARTS_OF.update({op: ops.EXCHANGE_PART_OPS for op in ops.EXCHANGE_OPS})
+_PARTS_OF.update({op: tuple(o for o in ops.EXCHANGE_PART_OPS if o not in ops.SUBSTEP_OPS) for op in ops.EXCHANGE_OPS})
 _PARTS_OF.update({op: _RING_MOVES for op in _ALLTOALL_OPS})
 _PARTS_WORDS = {op: "sends and receives" for op in ops.ops_of(ops.BATCH_OF)}
 _PARTS_WORDS.update({op: "the parts of an exchange (weight passing's or a sequence ring's)" for op in ops.EXCHANGE_OPS})
 _PARTS_WORDS.update({op: f"the sends and receives of KV and dK, dV partials ({', '.join(_RING_MOVES)})"
                      for op in _ALLTOALL_OPS})
+# A compute of a stage on a group of ranks may hold sub-steps (a program with such a stage only).
+_PARTS_OF.update({op: ops.SUBSTEP_OPS for op in ops.COMPUTE_OPS})
+_PARTS_WORDS.update({op: f"sub-steps ({', '.join(ops.SUBSTEP_OPS)})" for op in ops.COMPUTE_OPS})
+_SUBSTEPS = frozenset(ops.SUBSTEP_OPS)
 # Weight passing's ops (and the exchanges sequence rings share) number steps
 # and exchanges in ``mb``, not microbatches.
 _STEP_NUMBERED = frozenset(ops.WEIGHT_OPS)
@@ -138,7 +143,10 @@ _RING_FAMILY = frozenset(op for op, rule in ops.RULES.items() if rule.family == 
 _RING_PROGRAM_OPS = _RING_FAMILY | frozenset(ops.EXCHANGE_OPS) | frozenset(ops.EXCHANGE_WAIT_OPS)
 ops.declare_pass("json program", _REQUIRED_FIELDS)
 # What collectives' communicators may be for (``ops.OpRule.communicator``).
-_PURPOSES = tuple(dict.fromkeys(rule.communicator for rule in ops.RULES.values() if rule.communicator))
+_PURPOSES = tuple(dict.fromkeys(rule.communicator for rule in ops.RULES.values() if rule.communicator
+                                 and rule.communicator != ops.STAGE_GROUP))
+# ... and in a program with a stage on a group of ranks, that group's.
+_PLACED_PURPOSES = _PURPOSES + (ops.STAGE_GROUP,)
 
 
 # ------------------------------------------------------------------------ write
@@ -197,10 +205,7 @@ def _header_to_json(program: Program) -> dict:
         "source": program.source,
         "num_ranks": program.num_ranks,
         "num_microbatches": program.num_microbatches,
-        "stages": [
-            {"id": s.id, "rank": s.rank, "pipeline": s.pipeline, "position": s.position}
-            for s in program.stages
-        ],
+        "stages": [_stage_to_json(s) for s in program.stages],
         "pipelines": [list(line) for line in program.pipelines],
         "mb_pipeline": list(program.mb_pipeline),
         "devices": None if program.devices is None else list(program.devices),
@@ -216,6 +221,13 @@ def _header_to_json(program: Program) -> dict:
         # only under weight stashing: other programs' files stay as they were
         **({} if program.weight_versions == 1 else {"weight_versions": program.weight_versions}),
     }
+
+
+def _stage_to_json(info: StageInfo) -> dict:
+    out = {"id": info.id, "rank": info.rank, "pipeline": info.pipeline, "position": info.position}
+    if info.placement is not None:  # only a stage on a group: every other file is as before
+        out["placement"] = {"ranks": list(info.placement.ranks), "communicator": info.placement.communicator}
+    return out
 
 
 def _instruction_to_json(action: Action) -> dict:
@@ -260,7 +272,9 @@ def _batch_text(action: Action) -> str:
             text = part.text()
             encoded.append(_instruction_text(part))
         texts.append(text)
-    text = "(" + ";".join(texts) + ")" + action.op + (str(action.mb) if action.mb >= 0 else "")
+    number = str(action.mb) if action.mb >= 0 else ""
+    own = f"{action.stage}{action.op}{number}" if action.stage >= 0 else action.op + number  # a compute's sub-steps
+    text = "(" + ";".join(texts) + ")" + own
     return _fields_text(action, text) + ',"parts":[' + ",".join(encoded) + "]}"
 
 
@@ -307,9 +321,7 @@ def program_from_json(data: dict) -> Program:
     if len(mb_pipeline) != num_microbatches:
         raise ImportError_(f"\"mb_pipeline\" has {len(mb_pipeline)} entries for {num_microbatches} microbatches")
     devices = _read_devices(data, num_ranks)
-    communicators = []
-    if "communicators" in data:
-        communicators = _read_communicators(_get(data, "communicators", list), num_ranks)
+    communicators = _read_communicators(data, stages, num_ranks)
     if data.get("rings") is not None and data.get("weights") is not None:
         raise ImportError_("a program has one family: \"rings\" (a sequence ring) and \"weights\" (weight passing) "
                            "cannot both be set")
@@ -325,7 +337,7 @@ def program_from_json(data: dict) -> Program:
     raw_ranks = _get(data, "ranks", list)
     if len(raw_ranks) != num_ranks:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
-    limits = _op_limits(len(stages), num_microbatches, num_ranks, rings)
+    limits = _op_limits(len(stages), num_microbatches, num_ranks, rings, any(s.placement for s in stages))
     ranks = []
     with paused_gc():
         for r, row in enumerate(raw_ranks):
@@ -412,8 +424,30 @@ def _read_stages(raw: list, num_ranks: int) -> list[StageInfo]:
             raise ImportError_(f"stages[{i}] has id {fields[0]}; stage ids must equal their index")
         if fields[1] >= num_ranks:
             raise ImportError_(f"stage {i} is on rank {fields[1]}, but there are {num_ranks} ranks")
-        stages.append(StageInfo(*fields))
+        stages.append(StageInfo(*fields, _read_placement(entry, i, fields[1], num_ranks)))
     return stages
+
+
+def _read_placement(entry: dict, i: int, rank: int, num_ranks: int) -> Placement | None:
+    """``stages[i].placement`` (absent or null: the stage lives on ``rank`` alone); its communicator is checked
+    once the communicators are read (``_check_placements``)."""
+    raw = entry.get("placement")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("ranks"), list):
+        raise ImportError_(f"stages[{i}].placement must be an object with a list \"ranks\" and a \"communicator\"")
+    ranks = _read_int_list(raw["ranks"], f"stages[{i}].placement.ranks", num_ranks)
+    if len(ranks) < 2 or any(a >= b for a, b in zip(ranks, ranks[1:])):
+        raise ImportError_(f"stages[{i}].placement.ranks must list two or more ranks, ascending without repeats, "
+                           f"got {ranks} (a stage on one rank is written by its \"rank\" alone)")
+    if rank != ranks[0]:
+        raise ImportError_(f"stage {i} is on rank {rank} but placed on ranks {ranks}: a stage on a group names "
+                           "its first member as its \"rank\"")
+    communicator = raw.get("communicator")
+    if type(communicator) is not int or communicator < 0:
+        raise ImportError_(f"stages[{i}].placement.communicator must be a non-negative integer, "
+                           f"got {quote(communicator)}")
+    return Placement(tuple(ranks), communicator)
 
 
 def _read_pipelines(raw: list, stages: list[StageInfo]) -> list[list[int]]:
@@ -434,8 +468,12 @@ def _read_pipelines(raw: list, stages: list[StageInfo]) -> list[list[int]]:
     return pipelines
 
 
-def _read_communicators(raw: list, num_ranks: int) -> list[Communicator]:
+def _read_communicators(data: dict, stages: list[StageInfo], num_ranks: int) -> list[Communicator]:
+    """``Program.communicators`` (absent: derived by the program), and each placed stage's among them."""
+    placed = any(info.placement is not None for info in stages)
+    raw = _get(data, "communicators", list) if "communicators" in data else []
     communicators = []
+    purposes = _PLACED_PURPOSES if placed else _PURPOSES
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict):
             raise ImportError_(f"communicators[{i}] must be an object")
@@ -452,11 +490,28 @@ def _read_communicators(raw: list, num_ranks: int) -> list[Communicator]:
         if any(a >= b for a, b in zip(ranks, ranks[1:])):
             raise ImportError_(f"communicators[{i}].ranks must be ascending without repeats, got {ranks}")
         purpose = entry.get("purpose")
-        if purpose not in _PURPOSES:
+        if purpose not in purposes:
             raise ImportError_(f"communicators[{i}].purpose is {purpose!r}; known: "
-                               + ", ".join(repr(p) for p in _PURPOSES))
+                               + ", ".join(repr(p) for p in purposes))
         communicators.append(Communicator(i, tuple(ranks), purpose, entry["key"]))
+    _check_placements(stages, communicators)
     return communicators
+
+
+def _check_placements(stages: list[StageInfo], communicators: list[Communicator]) -> None:
+    """Each placed stage meets on a communicator of the program whose members are exactly its group."""
+    for info in stages:
+        placement = info.placement
+        if placement is None:
+            continue
+        if placement.communicator >= len(communicators):
+            raise ImportError_(f"stage {info.id} is placed on ranks {list(placement.ranks)} meeting on communicator "
+                               f"{placement.communicator}, but \"communicators\" lists {len(communicators)}")
+        group = communicators[placement.communicator]
+        if group.ranks != placement.ranks or group.purpose != ops.STAGE_GROUP:
+            raise ImportError_(f"stage {info.id} is placed on ranks {list(placement.ranks)}, but its communicator "
+                               f"{group.id} is {group.purpose!r} on ranks {list(group.ranks)}: a stage's group meets "
+                               f"on a communicator of exactly its members ({ops.STAGE_GROUP!r})")
 
 
 def _read_weights(data: dict, num_ranks: int, num_layers: int) -> WeightPlan | None:
@@ -570,19 +625,23 @@ def _read_rings(data: dict, num_ranks: int, stages: list[StageInfo], num_microba
 _Limits = dict
 
 
-def _op_limits(num_stages: int, num_microbatches: int, num_ranks: int, plan: RingPlan | None) -> _Limits:
+def _op_limits(num_stages: int, num_microbatches: int, num_ranks: int, plan: RingPlan | None,
+               placed: bool = False) -> _Limits:
     """The ops this program may hold, each with its required fields and its fields' bounds.
 
     A sequence ring holds its family's ops and the exchanges (a field its rule
     does not list must be absent: bound 0); a KV or dK, dV move names a
     bundle, ``stage`` its holder rank and ``mb`` its piece. Any other program
-    holds every other op, as before.
+    holds every other op, as before; the sub-steps only a program with a stage on a group of ranks
+    (``placed``), where they name a compute's stage and microbatch.
     """
     limits: _Limits = {}
     for op, required in _REQUIRED_FIELDS.items():
         if (op not in _RING_PROGRAM_OPS) if plan is not None else (op in _RING_FAMILY):
             continue
-        mb_bound = INT_LIMIT if op in _STEP_NUMBERED else num_microbatches
+        if op in _SUBSTEPS and not placed:
+            continue
+        mb_bound = INT_LIMIT if op in _STEP_NUMBERED and op not in _SUBSTEPS else num_microbatches
         bounds = [num_stages, mb_bound, num_ranks]
         if plan is not None:
             if op in _RING_MOVES:
@@ -617,6 +676,8 @@ def _read_instruction(obj: Any, limits: _Limits, inside: str | None) -> Action:
         raise _BadInstruction(_not_an_op(op, limits))
     if inside is not None and op not in _PARTS_OF[inside]:
         raise _BadInstruction(f"{_a(inside)} may only hold {_PARTS_WORDS[inside]}, not {op}")
+    if inside is None and op in _SUBSTEPS:
+        raise _BadInstruction(f"{op} is a sub-step of a compute (one of its \"parts\"), not an instruction of its own")
     if inside is None and op in ops.EXCHANGE_PART_OPS:
         raise _BadInstruction(f"{op} is a part of an EXCHANGE, not an instruction of its own")
     required, num_stages, num_microbatches, num_ranks = entry
@@ -636,6 +697,8 @@ def _read_instruction(obj: Any, limits: _Limits, inside: str | None) -> Action:
         if not isinstance(raw_parts, list) or not raw_parts:
             raise _BadInstruction(f"{_a(op)} needs a non-empty list \"parts\"")
         parts = tuple(_read_instruction(p, limits, inside=op) for p in raw_parts)
+    elif "parts" in obj and inside is None and op in ops.COMPUTE_OPS and _SUBSTEPS & limits.keys():
+        parts = _read_substeps(obj["parts"], op, limits)
     elif "parts" in obj:
         raise _BadInstruction(f"only a BATCH, an EXCHANGE or an all_to_all ({', '.join(_ALLTOALL_OPS)}) has "
                               f"\"parts\", not {op}")
@@ -646,9 +709,19 @@ def _read_instruction(obj: Any, limits: _Limits, inside: str | None) -> Action:
     return action
 
 
+def _read_substeps(raw_parts: Any, op: str, limits: _Limits) -> tuple[Action, ...]:
+    """A compute's sub-steps (a program with a stage on a group of ranks); the prover checks what they name."""
+    if not isinstance(raw_parts, list) or not raw_parts:
+        raise _BadInstruction(f"{_a(op)} with sub-steps needs a non-empty list \"parts\"")
+    return tuple(_read_instruction(p, limits, inside=op) for p in raw_parts)
+
+
 def _not_an_op(op: Any, limits: _Limits) -> str:
     """Why ``op`` is no instruction of this program: unknown, or another family's."""
     if isinstance(op, str) and op in _REQUIRED_FIELDS:
+        if op in _SUBSTEPS:
+            return (f"{op} is a sub-step of a compute of a stage placed on a group of ranks, and this program places "
+                    "none (no stage has a \"placement\")")
         if op in _RING_FAMILY:
             return (f"{op} is an instruction of a sequence ring, and this program is none (its header has no "
                     "\"rings\")")

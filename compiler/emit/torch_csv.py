@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.family import first_refusal
-from pipec.compiler.ir import Action, Program
+from pipec.compiler.ir import Action, Program, groups_refusal
 from pipec.errors import UsageError
 
 # What each op becomes in each form (its rule's ``torch``): KEEP writes its
@@ -141,7 +141,8 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
         UsageError: the program passes weights, is a sequence ring, has several pipelines (replicated stages), or
             an op torch cannot express.
     """
-    refusal = first_refusal(program, lambda family: family.refuse_torch_csv(program.name or "this program"))
+    refusal = first_refusal(program, lambda family: family.refuse_torch_csv(program.name or "this program")) \
+        or groups_refusal(program, "torch's schedule CSV (one rank per stage)")
     if refusal is not None:
         raise UsageError(refusal)
     if len(program.pipelines) != 1:

@@ -173,10 +173,14 @@ def check_launch(args, program) -> int:
             by its ``--partition`` file); over
             several machines a bad ``--node-rank`` or ``--rdzv-endpoint``
             (``nodes_of``, ``_check_endpoint``); a program of several families (proved by
-            ``check_all``, but not yet run: the composition issue).
+            ``check_all``, but not yet run: the composition issue), or a stage on a group of ranks.
     """
     from pipec.compiler.family import families_of
+    from pipec.compiler.ir import groups_refusal
 
+    refusal = groups_refusal(program, "its runtime")
+    if refusal is not None:
+        raise UsageError(f"{args.target}: {refusal}")
     families = [family.name for family in families_of(program)]
     if len(families) > 1:
         raise UsageError(f"{args.target}: the program holds ops of {' and '.join(families)}; pipec proves such a "
