@@ -1,50 +1,24 @@
 """Discrete-event simulation of a Program: makespan, bubble, memory, timeline.
 
-Semantics (what the runtime does, priced by a ``CostModel``):
-
-* Each rank runs its list in order. A compute task (F, B, I, W) starts when
-  the rank is free and its inputs are on the rank, and holds the rank for
-  ``costs.compute(op, chunk)``.
-* Inputs follow the dataflow of the rule table (``ops.DEPENDENCIES``): each
-  value a compute reads, at its own stage or a neighbour, is made by one of
-  the value's producers. For activation passing: F(s, m) needs the activation
-  of F(prev(s), m); B(s, m) or I(s, m) needs F(s, m) and the gradient of B or
-  I of next(s) for m; W(s, m) needs I(s, m). A producer on the same rank hands
-  off locally, at its end time.
-* Across ranks, a program without communication instructions gets the data at
-  producer end + ``costs.transfer``. A program with them gets it from the
-  receive that carries it (``ops.PART_RULES``): the k-th send from rank a to
-  rank b matches the k-th receive on b from a (messages are untagged, FIFO per
-  ordered pair), and the data is on b at the time the sender posted its send
-  plus the transfer time. Sends and receives are posted asynchronously
-  (isend/irecv): neither waits for its peer; the compute that uses the data
-  waits for it. A batch posts all its parts at once. Posting holds the rank
-  ``costs.post`` per message (0 by default), not counted as busy; a send leaves
-  when its batch is posted.
-* A collective (ALLREDUCE_GRAD) joins the gradient all-reduce of its stage's
-  model chunk without stalling; the all-reduce ends ``costs.allreduce`` after
-  the last replica joined. A collective wait (ALLREDUCE_WAIT) stalls the rank
-  until it ends. A free (FREE_F) takes no time.
+Contract: ``simulate(program, costs)`` runs every rank's list as the runtime
+does, priced by a ``CostModel`` (unit costs by default), and returns a
+``SimResult``: the makespan, the bubble ratio (1 - mean busy / makespan), each
+rank's busy time and memory peaks, and the timeline ``render`` draws. A rank
+waits only for data and collectives: a compute starts when its rank is free
+and its inputs are there (the rule table's dataflow), messages are posted
+asynchronously (isend/irecv) and matched FIFO per ordered pair, and a
+collective is joined without stalling and waited for where its wait stands.
+``simulate``'s docstring states these semantics in full; weight passing's and
+sequence rings' exchanges are priced on the network of ``compiler/network.py``
+(docs/weights.md, section 5; docs/rings.md, section 4).
 
 Instructions are dispatched by their rule's category, and every table the
 simulator uses (what each compute waits for, where it publishes its end, what
 a message carries, how memory counts change) is derived from ``ops.py`` when
-this module is imported.
-
-Because a rank never waits for anything but data and all-reduces, the timing is
-a longest-path computation over the program's dependency graph; the simulator
-evaluates it with a worklist: a rank runs until an input is missing, parks on
-that input, and is woken by whoever produces it. Each instruction is executed
-once, so the cost is linear in the number of instructions. A rank parked on an
-input that is never produced is reported as a DeadlockError (a safety net; the
-deadlock check proves programs safe under stricter semantics).
-
-Memory comes from ``memory_counts``: peak_activations counts, along a rank's
-list, the saved activations made and not yet ended (F or R done, B or I not);
-peak_waiting_w the I whose W has not run (split backward); peak_kept_inputs,
-for a program with recomputed stages, the inputs kept for a recompute (FC
-done, R not); given the bytes of one value per size class, peak_bytes the
-most bytes of live counted values.
+this module is imported. The timing is a longest path, evaluated by a worklist
+in time linear in the instructions (``_Simulation``); memory peaks
+(activations, waiting weight gradients, kept inputs, bytes per size class)
+come from ``memory_counts``.
 """
 from __future__ import annotations
 
@@ -280,6 +254,32 @@ def simulate(program: Program, costs: CostModel | None = None, *,
              sizes: Mapping[str, Number] | None = None) -> SimResult:
     """Simulate ``program`` under ``costs`` (unit costs when None).
 
+    Semantics (what the runtime does, priced by the ``CostModel``):
+
+    * Each rank runs its list in order. A compute task (F, B, I, W) starts when
+      the rank is free and its inputs are on the rank, and holds the rank for
+      ``costs.compute(op, chunk)``.
+    * Inputs follow the dataflow of the rule table (``ops.DEPENDENCIES``): each
+      value a compute reads, at its own stage or a neighbour, is made by one of
+      the value's producers. For activation passing: F(s, m) needs the activation
+      of F(prev(s), m); B(s, m) or I(s, m) needs F(s, m) and the gradient of B or
+      I of next(s) for m; W(s, m) needs I(s, m). A producer on the same rank hands
+      off locally, at its end time.
+    * Across ranks, a program without communication instructions gets the data at
+      producer end + ``costs.transfer``. A program with them gets it from the
+      receive that carries it (``ops.PART_RULES``): the k-th send from rank a to
+      rank b matches the k-th receive on b from a (messages are untagged, FIFO per
+      ordered pair), and the data is on b at the time the sender posted its send
+      plus the transfer time. Sends and receives are posted asynchronously
+      (isend/irecv): neither waits for its peer; the compute that uses the data
+      waits for it. A batch posts all its parts at once. Posting holds the rank
+      ``costs.post`` per message (0 by default), not counted as busy; a send leaves
+      when its batch is posted.
+    * A collective (ALLREDUCE_GRAD) joins the gradient all-reduce of its stage's
+      model chunk without stalling; the all-reduce ends ``costs.allreduce`` after
+      the last replica joined. A collective wait (ALLREDUCE_WAIT) stalls the rank
+      until it ends. A free (FREE_F) takes no time.
+
     Args:
         program: a compute-only program, or one with communication instructions
             (SEND/RECV/BATCH, ALLREDUCE_GRAD/WAIT, FREE_F).
@@ -301,7 +301,16 @@ def simulate(program: Program, costs: CostModel | None = None, *,
 
 
 class _Simulation:
-    """State of one simulation; ``run`` drives the worklist."""
+    """State of one simulation; ``run`` drives the worklist.
+
+    Because a rank never waits for anything but data and all-reduces, the timing is
+    a longest-path computation over the program's dependency graph, evaluated with a
+    worklist: a rank runs until an input is missing, parks on that input, and is woken
+    by whoever produces it. Each instruction is executed once, so the cost is linear in
+    the number of instructions. A rank parked on an input that is never produced is
+    reported as a DeadlockError (a safety net; the deadlock check proves programs safe
+    under stricter semantics).
+    """
 
     def __init__(self, program: Program, costs: CostModel, sizes: Mapping[str, Number] | None = None):
         self.program = program

@@ -3,45 +3,22 @@
 A weight-passing program (``Program.weights`` set; ``compiler/lower_weights.py``
 says what it means, ``compiler/checks/weights.py`` runs it symbolically) has one
 pipeline per rank: rank r keeps its own microbatches and runs every layer on
-them, stage ``s`` computing layer ``program.stages[s].position``. What moves
-is a layer's weights, to the ranks that run it, and its weight gradient, back
-to the layer's owner (``WeightPlan.owners``; under ``all_gather`` every rank
-keeps a 1/P shard of every layer instead). This module is the interpreter's
-part for that family, mirroring the symbolic executor op for op:
+them, stage ``s`` computing layer ``program.stages[s].position``. What moves is
+a layer's weights, as one flat vector (``LayerLayout``), to the ranks that run
+it, and its weight gradient, back to the layer's owner (``WeightPlan.owners``;
+under ``all_gather`` every rank keeps a 1/P shard of every layer instead).
 
-* ``make_weight_context`` (once per run): the modules of every layer (each
-  rank builds every chunk; they are tiny here, and a production version would
-  build the layers it only borrows on the meta device), each layer's *flat
-  layout* (its trainable parameters concatenated in ``module.parameters()``
-  order, the same on every rank), the masters this rank keeps (the owned
-  layers' own parameters, or under ``all_gather`` its shard of each layer's
-  flat vector padded to a multiple of P) with ``.grad`` bound to flat buffers,
-  the communicators (``comm.communicator_groups``) and, for a ring, what the
-  successor's ring steps take.
-* ``WeightStep`` (once per training step): the copies of layers this rank
-  holds (``("W", layer, step)`` delivered by RECV_W, BCAST_W or ALLGATHER_W;
-  ``(pass, step)`` ring slots), its gradient accumulators (one fp32 partial
-  per layer), the ring gradient slot, and the exchanges posted and not waited.
-* Handlers: ``F`` runs the layer with ``torch.func.functional_call`` on the
-  weights it finds (the owner's master, or the copy the program delivered)
-  without autograd, keeping only its input; ``B`` (and ``I``) recompute that
-  forward with the weights as a leaf and ask autograd for the input's and
-  the flat weights' gradients; the weight gradient is a contribution added
-  to the layer's partial (the ring gradient slot, or the accumulator). ``I``
-  stashes it and ``W`` adds it. ``EXCHANGE`` posts every part (point-to-point
-  parts in one batch per group, collectives asynchronously, local fills at
-  once) and ``EXCHANGE_WAIT`` waits for them and applies what arrived, so
-  communication overlaps the computes between the two. The posting and the
-  waiting are ``runtime/exchange.py``'s, shared with sequence rings; this
-  module gives it what each part means (``PART_POSTERS``).
-* ``finish_step``: folds what is left into the owners' accumulators and sets
-  the masters' gradients; the interpreter then steps the optimizer, which
-  holds only this rank's masters (or shards).
-
-Everything a program that passed the checks never does (a copy missing at a
-compute, an add to a partial in flight, a ring step whose giver holds another
-layer) is a ``RuntimeFault`` naming the rank, the instruction and the value,
-never a wrong number or a hang.
+This module is the interpreter's part for that family, mirroring the symbolic
+executor op for op: ``make_weight_context`` (once per run), ``WeightStep``
+(once per training step), a handler per compute and per exchange part
+(``PART_POSTERS``; the posting and waiting are ``runtime/exchange.py``'s,
+shared with sequence rings, so communication overlaps the computes between an
+EXCHANGE and its wait) and ``finish_step``, after which the optimizer steps
+only this rank's masters (or shards). docs/runtime.md, "Weight passing",
+describes the run. Everything a program that passed the checks never does (a
+copy missing at a compute, an add to a partial in flight, a ring step whose
+giver holds another layer) is a ``RuntimeFault`` naming the rank, the
+instruction and the value, never a wrong number or a hang.
 """
 from __future__ import annotations
 

@@ -1,76 +1,22 @@
 """A ``Program`` as JSON: what ``pipec compile --format json`` writes and the runtime loads.
 
-The format, version 1::
+``program_to_json`` encodes any ``Program`` as a JSON-ready dict;
+``write_program_json`` writes the same document compactly, streamed rank by
+rank with a newline before each rank's instructions (never held whole in
+memory; its docstring says why);
+``program_from_json`` decodes and validates one. The format (version 1: the
+header, the instructions, the weight-passing and sequence-ring sections, an
+example) is described in docs/formats.md, "The JSON program".
 
-    {"format": "pipec-program", "version": 1,
-     "name": str, "params": {str: int}, "source": str,
-     "num_ranks": int, "num_microbatches": int,
-     "stages": [{"id", "rank", "pipeline", "position"}, ...],
-     "pipelines": [[stage id, ...], ...], "mb_pipeline": [pipeline, ...],
-     "devices": [device, ...] | null,
-     "communicators": [{"id", "ranks", "purpose", "key"}, ...],
-     "owners": [rank, ...] | null,
-     "weights": {"groups", "route", "ring_by", "gradients", "prefetch",
-                 "buffers", "num_steps"} | null,
-     "rings": {"chunks", "holders", "pieces", "rings", "causal", "kv", "dkv",
-               "transfer", "note"},                  (sequence rings only)
-     "weight_versions": int | null,                  (optimizer updates in the order only)
-     "ranks": [[instruction, ...], ...]}
-
-An instruction is ``{"op", "text", "stage", "mb", "peer", "parts"}``: ``op`` and
-``text`` (torch's token, e.g. ``2F0``) always; ``stage``, ``mb`` and ``peer``
-only when set (an absent one reads back as -1, the IR's "none"), and those its
-op's rule lists (``ops.OpRule.fields``) are required; ``parts``, a list of
-sends and receives, only for a ``BATCH`` (an ``EXCHANGE`` of weight passing
-holds its parts the same way; its ``mb`` and its parts' are steps and
-exchange numbers, not microbatches). ``text`` is redundant and checked on
-load: it is there for people and tools that read the file, and a hand edit that
-changes one but not the other is caught instead of silently believed.
-``communicators`` (``Program.communicators``, in creation order) may be absent,
-as in files written before it existed: the program then derives them.
-``owners`` (the owner rank of each layer) and ``weights`` (the rest of
-``Program.weights``) are null for activation passing, and may be absent.
-``params`` values are integers or booleans (a ring schedule's ``causal``).
-``weight_versions`` (``Program.weight_versions``: the most versions of a
-stage's weights a program with optimizer updates ``U`` may keep, null for as
-many as it needs) is written only when it is not 1, and absent reads as 1.
-
-``rings`` is ``Program.rings`` (a ``RingPlan``) of a sequence-ring program
-(ring, zigzag, TASP attention) and is written only for one: absent (or null)
-means another family, so their files are as before. Its fields: ``chunks`` (C,
-1..``dsl.limits.MAX_CHUNKS``), ``holders`` (chunk -> rank, every rank holding
-C / P chunks), ``pieces`` (>= 1), ``rings`` (a non-empty list of rings, each
-every rank once), ``causal`` (a boolean), ``kv`` / ``dkv`` / ``transfer``
-(``ir.KV_ROUTES``, ``ir.DKV_ROUTES``, ``ir.TRANSFERS``) and ``note`` (a
-string). The rest of the header must say what ``lower_rings.ring_program``
-makes of the plan: stage c is query chunk c on ``holders[c]``, the blocks
-(``chunks * pieces``; at most ``dsl.limits.MAX_TASKS`` attention tasks) are
-the microbatches, ``weights`` is null, and ``communicators``, when given,
-include one of every rank (``WORLD``: the all_to_all meets there). A ring
-program holds only its family's instructions and the exchanges (``AF``,
-``AB``, ``EXCHANGE``, ``EXCHANGE_WAIT``), and another program none of them.
-An ``EXCHANGE``'s parts are ``SEND_KV``, ``RECV_KV``, ``SEND_DKV``,
-``RECV_DKV`` (``stage`` the holder rank of the bundle, ``mb`` its piece) or an
-``ALLTOALL_KV`` / ``ALLTOALL_DKV`` holding such sends and receives as its own
-``parts``: the one place parts nest two deep (a ``BATCH`` holds no
-all_to_all, an all_to_all no other). A field a ring instruction's rule does
-not list must be absent (or -1). For example (zigzag, P = 2)::
-
-    "rings": {"chunks": 4, "holders": [0, 1, 1, 0], "pieces": 1, "rings": [[0, 1]],
-              "causal": true, "kv": "again", "dkv": "behind", "transfer": "all_to_all", "note": ""}
-    {"op": "EXCHANGE", "text": "((0SEND_KV0;1RECV_KV0)ALLTOALL_KV0)EXCHANGE0", "mb": 0,
-     "parts": [{"op": "ALLTOALL_KV", "text": "(0SEND_KV0;1RECV_KV0)ALLTOALL_KV0", "mb": 0,
-                "parts": [{"op": "SEND_KV", "text": "0SEND_KV0", "stage": 0, "mb": 0, "peer": 1},
-                          {"op": "RECV_KV", "text": "1RECV_KV0", "stage": 1, "mb": 0, "peer": 1}]}]}
-
-``pipec compile`` writes it with ``write_program_json``: compact, streamed
-rank by rank, a newline before each rank's instructions (the same document as
-``program_to_json``, never held whole in memory).
-
-``program_from_json(program_to_json(p)) == p`` for every program. Loading
-validates structure and ranges and reports the first problem as an
-``ImportError_`` (at ``rank R, step S`` for an instruction); the semantic
-checks (dataflow, matching, deadlock) stay in ``pipec.compiler.checks``.
+Guarantees: ``program_from_json(program_to_json(p)) == p`` for every program.
+Loading validates structure and ranges (every field an op's rule lists, every
+index in range, each family's section consistent with its instructions) and
+reports the first problem as an ``ImportError_``, at ``rank R, step S`` for an
+instruction; the semantic checks (dataflow, matching, deadlock) stay in
+``pipec.compiler.checks``. Each instruction's ``text`` (torch's token) is
+redundant and checked on load: it is there for people and tools that read the
+file, and a hand edit that changes one but not the other is caught instead of
+silently believed.
 """
 from __future__ import annotations
 

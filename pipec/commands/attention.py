@@ -3,39 +3,25 @@
     pipec attention TARGET [-D NAME=VALUE ...] --nproc P --seq S --heads H --head-dim D
                     [--batch B] [--causal] [--dtype float32|float64] [--seed N] [--json] [--timeout SECONDS]
 
-TARGET (a ``.pipe`` file or a shipped schedule) is compiled as every command
-compiles it, or read and checked when it is a compiled program (``pipec
-compile --format json``), and must be a sequence-ring schedule (ring, zigzag,
-TASP attention). This process writes the program (as ``pipec compile --format
-json`` does) and the jobs (``runtime/ring_check.jobs_to_json``) into a run
-folder and starts P workers, ``python -m pipec.runtime.ring_check JOBS``,
-through ``pipec run``'s launcher (``pipec.commands.run.launch``: torch's
-elastic launcher, the workers' logs in the run folder; one OpenMP thread per
-core share unless OMP_NUM_THREADS says otherwise). The workers join a gloo
-group on this machine and run one forward and backward of attention over a
-sequence of S tokens (``runtime/rings.run_ring_attention``), every rank
-drawing the same random q, k, v and output gradient (B, H, S, D) from the
-seed and keeping its own chunks. Rank 0 gathers the results
-(``torch.distributed`` messages, never a shared file), compares them with one
-process, ``torch.nn.functional.scaled_dot_product_attention`` over the whole
-sequence in float64, its gradients by autograd, the mask the program's, and
-prints its answer as one line of JSON behind ``ring_check.ANSWER_PREFIX``,
-which this process picks out of its output.
+Why: the ring checks prove a program's routes and coverage symbolically; this
+proves its numbers. TARGET is compiled and checked as every command does it
+(``load_target_program``), or read and checked when it is a compiled program,
+and must be a sequence-ring schedule. P workers (``runtime/ring_check.py``,
+started through ``pipec run``'s launcher) run one forward and backward of
+attention on a gloo group, every rank drawing the same random inputs from the
+seed and keeping its own chunks; rank 0 gathers the results with
+``torch.distributed`` messages, never a shared file, and compares them with one
+process (float64 SDPA, its gradients by autograd, the program's mask).
 
 The answer is the largest absolute difference of out, dq, dk and dv with the
-largest magnitude of each (so that a relative error can be read), as text or,
-with ``--json``, ``{"out", "dq", "dk", "dv", "scale": {...}, "program": {...}, ...}``.
-The status is 0 when the run finished (the numbers are for the user to
-judge), 1 on any error: a target that is not a ring schedule, a length the
-chunks and pieces do not cut evenly, ``--nproc`` other than the program's
-ranks, ``--causal`` for a program with full attention, or a worker that
-failed or waited past ``--timeout`` (the run then ends with the launcher's
-report: the workers' fault lines, how each failed worker ended, where its
-logs are; never a hang).
-
-``attention_check(program, ...)`` is the same run for a compiled ``Program``
-(``compiler/lower_rings.lower_plan``'s, say); ``attention_checks`` runs
-several programs of one rank count in one set of processes.
+largest magnitude of each, as text or ``--json``. The status is 0 when the run
+finished (the numbers are for the user to judge), 1 on any error, raised before
+a process starts where it can be (``check_job``); a worker that fails or waits
+past ``--timeout`` ends the run with the launcher's report, never a hang.
+docs/rings.md, section 6, describes the run and its measured agreement.
+``attention_check(program, ...)`` is the same run for a compiled ``Program``;
+``attention_checks`` runs several programs of one rank count in one set of
+processes.
 """
 from __future__ import annotations
 
