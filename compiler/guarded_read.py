@@ -34,7 +34,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from pipec.errors import PipecError, UsageError
+from pipec.errors import ImportError_, PipecError, UsageError
 
 # Integers pipec reads lie in -INT_LIMIT < v < INT_LIMIT (dsl.limits: the
 # language's range, so a number read from a file fits everything a schedule
@@ -135,6 +135,19 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
         return text
     size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters shown"
     return f"{text[:limit - 3]}...({size})"
+
+
+def read_int_list(values: list, what: str, bound: int | None) -> list[int]:
+    """``values`` of a program file's field ``what``, each an integer in 0..bound-1 (>= 0 when ``bound`` is None).
+
+    Raises:
+        ImportError_: naming the first entry that is not.
+    """
+    for i, v in enumerate(values):
+        if type(v) is not int or v < 0 or (bound is not None and v >= bound):
+            limit = f" in 0..{bound - 1}" if bound is not None else " >= 0"
+            raise ImportError_(f"\"{what}\"[{i}] must be an integer{limit}, got {quote(v)}")
+    return list(values)
 
 
 def _short_repr(value: Any, limit: int) -> str:

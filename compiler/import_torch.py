@@ -28,7 +28,7 @@ import re
 from pipec.compiler.checks import check_all
 from pipec.compiler.costs import CostModel
 from pipec.compiler import ops
-from pipec.compiler.ir import NO_PEER, Action, Program, single_pipeline
+from pipec.compiler.ir import NO_PEER, Action, Program, build_program, single_pipeline
 from pipec.compiler.lower_comms import insert_communication
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; reading builds hundreds of thousands of acyclic ones.
@@ -108,16 +108,8 @@ def read_torch_csv(text: str, source: str = "<csv>") -> tuple[Program, bool]:
             reader.read_row(rank, row)
         ranks, home, num_microbatches, had_comms = reader.finish()
     stages, pipelines, mb_pipeline = single_pipeline(home, num_microbatches)
-    program = Program(
-        name=_name_of(source),
-        num_ranks=len(grid),
-        num_microbatches=num_microbatches,
-        stages=stages,
-        pipelines=pipelines,
-        mb_pipeline=mb_pipeline,
-        ranks=ranks,
-        source=source,
-    )
+    program = build_program(_name_of(source), len(grid), num_microbatches, stages, pipelines, mb_pipeline, ranks,
+                            source=source)
     return program, had_comms
 
 

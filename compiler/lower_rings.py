@@ -23,7 +23,7 @@ from __future__ import annotations
 from math import gcd
 
 from pipec.compiler import ops
-from pipec.compiler.ir import Action, Program, RingPlan, StageInfo
+from pipec.compiler.ir import Action, Program, RingPlan, StageInfo, build_program
 from pipec.compiler.rings import hamiltonian_rings, rail_rings
 from pipec.dsl.spec import RingSpec, ScheduleSpec
 from pipec.errors import UsageError
@@ -71,8 +71,8 @@ def ring_program(plan: RingPlan, ranks: list[list[Action]], name: str = "", para
     """
     stages = [StageInfo(c, rank, c, 0) for c, rank in enumerate(plan.holders)]
     blocks = plan.chunks * plan.pieces
-    return Program(name, plan.num_ranks, blocks, stages, [[c] for c in range(plan.chunks)], [0] * blocks,
-                   ranks, dict(params or {}), source=source, rings=plan)
+    return build_program(name, plan.num_ranks, blocks, stages, [[c] for c in range(plan.chunks)], [0] * blocks,
+                         ranks, plans=(plan,), params=dict(params or {}), source=source)
 
 
 def lower_rings(spec: ScheduleSpec) -> Program:

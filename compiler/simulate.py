@@ -30,7 +30,7 @@ from typing import Mapping, NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
-from pipec.compiler.family import families_of
+from pipec.compiler.family import families_of, first_answer
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import (
@@ -314,6 +314,7 @@ class _Simulation:
 
     def __init__(self, program: Program, costs: CostModel, sizes: Mapping[str, Number] | None = None):
         self.program = program
+        self.families = families_of(program)  # asked for what differs by family: shares, ring steps, blocks
         self.costs = costs
         self.sizes = sizes
         self.num_ranks = len(program.ranks)
@@ -692,10 +693,8 @@ class _Simulation:
             return 0
         sizes = self.sizes if self.sizes is not None else self.costs.sizes
         size = sizes.get(ops.VALUE_KINDS[kind].size_class, 0)
-        plan = self.program.rings
-        if plan is not None and ops.VALUE_KINDS[kind].size_class == ops.SIZE_KV and 0 <= part.stage < plan.num_ranks:
-            return plain_number(size * plan.bundle_share(part.stage))
-        return size
+        share = first_answer(self.families, lambda family: family.value_share(self.program, part, kind))
+        return size if share is None else plain_number(size * share)
 
     def post_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number:
         """EXCHANGE: post every part at ``clock`` and go on. A point-to-point part completes when
@@ -755,9 +754,9 @@ class _Simulation:
                     if ops.RULES[inner.op].category == ops.PART_SEND]
             sizes = {self._part_bytes(inner) for _, _, _, p in members for inner in p.parts}
             end = self.network.hops(hops, max(sizes, default=0), start)
-        elif kind == "shift":  # a ring step: each member that takes a slot takes it from r - ring_by
-            by, size = self.program.weights.ring_by, self.num_ranks
-            hops = [(self.devices[(r - by) % size], self.devices[r]) for _, _, r, p in members if p.stage >= 0]
+        elif kind == "shift":  # a ring step: each member that takes a slot takes it from its giver
+            hops = [(self.devices[self._giver(r, step, part)], self.devices[r]) for _, _, r, p in members
+                    if p.stage >= 0]
             end = self.network.hops(hops, nbytes, start)
         else:
             root = self.devices[part.peer] if part.op in _ROOTED else None
@@ -766,6 +765,13 @@ class _Simulation:
             if end > start:
                 self.comm_slots[member].append(Slot(start, end, member_part, True))
             self.publish(member_key, end)
+
+    def _giver(self, rank: int, step: int, part: Action) -> int:
+        giver = first_answer(self.families, lambda family: family.ring_step_giver(self.program, rank))
+        if giver is None:
+            raise self._error(WellFormedError, f"{part.text()}: a ring step in a program with no ring of ranks",
+                              rank, step)
+        return giver
 
     def wait_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number | None:
         """EXCHANGE_WAIT: stall until every part of this rank's exchange ``mb`` has completed."""
@@ -783,11 +789,10 @@ class _Simulation:
         """AF, AB: one attention block, priced by the area the mask leaves of it (a whole chunk x chunk
         block costs the op's cost, a diagonal one half, a piece its share). Its inputs are on the rank:
         KV by the exchanges waited before it, a backward's statistics by the forwards before it."""
-        plan = self.program.rings
-        if plan is None or not (0 <= action.stage < plan.chunks and 0 <= action.mb < plan.chunks * plan.pieces):
+        area = first_answer(self.families, lambda family: family.block_area(self.program, action))
+        if area is None:
             raise self._error(WellFormedError, f"{action.text()}: no block of a sequence ring", rank, step)
         cost = self.costs.compute(action.op, 0)
-        area = plan.block_area(action.stage, *plan.unblock(action.mb))
         duration = area * cost if isinstance(cost, int) else float(area) * cost  # exact under integer costs
         self.slots[rank].append(Slot(clock, clock + duration, action, False))
         self.handled_busy[rank] += duration
@@ -810,7 +815,7 @@ class _Simulation:
         exact_makespan = max(self.clock + allreduce_ends, default=0)
         makespan = _exact(exact_makespan)
         byte_peaks = peak_bytes(self.program, self.sizes) if self.sizes is not None else [None] * self.num_ranks
-        families = families_of(self.program)
+        families = self.families
         exact_times = any(family.exact_times for family in families)
         borrowed = next((peaks for peaks in (family.borrowed_buffers(self.program) for family in families)
                          if peaks is not None), [None] * self.num_ranks)

@@ -30,7 +30,9 @@ import os
 import shutil
 import tempfile
 
+from pipec.compiler.family import families_of
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
+from pipec.compiler.ops import SEQUENCE_RING
 from pipec.errors import PipecError, UsageError
 from pipec.runtime.ring_check import (ANSWER_PREFIX, DTYPES, FIELDS, JOBS_FILE, AttentionJob, job_inputs,
                                       jobs_to_json, reference)
@@ -79,7 +81,7 @@ def run(args) -> int:
 
     program = load_target_program(args.target, args.defines)
     require_ring(program, args.target)
-    if args.causal and not program.rings.causal:
+    if args.causal and not ring_plan(program).causal:
         raise UsageError(f"--causal: {args.target} compiles to full attention; pass -D causal=true if the schedule "
                          "has that parameter, or use a causal schedule (without --causal the program's own mask is "
                          "used)")
@@ -112,11 +114,16 @@ def load_target_program(target: str, defines: list[str]):
     return compile_target(target, parse_defines(defines)).program
 
 
+def ring_plan(program):
+    """The sequence-ring plan of ``program``, as its family holds it, or None when it is no sequence ring."""
+    return next((family.plan_of(program) for family in families_of(program) if family.name == SEQUENCE_RING), None)
+
+
 def require_ring(program, target: str | None = None) -> None:
     """Raise UsageError unless ``program`` is a sequence-ring program."""
-    if getattr(program, "rings", None) is None:
+    if ring_plan(program) is None:
         what = target or program.name or "the program"
-        family = "weight passing" if getattr(program, "weights", None) is not None else "activation passing"
+        family = families_of(program)[0].name
         raise UsageError(f"{what} is not a sequence-ring schedule (it is {family}): `pipec attention` runs ring, "
                          "zigzag and TASP attention schedules, whose `sequence chunks` declare how the sequence is cut")
 
@@ -135,7 +142,7 @@ def check_job(job: AttentionJob, nproc: int) -> None:
         raise UsageError(f"{program.name or 'the program'} was compiled for {program.num_ranks} ranks, but --nproc "
                          f"is {nproc}: pass --nproc {program.num_ranks}, or compile it for {nproc} ranks (its ranks "
                          f"parameter, e.g. -D P={nproc})")
-    plan = program.rings
+    plan = ring_plan(program)
     cut = plan.chunks * plan.pieces
     if not isinstance(job.seq, int) or job.seq < 1 or job.seq % cut:  # as runtime.rings.chunk_length, without torch
         cutting = f"{plan.chunks} equal chunks" + (f" of {plan.pieces} equal pieces" if plan.pieces > 1 else "")
@@ -294,4 +301,4 @@ def _write_jobs(jobs: list[AttentionJob], folder: str, timeout: float, deadline_
 
 
 __all__ = ["AttentionJob", "AttentionRunError", "attention_check", "attention_checks", "check_job", "describe",
-           "job_inputs", "reference", "register", "require_ring", "run"]
+           "job_inputs", "reference", "register", "require_ring", "ring_plan", "run"]
