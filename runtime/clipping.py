@@ -30,20 +30,14 @@ EPSILON = 1e-6
 
 
 def counted_gradients(context) -> list[torch.Tensor]:
-    """The flat gradient buffers this rank counts in the global norm (see the module docstring)."""
-    if context.weights is not None:
-        return list(context.weights.grads.values())
-    first_holder: dict[int, int] = {}
-    for info in context.program.stages:
-        first_holder[info.position] = min(first_holder.get(info.position, info.rank), info.rank)
-    return [flat for chunk, flat in context.flat_grads.items() if first_holder[chunk] == context.rank]
+    """The flat gradient buffers this rank counts in the global norm (see the module docstring), as the
+    program's family says (``context.family.counted_gradients``)."""
+    return context.family.counted_gradients(context)
 
 
 def all_gradients(context) -> list[torch.Tensor]:
     """Every flat gradient buffer of this rank (every one is scaled)."""
-    if context.weights is not None:
-        return list(context.weights.grads.values())
-    return list(context.flat_grads.values())
+    return context.family.all_gradients(context)
 
 
 def clip_gradients(context, max_norm: float, site: comm.Site) -> float:

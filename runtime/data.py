@@ -43,6 +43,7 @@ from torch.utils.data import IterableDataset
 from pipec.compiler import ops
 from pipec.compiler.ir import Program, stage_tables
 from pipec.errors import UsageError
+from pipec.runtime.family import runtime_family
 from pipec.runtime.model import ModelSpec, call_spec_function, spec_label, split_microbatches, stream_seed
 
 # Streams of the data order, apart from the parameters' and the synthetic
@@ -72,7 +73,7 @@ class Needs(NamedTuple):
 def batch_microbatches(program: Program) -> int:
     """The microbatch count N of the batches ``program`` trains on: its own, or 1 for a sequence ring
     (one whole batch a step, cut along the sequence instead)."""
-    return 1 if program.rings is not None else program.num_microbatches
+    return 1 if runtime_family(program).reads_whole_batch else program.num_microbatches
 
 
 def data_needs(program: Program, rank: int) -> Needs:
@@ -90,7 +91,7 @@ def data_needs(program: Program, rank: int) -> Needs:
     Returns:
         ``Needs(inputs, targets)``, sets of microbatch indices.
     """
-    if program.rings is not None:
+    if runtime_family(program).reads_whole_batch:
         whole = frozenset({0})
         return Needs(whole, whole)
     tables = stage_tables(program)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from pipec.errors import UsageError
+from pipec.runtime.family import runtime_family
 
 if TYPE_CHECKING:  # for annotations only
     from pipec.compiler.ir import Program
@@ -232,10 +233,10 @@ def cut_by_partition(spec, partition: Partition, path: str, program: Program, na
         raise UsageError(f"--partition {path} cuts a model given by its layers, and model spec {name} builds its own "
                          "chunks (build_chunk): leave --partition out, or give a spec with layers(config, seed) and "
                          "no build_chunk")
-    family = "weight-passing" if program.weights is not None else "sequence-ring" if program.rings is not None else None
-    if family:
-        raise UsageError(f"--partition {path} cuts a model into pipeline stages, and {program.name} is a {family} "
-                         "schedule, which has none to cut: leave --partition out")
+    family = runtime_family(program)
+    if not family.takes_partition:
+        raise UsageError(f"--partition {path} cuts a model into pipeline stages, and {program.name} is a "
+                         f"{family.label} schedule, which has none to cut: leave --partition out")
     if len(partition.stages) != program.num_chunks:
         raise UsageError(f"--partition {path} has {len(partition.stages)} stages, but {program.name} cuts the model "
                          f"into {program.num_chunks} chunks: make the partition for this schedule")

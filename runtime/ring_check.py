@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 from pipec.compiler.guarded_read import Kind, read_json, read_program
 from pipec.errors import PipecError, UsageError
+from pipec.runtime import worker  # loads no torch either
 
 FIELDS = ("out", "dq", "dk", "dv")
 DTYPES = ("float32", "float64")
@@ -181,15 +182,13 @@ def compare(job: AttentionJob, whole: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this rank's share of every job; returns the exit status (a fault ends the process itself)."""
-    from pipec.runtime.worker import _die, _die_with_launcher, _environment, fatal_errors, join_group
-
     parser = argparse.ArgumentParser(prog="python -m pipec.runtime.ring_check",
                                      description="One worker of `pipec attention` (started by it).")
     parser.add_argument("jobs", metavar="JOBS", help=f"the jobs' file ({JOBS_FILE} in the run folder)")
     args = parser.parse_args(argv)
-    _die_with_launcher()
+    worker.die_with_launcher()
     try:
-        rank, world, local_rank = _environment()
+        rank, world, local_rank = worker.launch_environment()
         jobs, timeout, deadline_s = read_jobs(args.jobs)
         for job in jobs:
             if job.program.rings is None or job.program.num_ranks != world:
@@ -198,14 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     except PipecError as error:  # every rank reads the same files: the same message from each, no fault
         sys.stderr.write(error.render().rstrip("\n") + "\n")
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: _die(f"rank {rank}: stopped by the launcher (another worker failed)"))
+    signal.signal(signal.SIGTERM, lambda *_: worker.die(f"rank {rank}: stopped by the launcher (another worker failed)"))
     # the last resort against a run that stops answering altogether: every wait has its own timeout
-    watchdog = threading.Timer(deadline_s, _die, (f"rank {rank}: still running at the run's deadline "
+    watchdog = threading.Timer(deadline_s, worker.die, (f"rank {rank}: still running at the run's deadline "
                                                   f"({deadline_s:g} s); stopped",))
     watchdog.daemon = True
     watchdog.start()
-    with fatal_errors(rank):
-        join_group("gloo", rank, world, local_rank, timeout)
+    with worker.fatal_errors(rank):
+        worker.join_group("gloo", rank, world, local_rank, timeout)
         gathered = [_run_job(job, rank, world, timeout) for job in jobs]
         # the references after every rank is done: none of the others' waits counts rank 0's reference
         _bounded_barrier(rank, world, timeout, "the closing barrier")
@@ -273,6 +272,4 @@ __all__ = ["ANSWER_PREFIX", "AttentionJob", "DTYPES", "FIELDS", "JOBS_FILE", "co
 
 
 if __name__ == "__main__":
-    from pipec.runtime.worker import end_process
-
-    end_process(main())
+    worker.end_process(main())

@@ -56,6 +56,9 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, WeightPlan
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.runtime import comm, payload
+from pipec.runtime.checkpoint import load_optimizer_state, named_optimizer_state, parameter_names
+from pipec.runtime.family import register
+from pipec.runtime.interpreter import HANDLERS as HANDLERS_OF_STAGES, ActivationPassing, Trained
 from pipec.runtime.exchange import Exchange, FaultMaker, PartHandler, check_all_waited, post_exchange, wait_exchange
 from pipec.runtime.flat import bind_flat_grads
 
@@ -801,8 +804,6 @@ def merged_state(wctx: WeightContext, gathered: list[dict]) -> dict:
 def owned_optimizer_state(wctx: WeightContext, optimizer) -> dict:
     """This rank's optimizer state for a checkpoint: named by parameter for the owned layers, or per layer
     for its shards (``{"shards": {layer: {key: value}}}``, joined by ``merged_optimizer_state``)."""
-    from pipec.runtime.checkpoint import named_optimizer_state, parameter_names
-
     if not wctx.sharded:
         return named_optimizer_state(optimizer, parameter_names(wctx.modules[layer] for layer in wctx.owned))
     shards = {}
@@ -846,8 +847,6 @@ def merged_optimizer_state(wctx: WeightContext, gathered: list[dict]) -> dict:
 def restore_optimizer_state(wctx: WeightContext, optimizer, saved: dict) -> None:
     """Give this rank's optimizer the checkpoint's named state: the owned layers' parameters, or this
     rank's shard of each layer's state (the inverse of ``merged_optimizer_state``)."""
-    from pipec.runtime.checkpoint import load_optimizer_state, parameter_names
-
     if optimizer is None:
         return
     if not wctx.sharded:
@@ -871,8 +870,66 @@ def restore_optimizer_state(wctx: WeightContext, optimizer, saved: dict) -> None
     load_optimizer_state(optimizer, shard_names, by_shard)
 
 
+# ------------------------------------------------------------------ the family
+
+
+class WeightPassing(ActivationPassing):
+    """Weight passing's runtime hooks: activation passing's loop and step with this module's computes,
+    exchanges and frees, the weight context as the rank's extra state, the owners' masters trained,
+    clipped and checkpointed."""
+
+    name = ops.WEIGHT_PASSING
+    label = "weight-passing"
+    handlers = {**HANDLERS_OF_STAGES, **COMPUTE_HANDLERS, **HANDLERS}
+    part_posters = PART_POSTERS
+    passes_activations = False
+    takes_partition = False
+
+    def refusal_outside(self, op: str) -> str | None:
+        if op in ops.WEIGHT_OPS:
+            return (f"'{op}' moves weights, but the program has no weight plan (owners, routes): it is not a "
+                    "weight-passing program")
+        return None
+
+    def trained(self, program, rank, stages, device, groups) -> Trained:
+        """Every layer is here but only the masters this rank keeps (the owned layers', or its shards)
+        have gradients; collective (the communicators are made here when ``groups`` is None)."""
+        context = make_weight_context(program, rank, stages, device, groups)
+        return Trained(context.grads, context.parameters(), {}, context)
+
+    def stash(self, program, stages):
+        return None  # each layer's owner steps its optimizer after the list
+
+    def start_step(self, step) -> None:
+        step.weights = WeightStep()
+
+    def finish_step(self, step, end: int) -> None:
+        finish_step(step, end)
+
+    def counted_gradients(self, context) -> list[torch.Tensor]:
+        """A layer's gradient lives on its owner only; under ``all_gather`` the shards are disjoint."""
+        return list(context.weights.grads.values())
+
+    def all_gradients(self, context) -> list[torch.Tensor]:
+        return list(context.weights.grads.values())
+
+    def checkpoint_part(self, context, stages: dict) -> dict:
+        return {"model": owned_state(context.weights),
+                "optimizer": owned_optimizer_state(context.weights, context.optimizer)}
+
+    def merged_parts(self, context, parts: list[dict]) -> tuple[dict, dict]:
+        model = merged_state(context.weights, [part["model"] for part in parts])
+        return model, merged_optimizer_state(context.weights, [part["optimizer"] for part in parts])
+
+    def restore_optimizer(self, context, stages: dict, saved: dict) -> None:
+        restore_optimizer_state(context.weights, context.optimizer, saved)
+
+
+FAMILY = register(WeightPassing(), WeightPlan)
+
+
 __all__ = [
-    "COMPUTE_HANDLERS", "HANDLERS", "LayerLayout", "PART_POSTERS", "WeightContext", "WeightStep", "finish_step",
+    "COMPUTE_HANDLERS", "FAMILY", "HANDLERS", "WeightPassing", "LayerLayout", "PART_POSTERS", "WeightContext", "WeightStep", "finish_step",
     "flat_weights", "layer_layout", "make_weight_context", "merged_optimizer_state", "merged_state",
     "owned_optimizer_state", "owned_state", "params_from_flat", "restore_optimizer_state",
 ]
