@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from pipec.errors import UsageError
+from pipec.runtime.family import runtime_family
 
 FORMAT = "pipec checkpoint"
 VERSION = 1
@@ -232,26 +233,26 @@ def rank_part(context, stages: dict) -> dict:
 
     Returns:
         {"model": ..., "optimizer": ...}, as the program's family keeps them
-        (``context.family.checkpoint_part``): for activation passing the state_dicts
+        (``RuntimeFamily.checkpoint_part``): for activation passing the state_dicts
         of its chunks and the named state of its optimizer; under weight passing
         the owned layers' (or shards') state.
     """
-    return context.family.checkpoint_part(context, stages)
+    return runtime_family(context.program).checkpoint_part(context, stages)
 
 
 def merged_parts(context, parts: list[dict]) -> tuple[dict, dict]:
     """The whole model's state_dict and the named optimizer state from every rank's ``rank_part`` (rank order).
 
-    The family merges them (``context.family.merged_parts``): a replicated chunk's
+    The family merges them (``RuntimeFamily.merged_parts``): a replicated chunk's
     copies are equal (their gradients were all-reduced), the first is kept; under
     weight passing each layer comes from its owner, or is joined from the shards.
     """
-    return context.family.merged_parts(context, parts)
+    return runtime_family(context.program).merged_parts(context, parts)
 
 
 def restore_optimizer(context, stages: dict, saved: dict) -> None:
     """Give this rank's optimizer the checkpoint's state of the parameters (or shards) it steps."""
-    context.family.restore_optimizer(context, stages, saved)
+    runtime_family(context.program).restore_optimizer(context, stages, saved)
 
 
 def check_resumable(checkpoint: Checkpoint, steps: int, seed: int | None, source: str) -> int:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipec.runtime import comm
+from pipec.runtime.family import runtime_family
 
 # torch.nn.utils.clip_grad_norm_'s guard against a zero norm.
 EPSILON = 1e-6
@@ -31,13 +32,13 @@ EPSILON = 1e-6
 
 def counted_gradients(context) -> list[torch.Tensor]:
     """The flat gradient buffers this rank counts in the global norm (see the module docstring), as the
-    program's family says (``context.family.counted_gradients``)."""
-    return context.family.counted_gradients(context)
+    program's family says (``RuntimeFamily.counted_gradients``)."""
+    return runtime_family(context.program).counted_gradients(context)
 
 
 def all_gradients(context) -> list[torch.Tensor]:
     """Every flat gradient buffer of this rank (every one is scaled)."""
-    return context.family.all_gradients(context)
+    return runtime_family(context.program).all_gradients(context)
 
 
 def clip_gradients(context, max_norm: float, site: comm.Site) -> float:

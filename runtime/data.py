@@ -22,15 +22,8 @@ A model spec has exactly one data source (``ModelSpec.data_source``):
 What a rank needs comes from its program (``data_needs``): the inputs of the
 microbatches its first stages run forward, the targets of those its last
 stages run forward. ``BatchSource.batch(step)`` leaves every other entry None.
-
-Determinism and the data position. Every rank computes the same rows for the
-same step without communicating: the rows of step k are a pure function of k
-and of the position the source started from, ``(step s0, stream row r0)``
-(``(0, 0)`` for a new run): for a dataset, step k's first stream position is
-``r0 + (k - s0) * N * R``; the function sources depend on k alone.
-``state_after(k)`` says where the stream stands after k steps and
-``restore(state)`` makes a new source continue from there exactly, which is
-what a checkpoint saves and a resume loads.
+``BatchSource``'s docstring says why every rank draws the same rows without
+communicating, and how a checkpoint saves and restores the data position.
 """
 from __future__ import annotations
 
@@ -108,6 +101,15 @@ def data_needs(program: Program, rank: int) -> Needs:
 
 class BatchSource:
     """The batches of a training run, drawn from a model spec's data source (see the module docstring).
+
+    Determinism and the data position. Every rank computes the same rows for the
+    same step without communicating: the rows of step k are a pure function of k
+    and of the position the source started from, ``(step s0, stream row r0)``
+    (``(0, 0)`` for a new run): for a dataset, step k's first stream position is
+    ``r0 + (k - s0) * N * R``; the function sources depend on k alone.
+    ``state_after(k)`` says where the stream stands after k steps and
+    ``restore(state)`` makes a new source continue from there exactly, which is
+    what a checkpoint saves and a resume loads.
 
     Args:
         spec: the model spec.

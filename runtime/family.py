@@ -144,5 +144,5 @@ def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handle
             record((index, begin, perf_counter(), state.waited - before))
 
 
-__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "families", "load_families", "refusal_outside", "register",
-           "run_instructions", "runtime_family"]
+__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "families", "load_families", "refusal_outside",
+           "register", "run_instructions", "runtime_family"]

@@ -2,41 +2,16 @@
 
 ``make_context`` prepares what a rank keeps across training steps (its stages'
 modules, flat gradient buffers, the optimizer, the replica subgroups);
-``run_step`` walks the rank's instruction list once, through ``HANDLERS``, and
+``run_step`` walks the rank's instruction list once, through its family's table, and
 ends with the optimizer step.
 
-Dataflow inside a step. Every tensor that crosses a stage boundary is named by
-``(kind, producer stage, microbatch)`` (``compiler.ir.tensor_of``), coded as one
-int; a send or receive finds its kind and producer in its op's rule
-(``ops.PART_RULES``). A producer puts its output in ``produced`` under that
-key; the consumer takes it from there when producer and consumer share the
-rank (a local hand-off, no message), or a SEND takes it and ships it. A RECV
-posts its receive into a fresh buffer of the activation's shape and files it
-in ``pending`` under the same key; the compute that reads it waits for it then
-(receives are posted early, waited at first use). What crosses a boundary is a
-payload (``runtime/payload.py``: a tensor, or a tuple or dict of tensors, of
-the boundary's ``Layout``); each boundary's ``Wire`` packs it into the one
-tensor a message carries, and its gradients likewise.
-
-Autograd. Each stage is its own graph: a stage's input leaves that carry a
-gradient are autograd leaves (the received or handed-off tensors, detached),
-so B or I yields the gradients to send back as those leaves' gradients. The
-last stage of a pipeline turns logits into ``loss_fn / N`` right after its
-forward, so microbatch gradients sum to the one-process gradient of the mean
-loss. Forwards run in the run's precision
-(``runtime/precision.py``: autocast under ``--dtype bf16``; parameters,
-gradients and their reductions stay fp32). I computes the input gradient and
-records the gradients where the paths to the parameters branch off; W later
-computes the parameters' gradients from those alone (``split_backward``), so
-I + W does the work of one B. Weight gradients accumulate into ``.grad``,
-which for every parameter is a view into its chunk's flat buffer, so a
-replicated chunk's all-reduce is one call on one tensor, and zeroing is one fill.
-
-Weight passing (``Program.weights`` set) keeps this loop and this step state;
-``runtime.weights`` supplies its F, B, I and W (run on the weights the program
-delivered, activations never leaving the rank), the EXCHANGE, EXCHANGE_WAIT
-and FREE_W handlers, and what happens after the list (gradients to the
-owners' masters) before the optimizer step.
+Activation passing's runtime: the handlers of its ops (``HANDLERS``) and its
+family hooks (``ActivationPassing``, the default ``runtime/family.py`` family);
+the loop itself is ``family.run_instructions``, shared with every family.
+Weight passing (``runtime/weights.py``) keeps this loop, this context and this
+step state, with its own computes, exchanges and frees in its table and its
+hooks before and after the list. How values flow inside a step and how
+autograd is split per stage: ``_Step``'s docstring.
 """
 from __future__ import annotations
 
@@ -322,7 +297,34 @@ def _trainable(module: nn.Module) -> list[torch.Tensor]:
 
 @dataclass
 class _Step:
-    """The state of one training step on one rank (see the module docstring).
+    """The state of one training step on one rank.
+
+    Dataflow inside a step. Every tensor that crosses a stage boundary is named by
+    ``(kind, producer stage, microbatch)`` (``compiler.ir.tensor_of``), coded as one
+    int; a send or receive finds its kind and producer in its op's rule
+    (``ops.PART_RULES``). A producer puts its output in ``produced`` under that
+    key; the consumer takes it from there when producer and consumer share the
+    rank (a local hand-off, no message), or a SEND takes it and ships it. A RECV
+    posts its receive into a fresh buffer of the activation's shape and files it
+    in ``pending`` under the same key; the compute that reads it waits for it then
+    (receives are posted early, waited at first use). What crosses a boundary is a
+    payload (``runtime/payload.py``: a tensor, or a tuple or dict of tensors, of
+    the boundary's ``Layout``); each boundary's ``Wire`` packs it into the one
+    tensor a message carries, and its gradients likewise.
+
+    Autograd. Each stage is its own graph: a stage's input leaves that carry a
+    gradient are autograd leaves (the received or handed-off tensors, detached),
+    so B or I yields the gradients to send back as those leaves' gradients. The
+    last stage of a pipeline turns logits into ``loss_fn / N`` right after its
+    forward, so microbatch gradients sum to the one-process gradient of the mean
+    loss. Forwards run in the run's precision
+    (``runtime/precision.py``: autocast under ``--dtype bf16``; parameters,
+    gradients and their reductions stay fp32). I computes the input gradient and
+    records the gradients where the paths to the parameters branch off; W later
+    computes the parameters' gradients from those alone (``split_backward``), so
+    I + W does the work of one B. Weight gradients accumulate into ``.grad``,
+    which for every parameter is a view into its chunk's flat buffer, so a
+    replicated chunk's all-reduce is one call on one tensor, and zeroing is one fill.
 
     Attributes:
         ctx: the rank's context.

@@ -21,11 +21,7 @@ such a model equal one process:
   it), else its index. So a chunk's parameters are ``"3.weight"`` as the
   whole model's are, and the chunks' state_dicts merge into the whole model's
   (``--save``, checkpoints).
-* **The cut.** By default even (``even_cut``: L layers into C chunks, the
-  first ``L % C`` chunks one layer more), or as a partition file says
-  (``pipec run --partition FILE``: ``cut_by_partition``). Each rank builds
-  every layer and keeps its chunk's, so each chunk a rank holds costs it one
-  whole build on the CPU; the other layers are freed at once.
+* **The cut**: even, or as a partition file says (``LayeredChunks``).
 
 A layer takes the layer before's output as its one argument, as in an
 ``nn.Sequential``; the first takes a microbatch's inputs. A tuple or dict a
@@ -154,6 +150,12 @@ def even_cut(num_layers: int, num_chunks: int) -> Cut:
 @dataclasses.dataclass(frozen=True)
 class LayeredChunks:
     """The ``build_chunk`` a spec derives from ``layers``: (config, chunk, num_chunks, seed) -> ``LayerStack``.
+
+    The cut: by default even (``even_cut``: L layers into C chunks, the
+    first ``L % C`` chunks one layer more), or as a partition file says
+    (``pipec run --partition FILE``: ``cut_by_partition``). Each rank builds
+    every layer and keeps its chunk's, so each chunk a rank holds costs it one
+    whole build on the CPU; the other layers are freed at once.
 
     Attributes:
         layers: the spec's ``layers(config, seed)``.

@@ -6,33 +6,12 @@ held by the ranks and moves keys and values round rings of ranks so that
 every query chunk meets every key piece its mask shows it. This module runs
 one rank's list on the current default process group (gloo on the CPU, NCCL
 on GPUs: the same logic, the waits differ as ``runtime/comm`` says), mirroring
-the checker's semantics op for op:
+the checker's semantics op for op.
 
-* A **bundle** (s, p) is piece p of the keys and values of every chunk rank s
-  holds, ascending, concatenated along the sequence: one tensor
-  ``(2, B, H, len(chunks_of(s)) * piece, D)`` (keys, then values) in the
-  inputs' dtype. Rank r starts with its own bundles (r, p). Under ``kv
-  again`` a delivered bundle replaces the one this rank received before for
-  that piece; under ``kv kept`` every delivered bundle stays.
-* ``AF`` (stage q, block) computes the block of chunk q's queries against
-  the key piece, by global positions (``attention.block_forward_at``), and
-  folds it into chunk q's running (out, lse) in fp32 (fp64 for fp64 inputs).
-* ``AB`` takes chunk q's final out and lse, keeps the block's dq on the rank
-  and adds its dk, dv into this rank's **partial** of the bundle (holder of
-  the kv chunk, piece), at that chunk's slice; a partial has the bundle's
-  shape in the accumulating dtype.
-* ``EXCHANGE`` posts its parts in list order: the collectives (``ALLTOALL_KV``,
-  ``ALLTOALL_DKV``: one ``all_to_all_single`` of every rank, each peer's
-  items flattened and concatenated in part order, an empty share for a peer
-  with nothing) when met, the point-to-point parts together at the end as one
-  ``batch_isend_irecv`` (a tag per kind, so that gloo keeps KV and dKV on
-  their own channels; NCCL matches by posting order, which the checks prove).
-  A received bundle or partial always lands in a new buffer. ``SEND_DKV``
-  sends this rank's partial and forgets it (zeros when it has none).
-* ``EXCHANGE_WAIT`` waits for every part of the exchange within ``timeout``
-  (``comm.await_blocking`` on gloo; on NCCL the stream waits and the deadline
-  is checked when the list ends, ``comm.settle``); then received bundles
-  become usable and received partials are added to this rank's.
+The state and op semantics (bundles, partials, AF, AB, EXCHANGE, its wait)
+are ``_RingRank``'s docstring. Each attention call's list runs through the
+one interpreter loop (``runtime/family.run_instructions``) with the table of
+its ``RingContext`` (``HANDLERS``, plus a fault ``--inject`` planted).
 
 The posting and the waiting are ``runtime/exchange.py``'s, shared with weight
 passing; this module gives it what each part means (``PART_POSTERS``).
@@ -350,7 +329,34 @@ def _check_row(context: RingContext) -> None:
 
 
 class _RingRank:
-    """One rank's state during one attention call (``load`` the inputs first, ``load_grad`` before the backward)."""
+    """One rank's state during one attention call (``load`` the inputs first, ``load_grad`` before the backward).
+
+    * A **bundle** (s, p) is piece p of the keys and values of every chunk rank s
+      holds, ascending, concatenated along the sequence: one tensor
+      ``(2, B, H, len(chunks_of(s)) * piece, D)`` (keys, then values) in the
+      inputs' dtype. Rank r starts with its own bundles (r, p). Under ``kv
+      again`` a delivered bundle replaces the one this rank received before for
+      that piece; under ``kv kept`` every delivered bundle stays.
+    * ``AF`` (stage q, block) computes the block of chunk q's queries against
+      the key piece, by global positions (``attention.block_forward_at``), and
+      folds it into chunk q's running (out, lse) in fp32 (fp64 for fp64 inputs).
+    * ``AB`` takes chunk q's final out and lse, keeps the block's dq on the rank
+      and adds its dk, dv into this rank's **partial** of the bundle (holder of
+      the kv chunk, piece), at that chunk's slice; a partial has the bundle's
+      shape in the accumulating dtype.
+    * ``EXCHANGE`` posts its parts in list order: the collectives (``ALLTOALL_KV``,
+      ``ALLTOALL_DKV``: one ``all_to_all_single`` of every rank, each peer's
+      items flattened and concatenated in part order, an empty share for a peer
+      with nothing) when met, the point-to-point parts together at the end as one
+      ``batch_isend_irecv`` (a tag per kind, so that gloo keeps KV and dKV on
+      their own channels; NCCL matches by posting order, which the checks prove).
+      A received bundle or partial always lands in a new buffer. ``SEND_DKV``
+      sends this rank's partial and forgets it (zeros when it has none).
+    * ``EXCHANGE_WAIT`` waits for every part of the exchange within ``timeout``
+      (``comm.await_blocking`` on gloo; on NCCL the stream waits and the deadline
+      is checked when the list ends, ``comm.settle``); then received bundles
+      become usable and received partials are added to this rank's.
+    """
 
     def __init__(self, context: RingContext, iteration: int | None = None):
         plan = context.plan

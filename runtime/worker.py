@@ -775,6 +775,7 @@ _INJECTED = {"INJECT_HANG": _hang, "INJECT_STOP": _stop, "INJECT_KILL": _kill, "
 
 __all__ = [
     "RuntimeFault", "build_parser", "check_device_map", "compile_program", "device_index", "die",
-    "die_with_launcher", "fatal_errors", "join_group", "launch_environment", "leave_group", "load_program", "main", "make_plan", "parse_run_config", "plant_injection",
+    "die_with_launcher", "fatal_errors", "join_group", "launch_environment", "leave_group", "load_program", "main",
+    "make_plan", "parse_run_config", "plant_injection",
     "train", "write_trace",
 ]
