@@ -48,7 +48,7 @@ def block_kind(q_chunk: int, kv_chunk: int, causal: bool) -> str:
     return DIAGONAL if kv_chunk == q_chunk else SKIPPED
 
 
-def _accumulating(dtype: torch.dtype) -> torch.dtype:
+def accumulating_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results are merged in: fp32, or the inputs' when wider (float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -72,7 +72,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     if kind == SKIPPED:
         raise ValueError("a skipped block is masked out entirely; it has no output")
     out, lse = _forward_kernel(q, k, v, 0.0, kind == DIAGONAL, scale=scale)
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     return out.to(wide), lse.to(wide)
 
 
@@ -113,7 +113,7 @@ def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dtype = q.dtype
     dq, dk, dv = _backward_kernel(grad_out.to(dtype), q, k, v, out.to(dtype), lse.to(_lse_dtype(dtype)), 0.0,
                                   kind == DIAGONAL, scale=scale)
-    wide = _accumulating(dtype)
+    wide = accumulating_dtype(dtype)
     return dq.to(wide), dk.to(wide), dv.to(wide)
 
 
@@ -281,7 +281,7 @@ def _segment_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     if not _on_cpu(q):
         return _math_forward(q, k, v, causal, scale)
     out, lse = _forward_kernel(q, k, v, 0.0, causal, scale=scale)
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     return out.to(wide), lse.to(wide)
 
 
@@ -293,13 +293,13 @@ def _segment_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float | 
     dtype = q.dtype
     dq, dk, dv = _backward_kernel(grad_out.to(dtype), q, k, v, out.to(dtype), lse.to(_lse_dtype(dtype)), 0.0,
                                   causal, scale=scale)
-    wide = _accumulating(dtype)
+    wide = accumulating_dtype(dtype)
     return dq.to(wide), dk.to(wide), dv.to(wide)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
     """Scaled scores q k^T in the accumulating dtype, -inf above the top-left diagonal under ``causal``."""
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * scale
     if causal:
@@ -365,7 +365,7 @@ def block_forward_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
 
 def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A query chunk's running (out, lse) before any block: out 0 and lse -inf, in the accumulating dtype."""
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     return (torch.zeros(q.shape, dtype=wide, device=q.device),
             torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device))
 
@@ -397,7 +397,7 @@ def block_backward_at(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     Returns:
         dq (Lq rows), dk and dv (Lk rows) in the accumulating dtype; zero where the mask hides everything.
     """
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=wide, device=q.device)
     dk = torch.zeros(k.shape, dtype=wide, device=k.device)
     dv = torch.zeros(v.shape, dtype=wide, device=v.device)
@@ -439,7 +439,7 @@ def pieced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
             if block is not None:
                 merge_rows(out, lse, block)
         results.append((out, lse))
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=wide) for t in (q, k, v))
     for (q0, q1), (out, lse) in zip(spans, results):
         for j in order:
@@ -460,6 +460,6 @@ def chunk_cuts(length: int, chunks: int, pieces: int = 1) -> list[int]:
     return [i * size for i in range(chunks * pieces + 1)]
 
 
-__all__ = ["DIAGONAL", "SKIPPED", "WHOLE", "BlockOutput", "ChunkedResult", "Segment", "block_backward",
+__all__ = ["DIAGONAL", "SKIPPED", "WHOLE", "BlockOutput", "ChunkedResult", "Segment", "accumulating_dtype", "block_backward",
            "block_backward_at", "block_forward", "block_forward_at", "block_kind", "block_segments", "chunk_cuts",
            "chunked_attention", "empty_result", "merge", "merge_rows", "pieced_attention", "zigzag_chunks"]

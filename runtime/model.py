@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -501,8 +501,32 @@ _NEEDS_TEXT = ("build_chunk and build_model (or layers, from which pipec derives
 DATA_SOURCES = ("synthetic_batch", "microbatch", "dataset")
 # Options of a dataset source only.
 _DATASET_OPTIONS = ("microbatch_rows", "sampler")
-_OPTIONAL_FUNCTIONS = ("describe", "activation_shape", *_DATASET_OPTIONS)
+_OPTIONAL_FUNCTIONS = ("describe", "activation_shape", "ring_model", *_DATASET_OPTIONS)
 _SOURCES_TEXT = "synthetic_batch, microbatch or dataset"
+
+
+class RingModel(NamedTuple):
+    """What a model spec declares for sequence-ring training (``ModelSpec.ring_model``).
+
+    Declaring it says the model's forward takes ``positions=`` (LongTensor [tokens], the
+    global positions of the tokens given, in the order of dimension 1 of its input) and
+    ``attend=`` (a function ``attend(q, k, v) -> out`` it calls for every attention, each
+    (batch, heads, tokens, head dim), in the same order on every call), that its inputs'
+    and targets' dimension 1 is the sequence, and that ``loss_fn`` is a mean over tokens
+    (``runtime/sequence.py``; docs/runtime.md, "Training with a sequence ring").
+
+    Attributes:
+        seq_len: the sequence length of its batches (the ring's chunks and pieces must cut it).
+        causal: whether its attention is causal (the ring's mask must be the same).
+    """
+
+    seq_len: int
+    causal: bool
+
+
+def ring_model(config: ModelConfig) -> RingModel:
+    """The built-in model's declaration for sequence rings: causal attention over ``config.seq_len`` tokens."""
+    return RingModel(config.seq_len, True)
 
 
 @dataclass(frozen=True)
@@ -550,6 +574,8 @@ class ModelSpec:
             ``nn.Sequential`` or a sequence of ``nn.Module``, built on the CPU
             with torch's global generator seeded with ``seed``
             (``runtime/layered.py``).
+        ring_model: optional (config) -> ``RingModel``: the model can train with a
+            sequence ring (its forward takes ``positions=`` and ``attend=``; see ``RingModel``).
     Raises:
         UsageError: a required function missing or not callable (one of
             build_chunk and build_model without the other, with or without
@@ -570,6 +596,7 @@ class ModelSpec:
     microbatch_rows: Callable[[Any], int] | None = None
     sampler: Callable[..., Any] | None = None
     layers: Callable[..., Any] | None = None
+    ring_model: Callable[[Any], RingModel] | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None and not callable(self.layers):
@@ -645,6 +672,7 @@ LLAMA = ModelSpec(
     describe=describe,
     activation_shape=activation_shape,
     layers=llama_layers,
+    ring_model=ring_model,
 )
 """The built-in model: the default of ``--model``."""
 
