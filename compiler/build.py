@@ -11,7 +11,7 @@ is ``lower_comms``'s job.
 from __future__ import annotations
 
 from pipec.compiler.costs import CostModel
-from pipec.compiler.ir import NO_PEER, Action, Program, StageInfo
+from pipec.compiler.ir import NO_PEER, Action, Program, StageInfo, build_program
 from pipec.compiler.list_schedule import greedy_order
 from pipec.compiler.recompute import place_recomputes
 from pipec.dsl.spec import ScheduleSpec
@@ -30,16 +30,6 @@ def compute_program(spec: ScheduleSpec, costs: CostModel | None = None) -> Progr
         order = place_recomputes(order)
     make = Action._make  # the NamedTuple constructor's fast path
     ranks = [[make((sid, kind, m, NO_PEER, ())) for kind, sid, m in row] for row in order]
-    return Program(
-        name=spec.name,
-        num_ranks=spec.num_ranks,
-        num_microbatches=spec.num_microbatches,
-        stages=stages,
-        pipelines=pipelines,
-        mb_pipeline=list(spec.mb_pipeline),
-        ranks=ranks,
-        params=dict(spec.params),
-        devices=spec.devices,
-        source=spec.path,
-        weight_versions=spec.weight_versions,
-    )
+    return build_program(spec.name, spec.num_ranks, spec.num_microbatches, stages, pipelines, list(spec.mb_pipeline),
+                         ranks, params=dict(spec.params), devices=spec.devices, source=spec.path,
+                         weight_versions=spec.weight_versions)

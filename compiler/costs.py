@@ -1,90 +1,23 @@
-"""The cost model the simulator prices a program with, and its JSON file format.
+"""The cost model the simulator prices a program with, and the reader of its JSON file.
 
 A ``CostModel`` answers three questions: how long a compute task of a model
 chunk takes (``compute``), how long a message takes between two ranks
-(``transfer``), and how long a gradient all-reduce among replicas takes
-(``allreduce``). It also carries the bytes of one value of each size class
-(``sizes``), which memory is counted in. ``CostModel.unit()`` is the model the design's facts are stated
-in: F = 1, B = 2, I = W = 1, every communication free, all integers (so that
-bubble ratios come out as exact fractions).
+(``transfer``, over ``link_between``) and how long a gradient all-reduce among
+replicas takes (``allreduce``); it also carries the bytes of one value of each
+size class (``sizes``), which memory is counted in. ``CostModel.unit()`` is the
+model the design's facts are stated in: F = 1, B = 2, I = W = 1, every
+communication free, all integers (so that bubble ratios come out as exact
+fractions). ``load_costs`` and ``costs_from_json`` read a cost file into one;
+``roll_up`` and ``rolled_up`` turn its per-layer costs (``layers``, which
+``pipec profile`` measures) into per-chunk ones for a cut (``compiler.partition``).
 
-Cost file format (JSON; every key optional, unknown keys are errors so that a
-typo never silently falls back to a default)::
-
-    {
-      "compute": {
-        "F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "R": 1.0,
-        "per_chunk": {"0": {"F": 1.2, "B": 2.4}}
-      },
-      "links": {
-        "latency": 0.01,
-        "bandwidth": 100.0,
-        "post": 0.002,
-        "bytes": {"act": 4.0, "grad": 4.0},
-        "node_size": 8,
-        "inter_node": {"latency": 0.05, "bandwidth": 25.0},
-        "pairs": {"0-1": {"latency": 0.0, "bandwidth": 400.0}},
-        "nic": {"latency": 0.0, "bandwidth": 25.0},
-        "port": {"bandwidth": 50.0},
-        "contention": true
-      },
-      "allreduce": {"latency": 0.01, "bandwidth": 100.0, "bytes": 64.0},
-      "sizes": {"activation": 4194304, "weight": 1.2e8},
-      "layers": [
-        {"name": "embed", "F": 0.2, "B": 0.3, "activation": 4096, "parameters": 8192},
-        {"name": "layer0", "F": 1.1, "B": 2.3, "activation": 4096, "parameters": 49408}
-      ]
-    }
-
-* ``compute``: time of one task of one microbatch on one model chunk (the
-  stage's position along its pipeline; replicas share it). Omitted ops keep
-  the unit values, except that I and W default to half of B when B is given
-  (split backward does the work of B in two parts), and that FC and R (a
-  recomputed stage's forward and recompute) default to F on the same chunk
-  (each does a forward's work). ``per_chunk`` maps a chunk
-  number (a string, JSON keys are strings) to overrides for that chunk, with
-  the same completion rule starting from the top-level values.
-* ``links``: a message of kind ``act`` (activation, forward) or ``grad``
-  (gradient, backward) takes ``latency + bytes[kind] / bandwidth``. Omitted
-  bandwidth means infinite (only latency counts); omitted bytes are 0.
-  ``post`` is the time a rank spends posting one message (isend / irecv; a
-  batch posts each of its parts): it holds the sending or receiving rank, like
-  compute but not counted as busy, and a send leaves when it is posted.
-  Default 0: posting is free, as on a GPU whose CPU runs ahead.
-  ``node_size`` groups ranks ``0..node_size-1``, ``node_size..`` into nodes;
-  messages between nodes use ``inter_node`` (fields it omits come from the
-  default link). ``pairs`` overrides the link of one pair of ranks in both
-  directions (``"a-b"``); fields it omits come from the link the pair would use
-  otherwise. A message between a rank and itself is free (a local hand-off).
-  ``port``: a switch port per device that every transfer out of (and into) it
-  shares, whatever its peer: a switch with a per-rank port limit.
-  ``nic`` (needs ``node_size``): the network interface a node's devices share
-  for every transfer to or from another node; ``contention``: transfers that
-  share a link share its bandwidth. Either makes the simulator reserve
-  bandwidth (``compiler.network``); without both, a message takes its link's
-  time whatever else moves (the default).
-* ``allreduce``: a ring all-reduce of ``bytes`` among n members takes
-  ``2 (n-1) latency + 2 (n-1)/n bytes / bandwidth``; a single member costs 0.
-* ``sizes``: the bytes of one value of each size class (``ops.SIZE_CLASSES``:
-  activation, weight, shard, kv, stats, boundary). They price no time: the simulator
-  reports peak bytes per class with them (``memory_counts.peak_bytes``), and
-  a byte budget of a class (``check_memory``) needs its size. Omitted classes
-  have no size (not 0): nothing is reported or checked in bytes for them.
-
-* ``layers``: the model's layers in order (``pipec profile`` measures them),
-  each one's ``F`` and ``B`` time on one microbatch, the bytes of its output
-  for one microbatch (``activation``: what a cut after it sends forward, and
-  its gradient back) and of its parameters. Every key of an entry is
-  required, names are unique. They price no task by themselves: a partition
-  into chunks (``compiler.partition``) rolls them up (``roll_up``:
-  a chunk's F and B are its layers' sums) into ``compute.per_chunk``
-  (``rolled_up``), which the simulator prices.
-
-Ranks here are the ranks torchrun starts (devices); the simulator maps a
-program's ranks through ``Program.devices`` before asking for a link.
-
-Integers stay integers where the arithmetic allows it (an int divided by an
-int that divides it), so an all-integer file keeps exact results.
+The file format, every key with its defaults, is docs/costs.md ("Cost
+files"). Every key is optional and an unknown key is an error, so that a typo
+never silently falls back to a default; ``FieldReader`` names each mistake at
+its key. Ranks here are devices (the ranks torchrun starts): the simulator maps
+a program's ranks through ``Program.devices`` before it asks for a link.
+Integers stay integers where the arithmetic allows it (``exact_ratio``), so an
+all-integer file keeps exact results.
 """
 from __future__ import annotations
 
@@ -618,7 +551,7 @@ def costs_from_json(data: Any, path: str = "<costs>") -> CostModel:
     """Build a ``CostModel`` from a parsed cost file.
 
     Args:
-        data: the JSON value (see the module docstring for the format).
+        data: the JSON value (docs/costs.md describes the format).
         path: the file name to put in error messages.
     Returns:
         the model; omitted sections keep the unit model's values.

@@ -18,9 +18,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from pipec.compiler.ops import RULES
+
 if TYPE_CHECKING:  # types only: the family modules import the passes, not the other way round
+    from fractions import Fraction
+
     from pipec.compiler.costs import CostModel
-    from pipec.compiler.ir import Program
+    from pipec.compiler.ir import Action, Program
     from pipec.dsl.spec import ScheduleSpec
 
 
@@ -37,6 +41,10 @@ class Family:
         stage_checks: whether the checks that speak of stages and microbatches (well-formed,
             matching, conflict, deadlock, versions, memory) apply to its programs; a ring's blocks
             are proved by the symbolic run alone.
+        keeps_own_ops: whether its ops may stand only in its own programs (a program file of
+            another family holding one is refused as it is read).
+        counts_activations: whether its ranks hold activations between stages (``pipec simulate``
+            reports their peak); a ring's memory is KV.
     """
 
     name: str = ""
@@ -44,9 +52,15 @@ class Family:
     exact_times: bool = False
     runs_ops_of: tuple[str, ...] = ()
     stage_checks: bool = True
+    keeps_own_ops: bool = False
+    counts_activations: bool = True
 
     def spec_plan(self, spec: "ScheduleSpec") -> object | None:
         """The family's declarations in an evaluated schedule, or None when it has none."""
+        return None
+
+    def plan_of(self, program: "Program") -> object | None:
+        """The family's plan in ``program`` (``Program.plans``), or None when it holds none."""
         return None
 
     def lower(self, spec: "ScheduleSpec", costs: "CostModel | None") -> tuple["Program", "Program"]:
@@ -56,6 +70,20 @@ class Family:
     def plan_to_json(self, program: "Program") -> dict:
         """The family's fields of the program file's header (``emit/json_program.py``), in the format's order."""
         return {}
+
+    def plan_from_json(self, data: dict, header: dict) -> object | None:
+        """The family's plan from a program file's header fields (``plan_to_json``'s), or None when they are unset.
+
+        ``header`` holds what was read before it: ``num_ranks``, ``num_microbatches``, ``stages``,
+        ``pipelines``, ``communicators`` (the file's, possibly empty). Families are asked in
+        registration order. Raises ``ImportError_`` naming the first bad field.
+        """
+        return None
+
+    def instruction_bounds(self, plan: object | None, op: str, bounds: tuple[int, int, int]) -> tuple | None:
+        """The bounds of ``op``'s stage, mb and peer in the family's program files (``bounds``: the header's),
+        or None where they cannot hold ``op`` (an op of a family that keeps its ops to its own programs)."""
+        return None if RULES[op].family in _kept_to_themselves() else bounds
 
     def refuse_memory_budget(self, name: str) -> str | None:
         """Why activation and byte budgets do not apply to the family's program ``name``, or None."""
@@ -85,6 +113,29 @@ class Family:
         """What ``pipec check`` says the program is made of, after its ranks."""
         return f"{len(program.stages)} stages, {program.num_microbatches} microbatches"
 
+    def grid_shape_text(self, program: "Program") -> str:
+        """What a text grid's header (``emit/text_grid.py``) says the program is made of, after its ranks."""
+        return self.shape_text(program)
+
+    def note(self, program: "Program") -> str:
+        """A note the family's plan carries for the user (``pipec simulate`` prints it), or ''."""
+        return ""
+
+    def value_share(self, program: "Program", part: "Action", kind: str) -> "Fraction | None":
+        """The share of one value of ``kind`` that the message ``part`` moves, where the family's messages
+        carry pieces of values (a ring's bundles), else None (a whole value)."""
+        return None
+
+    def ring_step_giver(self, program: "Program", rank: int) -> int | None:
+        """The rank whose slot a ring step (SHIFT_*) on ``rank`` takes, or None where the family has no
+        ring of ranks."""
+        return None
+
+    def block_area(self, program: "Program", action: "Action") -> "Fraction | None":
+        """The share of its op's cost an attention block (AF, AB) takes, or None when it names no block
+        of the family."""
+        return None
+
     def proof_text(self, program: "Program", memory_text: Callable[[], str]) -> str:
         """What ``pipec check`` says it proved; ``memory_text()`` says the activation and byte peaks."""
         return f"well-formed, messages matched, deadlock-free, no conflict; {memory_text()}"
@@ -108,6 +159,16 @@ def _registered() -> None:
         importlib.import_module("pipec.compiler.families")
 
 
+def all_families() -> list[Family]:
+    """Every registered family, plan-less first, then in registration order."""
+    _registered()
+    return _DEFAULT + list(_BY_PLAN.values())
+
+
+def _kept_to_themselves() -> frozenset[str]:
+    return frozenset(family.name for family in all_families() if family.keeps_own_ops)
+
+
 def families_of(program: "Program") -> list[Family]:
     """The families whose plans ``program`` holds, in plan order; activation passing when it holds none."""
     _registered()
@@ -121,6 +182,11 @@ def family_of_spec(spec: "ScheduleSpec") -> Family:
     return next((f for f in _BY_PLAN.values() if f.spec_plan(spec) is not None), _DEFAULT[0])
 
 
+def first_answer(families: list[Family], ask: Callable[[Family], object | None]) -> object | None:
+    """The first of ``families``' answers to ``ask`` that is not None, or None."""
+    return next((answer for answer in map(ask, families) if answer is not None), None)
+
+
 def first_refusal(program: "Program", ask: Callable[[Family], str | None]) -> str | None:
     """The first of ``program``'s families' answers to ``ask`` that is a refusal, or None."""
-    return next((why for why in map(ask, families_of(program)) if why is not None), None)
+    return first_answer(families_of(program), ask)

@@ -5,32 +5,23 @@ hostile: whatever it holds, pipec answers within seconds, within memory, with
 a located message and never a traceback. Every command reads its inputs
 through these functions, so each guard is written once:
 
-* ``read_text`` / ``read_bytes``: only a regular file (a folder, ``/dev/zero``,
-  a FIFO or a socket is refused without blocking: the file is opened with
-  ``O_NONBLOCK`` and checked with ``fstat`` before any read), at most the
-  size limit of its kind (``Kind``), strict UTF-8 (a bad byte is located).
-* ``read_json`` / ``parse_json_text``: JSON whose nesting, integers and
-  floats are bounded (a hook checks each number as it is parsed): nesting past
-  Python's parser (``RecursionError``), integers outside ``+-2^63`` (their
-  digits are counted before ``int()`` sees them),
-  ``NaN`` / ``Infinity`` tokens and floats that overflow to infinity are
-  errors at ``FILE:line:col``.
-* ``plain_int``: the only way a number written as text (a ``-D`` value, a
-  JSON key, a CSV cell) becomes an int: ASCII digits with an optional sign,
-  at most ``MAX_INT_DIGITS`` of them (``int()`` also takes ``1_000``, ``٣``,
-  ``³`` and spaces; this does not).
-* ``quote``: a value read from a file, as an error message may show it:
-  repr-escaped (no raw control character reaches a terminal), shortened.
-* ``json_type``: what kind of JSON value a file holds where another was
-  expected, as a message names it (``an array``, ``the string 'x'``).
-* argparse ``type=`` functions for numeric options: ``count_arg``,
-  ``positive_count_arg``, ``seconds_arg``.
-* ``read_program``: a compiled program JSON (``pipec compile --format json``),
-  recognised by its content (``looks_like_program``).
-* ``stream_text_bytes``: a text file too large to hold, in chunks of strict
-  UTF-8 (``python -m pipec.examples.make_tokens``), bounded like a read.
-* ``map_tokens``: a token file (a flat array of token ids) memory-mapped, after
-  checking its size against its dtype (``pipec.examples.token_file``).
+* files (``read_bytes``, ``read_text``, ``stream_text_bytes`` for one too
+  large to hold, ``map_tokens`` for a token file): only a regular file (a
+  folder, ``/dev/zero``, a FIFO or a socket is refused without blocking), at
+  most the size limit of its kind (``Kind``), strict UTF-8 (a bad byte is
+  located);
+* JSON (``read_json``, ``parse_json_text``): nesting, integers (within
+  ``+-2^63``) and floats (finite) bounded, each mistake at ``FILE:line:col``;
+  ``read_program`` reads a compiled program, recognised by its content
+  (``looks_like_program``);
+* numbers written as text (a ``-D`` value, a JSON key, a CSV cell):
+  ``plain_int`` is the only way one becomes an int, ASCII digits with an
+  optional sign (``int()`` also takes ``1_000``, ``٣``, ``³`` and spaces);
+  argparse ``type=`` functions ``count_arg``, ``positive_count_arg``,
+  ``seconds_arg`` for numeric options;
+* messages: ``quote`` (a value read from a file, repr-escaped so that no raw
+  control character reaches a terminal, shortened) and ``json_type`` (what
+  kind of JSON value stood where another was expected).
 """
 from __future__ import annotations
 
@@ -43,7 +34,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from pipec.errors import PipecError, UsageError
+from pipec.errors import ImportError_, PipecError, UsageError
 
 # Integers pipec reads lie in -INT_LIMIT < v < INT_LIMIT (dsl.limits: the
 # language's range, so a number read from a file fits everything a schedule
@@ -144,6 +135,19 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
         return text
     size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters shown"
     return f"{text[:limit - 3]}...({size})"
+
+
+def read_int_list(values: list, what: str, bound: int | None) -> list[int]:
+    """``values`` of a program file's field ``what``, each an integer in 0..bound-1 (>= 0 when ``bound`` is None).
+
+    Raises:
+        ImportError_: naming the first entry that is not.
+    """
+    for i, v in enumerate(values):
+        if type(v) is not int or v < 0 or (bound is not None and v >= bound):
+            limit = f" in 0..{bound - 1}" if bound is not None else " >= 0"
+            raise ImportError_(f"\"{what}\"[{i}] must be an integer{limit}, got {quote(v)}")
+    return list(values)
 
 
 def _short_repr(value: Any, limit: int) -> str:
@@ -381,6 +385,9 @@ def read_json(path: str, kind: Kind, error: type[PipecError] = UsageError) -> An
 
 def parse_json_text(text: str, name: str, error: type[PipecError] = UsageError, what: str = "file") -> Any:
     """Parse JSON whose every number is one pipec can use.
+
+    A hook checks each number as it is parsed: an integer's digits are counted
+    before ``int()`` sees them, a float is refused when it overflows to infinity.
 
     Args:
         text: the document.

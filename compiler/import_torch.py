@@ -1,34 +1,22 @@
 """Read a torch.distributed.pipelining schedule CSV into a ``Program``.
 
-torch writes a schedule as a CSV with one row per rank and one action token per
-cell (``PipelineScheduleMulti._dump_csv``; ``_PipelineScheduleRuntime._dump_csv``
-adds communication). A token is ``<stage><type><microbatch>``, e.g. ``2F0``,
-``3SEND_B1``, ``0UNSHARD``; a cell may also hold torch's sub-action form
-``(a;b)OVERLAP_F_B``. How pipec reads them:
+``read_torch_csv`` parses torch's CSV (one row per rank, one action token
+``<stage><type><microbatch>`` per cell, with or without communication) into a
+program exactly as written; ``prepare_imported`` completes and proves it;
+``import_and_check`` does both on a file and simulates the result (``pipec
+import-torch``). A compute-only CSV gets pipec's communication
+(``insert_communication``) and is checked under rendezvous semantics, the
+strictest; a CSV with communication is checked as written, under torch's own
+runtime semantics ("async": sends and receives posted in order, a receive
+waited at first use).
 
-* Compute (F, B, I, W) and point-to-point tokens (SEND_F, RECV_F, SEND_B,
-  RECV_B) become instructions. Tokens must match whole (torch's regex matches a
-  prefix; ``1F0x`` is an error here, not ``1F0``).
-* ``(a;b)OVERLAP_F_B`` becomes its sub-actions, in order: it runs a forward and
-  a backward of different stages together, and the dataflow and message order
-  it must respect are those of running them one after the other.
-* UNSHARD, RESHARD and REDUCE_GRAD are skipped: they are FSDP's all-gathers and
-  data-parallel gradient reductions, outside the pipeline's dataflow.
-* Empty cells (torch's idle steps) are ignored.
-* The stage -> rank mapping is where each stage's compute appears (a stage on
-  two ranks is an error); stages form one chain 0..S-1 (stage s+1 follows s),
-  and N = 1 + the largest microbatch index.
-* Indices are bounded by the CSV itself: each stage 0..S-1 and each
-  microbatch 0..N-1 computes at least once, so a stage or microbatch index
-  must be below the number of compute actions in the file (a huge index is
-  refused before anything is sized by it). The file is read through the
-  guarded reader (``guarded_read.TORCH_CSV``: a regular file, at most 64 MiB);
-  a cell's digits are ASCII, at most 19 of them.
-
-A compute-only CSV gets pipec's communication (``insert_communication``) and is
-checked under rendezvous semantics, the strictest; a CSV with communication is
-checked as written, under torch's own runtime semantics ("async": sends and
-receives posted in order, a receive waited at first use).
+The file is untrusted input: it is read through the guarded reader
+(``guarded_read.TORCH_CSV``), tokens must match whole, and every index is
+bounded by the CSV itself before anything is sized by it, so a bad file is a
+located ``ImportError_`` (``rank R, step S`` with the grid), never a
+traceback or a huge allocation. How each token is read (computes, messages,
+``OVERLAP_F_B``, the skipped FSDP tokens, stages and microbatches) is
+described in docs/formats.md, "Reading one".
 """
 from __future__ import annotations
 
@@ -40,7 +28,7 @@ import re
 from pipec.compiler.checks import check_all
 from pipec.compiler.costs import CostModel
 from pipec.compiler import ops
-from pipec.compiler.ir import NO_PEER, Action, Program, single_pipeline
+from pipec.compiler.ir import NO_PEER, Action, Program, build_program, single_pipeline
 from pipec.compiler.lower_comms import insert_communication
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; reading builds hundreds of thousands of acyclic ones.
@@ -120,16 +108,8 @@ def read_torch_csv(text: str, source: str = "<csv>") -> tuple[Program, bool]:
             reader.read_row(rank, row)
         ranks, home, num_microbatches, had_comms = reader.finish()
     stages, pipelines, mb_pipeline = single_pipeline(home, num_microbatches)
-    program = Program(
-        name=_name_of(source),
-        num_ranks=len(grid),
-        num_microbatches=num_microbatches,
-        stages=stages,
-        pipelines=pipelines,
-        mb_pipeline=mb_pipeline,
-        ranks=ranks,
-        source=source,
-    )
+    program = build_program(_name_of(source), len(grid), num_microbatches, stages, pipelines, mb_pipeline, ranks,
+                            source=source)
     return program, had_comms
 
 
@@ -210,7 +190,7 @@ class _Reader:
         return self.ranks, home, num_microbatches, bool(self.messages)
 
     def _bound_index(self, what: str, index: int, at: tuple[int, int]) -> None:
-        """Refuse a stage or microbatch ``index`` no schedule in this CSV can have (see the module docstring)."""
+        """Refuse a stage or microbatch ``index`` no schedule in this CSV can have (docs/formats.md, "Reading one")."""
         if index >= self.computes:
             raise ImportError_(
                 f"{what} {index} is past what this CSV can hold: it has {self.computes} compute action(s), and every "

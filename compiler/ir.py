@@ -529,6 +529,21 @@ def groups_refusal(program: Program, interpretation: str) -> str | None:
             f"but {interpretation} does not run one yet")
 
 
+# The field of ``Program`` each family plan lives in (``Program.plans`` reads them back).
+_PLAN_FIELDS = {WeightPlan: "weights", RingPlan: "rings"}
+
+
+def build_program(name: str, num_ranks: int, num_microbatches: int, stages: list[StageInfo],
+                  pipelines: list[list[int]], mb_pipeline: list[int], ranks: list[list[Action]], *,
+                  plans: Iterable = (), **fields) -> Program:
+    """The one place a ``Program`` is made from its parts (a program derived from another is
+    ``dataclasses.replace``'s): each of ``plans`` (a family's plan) goes to its field by its type;
+    ``fields`` are the optional ones (``params``, ``devices``, ``source``, ``communicators``,
+    ``weight_versions``)."""
+    return Program(name, num_ranks, num_microbatches, stages, pipelines, mb_pipeline, ranks, **fields,
+                   **{_PLAN_FIELDS[type(plan)]: plan for plan in plans})
+
+
 def tensor_of(action: Action, program: Program) -> tuple[str, int, int]:
     """The value a send or receive carries, as (value kind, producer stage, mb).
 

@@ -2,52 +2,24 @@
 
 Contract: ``greedy_order(spec, costs)`` returns, for every rank, the tasks of
 the activation-passing family placed on it, in the order a list scheduler
-running the cost model would start them:
+running the cost model would start them: whenever a rank is free it takes a
+ready task (its dependencies done, plus transfer time from another rank) by
+the policy's ``prefer``, ``priority``, ``inflight``, ``deferred``, ``warmup``
+and ``in order`` rules, as docs/language.md, section 7, states them. On a
+recomputed stage (``spec.recomputed``) a forward runs as the checkpointed
+forward (FC), and the backward (B, or I) as the recompute then the backward,
+back to back: the rank is busy for both (``ops.CHECKPOINTS``).
 
-* whenever a rank is free, it considers the tasks whose inputs are ready at
-  that moment (dependencies done, plus transfer time from another rank);
-* it takes the first kind in ``policy.prefer`` that has a ready task, and
-  among that kind's ready tasks the smallest ``policy.priority`` key
-  (ties broken by microbatch, then stage);
-* a forward may start only while the rank holds fewer chunk activations than
-  its in-flight limit (a forward started whose backward, B or I, has not
-  finished), and only if every microbatch already started can still finish
-  within every rank's limit afterwards (a banker's check, ``_Activations``):
-  a microbatch keeps the activation of each of its stages on a rank until its
-  backward, which comes after its last forward, so a V that puts two of its
-  stages on one rank needs two slots there at once, and a rank that filled
-  its limit with first-arm forwards while the second arm's were still in
-  flight would wait forever. Such a forward waits instead (the rank idles
-  until the next event). An I starts only while fewer of its weight
-  gradients wait than its ``deferred`` limit (an I started whose W has not).
-  A W depends on its own rank's I alone, so that limit never stalls a policy;
-* for a kind listed in ``policy.in_order``, a rank runs its tasks of that kind
-  in priority order (then microbatch, then stage): it takes the next one when
-  it is ready and waits for it otherwise, rather than taking a later one that
-  is ready (a list scheduler never waits for a better task by itself, and an
-  order such as Megatron's interleaved one needs it to);
-* with a ``warmup`` count, a rank follows 1F1B's discipline instead of taking
-  whatever is ready: its first ``warmup`` tasks are forwards, then it strictly
-  alternates one forward and one backward (waiting for the one it wants) and
-  drains what is left; with split backward, W tasks fill those waits;
-* on a recomputed stage (``spec.recomputed``) a forward runs as the
-  checkpointed forward (FC), and the backward (B, or I) as the recompute then
-  the backward, back to back: the rank is busy for both (``ops.CHECKPOINTS``).
-  The in-flight limit counts such a microbatch like any other (a forward done
-  whose backward is not), though what it keeps is only its input.
-
-A rank that waits is woken by the next event that may change its choice:
-every input landing on it (even one released while it was busy: it may be
-free by then) and every activation freed anywhere (the in-flight check looks
-at every rank).
-
-It is deterministic: same spec and costs, same order. The in-flight check makes
-a policy finish under every non-negative cost model; a limit that no order can
-meet (below the activations one microbatch keeps on a rank at once) is a
-``ScheduleError`` naming the rank and the limit, raised before scheduling. A
-``warmup`` discipline or an ``in order`` against the dataflow can still wait
-for a task that never comes: then it raises ``ScheduleError`` at the order's
-span naming a rank, the task it waits for or holds ready, and why.
+Guarantees: it is deterministic (same spec and costs, same order), and a
+policy finishes under every non-negative cost model, because a forward also
+waits while starting it could leave a started microbatch unable to finish
+within every rank's in-flight limit (a banker's check, ``_Activations``: a V
+that puts two of its stages on one rank needs two slots there at once). A
+limit no order can meet is a ``ScheduleError`` naming the rank and the limit,
+raised before scheduling. A ``warmup`` or an ``in order`` against the dataflow
+can still wait for a task that never comes: then it raises ``ScheduleError``
+at the order's span naming a rank, the task it waits for or holds ready, and
+why (``_stall``).
 """
 from __future__ import annotations
 
@@ -78,7 +50,17 @@ def greedy_order(spec: ScheduleSpec, costs: CostModel | None = None) -> list[lis
 
 
 class _ListScheduler:
-    """One run of the list scheduler (module docstring): the ranks' queues, the events, the orders."""
+    """One run of the list scheduler (module docstring): the ranks' queues, the events, the orders.
+
+    A rank that waits is woken by the next event that may change its choice:
+    every input landing on it (even one released while it was busy: it may be
+    free by then) and every activation freed anywhere (the in-flight check
+    looks at every rank). A W depends on its own rank's I alone, so the
+    ``deferred`` limit (on I) never stalls a policy. Under ``in order`` a rank
+    waits for its next task of the kind rather than take a later ready one (a
+    list scheduler never waits for a better task by itself, and an order such
+    as Megatron's interleaved one needs it to).
+    """
 
     def __init__(self, spec: ScheduleSpec, costs: CostModel):
         policy = spec.policy
@@ -132,7 +114,7 @@ class _ListScheduler:
         self.push_event(at, 1, rank)
 
     def allowed_kinds(self, rank: int):
-        """Kinds the rank may start now, most preferred first (see module docstring)."""
+        """Kinds the rank may start now, most preferred first (``warmup``: docs/language.md, section 7)."""
         warmup = self.policy.warmup[rank]
         if warmup is None:
             return self.order_of_kinds

@@ -1,51 +1,21 @@
 """Insert the communication of an activation-passing program.
 
-``insert_communication`` turns per-rank compute orders into complete per-rank
-instruction lists. It derives every message from placement and the rule
-table's dataflow (``ops.py``): a value a task makes that a neighbouring stage
-reads (the activation F(s, m) makes, read by next(s); the gradient B or
-I(s, m) makes, read by prev(s)) travels by its kind's route policy
-(``routes.py``; ``direct`` for both: one hop to the consumer's home rank), and
-nothing is sent when producer and consumer live on the same rank (the
-hand-off is local).
+Contract: ``insert_communication(program)`` turns per-rank compute orders into
+complete per-rank instruction lists. Every message comes from placement and
+the rule table's dataflow (``ops.py``): a value a task makes that a
+neighbouring stage reads (an activation forward, a gradient back) travels by
+its kind's route policy (``routes.py``: ``direct``, one hop to the consumer's
+home rank), and nothing is sent when both live on one rank. Replicated stages
+get their communicator's ALLREDUCE_GRAD after each replica's last weight
+gradient, and its ALLREDUCE_WAIT at the end of the list (``_collectives``).
 
-Placement is tried in three ways, in order; the first one that runs to the end
-under rendezvous semantics (``check_deadlock``'s simulation, run on integer
-codes before any instruction is built) is kept:
-
-1. *Near use* (Megatron's 1F1B): a SEND right after the compute that produces
-   its tensor; the RECVs of a pair (src, dst) in src's send order (messages are
-   untagged and FIFO per pair), each just before the first compute on dst that
-   reads it, or earlier when a message sent after it is needed sooner. Every
-   maximal run of two or more communications between two computes becomes one
-   BATCH (``batch_isend_irecv``), sends first: a rank's send_forward and
-   recv_backward are posted together, so neighbours cannot wait on each other.
-2. *Paired* (Megatron's interleaved 1F1B): as 1, but nothing is exchanged
-   between an F and the B (or I) right after it: the sends there move to the
-   run after the B, the receives to the run before the F, so each F-B pair is
-   bracketed by one batch. Near use deadlocks for interleaved schedules with
-   more microbatches than ranks; this does not.
-3. *Global order* (torch's ``_add_send_recv``, deadlock-free by construction):
-   ranks take turns, one compute each; a compute runs once its inputs have been
-   delivered; a SEND is appended on the producer and its RECV on the consumer
-   at the same moment; an all-reduce is appended on all its ranks when the last
-   of them reaches it (the others go on meanwhile). Every rank's list is then a
-   subsequence of one global sequence of events, each involving only ranks
-   whose earlier events all precede it, so the program runs to the end under
-   rendezvous semantics (batching only posts operations earlier and cannot
-   break that). It needs an acyclic compute order; when the order is cyclic
-   the near-use placement is returned and ``check_well_formed`` names the
-   cycle. Mirrored pipelines (Chimera, BitPipe) end up here: their first
-   sends face each other.
-
-Replicated stages (the same chunk in several pipelines) get the collective
-of their communicator (``Program.communicators``: ALLREDUCE_GRAD of the
-chunk's weight gradient) on each replica rank after that rank's last task
-that writes the chunk's weight gradient (B or W) (in tiers 1
-and 2 right after the run of communication that follows it; all-reduces at the
-same place in chunk order), and an ALLREDUCE_WAIT for each at the end of the
-list; the simulation treats each all-reduce as a collective of its ranks. A
-rank holding a replica no microbatch rides still joins, after its last compute.
+Guarantee: the result runs to the end under rendezvous semantics whenever the
+compute order is acyclic. Three placements are tried in order, and the first
+whose simulation (on integer codes, before any instruction is built) runs to
+the end is kept: ``_near_use`` (Megatron's 1F1B), ``_paired`` (Megatron's
+interleaved 1F1B) and ``_place_in_global_order`` (torch's ``_add_send_recv``,
+deadlock-free by construction). A cyclic order gets the near-use placement,
+and ``check_well_formed`` names the cycle.
 
 Performance: programs reach a few hundred thousand instructions, so the passes
 work on flat integer lists with C-level builtins (map, zip, accumulate, sort)
@@ -278,7 +248,10 @@ def _collectives(program: Program, tables: StageTables) -> list[list[tuple[int, 
     For the replica communicators: one ALLREDUCE_GRAD per replicated chunk a
     rank holds, after its last B or W of that chunk. A rank holding a replica
     that no microbatch rides still joins (its weights must follow the other
-    replicas), after its last compute.
+    replicas), after its last compute. In tiers 1 and 2 an all-reduce comes
+    right after the run of communication that follows its compute, and
+    all-reduces at the same place go in chunk order; every rank then waits
+    for each (ALLREDUCE_WAIT) at the end of its list.
     """
     held: list[dict[int, tuple[int, str]]] = [{} for _ in program.ranks]  # rank -> chunk -> (a stage, op)
     for communicator in program.communicators:
@@ -318,7 +291,17 @@ def _stride(plan: _Plan) -> int:
 
 
 def _near_use(program: Program, plan: _Plan) -> list[list[int]]:
-    """Sends right after their producers, receives just before their readers."""
+    """Sends right after their producers, receives just before their readers (tier 1, Megatron's 1F1B).
+
+    A SEND comes right after the compute that produces its tensor; the RECVs
+    of a pair (src, dst) come in src's send order (messages are untagged and
+    FIFO per pair), each just before the first compute on dst that reads it,
+    or earlier when a message sent after it is needed sooner. Every maximal
+    run of two or more communications between two computes becomes one BATCH
+    (``batch_isend_irecv``), sends first: a rank's
+    send_forward and recv_backward are posted together, so neighbours cannot
+    wait on each other.
+    """
     stride = _stride(plan)
     placed = [[((index + 1) * 2) * stride + 2 * message for message, index in enumerate(senders, first)]
               for senders, first in zip(plan.senders, plan.first)]
@@ -336,7 +319,13 @@ def _near_use(program: Program, plan: _Plan) -> list[list[int]]:
 
 
 def _paired(program: Program, plan: _Plan, near_use: list[list[int]]) -> list[list[int]]:
-    """Near use, but nothing between an F and the B or I right after it (module docstring)."""
+    """Near use, but nothing between an F and the B or I right after it (tier 2, Megatron's interleaved 1F1B).
+
+    The sends there move to the run after the B, the receives to the run
+    before the F, so each F-B pair is bracketed by one batch. Near use
+    deadlocks for interleaved schedules with more microbatches than ranks;
+    this does not.
+    """
     stride = _stride(plan)
     placed = []
     for row, entries in zip(program.ranks, near_use):
@@ -403,7 +392,7 @@ def _layout(program: Program, plan: _Plan, placed: list[list[int]]) -> _Layout:
 
 
 def _wait_graph(program: Program, plan: _Plan, layout: _Layout, beyond: list[int] | None = None) -> WaitGraph:
-    """The rendezvous ``WaitGraph`` of a laid-out placement.
+    """The rendezvous ``WaitGraph`` of a laid-out placement (each all-reduce a collective of its ranks).
 
     With ``beyond`` (per rank, a step past its laid-out instructions) the
     layout may be a prefix: a counterpart missing from it is taken to be at
@@ -566,7 +555,19 @@ def _finish(out: list[Action], collectives: list[tuple[int, Action]]) -> None:
 
 
 def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] | None:
-    """Rebuild the lists by advancing ranks in turn (module docstring); None if the order is cyclic."""
+    """Rebuild the lists by advancing ranks in turn (tier 3, torch's ``_add_send_recv``); None if the order is cyclic.
+
+    Ranks take turns, one compute each; a compute runs once its inputs have
+    been delivered; a SEND is appended on the producer and its RECV on the
+    consumer at the same moment; an all-reduce is appended on all its ranks
+    when the last of them reaches it (the others go on meanwhile). Every
+    rank's list is then a subsequence of one global sequence of events, each
+    involving only ranks whose earlier events all precede it, so the program
+    runs to the end under rendezvous semantics (batching only posts
+    operations earlier and cannot break that): deadlock-free by construction.
+    It needs an acyclic compute order. Mirrored pipelines (Chimera, BitPipe)
+    end up here: their first sends face each other.
+    """
     num_ranks = program.num_ranks
     rows = program.ranks
     parts = _parts(plan)

@@ -4,41 +4,26 @@ Contract: ``ring_plan(spec.rings, P)`` turns the evaluated declarations into a
 ``RingPlan`` (the rings themselves from ``compiler/rings.py``);
 ``lower_rings(spec)`` returns the whole ``Program``: the per-rank order of
 attention blocks, forward then backward, with the exchanges that move KV and
-dK, dV partials. The result is unchecked: ``checks.rings`` proves it.
+dK, dV partials as the plan's ``kv``, ``dkv`` and ``transfer`` say. The
+result is unchecked: ``checks.rings`` proves it.
 
-The order is systolic. Every ring holds one bundle (a rank's KV piece) per
-rank; at each of the n steps of a pass, rank r computes every visible block of
-its queries against the bundles it holds then, while the next bundles are
-already on their way (the exchange that brings step t + 1's KV is posted before
-step t's blocks and waited after them: KV moves during compute). After n - 1
-ring steps every bundle has visited every rank once, so every visible block is
-computed exactly once.
-
-A schedule may write the blocks instead (``spec.order`` with ``spec.task_steps``:
-step t < n is forward step t, n <= t < 2n backward step t - n): then a step's
-blocks are exactly the ones written at it, in written order; the exchanges are
-the same, at the same places. Whether each block finds its KV, and whether
-every visible block is computed once each way, is the check's to say.
-
-* ``kv again`` (ring_flash_attn's backward): backward starts again from each
-  rank's own KV and moves it round once more; ``kv kept``: every rank keeps
-  the bundles forward brought it (n per piece) and backward moves no KV.
-* ``dkv behind``: the partial of the bundle a rank holds in backward step t
-  leaves for the next rank after step t's blocks, and the partial of step
-  t + 1's bundle arrives from the previous one; each rank adds its blocks into
-  it; after n hops the partial of a rank's own bundle comes home with every
-  contribution. The incoming partial is waited (and folded) before the
-  rank's own partial leaves, one step later. ``dkv direct``: each rank keeps
-  one partial per bundle and, after its last block, sends each straight home.
-* ``transfer all_to_all`` moves an exchange's KV (or dKV) sends and receives
-  with one all_to_all of every rank instead of a batch of point-to-point.
+The derived order is systolic, so that KV moves during compute: at each of
+the n steps of a pass, rank r computes every visible block of its queries
+against the bundles it holds then, while the exchange that brings step t + 1's
+KV, posted before step t's blocks, is waited only after them. After n - 1 ring
+steps every bundle has visited every rank once, so every visible block is
+computed exactly once. A schedule may write the blocks instead (``spec.order``
+with ``spec.task_steps``: ``written_steps``, ``lower_plan``); the exchanges
+stay the same. docs/rings.md, section 2, describes the order and what each of
+``kv again`` / ``kept``, ``dkv behind`` / ``direct`` and ``transfer
+all_to_all`` moves.
 """
 from __future__ import annotations
 
 from math import gcd
 
 from pipec.compiler import ops
-from pipec.compiler.ir import Action, Program, RingPlan, StageInfo
+from pipec.compiler.ir import Action, Program, RingPlan, StageInfo, build_program
 from pipec.compiler.rings import hamiltonian_rings, rail_rings
 from pipec.dsl.spec import RingSpec, ScheduleSpec
 from pipec.errors import UsageError
@@ -86,8 +71,8 @@ def ring_program(plan: RingPlan, ranks: list[list[Action]], name: str = "", para
     """
     stages = [StageInfo(c, rank, c, 0) for c, rank in enumerate(plan.holders)]
     blocks = plan.chunks * plan.pieces
-    return Program(name, plan.num_ranks, blocks, stages, [[c] for c in range(plan.chunks)], [0] * blocks,
-                   ranks, dict(params or {}), source=source, rings=plan)
+    return build_program(name, plan.num_ranks, blocks, stages, [[c] for c in range(plan.chunks)], [0] * blocks,
+                         ranks, plans=(plan,), params=dict(params or {}), source=source)
 
 
 def lower_rings(spec: ScheduleSpec) -> Program:
@@ -129,7 +114,12 @@ def written_steps(plan: RingPlan, order: list[list[tuple[str, int, int]]],
 def lower_plan(plan: RingPlan, name: str = "", params: dict | None = None, source: str = "",
                written: list[list[list[Action]]] | None = None) -> Program:
     """The program of a ``RingPlan`` (module docstring); ``written``: the blocks of each rank's steps
-    (``written_steps``), or None for the derived order."""
+    (``written_steps``), or None for the derived order.
+
+    With a written order a step's blocks are exactly the ones written at it, in written order; the
+    exchanges are the derived order's, at the same places. Whether each block finds its KV, and whether
+    every visible block is computed once each way, is the check's to say.
+    """
     rows = [_Lowering(plan, rank, None if written is None else written[rank]).run() for rank in range(plan.num_ranks)]
     return ring_program(plan, rows, name, params, source)
 

@@ -7,69 +7,18 @@ layer, and weight gradients, back to the layer's owner. The schedule's order is
 cut into steps (``at step t``); weights move between steps.
 
 Contract: ``insert_weight_exchanges(compute, spec)`` returns ``compute`` with,
-on every rank, at each step boundary b (before the computes of step b):
-
-1. ``EXCHANGE_WAIT`` of the ahead exchange posted at boundary b - K (K = the
-   prefetch distance, when K >= 1);
-2. ``EXCHANGE`` of the ahead lane posted at b: the legs whose deadline is K
-   boundaries later (with K = 0 there is no ahead lane);
-3. ``EXCHANGE`` of the due lane at b and its ``EXCHANGE_WAIT``: the legs that
-   must be complete before step b (ring gradient partials, which step b adds
-   to; every leg when K = 0);
-4. the computes of step b.
-
-After the last step come the waits of the exchanges still open. An exchange's
-number (``Action.mb``) is ``2 * boundary + lane`` (boundaries counted from the
-first one any rank uses), the same on every rank. A leg is one part: a
-point-to-point send and its receive, or one collective on every member of its
-communicator. Deliveries of several legs (owner -> staging rank -> group
-broadcast; group reduce -> owner) put one leg per boundary, spaced by
-``max(K, 1)`` so that each leg starts after the one before it was waited.
-
-Weight routes (``WeightPlan.route``), for each use of layer l at step t on rank r:
-
-* ``direct``: the owner sends r a copy (nothing when r owns l or used l at
-  step t - 1, whose copy it keeps).
-* ``staged``: the ranks of a group run the same layers in a step; a layer the
-  group did not run at step t - 1 comes by one broadcast inside the group, from
-  the owner when it is a member, else from the group's staging rank
-  (``WeightPlan.staging_rank``), which the owner sends it one leg earlier.
-* ``all_gather``: every rank runs the same layers in a step; a new layer is
-  gathered from every rank's shard.
-* ``ring``: systolic. Each rank has one slot per pass (forward: F; backward:
-  B, I, W); at every boundary where a slot is still needed every rank passes
-  its slot to ``r + ring_by`` and takes ``r - ring_by``'s (``SHIFT_F`` /
-  ``SHIFT_B``, collectives of the ring). So the slot of rank r at step t is the
-  one of diagonal ``(r - ring_by * t) mod P``, and every use pins its diagonal
-  to its layer: a diagonal used for two layers is an order the ring cannot
-  serve (an error that names both uses). A diagonal's slot starts with a FILL
-  at its first use (rank r0, step t0): of the owner's master when r0 owns the
-  layer; of r0's other slot when that holds the layer at t0 or t0 - 1 and is
-  there by then (WeiPipe starts the backward slot from the last forward);
-  else of the owner's master at the latest step in [0, t0] at which the owner
-  holds the diagonal's slot (the copy then rides the ring to r0); else the
-  owner sends r0 a copy one leg earlier and r0 fills the slot from it (as
-  WeiPipe's prologue swap does). Rings take prefetch 0 or 1 (a slot cannot be
-  passed on before it arrived).
-
-Gradient routes (``WeightPlan.gradients``), for the contributions (B, W) of layer l:
-
-* ``direct``: at the end of each run of consecutive steps in which r
-  contributes to l, r sends its partial to the owner (nothing on the owner).
-* ``reduce``: at the end of each run of steps in which a group contributes to
-  l, one reduce inside the group to the owner when it is a member, else to the
-  staging rank, which then sends the sum to the owner.
-* ``reduce_scatter``: at the end of each run of steps in which any rank
-  contributes to l, one reduce-scatter of every rank's partial.
-* ``ring``: the partial rides the backward slot's diagonal (``SHIFT_G``, due
-  lane: the next rank adds to it in the next step); after the diagonal's last
-  contribution its holder sends it to the owner.
-
-Route mistakes in the order (two ranks of a group running different layers
-under ``staged``, a ring diagonal pinned twice, more than one layer per slot
-and step) are ``ScheduleError``s at the order, naming the rank, the step and
-the layers. ``checks.weights`` proves the result (and any program read from a
-file) by running it symbolically.
+on every rank, at each step boundary b (before the computes of step b): the
+wait of the ahead exchange posted K boundaries earlier (K = the prefetch
+distance), the ahead lane's ``EXCHANGE`` (legs due K boundaries later), and the
+due lane's ``EXCHANGE`` and its ``EXCHANGE_WAIT`` (legs needed before step b);
+the waits still open follow the last step. An exchange's number
+(``Action.mb``) is ``2 * boundary + lane``, the same on every rank. Every leg
+comes from the plan's weight and gradient routes; docs/weights.md, sections 2
+and 3, says where each leg goes. Route mistakes in the order (a group running
+different layers under ``staged``, a ring diagonal pinned to two layers) are
+``ScheduleError``s at the order, naming the rank, the step and the layers. The
+result is unchecked here: ``checks.weights`` proves it (and any program read
+from a file) by running it symbolically.
 """
 from __future__ import annotations
 
@@ -142,7 +91,7 @@ class _Order(NamedTuple):
 
 
 def insert_weight_exchanges(compute: Program, spec: ScheduleSpec) -> Program:
-    """Add the exchanges of a weight-passing schedule (module docstring).
+    """Add the exchanges of a weight-passing schedule (module docstring; docs/weights.md, sections 2 and 3).
 
     Args:
         compute: the compute-only program of ``spec`` (one pipeline per rank,
@@ -497,8 +446,8 @@ def _uses(compute: Program, steps: list[list[int]], num_steps: int) -> _Order:
 
 def _assemble(compute: Program, steps: list[list[int]], legs: list[_Leg], frees: list[tuple[int, int, Action]],
               plan: WeightPlan) -> list[list[Action]]:
-    """Each rank's list: per boundary, the waits, exchanges and computes of the module docstring,
-    and after a step's computes the copies that step last ran."""
+    """Each rank's list: per boundary, the waits, exchanges and computes of the module docstring
+    (docs/weights.md, section 2), and after a step's computes the copies that step last ran."""
     K = plan.prefetch
     first = min([leg.boundary for leg in legs] + [0])
     last = max([leg.boundary for leg in legs] + [plan.num_steps - 1])

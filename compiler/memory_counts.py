@@ -36,7 +36,7 @@ from typing import Iterable, Iterator, Mapping, Union
 
 from pipec.compiler import ops
 from pipec.compiler.family import families_of
-from pipec.compiler.ir import Action, Program
+from pipec.compiler.ir import Action, Program, RingPlan
 from pipec.compiler.ops import Use
 
 Number = Union[int, float]
@@ -204,10 +204,9 @@ def kv_buffer_counts(row: Iterable[Action], rank: int, kept: bool) -> Iterator[i
         yield live
 
 
-def peak_kv_bytes(program: Program, kv_size: Number) -> list[Number]:
+def peak_kv_bytes(program: Program, plan: RingPlan, kv_size: Number) -> list[Number]:
     """Per rank, the most bytes of keys and values alive at once: its own chunks' and the received
-    bundles' (``kv_size``: one chunk's K and V; ``RingPlan.bundle_share``)."""
-    plan = program.rings
+    bundles' (``plan``: the program's rings; ``kv_size``: one chunk's K and V; ``RingPlan.bundle_share``)."""
     out = []
     for rank, row in enumerate(program.ranks):
         received = max(kv_buffer_counts(row, rank, plan.kv == "kept"), default=0)

@@ -1,39 +1,23 @@
 """The network a simulation prices transfers on: two levels, shared links.
 
+Contract: a ``Network`` built from a ``CostModel`` answers when a transfer
+between two devices has arrived (``transfer``), when a collective has ended
+(``collective``, as the ring of transfers ``ring_hops`` makes of it: a ring
+step of its members at once, a broadcast or reduce pipelined along a ring, an
+all-gather or reduce-scatter as n - 1 ring steps of 1/n of the value), and how
+busy the directed links were while anything moved (``usage``);
+``compiler/traffic.py`` counts bytes on the same hops.
+
 Ranks sit on nodes (``CostModel.node_size`` consecutive devices per node). A
-transfer from one device to another uses the link between them (the cost
-file's default link inside a node, ``inter_node`` between nodes, a ``pairs``
-entry where one is given: a full mesh with per-link bandwidth); between nodes
-it also goes through the sending node's NIC and the receiving node's NIC
-(``links.nic``), which every device of the node shares; behind a switch it
-goes out of the sender's port and into the receiver's (``links.port``), which
-every transfer of that device shares; on rail-optimised nodes (``links.rails``)
-a transfer between nodes goes out of the sender's own rail NIC and into the
-receiver's, which every inter-node transfer of that device shares. Without ``links.contention`` and without a NIC a transfer
-takes ``latency + bytes / bandwidth`` whatever else is moving (pipec's
-classic model). With them, transfers that share a resource share its
-bandwidth:
-
-* the resources of a transfer: its directed link (with ``contention``),
-  between nodes the two NICs (with ``nic``, always shared: that is what a NIC
-  is) and the two rails (with ``rails``), and the two ports (with ``port``);
-* a transfer moves at the rate of its slowest resource (cut-through) and holds
-  every resource it uses for ``bytes / that rate``, then arrives ``latency``
-  later;
-* each resource keeps a calendar of the intervals it is busy; a transfer ready
-  at t takes the earliest window at or after t that is free on all its
-  resources. Two transfers of b bytes posted at once on one link of bandwidth
-  w arrive at b / w and 2 b / w, as two flows sharing it fairly would finish
-  in total; a window left free between reservations is used by a later one
-  that fits.
-
-The simulator asks in the order it runs ranks, not strictly in time order;
-gap-filling keeps a transfer asked later but ready earlier from waiting behind
-one that is ready later. Collectives are sets of such transfers (``hops``,
-``ring_hops``): a ring step of its members at once, a broadcast or reduce
-pipelined along a ring, an all-gather or reduce-scatter as n - 1 ring steps of
-1/n of the value. ``traffic`` counts bytes on the same hops. ``usage`` reports
-how busy the directed links were while anything moved.
+transfer uses the link between its two devices (``CostModel.link_between``:
+the default link inside a node, ``inter_node`` between nodes, a ``pairs``
+entry where one is given). Without ``links.contention`` and without a NIC,
+port or rail a transfer takes ``latency + bytes / bandwidth`` whatever else is
+moving (pipec's classic model, and the default). With them, transfers that
+share a resource share its bandwidth: each resource keeps a calendar of
+reservations, and a transfer takes the earliest window in which all of its
+resources are free (``Network`` says which resources and how). The cost-file
+keys are described in docs/costs.md, ``links``.
 """
 from __future__ import annotations
 
@@ -48,7 +32,23 @@ BROADCAST, REDUCE, ALL_GATHER, REDUCE_SCATTER = "broadcast", "reduce", "all_gath
 
 
 class Network:
-    """The resources of one simulation and their calendars."""
+    """The resources of one simulation and their calendars.
+
+    The resources of a transfer: its directed link (with ``contention``);
+    between nodes the sending and the receiving node's NIC (with ``nic``,
+    always shared: that is what a NIC is) and the two devices' rail NICs (with
+    ``rails``); the sender's and the receiver's switch port (with ``port``).
+    A transfer moves at the rate of its slowest resource (cut-through) and
+    holds every resource it uses for ``bytes / that rate``, then arrives
+    ``latency`` later. Each resource keeps a calendar of the intervals it is
+    busy; a transfer ready at t takes the earliest window at or after t that
+    is free on all its resources. Two transfers of b bytes posted at once on
+    one link of bandwidth w arrive at b / w and 2 b / w, as two flows sharing
+    it fairly would finish in total. A window left free between reservations
+    is used by a later one that fits: the simulator asks in the order it runs
+    ranks, not strictly in time order, and gap-filling keeps a transfer asked
+    later but ready earlier from waiting behind one that is ready later.
+    """
 
     def __init__(self, costs: CostModel):
         self.costs = costs

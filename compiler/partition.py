@@ -2,78 +2,21 @@
 the slowest stage is as fast as it can be; and the partition file that records the cut, which
 ``pipec run --partition FILE`` cuts a model given by its layers by (``runtime/layered.py``).
 
-What it reads, per layer l (a cost file's ``layers``, ``costs.LayerCost``): its compute time
-T_l = F + B, the bytes a_l of its output for one microbatch and w_l of its parameters; from the
-rest of the cost file the links (``links``: latency, bandwidth, per pair and node) and the
-all-reduce link (``allreduce``); all free when the file does not give them.
+Contract: ``partition(layers, ranks, costs, memory_limit, replicate)`` reads, per layer (a cost
+file's ``layers``, ``costs.LayerCost``), its compute time F + B and the bytes of its output and of
+its parameters, and from the rest of the cost file the links and the all-reduce link (all free when
+the file does not give them). It returns the ``Partition`` of L layers over P ranks: stages in
+pipeline order, each a non-empty range of consecutive layers, together every layer once; stage k on
+r_k >= 1 contiguous ranks (its replicas, data parallel inside the pipeline), every rank used. It is
+the fastest (least slowest-stage time, ``stage_time``) whose every rank fits the memory limit
+(``stage_memory``, ``in_flight``); among equally fast ones, the one with fewest stages, then
+earliest cuts, then fewest replicas in the earlier stages. The search is a dynamic program over
+suffixes (``_Search``); a problem over ``MAX_MOVES`` is refused rather than left running.
+docs/costs.md, "Partition it", states the cost and memory model and the file format.
 
-What it searches. A partition of L layers over P ranks is a list of stages in pipeline order,
-each a non-empty range of consecutive layers, together every layer once; stage k runs on
-r_k >= 1 ranks (its replicas, data parallel inside the pipeline; r_k = 1 without
-replication), the ranks contiguous in stage order (stage 0 on ranks 0 .. r_0 - 1, stage 1 on
-the next r_1, ...), and every rank holds one: sum r_k = P (so without replication there are
-exactly P stages, and P <= L).
-
-What a stage costs (PipeDream's model: the review's T(i -> j, m) and the cut term of its
-dynamic program). With T, w the sums of the stage's T_l and w_l:
-
-    time_k = max(T / r_k,  allreduce(w, r_k),  2 link(a_j))
-
-* ``T / r_k``: each replica runs every r_k-th microbatch (round robin), so the stage
-  finishes one microbatch per T / r_k on average;
-* ``allreduce(w, r_k)``: the replicas' gradient all-reduce, a ring over the ``allreduce``
-  link (``costs.ring_allreduce_time``; 0 for one replica);
-* ``2 link(a_j)``, for every stage but the last: the cut after its last layer j, whose
-  activation (a_j bytes) travels forward to the next stage and whose gradient (a_j bytes too)
-  travels back, both over the link between the stage's last rank and the next stage's first
-  (``CostModel.link_between``: latency + bytes / bandwidth each way). Communication overlaps
-  computation, the link being a resource of the pipeline like a stage, so the cut enters the
-  maximum (PipeDream's 2 C_j), counted against the stage that sends the activation, and
-  replication does not divide it.
-
-The predicted time per microbatch of the steady state is the slowest stage's: max time_k.
-
-Memory of a rank of stage k (the check of ``memory_limit``, in bytes):
-
-    memory_k = WEIGHT_COPIES w + i_k A,   A = the sum of a_l over the stage's layers
-
-``WEIGHT_COPIES`` = 2: the weights and their gradients (optimizer state is not counted:
-leave room for it in the limit). A is one microbatch's activations, each layer's output being
-what its backward keeps (what a layer saves inside itself is not measured). i_k is how many
-microbatches a replica keeps at once (``in_flight``): 1F1B's, S - k of S stages without
-replication; with replicas, one more than the replica's share of those in flight after the
-stage: i_{S-1} = 1, i_k = 1 + ceil(r_{k+1} i_{k+1} / r_k). That is what the schedule
-``partition_schedule`` writes lets a rank keep, and what its steady state needs to run at
-the slowest stage's rate whatever the stages cost.
-
-Which partition. The fastest (least max time_k) whose every rank fits the memory limit; among
-equally fast ones, the one with fewest stages, then the one whose list of (stop_k, r_k) is
-smallest, compared in order: the earliest cuts, then the fewest replicas in the earlier stages.
-
-How. A dynamic program over suffixes: state (j, m) is "layers j .. L-1 on the last m ranks"
-(whose first rank is P - m, so the links of each cut are known), and a move picks the
-suffix's first stage, layers j .. i-1 on r of the m ranks. Three passes of the same
-recursion, each O(L^2 P^2) moves (O(L^2 P) without replication): the least slowest-stage
-time, the fewest-stages-earliest-cuts partition among those that reach it, and, when no
-partition fits the memory limit, the least memory that would. A memory limit adds the
-first stage's downstream in-flight count r_k i_k to the state (it decides i of the stage
-before), at most 2P values, so the moves grow by that factor.
-
-The partition file (``partition_to_json``; ``load_partition`` is the one reader of it), version 1:
-
-    {"format": "pipec partition", "version": 1, "layers": L, "ranks": P,
-     "names": [L layer names],
-     "stages": [{"layers": [first, stop], "replicas": r, "ranks": [r ranks],
-                 "time": t, "memory": bytes}, ...],
-     "time_per_microbatch": T}
-
-Stages are in pipeline order; stage s holds layers ``first .. stop - 1`` (``stop`` exclusive),
-and together the stages hold every layer once, in order. A stage runs on its ``replicas``
-ranks, the next ones after the stage before's, and the replicas add up to P. ``time``,
-``memory`` and ``time_per_microbatch`` (the slowest stage's time) are the partitioner's
-predictions, and ``names`` its labels: checked and kept, not used to cut. The file is read
-through the one guarded reader (``guarded_read.read_json``, ``PARTITION``'s limit), and every
-mistake is an error that names the file and the key (``part.json: stages[2].layers: ...``).
+The partition file: ``partition_to_json`` writes it, ``load_partition`` is the one reader of it
+(the runtime's too), through the guarded reader, every field checked and every mistake an error
+that names the file and the key (``part.json: stages[2].layers: ...``).
 """
 from __future__ import annotations
 
@@ -108,8 +51,8 @@ class PartitionStage:
         stop: one past its last layer.
         replicas: how many ranks run it (round robin over the microbatches).
         ranks: those ranks, consecutive.
-        time: its time per microbatch (the module docstring's time_k).
-        memory: the bytes each of its ranks holds (memory_k).
+        time: its time per microbatch (time_k: ``stage_time``).
+        memory: the bytes each of its ranks holds (memory_k: ``stage_memory``).
     """
 
     first: int
@@ -153,7 +96,10 @@ class Partition:
 
 
 def in_flight(replicas: Sequence[int]) -> tuple[int, ...]:
-    """How many microbatches one replica of each stage keeps at once (the module docstring's i_k).
+    """How many microbatches one replica of each stage keeps at once (i_k of memory_k).
+
+    That is what the schedule ``partition_schedule`` writes lets a rank keep, and what its steady
+    state needs to run at the slowest stage's rate whatever the stages cost.
 
     Args:
         replicas: each stage's replica count, in pipeline order.
@@ -178,6 +124,15 @@ def stage_time(compute: Number, parameters: Number, boundary: Number | None, rep
                costs: CostModel) -> Number:
     """A stage's time per microbatch: max(compute / r, allreduce(parameters, r), 2 link(boundary)).
 
+    PipeDream's model (the review's T(i -> j, m) and the cut term of its dynamic program):
+    each replica runs every r-th microbatch (round robin); the replicas' gradient all-reduce is a
+    ring over the ``allreduce`` link (``costs.ring_allreduce_time``); the cut after the stage's last
+    layer carries its activation forward and its gradient back, both over the link between the
+    stage's last rank and the next stage's first (``CostModel.link_between``). Communication
+    overlaps computation, the link being a resource of the pipeline like a stage, so the cut
+    enters the maximum (PipeDream's 2 C_j), counted against the stage that sends the activation,
+    and replication does not divide it. docs/costs.md, "Partition it", states it for users.
+
     Args:
         compute: the sum of its layers' F + B.
         parameters: the sum of its layers' parameter bytes.
@@ -186,7 +141,7 @@ def stage_time(compute: Number, parameters: Number, boundary: Number | None, rep
         last_rank: its last rank; the next stage starts at the one after.
         costs: the links and the all-reduce link.
     Returns:
-        the module docstring's time_k.
+        time_k, the stage's time per microbatch.
     """
     time = max(exact_ratio(compute, replicas), ring_allreduce_time(costs.allreduce_link, replicas, parameters))
     if boundary is not None:
@@ -223,7 +178,17 @@ _SHORTEST: _Scoring = ((0, ()), lambda head, rest: (rest[0] + 1, ((head.stop, he
 
 
 class _Search:
-    """The dynamic program over suffixes (module docstring), one pass per ``best`` call."""
+    """The dynamic program over suffixes, one pass per ``best`` call.
+
+    State (j, m) is "layers j .. L-1 on the last m ranks" (whose first rank is P - m, so the
+    links of each cut are known), and a move picks the suffix's first stage, layers j .. i-1 on r
+    of the m ranks. ``partition`` runs three passes of the same recursion, each O(L^2 P^2) moves
+    (O(L^2 P) without replication): the least slowest-stage time, the fewest-stages-earliest-cuts
+    partition among those that reach it, and, when no partition fits the memory limit, the least
+    memory that would. A memory limit adds the first stage's downstream in-flight count r_k i_k
+    to the state (it decides i of the stage before), at most 2P values, so the moves grow by that
+    factor.
+    """
 
     def __init__(self, layers: Sequence[LayerCost], ranks: int, costs: CostModel, replicate: bool,
                  track_memory: bool):

@@ -7,64 +7,21 @@ arc-disjoint directed Hamiltonian cycles for every n >= 2 except 4 and 6
 (Tillson, 1980), so n - 1 rings can carry traffic at once, each link carrying
 exactly one of them (TASP).
 
-A ring is a list of the n vertices in ring order, each listed once; ring
-``[v0, v1, ..., v_{n-1}]`` uses the arcs v0 -> v1, ..., v_{n-1} -> v0.
+Contract: ``hamiltonian_rings(n)`` returns a ``RingSet`` of n - 1 such rings
+(``decompose``), or for n = 4, 6 the largest arc-disjoint set, with a ``note``
+that says none exists (``max_disjoint_rings``); ``rail_rings(M, K)`` returns K
+rings over M rail-optimised nodes of K devices that use every intra-node arc
+exactly once. A ring is a list of the n vertices in ring order, each listed
+once; ring ``[v0, v1, ..., v_{n-1}]`` uses the arcs v0 -> v1, ..., v_{n-1} -> v0.
 
-Constructions (all closed forms; every result goes through an independent
-checker, ``verify_decomposition``, before it is returned):
-
-* prime n: ring g is x -> x + g (mod n), g = 1 .. n - 1.
-* odd n: Walecki. Write Z_{n-1} plus a point at infinity; the zigzag
-  z = 0, 1, -1, 2, -2, ..., (n-1)/2 and its translates give the rings
-  ``(inf, i + z_0, i + z_1, ...)`` for i in Z_{n-1}. Translates i and
-  i + (n-1)/2 are the same undirected Hamiltonian cycle run in opposite
-  directions, so these are Walecki's (n-1)/2 undirected cycles used both ways.
-* n % 4 == 0 (cut and insert): start from the odd decomposition of K*_{n-1}
-  above, cut one arc out of each of its n - 2 rings and put the new vertex in
-  that gap. Rings stay Hamiltonian and stay disjoint; what must hold is that
-  the n - 2 cut arcs (distinct tails, distinct heads) chain into one path
-  that starts at infinity and visits every old vertex, because that path,
-  closed through the new vertex, is the last ring. With N = n - 2 = 4k + 2,
-  ring i is cut at position 2k of its list (the arc (i - k + 1) -> (i + k));
-  these default cuts alone are translation by 2k - 1, which generates Z_N, so
-  they chain into one N-cycle through the finite vertices. Four rings are cut
-  elsewhere (ring 0 at its first arc inf -> 0, ring k + 1 at its last finite
-  arc, ring 2k + 2 at position 3, ring 3k + 2 at position N - 2), which
-  re-routes that cycle into a path from infinity. These cut positions are the
-  ones TASP's public implementation uses; here they are re-derived in these
-  terms and, as for every construction, checked on every result.
-* n = 10: the same cut-and-insert with a cut table found once, offline.
-* n % 4 == 2, n >= 14 (two-node doubling): n = 2m with m odd. Split the
-  vertices into two nodes A = 0 .. m-1 and B = m .. 2m-1 (B's x is m + x).
-  (1) m "block" rings: take a decomposition of K*_m into m Hamiltonian paths
-  (the rings of K*_{m+1} with one vertex removed, built recursively, m + 1
-  even); a path in A, the rail A(end) -> B(end), the same path reversed in B,
-  and the rail B(start) -> A(start). These use every arc inside A and inside
-  B and every rail x <-> m + x. (2) m - 1 alternating rings for s = 1 .. m - 1:
-  A(x) -> B(x + s) -> A(x + s + t) with t = pi(s), pi a permutation of the
-  nonzero residues mod m with s + pi(s) a unit for every s, so every non-rail
-  arc between the nodes is used once and each of these rings visits all 2m
-  vertices. pi = -sigma where sigma(s) = s - 1 except sigma(j) = m - 1 and
-  sigma(1) = j - 1, for an even j with j + 1 and j - 2 units: then
-  s + pi(s) is 1, j + 1 or 2 - j, and sigma has two odd cycles, which keeps a
-  vertex whose start -> end map has only odd cycles (what ``rail_rings``
-  needs for an odd number of nodes of n - 1 devices).
-* n = 4, 6: no decomposition exists. ``hamiltonian_rings`` says so and
-  returns the largest arc-disjoint set, found by exhaustive search over all
-  directed Hamiltonian cycles (6 of them for n = 4, 120 for n = 6).
-
-Multi-node (rail-optimised) topologies: M nodes of K devices, all-to-all inside
-a node, and device i of node a linked to device i of node b. ``rail_rings``
-returns K rings that use every intra-node arc exactly once, each device being
-its node's exit of exactly one ring. K exits per node and K rings mean each
-ring leaves (and so visits) every node exactly once: inside a node the K rings
-are K arc-disjoint Hamiltonian paths covering K*_K, and a ring entering at
-device x leaves at omega_a(x) (the node's start -> end map). The rings close
-iff omega_{M-1} o ... o omega_0 is the identity. Nodes alternate a path
-decomposition and its reverse (omega, omega^-1); an odd M first uses three
-nodes whose maps compose to the identity (see ``_closing_triple``). An odd M
-needs an even map; for K % 4 == 2 the closed forms give odd ones, so tabled
-decompositions (K = 6 .. 42, every shape of up to 128 devices) are used.
+Every construction is a closed form or a table found once, offline, and every
+result goes through an independent checker (``verify_decomposition``,
+``verify_rail_rings``) before it is returned, so a wrong table or a bug is an
+error, never a wrong ring. The constructions, each argued in its function's
+docstring: prime n (``_cyclic_rings``), odd n (Walecki, ``_rotational_rings``),
+n % 4 == 0 and n = 10 (cut and insert: ``_cut_and_insert``,
+``_cut_positions_0mod4``), n % 4 == 2 from 14 (two-node doubling,
+``_rings_doubled``, ``_partner_steps``), and for rails ``rail_rings``.
 """
 from __future__ import annotations
 
@@ -198,7 +155,13 @@ def _zigzag(N: int) -> list[int]:
 
 
 def _rotational_rings(n: int) -> list[Ring]:
-    """Odd n (Walecki): vertex n-1 is infinity, ring i is (inf, i + zigzag) over Z_{n-1}."""
+    """Odd n (Walecki): vertex n-1 is infinity, ring i is (inf, i + zigzag) over Z_{n-1}.
+
+    The zigzag z = 0, 1, -1, 2, -2, ..., (n-1)/2 and its translates give the rings
+    ``(inf, i + z_0, i + z_1, ...)`` for i in Z_{n-1}. Translates i and i + (n-1)/2 are the
+    same undirected Hamiltonian cycle run in opposite directions, so these are Walecki's
+    (n-1)/2 undirected cycles used both ways.
+    """
     N = n - 1
     zig = _zigzag(N)
     return [(N,) + tuple((i + z) % N for z in zig) for i in range(N)]
@@ -218,6 +181,11 @@ def _cut_and_insert(n: int, positions: Sequence[int]) -> list[Ring]:
         n - 1 rings; the last one is the new vertex followed by the path the
         cut arcs form. Raises ``ValueError`` if the cuts do not form one path
         from infinity through every old vertex (a wrong table, a bug).
+
+    Cutting one arc out of each of the n - 2 rings of K*_{n-1} and putting the new vertex in
+    that gap keeps the rings Hamiltonian and disjoint; what must hold is that the n - 2 cut
+    arcs (distinct tails, distinct heads) chain into one path that starts at infinity and
+    visits every old vertex, because that path, closed through the new vertex, is the last ring.
     """
     new = n - 1
     infinity = n - 2
@@ -236,6 +204,15 @@ def _cut_and_insert(n: int, positions: Sequence[int]) -> list[Ring]:
 
 
 def _cut_positions_0mod4(n: int) -> list[int]:
+    """The cuts of ``_cut_and_insert`` for n % 4 == 0 (the ones TASP's public implementation uses).
+
+    With N = n - 2 = 4k + 2, ring i is cut at position 2k of its list (the arc
+    (i - k + 1) -> (i + k)); these default cuts alone are translation by 2k - 1, which generates
+    Z_N, so they chain into one N-cycle through the finite vertices. Four rings are cut elsewhere
+    (ring 0 at its first arc inf -> 0, ring k + 1 at its last finite arc, ring 2k + 2 at position
+    3, ring 3k + 2 at position N - 2), which re-routes that cycle into a path from infinity. Here
+    they are re-derived in these terms and, as for every construction, checked on every result.
+    """
     k = n // 4 - 1
     positions = [2 * k] * (n - 2)
     for ring, p in ((0, 1), (k + 1, 4 * k + 2), (2 * k + 2, 3), (3 * k + 2, 4 * k)):
@@ -270,7 +247,17 @@ def _paths_by_removing(rings: Sequence[Ring], vertex: int) -> list[Ring]:
 
 
 def _rings_doubled(n: int) -> list[Ring]:
-    """n = 2m, m odd >= 7: m block rings plus m - 1 alternating rings (see the module docstring)."""
+    """n = 2m, m odd >= 7: m block rings plus m - 1 alternating rings (two-node doubling).
+
+    Split the vertices into two nodes A = 0 .. m-1 and B = m .. 2m-1 (B's x is m + x).
+    (1) m "block" rings: take a decomposition of K*_m into m Hamiltonian paths (the rings of
+    K*_{m+1} with one vertex removed, built recursively, m + 1 even); a path in A, the rail
+    A(end) -> B(end), the same path reversed in B, and the rail B(start) -> A(start). These use
+    every arc inside A and inside B and every rail x <-> m + x. (2) m - 1 alternating rings for
+    s = 1 .. m - 1: A(x) -> B(x + s) -> A(x + s + t) with t = pi(s) (``_partner_steps``), so
+    every non-rail arc between the nodes is used once and each of these rings visits all 2m
+    vertices.
+    """
     m = n // 2
     paths = _paths_by_removing(decompose(m + 1), _removed_for_doubling(m))
     rings = [path + tuple(m + v for v in reversed(path)) for path in paths]
@@ -285,7 +272,13 @@ def _rings_doubled(n: int) -> list[Ring]:
 
 
 def _partner_steps(m: int) -> list[int]:
-    """pi as a list (pi[0] unused): pi = -sigma, sigma(s) = s - 1 but sigma(j) = m - 1, sigma(1) = j - 1."""
+    """pi as a list (pi[0] unused): pi = -sigma, sigma(s) = s - 1 but sigma(j) = m - 1, sigma(1) = j - 1.
+
+    pi must be a permutation of the nonzero residues mod m with s + pi(s) a unit for every s.
+    With j even and j + 1, j - 2 units, s + pi(s) is 1, j + 1 or 2 - j; and sigma has two odd
+    cycles, which keeps a vertex whose start -> end map has only odd cycles (what
+    ``rail_rings`` needs for an odd number of nodes of n - 1 devices).
+    """
     j = next(j for j in range(4, m, 2) if gcd(j + 1, m) == 1 and gcd(j - 2, m) == 1)
     sigma = [0] + [s - 1 for s in range(1, m)]
     sigma[j], sigma[1] = m - 1, j - 1
@@ -364,7 +357,8 @@ def hamiltonian_rings(n: int) -> RingSet:
         n: number of devices, >= 2.
     Returns:
         A ``RingSet``; for n = 4 and 6 its ``note`` says that no decomposition
-        exists and ``cycles`` is a largest arc-disjoint set (exhaustive search).
+        exists and ``cycles`` is a largest arc-disjoint set (exhaustive search
+        over all directed Hamiltonian cycles: 6 of them for n = 4, 120 for n = 6).
     """
     _check_size(n)
     links = n * (n - 1)
@@ -465,7 +459,17 @@ def path_decomposition(k: int) -> tuple[Ring, ...]:
 
 
 def rail_rings(nodes: int, per_node: int) -> RingSet:
-    """K rings over M nodes of K devices with rail links (see the module docstring).
+    """K rings over M nodes of K devices with rail links: every intra-node arc used exactly once.
+
+    M nodes of K devices, all-to-all inside a node, and device i of node a linked to device i of
+    node b. Each device is its node's exit of exactly one ring. K exits per node and K rings mean
+    each ring leaves (and so visits) every node exactly once: inside a node the K rings are K
+    arc-disjoint Hamiltonian paths covering K*_K (``path_decomposition``), and a ring entering at
+    device x leaves at omega_a(x) (the node's start -> end map). The rings close iff
+    omega_{M-1} o ... o omega_0 is the identity. Nodes alternate a path decomposition and its
+    reverse (omega, omega^-1); an odd M first uses three nodes whose maps compose to the identity
+    (``_closing_triple``). An odd M needs an even map; for K % 4 == 2 the closed forms give odd
+    ones, so tabled decompositions (K = 6 .. 42, every shape of up to 128 devices) are used.
 
     Args:
         nodes: M >= 1; per_node: K >= 1. Device i of node a is ``a * K + i``.

@@ -1,50 +1,24 @@
 """Discrete-event simulation of a Program: makespan, bubble, memory, timeline.
 
-Semantics (what the runtime does, priced by a ``CostModel``):
-
-* Each rank runs its list in order. A compute task (F, B, I, W) starts when
-  the rank is free and its inputs are on the rank, and holds the rank for
-  ``costs.compute(op, chunk)``.
-* Inputs follow the dataflow of the rule table (``ops.DEPENDENCIES``): each
-  value a compute reads, at its own stage or a neighbour, is made by one of
-  the value's producers. For activation passing: F(s, m) needs the activation
-  of F(prev(s), m); B(s, m) or I(s, m) needs F(s, m) and the gradient of B or
-  I of next(s) for m; W(s, m) needs I(s, m). A producer on the same rank hands
-  off locally, at its end time.
-* Across ranks, a program without communication instructions gets the data at
-  producer end + ``costs.transfer``. A program with them gets it from the
-  receive that carries it (``ops.PART_RULES``): the k-th send from rank a to
-  rank b matches the k-th receive on b from a (messages are untagged, FIFO per
-  ordered pair), and the data is on b at the time the sender posted its send
-  plus the transfer time. Sends and receives are posted asynchronously
-  (isend/irecv): neither waits for its peer; the compute that uses the data
-  waits for it. A batch posts all its parts at once. Posting holds the rank
-  ``costs.post`` per message (0 by default), not counted as busy; a send leaves
-  when its batch is posted.
-* A collective (ALLREDUCE_GRAD) joins the gradient all-reduce of its stage's
-  model chunk without stalling; the all-reduce ends ``costs.allreduce`` after
-  the last replica joined. A collective wait (ALLREDUCE_WAIT) stalls the rank
-  until it ends. A free (FREE_F) takes no time.
+Contract: ``simulate(program, costs)`` runs every rank's list as the runtime
+does, priced by a ``CostModel`` (unit costs by default), and returns a
+``SimResult``: the makespan, the bubble ratio (1 - mean busy / makespan), each
+rank's busy time and memory peaks, and the timeline ``render`` draws. A rank
+waits only for data and collectives: a compute starts when its rank is free
+and its inputs are there (the rule table's dataflow), messages are posted
+asynchronously (isend/irecv) and matched FIFO per ordered pair, and a
+collective is joined without stalling and waited for where its wait stands.
+``simulate``'s docstring states these semantics in full; weight passing's and
+sequence rings' exchanges are priced on the network of ``compiler/network.py``
+(docs/weights.md, section 5; docs/rings.md, section 4).
 
 Instructions are dispatched by their rule's category, and every table the
 simulator uses (what each compute waits for, where it publishes its end, what
 a message carries, how memory counts change) is derived from ``ops.py`` when
-this module is imported.
-
-Because a rank never waits for anything but data and all-reduces, the timing is
-a longest-path computation over the program's dependency graph; the simulator
-evaluates it with a worklist: a rank runs until an input is missing, parks on
-that input, and is woken by whoever produces it. Each instruction is executed
-once, so the cost is linear in the number of instructions. A rank parked on an
-input that is never produced is reported as a DeadlockError (a safety net; the
-deadlock check proves programs safe under stricter semantics).
-
-Memory comes from ``memory_counts``: peak_activations counts, along a rank's
-list, the saved activations made and not yet ended (F or R done, B or I not);
-peak_waiting_w the I whose W has not run (split backward); peak_kept_inputs,
-for a program with recomputed stages, the inputs kept for a recompute (FC
-done, R not); given the bytes of one value per size class, peak_bytes the
-most bytes of live counted values.
+this module is imported. The timing is a longest path, evaluated by a worklist
+in time linear in the instructions (``_Simulation``); memory peaks
+(activations, waiting weight gradients, kept inputs, bytes per size class)
+come from ``memory_counts``.
 """
 from __future__ import annotations
 
@@ -56,7 +30,7 @@ from typing import Mapping, NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
-from pipec.compiler.family import families_of
+from pipec.compiler.family import families_of, first_answer
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Action, Program, groups_refusal
 from pipec.compiler.memory_counts import (
@@ -280,6 +254,32 @@ def simulate(program: Program, costs: CostModel | None = None, *,
              sizes: Mapping[str, Number] | None = None) -> SimResult:
     """Simulate ``program`` under ``costs`` (unit costs when None).
 
+    Semantics (what the runtime does, priced by the ``CostModel``):
+
+    * Each rank runs its list in order. A compute task (F, B, I, W) starts when
+      the rank is free and its inputs are on the rank, and holds the rank for
+      ``costs.compute(op, chunk)``.
+    * Inputs follow the dataflow of the rule table (``ops.DEPENDENCIES``): each
+      value a compute reads, at its own stage or a neighbour, is made by one of
+      the value's producers. For activation passing: F(s, m) needs the activation
+      of F(prev(s), m); B(s, m) or I(s, m) needs F(s, m) and the gradient of B or
+      I of next(s) for m; W(s, m) needs I(s, m). A producer on the same rank hands
+      off locally, at its end time.
+    * Across ranks, a program without communication instructions gets the data at
+      producer end + ``costs.transfer``. A program with them gets it from the
+      receive that carries it (``ops.PART_RULES``): the k-th send from rank a to
+      rank b matches the k-th receive on b from a (messages are untagged, FIFO per
+      ordered pair), and the data is on b at the time the sender posted its send
+      plus the transfer time. Sends and receives are posted asynchronously
+      (isend/irecv): neither waits for its peer; the compute that uses the data
+      waits for it. A batch posts all its parts at once. Posting holds the rank
+      ``costs.post`` per message (0 by default), not counted as busy; a send leaves
+      when its batch is posted.
+    * A collective (ALLREDUCE_GRAD) joins the gradient all-reduce of its stage's
+      model chunk without stalling; the all-reduce ends ``costs.allreduce`` after
+      the last replica joined. A collective wait (ALLREDUCE_WAIT) stalls the rank
+      until it ends. A free (FREE_F) takes no time.
+
     Args:
         program: a compute-only program, or one with communication instructions
             (SEND/RECV/BATCH, ALLREDUCE_GRAD/WAIT, FREE_F).
@@ -305,10 +305,20 @@ def simulate(program: Program, costs: CostModel | None = None, *,
 
 
 class _Simulation:
-    """State of one simulation; ``run`` drives the worklist."""
+    """State of one simulation; ``run`` drives the worklist.
+
+    Because a rank never waits for anything but data and all-reduces, the timing is
+    a longest-path computation over the program's dependency graph, evaluated with a
+    worklist: a rank runs until an input is missing, parks on that input, and is woken
+    by whoever produces it. Each instruction is executed once, so the cost is linear in
+    the number of instructions. A rank parked on an input that is never produced is
+    reported as a DeadlockError (a safety net; the deadlock check proves programs safe
+    under stricter semantics).
+    """
 
     def __init__(self, program: Program, costs: CostModel, sizes: Mapping[str, Number] | None = None):
         self.program = program
+        self.families = families_of(program)  # asked for what differs by family: shares, ring steps, blocks
         self.costs = costs
         self.sizes = sizes
         self.num_ranks = len(program.ranks)
@@ -687,10 +697,8 @@ class _Simulation:
             return 0
         sizes = self.sizes if self.sizes is not None else self.costs.sizes
         size = sizes.get(ops.VALUE_KINDS[kind].size_class, 0)
-        plan = self.program.rings
-        if plan is not None and ops.VALUE_KINDS[kind].size_class == ops.SIZE_KV and 0 <= part.stage < plan.num_ranks:
-            return plain_number(size * plan.bundle_share(part.stage))
-        return size
+        share = first_answer(self.families, lambda family: family.value_share(self.program, part, kind))
+        return size if share is None else plain_number(size * share)
 
     def post_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number:
         """EXCHANGE: post every part at ``clock`` and go on. A point-to-point part completes when
@@ -750,9 +758,9 @@ class _Simulation:
                     if ops.RULES[inner.op].category == ops.PART_SEND]
             sizes = {self._part_bytes(inner) for _, _, _, p in members for inner in p.parts}
             end = self.network.hops(hops, max(sizes, default=0), start)
-        elif kind == "shift":  # a ring step: each member that takes a slot takes it from r - ring_by
-            by, size = self.program.weights.ring_by, self.num_ranks
-            hops = [(self.devices[(r - by) % size], self.devices[r]) for _, _, r, p in members if p.stage >= 0]
+        elif kind == "shift":  # a ring step: each member that takes a slot takes it from its giver
+            hops = [(self.devices[self._giver(r, step, part)], self.devices[r]) for _, _, r, p in members
+                    if p.stage >= 0]
             end = self.network.hops(hops, nbytes, start)
         else:
             root = self.devices[part.peer] if part.op in _ROOTED else None
@@ -761,6 +769,13 @@ class _Simulation:
             if end > start:
                 self.comm_slots[member].append(Slot(start, end, member_part, True))
             self.publish(member_key, end)
+
+    def _giver(self, rank: int, step: int, part: Action) -> int:
+        giver = first_answer(self.families, lambda family: family.ring_step_giver(self.program, rank))
+        if giver is None:
+            raise self._error(WellFormedError, f"{part.text()}: a ring step in a program with no ring of ranks",
+                              rank, step)
+        return giver
 
     def wait_exchange(self, rank: int, step: int, action: Action, clock: Number) -> Number | None:
         """EXCHANGE_WAIT: stall until every part of this rank's exchange ``mb`` has completed."""
@@ -778,11 +793,10 @@ class _Simulation:
         """AF, AB: one attention block, priced by the area the mask leaves of it (a whole chunk x chunk
         block costs the op's cost, a diagonal one half, a piece its share). Its inputs are on the rank:
         KV by the exchanges waited before it, a backward's statistics by the forwards before it."""
-        plan = self.program.rings
-        if plan is None or not (0 <= action.stage < plan.chunks and 0 <= action.mb < plan.chunks * plan.pieces):
+        area = first_answer(self.families, lambda family: family.block_area(self.program, action))
+        if area is None:
             raise self._error(WellFormedError, f"{action.text()}: no block of a sequence ring", rank, step)
         cost = self.costs.compute(action.op, 0)
-        area = plan.block_area(action.stage, *plan.unblock(action.mb))
         duration = area * cost if isinstance(cost, int) else float(area) * cost  # exact under integer costs
         self.slots[rank].append(Slot(clock, clock + duration, action, False))
         self.handled_busy[rank] += duration
@@ -805,7 +819,7 @@ class _Simulation:
         exact_makespan = max(self.clock + allreduce_ends, default=0)
         makespan = _exact(exact_makespan)
         byte_peaks = peak_bytes(self.program, self.sizes) if self.sizes is not None else [None] * self.num_ranks
-        families = families_of(self.program)
+        families = self.families
         exact_times = any(family.exact_times for family in families)
         borrowed = next((peaks for peaks in (family.borrowed_buffers(self.program) for family in families)
                          if peaks is not None), [None] * self.num_ranks)

@@ -27,7 +27,7 @@ from fractions import Fraction
 from typing import Callable, Mapping
 
 from pipec.compiler import ops
-from pipec.compiler.family import families_of
+from pipec.compiler.family import Family, families_of, first_answer
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, ring_hops
@@ -76,31 +76,31 @@ def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[in
         moved.setdefault(kind, {INTRA: Fraction(0), INTER: Fraction(0)})[link] += nbytes
 
     seen_collectives: set[tuple] = set()
-    counted_steps: set[tuple] = set()
+    families = families_of(program)
     for rank, row in enumerate(program.ranks):
         for action in row:
             for part in action.parts or (action,):
-                _count(program, rank, part, add, seen_collectives, counted_steps)
+                _count(program, families, rank, part, add, seen_collectives)
     order = list(ops.VALUE_KINDS)
     return {kind: {link: _plain(value) for link, value in moved[kind].items()}
             for kind in sorted(moved, key=order.index)}
 
 
-def _count(program: Program, rank: int, part: Action, add, seen: set, counted_steps: set) -> None:
+def _count(program: Program, families: list[Family], rank: int, part: Action, add, seen: set) -> None:
     op = part.op
     rule = ops.RULES.get(op)
     if rule is None:
         return
     if op in _SENDS:
-        plan = program.rings
-        share = plan.bundle_share(part.stage) if plan is not None and 0 <= part.stage < plan.num_ranks else Fraction(1)
-        add(rule.carries.kind, rank, part.peer, share)
+        kind = rule.carries.kind
+        share = first_answer(families, lambda family: family.value_share(program, part, kind))
+        add(kind, rank, part.peer, Fraction(1) if share is None else share)
     elif part.parts:  # an all_to_all of a sequence ring: its sends, each over its own link
         for inner in part.parts:
-            _count(program, rank, inner, add, seen, counted_steps)
+            _count(program, families, rank, inner, add, seen)
     elif op in _RING_STEPS:
-        if part.stage >= 0:  # this rank takes a slot: it crossed the link from its predecessor
-            giver = (rank - program.weights.ring_by) % program.num_ranks
+        giver = first_answer(families, lambda family: family.ring_step_giver(program, rank))
+        if part.stage >= 0 and giver is not None:  # this rank takes a slot: it crossed the link from its giver
             add(rule.reads[0].kind, giver, rank, Fraction(1))
     elif op in _RING_OF:
         communicator = program.communicator_on(part, rank)

@@ -23,7 +23,7 @@ from typing import Callable
 from pipec.dsl import ast
 from pipec.dsl.evaluate import Fn, Resolver
 from pipec.dsl.limits import MAX_OPERATIONS, MAX_STEP_CELLS, MAX_TASKS
-from pipec.dsl.rings import written_pieces
+from pipec.dsl.families import declared_in
 from pipec.dsl.schedule import Budget, of_pipeline
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import EvalError, ScheduleError
@@ -48,18 +48,18 @@ class OrderState:
         self.orders: list[list[tuple[str, int, int]]] = []
         self.rank = 0
         self.out: list = []
-        # Weight passing and a ring's written order: per rank the step of each
-        # task (None otherwise), the step of the `at step` block running, and
-        # the steps of the rank running.
-        self.steps: list[list[int]] | None = [] if spec.weights is not None or spec.rings is not None else None
+        # The families the schedule declares (``dsl/families.py``). Those whose orders put tasks at
+        # steps (weight passing, a ring's written order): per rank the step of each task (None
+        # otherwise), the step of the `at step` block running, and the steps of the rank running.
+        self.declared = declared_in(spec)
+        self.steps: list[list[int]] | None = [] if any(family.at_steps for family, _ in self.declared) else None
         self.step: int | None = None
         self.step_out: list[int] = []
         self.last_text = ""  # the rank's task emitted last, as written (for the steps' message)
-        # A sequence ring: its blocks' numbering, and how many blocks were written in all; no task grid.
-        self.rings = spec.rings
-        if spec.rings is not None:
-            self.pieces = written_pieces(spec.rings)
-            self.written = 0
+        # An order of blocks (a sequence ring's: its blocks' numbering, how many were written in all); no task grid.
+        self.blocks = next((blocks for blocks in (family.written_blocks(declared) for family, declared in self.declared)
+                            if blocks is not None), None)
+        if self.blocks is not None:
             return
         self.N = spec.num_microbatches
         self.S = spec.num_stages
@@ -93,10 +93,10 @@ class OrderState:
             if step < 0:
                 raise EvalError(f"a step is 0 or more; this one is {step}", node.step.span, state.source)
             ranks = state.spec.num_ranks
-            if state.rings is not None and step >= 2 * ranks:
-                raise EvalError(f"step {step} is past a sequence ring's last on {ranks} rank(s): its steps are "
-                                f"0..{ranks - 1} forward and {ranks}..{2 * ranks - 1} backward (every ring visits "
-                                "every rank once a pass)", node.step.span, state.source)
+            for family, declared in state.declared:
+                refusal = family.step_refusal(declared, step, ranks)
+                if refusal is not None:
+                    raise EvalError(refusal, node.step.span, state.source)
             if (step + 1) * ranks > MAX_STEP_CELLS:
                 raise EvalError(
                     f"step {step} on {ranks} rank(s) makes {step + 1:,} x {ranks} step cells, more than pipec's "
@@ -185,7 +185,8 @@ class OrderState:
         state = self
 
         def emit(env):
-            rings, ranks = state.rings, state.spec.num_ranks
+            blocks, ranks = state.blocks, state.spec.num_ranks
+            rings = blocks.spec
             q, kv = q_fn(env), kv_fn(env)
             piece = 0 if piece_fn is None else piece_fn(env)
             text = f"{kind}({q}, {kv})" if piece_fn is None else f"{kind}({q}, {kv}, {piece})"
@@ -193,9 +194,9 @@ class OrderState:
                 if not 0 <= value < rings.chunks:
                     raise EvalError(f"{text}: {what} {value} is outside 0..{rings.chunks - 1}", expr.span,
                                     state.source)
-            if not 0 <= piece < state.pieces:
+            if not 0 <= piece < blocks.pieces:
                 why = "" if rings.pieces is not None else " (one ring: one piece per chunk unless `pieces` says more)"
-                raise EvalError(f"{text}: piece {piece} is outside 0..{state.pieces - 1}{why}", node.piece.span,
+                raise EvalError(f"{text}: piece {piece} is outside 0..{blocks.pieces - 1}{why}", node.piece.span,
                                 state.source)
             holder = rings.holders[q]
             if holder != state.rank:
@@ -209,14 +210,14 @@ class OrderState:
                 raise ScheduleError(f"{text} is at step {state.step}, a forward step (0..{ranks - 1} on {ranks} "
                                     f"rank(s)): {kind} is a backward block, written at steps {ranks}..{2 * ranks - 1}"
                                     ", after every forward block", node.span, state.source)
-            state.written += 1
-            if state.written > MAX_TASKS:
+            blocks.written += 1
+            if blocks.written > MAX_TASKS:
                 raise EvalError(f"the order writes more than {MAX_TASKS:,} blocks in all (pipec's limit on tasks; "
                                 "a ring computes each visible block once forward and once backward)", node.span,
                                 state.source)
             state.check_step(node, text)
             state.last_text = text
-            state.out.append((kind, q, kv * state.pieces + piece))
+            state.out.append((kind, q, kv * blocks.pieces + piece))
 
         return emit
 
@@ -234,7 +235,7 @@ class OrderState:
 
         A sequence ring's blocks are the ring check's to count (which are visible is the mask's and the
         pieces', where each KV is when is the rings')."""
-        if self.rings is not None:
+        if self.blocks is not None:
             return
         spec = self.spec
         kinds = spec.required_kinds

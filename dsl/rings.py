@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import BOOL, INT, Fn, Resolver, Scope
+from pipec.dsl.families import Declared, Layout, register
 from pipec.dsl.limits import BYTES_PER_TASK_TEXT, MAX_CHUNKS, MAX_TASKS
 from pipec.dsl.spec import RingSpec
 from pipec.errors import EvalError, Span
@@ -356,3 +357,45 @@ def _chunks(count: int) -> str:
 def _cover(first: Span, last: Span) -> Span:
     """The span from the start of ``first`` to the end of ``last``."""
     return Span(first.file, first.line, first.col, last.end_line, last.end_col)
+
+
+@dataclass
+class RingOrder:
+    """A sequence ring's written order as the order body checks it, block by block.
+
+    Attributes:
+        spec: the evaluated declarations (chunks, holders, pieces).
+        pieces: the pieces its blocks are numbered with (``written_pieces``).
+        written: the blocks written so far, on every rank (bounded by the task limit).
+    """
+
+    spec: RingSpec
+    pieces: int
+    written: int = 0
+
+
+class _SequenceRings(Declared):
+    """Sequence rings' declarations: they lay the schedule out (a stage per chunk on its holder), and a
+    written order numbers blocks, each at a step of the two passes."""
+
+    field = "rings"
+    at_steps = True
+
+    def lays_out(self, schedule):
+        return schedule.ring_decls.ring
+
+    def layout(self, schedule, env, P, label):
+        rings = ring_spec(schedule.ring_decls, env, P, schedule.resolver, schedule.budget, label)
+        return Layout(rings, list(rings.holders), schedule.ring_decls.sequence[0].span)
+
+    def step_refusal(self, declared, step, ranks):
+        if step < 2 * ranks:
+            return None
+        return (f"step {step} is past a sequence ring's last on {ranks} rank(s): its steps are 0..{ranks - 1} "
+                f"forward and {ranks}..{2 * ranks - 1} backward (every ring visits every rank once a pass)")
+
+    def written_blocks(self, declared):
+        return RingOrder(declared, written_pieces(declared))
+
+
+register(_SequenceRings())

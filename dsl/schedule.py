@@ -26,9 +26,10 @@ from pipec.dsl.evaluate import Fn, Resolver
 from pipec.dsl.limits import (
     BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, check_int,
 )
-from pipec.dsl.rings import RingDecls, ring_spec
+from pipec.dsl.families import Declared, declared_families
+from pipec.dsl.rings import RingDecls
 from pipec.dsl.spec import GreedyPolicy, ScheduleSpec, TaskKinds
-from pipec.dsl.weights import WeightDecls, home_pipelines, weight_spec
+from pipec.dsl.weights import WeightDecls, home_pipelines
 from pipec.errors import EvalError, RequireError, ScheduleError, Span, UsageError
 
 if TYPE_CHECKING:
@@ -168,8 +169,9 @@ class ResolvedSchedule:
             else:
                 env[slot] = fn(env)
 
-        if self.ring_decls.ring:
-            return self._evaluate_ring(env, values)
+        laying_out = next((family for family in declared_families() if family.lays_out(self)), None)
+        if laying_out is not None:  # a sequence ring: its declarations lay it out
+            return self._evaluate_laid_out(env, values, laying_out)
         P = values[self.ranks_param]
         N = values[self.microbatches_param]
         S = self._positive(self.stages.fn(env), "the number of stages", self.stages.node)
@@ -206,8 +208,8 @@ class ResolvedSchedule:
             recomputed=recomputed,
             weight_versions=self._weight_versions(env),
         )
-        if self.weight_decls.weights is not None:  # before the order: its steps are recorded for it
-            spec.weights = weight_spec(self.weight_decls, env, P, S, self.resolver, self.budget)
+        for family in declared_families():  # before the order (weight passing's steps are recorded for it)
+            family.evaluate(self, env, spec)
         if self.explicit is not None:
             spec.order_span = self.explicit[0].span
             spec.order = self._run_explicit(env, spec)
@@ -219,14 +221,14 @@ class ResolvedSchedule:
             spec.policy = self._policy(env, spec)
         return spec
 
-    def _evaluate_ring(self, env: list, values: dict) -> ScheduleSpec:
-        """A sequence ring: its ``RingSpec``, one pipeline of one stage per chunk (a query chunk) on the
-        chunk's holder, one microbatch unless a ``microbatches`` parameter says otherwise, and its written
-        order with each block's step (``order``, ``task_steps``) or none (the compiler derives it)."""
+    def _evaluate_laid_out(self, env: list, values: dict, family: Declared) -> ScheduleSpec:
+        """A schedule its family's declarations lay out (a sequence ring: its ``RingSpec``, one stage per
+        chunk, a query chunk, on the chunk's holder): one pipeline, one microbatch unless a ``microbatches``
+        parameter says otherwise, and its written order with each block's step (``order``,
+        ``task_steps``) or none (the compiler derives it)."""
         P = values[self.ranks_param]
         N = values[self.microbatches_param] if self.microbatches_param else 1
-        rings = ring_spec(self.ring_decls, env, P, self.resolver, self.budget,
-                          f"{self.name} at {_format_values(values)}")
+        layout = family.layout(self, env, P, f"{self.name} at {_format_values(values)}")
         spec = ScheduleSpec(
             name=self.name,
             path=self.path,
@@ -234,20 +236,20 @@ class ResolvedSchedule:
             params=values,
             num_ranks=P,
             num_microbatches=N,
-            num_stages=rings.chunks,
+            num_stages=len(layout.placement),
             num_pipelines=1,
             mb_pipeline=[0] * N,
-            placement=[list(rings.holders)],
+            placement=[list(layout.placement)],
             devices=self._devices(env, P),
             split_backward=False,
             tasks=self.tasks,
         )
-        spec.rings = rings
+        family.keep(spec, layout.declared)
         if self.explicit is not None:
             spec.order_span = self.explicit[0].span
             spec.order = self._run_explicit(env, spec)
         else:
-            spec.order_span = self.ring_decls.sequence[0].span  # the order is derived from it
+            spec.order_span = layout.derived_order  # the order is derived from it
         return spec
 
     def _check_size(self, values: dict, S: int, pipelines: int, recomputed: int = 0) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import INT, Fn, Resolver, Scope
+from pipec.dsl.families import Declared, register
 from pipec.dsl.limits import MAX_STEP_CELLS
 from pipec.dsl.spec import WeightSpec
 from pipec.errors import EvalError
@@ -278,3 +279,19 @@ def _count(decls: WeightDecls, env: list, what: str, minimum: int, source: str) 
 
 # A count not declared: no prefetch; no bound on the buffers.
 _DEFAULT_COUNT = {"prefetch": 0, "buffers": None}
+
+
+class _WeightPassing(Declared):
+    """Weight passing's declarations: a ``WeightSpec`` beside the layout, its order's tasks at steps."""
+
+    field = "weights"
+    at_steps = True
+
+    def evaluate(self, schedule, env, spec):
+        decls = schedule.weight_decls
+        if decls.weights is not None:  # before the order: its steps are recorded for it
+            spec.weights = weight_spec(decls, env, spec.num_ranks, spec.num_stages, schedule.resolver,
+                                       schedule.budget)
+
+
+register(_WeightPassing())

@@ -1,56 +1,26 @@
 """Blockwise attention: the arithmetic ring attention, zigzag and TASP run on every rank.
 
 Context parallelism cuts a sequence into chunks; attention then needs every
-query chunk to meet every key/value chunk, one block (q chunk, kv chunk) at a
-time, on whichever rank holds both at that moment. This module is the exact
-arithmetic of one block and of combining blocks, with the kernels torch
-already has (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
-backward on CPU; the same entry points the CUDA flash kernel offers):
+query chunk to meet every key/value chunk, one block at a time, on whichever
+rank holds both at that moment. This module is the exact arithmetic of one
+block and of combining blocks, so that a ring's blocks give the whole
+attention's result whatever order they meet in: for blocks of whole chunks
+``block_kind``, ``block_forward``, ``merge`` (a stable form) and
+``block_backward`` (from the queries' *global* output and log-sum-exp); for
+the pieces ``runtime/rings.py`` cuts KV into, their counterparts by global
+positions (``block_segments``, ``block_forward_at``, ``merge_rows``,
+``block_backward_at``). ``chunked_attention`` and ``pieced_attention``
+compute a whole attention so on one process: the reference every ring
+schedule is held to.
 
-* ``block_kind``: under a causal mask, a block of equal chunks is whole
-  (kv chunk before the q chunk), diagonal (the same chunk: causal inside) or
-  skipped (kv chunk after it); without a mask every block is whole.
-* ``block_forward``: a block's output and the log-sum-exp of its rows.
-* ``merge``: two partial results of the same queries into one, in the stable
-  form ``out - sigmoid(lse_b - lse) * (out - out_b)`` and
-  ``lse - logsigmoid(lse - lse_b)`` (the naive ``exp`` form overflows: a
-  reported bug of the public code), computed in fp32 at least.
-* ``block_backward``: a block's dQ, dK, dV from the *global* output and
-  log-sum-exp of its queries (what the forward merged over every block), so
-  that the blocks' gradients sum to the whole attention's exactly.
-* ``chunked_attention``: a whole attention computed block by block on one
-  process, forward and backward, for any placement of chunks: the reference
-  every ring schedule is held to, and a check of the arithmetic itself against
-  ``torch.nn.functional.scaled_dot_product_attention``.
-
-The ring runtime (``runtime/rings.py``) cuts each chunk's keys and values
-into pieces, and a block of one piece against a query chunk is in general none
-of the three chunk-level kinds. The position-based helpers place a block by
-the global positions of its first query and first key instead:
-
-* ``block_segments``: the rectangles a block's visible part splits into,
-  rows that see nothing left out, each rectangle whole or a top-left causal
-  square (``is_causal=True``);
-* ``block_forward_at``: the block's (out, lse) over the rows that see some
-  key (None when none does), its segments merged;
-* ``empty_result`` and ``merge_rows``: a query chunk's running result, whose
-  rows no block has reached yet hold out 0 and lse -inf, and a block's rows
-  folded into it without producing -inf - -inf;
-* ``block_backward_at``: the block's dq, dk, dv from the queries' global
-  output and log-sum-exp, zero where the mask hides everything;
-* ``pieced_attention``: a whole attention computed block by block with every
-  key chunk cut into pieces (``chunked_attention``'s counterpart for TASP).
-
-On the CPU the kernels are torch's flash-attention entry points; on a CUDA
-device, for the inputs its flash kernel takes (fp16 or bf16, a head dim that
-is a multiple of 8 up to 256), torch's CUDA flash kernel and its backward
-(``_cuda_flash``: no GPU was lent to this project's checks, so this path is
-proven by its arguments, not its numbers); elsewhere (fp32 or fp64 on a GPU)
-the same arithmetic with matmuls (``_math_forward``, ``_math_backward``), in
-the accumulating dtype.
-
-Tensors are laid out as torch's attention takes them: (batch, heads, length,
-head dim); a log-sum-exp is (batch, heads, length).
+The kernels are torch's: its flash-attention entry points on the CPU
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), its
+CUDA flash kernel for the inputs that kernel takes (``_cuda_flash``: no GPU
+was lent to this project's checks, so this path is proven by its arguments,
+not its numbers), and elsewhere (fp32 or fp64 on a GPU) the same arithmetic
+with matmuls (``_math_forward``, ``_math_backward``) in the accumulating
+dtype. Tensors are laid out as torch's attention takes them: (batch, heads,
+length, head dim); a log-sum-exp is (batch, heads, length).
 """
 from __future__ import annotations
 
@@ -68,13 +38,17 @@ _cuda_backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_backw
 
 
 def block_kind(q_chunk: int, kv_chunk: int, causal: bool) -> str:
-    """How a block of equal-length chunks (global positions ``q_chunk``, ``kv_chunk``) is masked."""
+    """How a block of equal-length chunks (global positions ``q_chunk``, ``kv_chunk``) is masked.
+
+    Under a causal mask a block is whole (kv chunk before the q chunk), diagonal (the same chunk:
+    causal inside) or skipped (kv chunk after it); without a mask every block is whole.
+    """
     if not causal or kv_chunk < q_chunk:
         return WHOLE
     return DIAGONAL if kv_chunk == q_chunk else SKIPPED
 
 
-def _accumulating(dtype: torch.dtype) -> torch.dtype:
+def accumulating_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results are merged in: fp32, or the inputs' when wider (float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -98,7 +72,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
     if kind == SKIPPED:
         raise ValueError("a skipped block is masked out entirely; it has no output")
     out, lse = _forward_kernel(q, k, v, 0.0, kind == DIAGONAL, scale=scale)
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     return out.to(wide), lse.to(wide)
 
 
@@ -106,7 +80,10 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tenso
           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold a block's (out_b, lse_b) into the running (out, lse) of the same queries (stable form).
 
-    With ``out`` None the block's result is the running result.
+    With ``out`` None the block's result is the running result. The stable form is
+    ``out - sigmoid(lse_b - lse) * (out - out_b)`` and ``lse - logsigmoid(lse - lse_b)``: the naive
+    ``exp`` form overflows (a reported bug of the public code). It is computed in the dtype of its
+    inputs, the accumulating one (fp32 at least) the block functions return.
     """
     if out is None:
         return out_b, lse_b
@@ -118,6 +95,9 @@ def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                    lse: torch.Tensor, kind: str, scale: float | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's (dq, dk, dv), given the queries' global output and log-sum-exp.
+
+    The global (out, lse), what the forward merged over every block, makes the blocks'
+    gradients sum to the whole attention's exactly.
 
     Args:
         grad_out: (B, H, Lq, D) the gradient of the queries' global output.
@@ -133,7 +113,7 @@ def block_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dtype = q.dtype
     dq, dk, dv = _backward_kernel(grad_out.to(dtype), q, k, v, out.to(dtype), lse.to(_lse_dtype(dtype)), 0.0,
                                   kind == DIAGONAL, scale=scale)
-    wide = _accumulating(dtype)
+    wide = accumulating_dtype(dtype)
     return dq.to(wide), dk.to(wide), dv.to(wide)
 
 
@@ -149,6 +129,9 @@ class ChunkedResult(NamedTuple):
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, chunks: int,
                       causal: bool, order: Sequence[int] | None = None) -> ChunkedResult:
     """Attention of the whole sequence computed in ``chunks`` equal chunks, block by block, forward and backward.
+
+    For any placement of chunks: the reference every ring schedule is held to, and a check of the
+    arithmetic itself against ``torch.nn.functional.scaled_dot_product_attention``.
 
     Args:
         q, k, v: (B, H, L, D), L a multiple of ``chunks``.
@@ -298,7 +281,7 @@ def _segment_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     if not _on_cpu(q):
         return _math_forward(q, k, v, causal, scale)
     out, lse = _forward_kernel(q, k, v, 0.0, causal, scale=scale)
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     return out.to(wide), lse.to(wide)
 
 
@@ -310,13 +293,13 @@ def _segment_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float | 
     dtype = q.dtype
     dq, dk, dv = _backward_kernel(grad_out.to(dtype), q, k, v, out.to(dtype), lse.to(_lse_dtype(dtype)), 0.0,
                                   causal, scale=scale)
-    wide = _accumulating(dtype)
+    wide = accumulating_dtype(dtype)
     return dq.to(wide), dk.to(wide), dv.to(wide)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
     """Scaled scores q k^T in the accumulating dtype, -inf above the top-left diagonal under ``causal``."""
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * scale
     if causal:
@@ -382,7 +365,7 @@ def block_forward_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
 
 def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A query chunk's running (out, lse) before any block: out 0 and lse -inf, in the accumulating dtype."""
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     return (torch.zeros(q.shape, dtype=wide, device=q.device),
             torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device))
 
@@ -414,7 +397,7 @@ def block_backward_at(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     Returns:
         dq (Lq rows), dk and dv (Lk rows) in the accumulating dtype; zero where the mask hides everything.
     """
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=wide, device=q.device)
     dk = torch.zeros(k.shape, dtype=wide, device=k.device)
     dv = torch.zeros(v.shape, dtype=wide, device=v.device)
@@ -456,7 +439,7 @@ def pieced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out
             if block is not None:
                 merge_rows(out, lse, block)
         results.append((out, lse))
-    wide = _accumulating(q.dtype)
+    wide = accumulating_dtype(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=wide) for t in (q, k, v))
     for (q0, q1), (out, lse) in zip(spans, results):
         for j in order:
@@ -477,6 +460,6 @@ def chunk_cuts(length: int, chunks: int, pieces: int = 1) -> list[int]:
     return [i * size for i in range(chunks * pieces + 1)]
 
 
-__all__ = ["DIAGONAL", "SKIPPED", "WHOLE", "BlockOutput", "ChunkedResult", "Segment", "block_backward",
+__all__ = ["DIAGONAL", "SKIPPED", "WHOLE", "BlockOutput", "ChunkedResult", "Segment", "accumulating_dtype", "block_backward",
            "block_backward_at", "block_forward", "block_forward_at", "block_kind", "block_segments", "chunk_cuts",
            "chunked_attention", "empty_result", "merge", "merge_rows", "pieced_attention", "zigzag_chunks"]

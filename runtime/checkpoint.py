@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from pipec.errors import UsageError
+from pipec.runtime.family import runtime_family
 
 FORMAT = "pipec checkpoint"
 VERSION = 1
@@ -228,55 +229,30 @@ def parameter_names(modules: Iterable[nn.Module]) -> dict[int, str]:
 
 
 def rank_part(context, stages: dict) -> dict:
-    """What this rank contributes to a checkpoint of an activation- or weight-passing run (CPU copies).
+    """What this rank contributes to a checkpoint of a run of interpreter steps (CPU copies).
 
     Returns:
-        {"model": ..., "optimizer": ...}: for activation passing, the state_dicts
+        {"model": ..., "optimizer": ...}, as the program's family keeps them
+        (``RuntimeFamily.checkpoint_part``): for activation passing the state_dicts
         of its chunks and the named state of its optimizer; under weight passing
-        ``weights.owned_state`` and ``weights.owned_optimizer_state``.
+        the owned layers' (or shards') state.
     """
-    from pipec.runtime import weights
-
-    if context.weights is not None:
-        return {"model": weights.owned_state(context.weights),
-                "optimizer": weights.owned_optimizer_state(context.weights, context.optimizer)}
-    model = {}
-    for module in {id(m): m for m in stages.values()}.values():
-        for name, tensor in module.state_dict().items():
-            model[name] = tensor.detach().cpu()
-    return {"model": model,
-            "optimizer": named_optimizer_state(context.optimizer, parameter_names(stages.values()))}
+    return runtime_family(context.program).checkpoint_part(context, stages)
 
 
 def merged_parts(context, parts: list[dict]) -> tuple[dict, dict]:
     """The whole model's state_dict and the named optimizer state from every rank's ``rank_part`` (rank order).
 
-    A replicated chunk's copies are equal (their gradients were all-reduced):
-    the first is kept. Under weight passing each layer comes from its owner,
-    or is joined from the shards.
+    The family merges them (``RuntimeFamily.merged_parts``): a replicated chunk's
+    copies are equal (their gradients were all-reduced), the first is kept; under
+    weight passing each layer comes from its owner, or is joined from the shards.
     """
-    from pipec.runtime import weights
-
-    if context.weights is not None:
-        model = weights.merged_state(context.weights, [part["model"] for part in parts])
-        return model, weights.merged_optimizer_state(context.weights, [part["optimizer"] for part in parts])
-    model, optimizer = {}, {}
-    for part in parts:
-        for name, tensor in part["model"].items():
-            model.setdefault(name, tensor)
-        for name, state in part["optimizer"].items():
-            optimizer.setdefault(name, state)
-    return model, optimizer
+    return runtime_family(context.program).merged_parts(context, parts)
 
 
 def restore_optimizer(context, stages: dict, saved: dict) -> None:
     """Give this rank's optimizer the checkpoint's state of the parameters (or shards) it steps."""
-    from pipec.runtime import weights
-
-    if context.weights is not None:
-        weights.restore_optimizer_state(context.weights, context.optimizer, saved)
-    else:
-        load_optimizer_state(context.optimizer, parameter_names(stages.values()), saved)
+    runtime_family(context.program).restore_optimizer(context, stages, saved)
 
 
 def check_resumable(checkpoint: Checkpoint, steps: int, seed: int | None, source: str) -> int:

@@ -24,26 +24,21 @@ import torch
 import torch.distributed as dist
 
 from pipec.runtime import comm
+from pipec.runtime.family import runtime_family
 
 # torch.nn.utils.clip_grad_norm_'s guard against a zero norm.
 EPSILON = 1e-6
 
 
 def counted_gradients(context) -> list[torch.Tensor]:
-    """The flat gradient buffers this rank counts in the global norm (see the module docstring)."""
-    if context.weights is not None:
-        return list(context.weights.grads.values())
-    first_holder: dict[int, int] = {}
-    for info in context.program.stages:
-        first_holder[info.position] = min(first_holder.get(info.position, info.rank), info.rank)
-    return [flat for chunk, flat in context.flat_grads.items() if first_holder[chunk] == context.rank]
+    """The flat gradient buffers this rank counts in the global norm (see the module docstring), as the
+    program's family says (``RuntimeFamily.counted_gradients``)."""
+    return runtime_family(context.program).counted_gradients(context)
 
 
 def all_gradients(context) -> list[torch.Tensor]:
     """Every flat gradient buffer of this rank (every one is scaled)."""
-    if context.weights is not None:
-        return list(context.weights.grads.values())
-    return list(context.flat_grads.values())
+    return runtime_family(context.program).all_gradients(context)
 
 
 def clip_gradients(context, max_norm: float, site: comm.Site) -> float:

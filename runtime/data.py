@@ -22,15 +22,8 @@ A model spec has exactly one data source (``ModelSpec.data_source``):
 What a rank needs comes from its program (``data_needs``): the inputs of the
 microbatches its first stages run forward, the targets of those its last
 stages run forward. ``BatchSource.batch(step)`` leaves every other entry None.
-
-Determinism and the data position. Every rank computes the same rows for the
-same step without communicating: the rows of step k are a pure function of k
-and of the position the source started from, ``(step s0, stream row r0)``
-(``(0, 0)`` for a new run): for a dataset, step k's first stream position is
-``r0 + (k - s0) * N * R``; the function sources depend on k alone.
-``state_after(k)`` says where the stream stands after k steps and
-``restore(state)`` makes a new source continue from there exactly, which is
-what a checkpoint saves and a resume loads.
+``BatchSource``'s docstring says why every rank draws the same rows without
+communicating, and how a checkpoint saves and restores the data position.
 """
 from __future__ import annotations
 
@@ -43,6 +36,7 @@ from torch.utils.data import IterableDataset
 from pipec.compiler import ops
 from pipec.compiler.ir import Program, stage_tables
 from pipec.errors import UsageError
+from pipec.runtime.family import runtime_family
 from pipec.runtime.model import ModelSpec, call_spec_function, spec_label, split_microbatches, stream_seed
 
 # Streams of the data order, apart from the parameters' and the synthetic
@@ -72,7 +66,7 @@ class Needs(NamedTuple):
 def batch_microbatches(program: Program) -> int:
     """The microbatch count N of the batches ``program`` trains on: its own, or 1 for a sequence ring
     (one whole batch a step, cut along the sequence instead)."""
-    return 1 if program.rings is not None else program.num_microbatches
+    return 1 if runtime_family(program).reads_whole_batch else program.num_microbatches
 
 
 def data_needs(program: Program, rank: int) -> Needs:
@@ -90,7 +84,7 @@ def data_needs(program: Program, rank: int) -> Needs:
     Returns:
         ``Needs(inputs, targets)``, sets of microbatch indices.
     """
-    if program.rings is not None:
+    if runtime_family(program).reads_whole_batch:
         whole = frozenset({0})
         return Needs(whole, whole)
     tables = stage_tables(program)
@@ -107,6 +101,15 @@ def data_needs(program: Program, rank: int) -> Needs:
 
 class BatchSource:
     """The batches of a training run, drawn from a model spec's data source (see the module docstring).
+
+    Determinism and the data position. Every rank computes the same rows for the
+    same step without communicating: the rows of step k are a pure function of k
+    and of the position the source started from, ``(step s0, stream row r0)``
+    (``(0, 0)`` for a new run): for a dataset, step k's first stream position is
+    ``r0 + (k - s0) * N * R``; the function sources depend on k alone.
+    ``state_after(k)`` says where the stream stands after k steps and
+    ``restore(state)`` makes a new source continue from there exactly, which is
+    what a checkpoint saves and a resume loads.
 
     Args:
         spec: the model spec.

@@ -2,41 +2,16 @@
 
 ``make_context`` prepares what a rank keeps across training steps (its stages'
 modules, flat gradient buffers, the optimizer, the replica subgroups);
-``run_step`` walks the rank's instruction list once, through ``HANDLERS``, and
+``run_step`` walks the rank's instruction list once, through its family's table, and
 ends with the optimizer step.
 
-Dataflow inside a step. Every tensor that crosses a stage boundary is named by
-``(kind, producer stage, microbatch)`` (``compiler.ir.tensor_of``), coded as one
-int; a send or receive finds its kind and producer in its op's rule
-(``ops.PART_RULES``). A producer puts its output in ``produced`` under that
-key; the consumer takes it from there when producer and consumer share the
-rank (a local hand-off, no message), or a SEND takes it and ships it. A RECV
-posts its receive into a fresh buffer of the activation's shape and files it
-in ``pending`` under the same key; the compute that reads it waits for it then
-(receives are posted early, waited at first use). What crosses a boundary is a
-payload (``runtime/payload.py``: a tensor, or a tuple or dict of tensors, of
-the boundary's ``Layout``); each boundary's ``Wire`` packs it into the one
-tensor a message carries, and its gradients likewise.
-
-Autograd. Each stage is its own graph: a stage's input leaves that carry a
-gradient are autograd leaves (the received or handed-off tensors, detached),
-so B or I yields the gradients to send back as those leaves' gradients. The
-last stage of a pipeline turns logits into ``loss_fn / N`` right after its
-forward, so microbatch gradients sum to the one-process gradient of the mean
-loss. Forwards run in the run's precision
-(``runtime/precision.py``: autocast under ``--dtype bf16``; parameters,
-gradients and their reductions stay fp32). I computes the input gradient and
-records the gradients where the paths to the parameters branch off; W later
-computes the parameters' gradients from those alone (``split_backward``), so
-I + W does the work of one B. Weight gradients accumulate into ``.grad``,
-which for every parameter is a view into its chunk's flat buffer, so a
-replicated chunk's all-reduce is one call on one tensor, and zeroing is one fill.
-
-Weight passing (``Program.weights`` set) keeps this loop and this step state;
-``runtime.weights`` supplies its F, B, I and W (run on the weights the program
-delivered, activations never leaving the rank), the EXCHANGE, EXCHANGE_WAIT
-and FREE_W handlers, and what happens after the list (gradients to the
-owners' masters) before the optimizer step.
+Activation passing's runtime: the handlers of its ops (``HANDLERS``) and its
+family hooks (``ActivationPassing``, the default ``runtime/family.py`` family);
+the loop itself is ``family.run_instructions``, shared with every family.
+Weight passing (``runtime/weights.py``) keeps this loop, this context and this
+step state, with its own computes, exchanges and frees in its table and its
+hooks before and after the list. How values flow inside a step and how
+autograd is split per stage: ``_Step``'s docstring.
 """
 from __future__ import annotations
 
@@ -68,7 +43,10 @@ from pipec.compiler.ir import (
 )
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.compiler.versions import version_plan
-from pipec.runtime import clipping, comm, payload, rings, split_backward, weights
+from pipec.runtime import clipping, comm, payload, split_backward
+from pipec.runtime.checkpoint import load_optimizer_state, named_optimizer_state, parameter_names
+from pipec.runtime.family import (RuntimeFamily, load_families, refusal_outside, register, run_instructions,
+                                  runtime_family)
 from pipec.runtime.stash import WeightStash
 from pipec.runtime.flat import bind_flat_grads
 from pipec.runtime.precision import FP32, Precision
@@ -107,14 +85,18 @@ class RankContext:
         timeout: longest wait of one instruction, in seconds.
         wait: the backend's wait function (``comm.wait_rule``).
         blocking: whether ``wait`` blocks the CPU (else the step settles at its end).
-        handlers: op -> handler; ``HANDLERS`` plus anything a test adds.
+        handlers: op -> handler: the family's table (``HANDLERS`` for activation passing) plus
+            anything a test or ``--inject`` adds.
         synchronize: called after every instruction when the trace must show
             device time (CUDA), else None.
         prev, next: per stage id, its neighbour along its pipeline or -1.
         producer: per communication op, stage id -> the producer stage of the
             tensor it carries (the stage its rule's ``where`` names).
         iteration: the current training step, counted from 1 (for messages).
-        weights: for a weight-passing program, its ``weights.WeightContext``; else None.
+        family: the program's runtime family (``runtime/family.py``): what its hooks say of
+            training, clipping and checkpoints.
+        weights: the extra per-rank state the family keeps (weight passing's
+            ``weights.WeightContext``); None when it keeps none.
         clip_grad_norm: clip the gradients by their global norm over every
             rank to this before each optimizer step (``runtime/clipping.py``); None: no clipping.
         grad_norm: under clipping, the global gradient norm of the last step (before clipping).
@@ -143,20 +125,19 @@ class RankContext:
     prev: list[int]
     next: list[int]
     producer: dict[str, list[int]]
+    family: RuntimeFamily
     iteration: int = 0
-    weights: weights.WeightContext | None = None
+    weights: object = None
     clip_grad_norm: float | None = None
     grad_norm: float | None = None
     stash: WeightStash | None = None
 
     def wire_of(self, kind: int, producer: int) -> payload.Wire | None:
         """The wire of the value (kind, producer stage, ·): an activation leaves its producer's chunk, a
-        gradient goes back across the boundary before its producer's chunk. None under weight passing
-        (no activation leaves its rank)."""
-        if self.weights is not None:
-            return None
+        gradient goes back across the boundary before its producer's chunk. None when the boundary has no
+        wire (weight passing: no activation leaves its rank)."""
         position = self.program.stages[producer].position
-        return self.wires[position if kind == ACT else position - 1]
+        return self.wires.get(position if kind == ACT else position - 1)
 
 
 def make_context(
@@ -209,86 +190,63 @@ def make_context(
         ProgramError: an instruction with no handler, or one of the other family.
     """
     row = list(program.ranks[rank])
-    _check_handlers(program, rank, row)
+    family = runtime_family(program)
+    _check_handlers(program, rank, row, family)
     device = torch.device(device)
-    trained = _trained(program, rank, stages, device, groups)
+    trained = family.trained(program, rank, stages, device, groups)
     tables = stage_tables(program)
     wait, blocking = comm.wait_rule(backend)
-    wires = _rank_wires(program, activation_shape, layouts, dtype, device, precision)
+    wires = _rank_wires(program, family, activation_shape, layouts, dtype, device, precision)
     return RankContext(
         program=program, rank=rank, row=row, stages=stages, loss_fn=loss_fn,
         optimizer=make_optimizer(trained.parameters) if trained.parameters else None,
         flat_grads=trained.flat_grads,
         stage_params={stage: _trainable(module) for stage, module in stages.items()},
         replicas=trained.replicas, wires=wires, device=device, precision=precision, timeout=timeout,
-        wait=wait, blocking=blocking, handlers=_rank_handlers(program), synchronize=synchronize,
+        wait=wait, blocking=blocking, handlers=dict(family.handlers), synchronize=synchronize,
         prev=tables.prev, next=tables.next,
-        producer={op: tables.neighbour(rule.where) for op, rule in PART_RULES.items()},
-        weights=trained.weights, clip_grad_norm=clip_grad_norm, stash=_stash(program, stages),
+        producer={op: tables.neighbour(rule.where) for op, rule in PART_RULES.items()}, family=family,
+        weights=trained.weights, clip_grad_norm=clip_grad_norm, stash=family.stash(program, stages),
     )
 
 
-class _Trained(NamedTuple):
-    """What a rank trains and how its gradients meet (``_trained``).
+class Trained(NamedTuple):
+    """What a rank trains and how its gradients meet (a family's ``trained`` hook).
 
     Attributes:
-        flat_grads: chunk -> the flat gradient buffer its parameters' ``.grad`` view.
+        flat_grads: chunk (or layer) -> the flat gradient buffer its parameters' ``.grad`` view.
         parameters: the parameters this rank's optimizer steps.
         replicas: the replica subgroups this rank is in (empty under weight passing).
-        weights: a weight-passing program's ``weights.WeightContext``; else None.
+        weights: the extra per-rank state the family keeps (``RankContext.weights``), or None.
     """
 
     flat_grads: dict[int, torch.Tensor]
     parameters: list[torch.Tensor]
     replicas: dict[int, comm.ReplicaGroup]
-    weights: weights.WeightContext | None
+    weights: object = None
 
 
-def _trained(program: Program, rank: int, stages: dict[int, nn.Module], device: torch.device,
-             groups: dict[int, comm.ReplicaGroup] | None) -> _Trained:
-    """Bind this rank's gradients to flat buffers and find the parameters it steps; collective (the
-    weight context's communicators, or the replica subgroups, are made here when ``groups`` is None).
-
-    Under weight passing every layer is here but only the masters this rank keeps (the owned
-    layers', or its shards) have gradients; otherwise each chunk's module (replicas share one) gets
-    its flat buffer.
-    """
-    if program.weights is not None:  # weight passing: every layer here, masters only where owned
-        context = weights.make_weight_context(program, rank, stages, device, groups)
-        return _Trained(context.grads, context.parameters(), {}, context)
+def _stage_trained(program: Program, rank: int, stages: dict[int, nn.Module],
+                   groups: dict[int, comm.ReplicaGroup] | None) -> Trained:
+    """Activation passing's ``Trained``: each chunk's module (replicas share one) gets its flat buffer;
+    collective (the replica subgroups are made here when ``groups`` is None)."""
     chunk_modules: dict[int, nn.Module] = {}
     for stage, module in stages.items():
         chunk_modules.setdefault(program.stages[stage].position, module)
     flat_grads = {chunk: bind_flat_grads(_trainable(module)) for chunk, module in chunk_modules.items()}
     parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
     replicas = groups if groups is not None else comm.replica_groups(program, rank)
-    return _Trained(flat_grads, parameters, replicas, None)
+    return Trained(flat_grads, parameters, replicas)
 
 
-def _rank_handlers(program: Program) -> dict[str, Callable]:
-    """Op -> handler for a rank of ``program``: ``HANDLERS``, with weight passing's compute handlers in its programs."""
-    handlers = dict(HANDLERS)
-    if program.weights is not None:
-        handlers.update(weights.COMPUTE_HANDLERS)
-    return handlers
-
-
-def _rank_wires(program: Program, activation_shape: Sequence[int], layouts, dtype: torch.dtype,
-                device: torch.device, precision: Precision) -> dict[int, payload.Wire]:
+def _rank_wires(program: Program, family: RuntimeFamily, activation_shape: Sequence[int], layouts,
+                dtype: torch.dtype, device: torch.device, precision: Precision) -> dict[int, payload.Wire]:
     """Chunk position -> the wire of what it hands the next chunk (``_wires``): from ``layouts``, or one tensor
-    of ``activation_shape`` and ``dtype`` when it is None; none under weight passing."""
-    if program.weights is not None:
+    of ``activation_shape`` and ``dtype`` when it is None; none in a family whose activations stay home."""
+    if not family.passes_activations:
         return {}
     return _wires(program, payload.tensor_layout(activation_shape, dtype) if layouts is None else layouts,
                   device, precision)
-
-
-def _stash(program: Program, stages: dict[int, nn.Module]) -> WeightStash | None:
-    """The weight versions of a program with updates in its order; None for any other program."""
-    if program.weights is not None or program.rings is not None:
-        return None
-    plan = version_plan(program)
-    return None if plan is None else WeightStash(program, plan, stages)
 
 
 def _wires(program: Program, layouts, device: torch.device, precision: Precision) -> dict[int, payload.Wire]:
@@ -301,14 +259,13 @@ def _wires(program: Program, layouts, device: torch.device, precision: Precision
     return {c: payload.Wire(layouts[c], device, precision.wire_dtype) for c in boundaries}
 
 
-def _check_handlers(program: Program, rank: int, row: list[Action]) -> None:
-    """Every instruction has a handler, and those of weight passing appear only in a weight-passing program."""
+def _check_handlers(program: Program, rank: int, row: list[Action], family: RuntimeFamily) -> None:
+    """Every instruction has a handler in the family's table; an op of another family's says why not
+    (``family.refusal_outside``), any other that the runtime has none."""
     for index, action in enumerate(row):
-        if action.op not in HANDLERS:
-            raise ProgramError(f"the runtime has no handler for '{action.op}'", rank, index, program.grid())
-        if program.weights is None and action.op in ops.WEIGHT_OPS:
-            raise ProgramError(f"'{action.op}' moves weights, but the program has no weight plan (owners, "
-                               "routes): it is not a weight-passing program", rank, index, program.grid())
+        if action.op not in family.handlers:
+            why = refusal_outside(action.op, family)
+            raise ProgramError(why or f"the runtime has no handler for '{action.op}'", rank, index, program.grid())
 
 
 def stage_modules(program: Program, rank: int, build: Callable[[int], nn.Module]) -> dict[int, nn.Module]:
@@ -340,7 +297,34 @@ def _trainable(module: nn.Module) -> list[torch.Tensor]:
 
 @dataclass
 class _Step:
-    """The state of one training step on one rank (see the module docstring).
+    """The state of one training step on one rank.
+
+    Dataflow inside a step. Every tensor that crosses a stage boundary is named by
+    ``(kind, producer stage, microbatch)`` (``compiler.ir.tensor_of``), coded as one
+    int; a send or receive finds its kind and producer in its op's rule
+    (``ops.PART_RULES``). A producer puts its output in ``produced`` under that
+    key; the consumer takes it from there when producer and consumer share the
+    rank (a local hand-off, no message), or a SEND takes it and ships it. A RECV
+    posts its receive into a fresh buffer of the activation's shape and files it
+    in ``pending`` under the same key; the compute that reads it waits for it then
+    (receives are posted early, waited at first use). What crosses a boundary is a
+    payload (``runtime/payload.py``: a tensor, or a tuple or dict of tensors, of
+    the boundary's ``Layout``); each boundary's ``Wire`` packs it into the one
+    tensor a message carries, and its gradients likewise.
+
+    Autograd. Each stage is its own graph: a stage's input leaves that carry a
+    gradient are autograd leaves (the received or handed-off tensors, detached),
+    so B or I yields the gradients to send back as those leaves' gradients. The
+    last stage of a pipeline turns logits into ``loss_fn / N`` right after its
+    forward, so microbatch gradients sum to the one-process gradient of the mean
+    loss. Forwards run in the run's precision
+    (``runtime/precision.py``: autocast under ``--dtype bf16``; parameters,
+    gradients and their reductions stay fp32). I computes the input gradient and
+    records the gradients where the paths to the parameters branch off; W later
+    computes the parameters' gradients from those alone (``split_backward``), so
+    I + W does the work of one B. Weight gradients accumulate into ``.grad``,
+    which for every parameter is a view into its chunk's flat buffer, so a
+    replicated chunk's all-reduce is one call on one tensor, and zeroing is one fill.
 
     Attributes:
         ctx: the rank's context.
@@ -358,7 +342,8 @@ class _Step:
             (NCCL): their deadline is checked when the step ends.
         waited: seconds spent waiting for messages so far in this step.
         loss: sum of this rank's scaled microbatch losses, or None.
-        weights: under weight passing, the step's ``weights.WeightStep``; else None.
+        weights: the family's state of this step (weight passing's ``weights.WeightStep``,
+            set by its ``start_step``); else None.
     """
 
     ctx: RankContext
@@ -374,7 +359,11 @@ class _Step:
     streamed: list = field(default_factory=list)
     waited: float = 0.0
     loss: torch.Tensor | None = None
-    weights: weights.WeightStep | None = None
+    weights: object = None
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
 
     def key(self, kind: int, producer: int, mb: int) -> int:
         return (producer * self.num_microbatches + mb) * _NUM_KINDS + kind
@@ -638,10 +627,8 @@ def _allreduce_wait(step: _Step, action: Action, index: int) -> None:
         step.wait(works, step.site(index, text, replicas.peers))
 
 
-# The dispatch table: one handler per op, each (step, action, index) -> None.
-# A weight-passing program's F, B, I and W are ``weights.COMPUTE_HANDLERS``
-# (``make_context`` puts them in its context's table), and an EXCHANGE posts
-# its parts through ``weights.PART_POSTERS``.
+# The dispatch table of activation passing: one handler per op, each (step, action, index) -> None.
+# Weight passing's table (``runtime/weights.py``) is this one with its own computes and exchanges.
 HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     F: _forward,
     B: _backward,
@@ -658,13 +645,7 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     ops.FC: _checkpointed_forward,
     ops.R: _recompute,
     ops.U: _update,
-    **weights.HANDLERS,
 }
-# Ops the interpreter names as not runnable yet, with why; ``pipec run`` and the worker refuse their programs.
-NOT_RUNNABLE = {ops.GATHER: "a sub-step of a stage placed on a group of ranks (ir.groups_refusal)"}
-# Sequence rings run through ``runtime/rings.py``'s handlers: its blocks, exchanges and their parts.
-ops.declare_pass("runtime interpreter", set(HANDLERS) | set(weights.PART_POSTERS) | set(rings.HANDLERS)
-                 | set(rings.PART_POSTERS) | set(NOT_RUNNABLE))
 
 
 def run_step(
@@ -696,27 +677,17 @@ def run_step(
         raise ValueError("run_step: program, rank and stages must be the context's")
     inputs, targets = batch
     step = _Step(context, inputs, targets, program.num_microbatches)
-    if context.weights is not None:
-        step.weights = weights.WeightStep()
+    context.family.start_step(step)
     if context.stash is not None:
         context.stash.start_step()
     for flat in context.flat_grads.values():
         flat.zero_()
-    handlers = context.handlers
     synchronize = context.synchronize
     events: list[Event] = []
-    append = events.append
-    for index, action in enumerate(context.row):
-        start = perf_counter()
-        before = step.waited
-        handlers[action[1]](step, action, index)
-        if synchronize is not None:
-            synchronize()
-        append((index, start, perf_counter(), step.waited - before))
     end = len(context.row)
+    run_instructions(step, context.row, context.handlers, 0, end, events.append, synchronize)
     _finish(step, end)
-    if step.weights is not None:
-        weights.finish_step(step, end)
+    context.family.finish_step(step, end)
     start = perf_counter()
     if context.clip_grad_norm is not None:  # every rank's gradients are complete now
         everyone = tuple(r for r in range(program.num_ranks) if r != rank)
@@ -726,7 +697,7 @@ def run_step(
         context.optimizer.step()
     if synchronize is not None:
         synchronize()
-    append((end, start, perf_counter(), 0.0))
+    events.append((end, start, perf_counter(), 0.0))
     return step.loss, events
 
 
@@ -747,4 +718,71 @@ def _finish(step: _Step, end: int) -> None:
                            ctx.rank, index, ctx.row[index].text())
 
 
-__all__ = ["ACT", "GRAD", "HANDLERS", "Event", "RankContext", "make_context", "run_step", "stage_modules"]
+# ------------------------------------------------------------------ the family
+
+
+class ActivationPassing(RuntimeFamily):
+    """Activation passing's runtime hooks: stages' modules with flat gradients, replicas all-reduced,
+    activations on the wires; the default family (of programs that hold no plan)."""
+
+    name = ops.ACTIVATION_PASSING
+    handlers = HANDLERS  # the table itself: a handler added to HANDLERS is the family's (docs/ir.md)
+
+    def trained(self, program: Program, rank: int, stages: dict[int, nn.Module], device: torch.device,
+                groups: dict[int, comm.ReplicaGroup] | None) -> Trained:
+        """Bind this rank's gradients to flat buffers, find the parameters it steps; collective."""
+        return _stage_trained(program, rank, stages, groups)
+
+    def stash(self, program: Program, stages: dict[int, nn.Module]) -> WeightStash | None:
+        """The weight versions of a program with updates in its order (``runtime/stash.py``), else None."""
+        plan = version_plan(program)
+        return None if plan is None else WeightStash(program, plan, stages)
+
+    def start_step(self, step: _Step) -> None:
+        """Before a step's list: the family's step state (``step.weights``); activation passing has none."""
+
+    def finish_step(self, step: _Step, end: int) -> None:
+        """After a step's list, before clipping and the optimizer step: what the family still owes."""
+
+    def counted_gradients(self, context: RankContext) -> list[torch.Tensor]:
+        """The flat gradient buffers this rank counts in the global norm: a replicated chunk's by its
+        lowest holder only (``runtime/clipping.py``)."""
+        first_holder: dict[int, int] = {}
+        for info in context.program.stages:
+            first_holder[info.position] = min(first_holder.get(info.position, info.rank), info.rank)
+        return [flat for chunk, flat in context.flat_grads.items() if first_holder[chunk] == context.rank]
+
+    def all_gradients(self, context: RankContext) -> list[torch.Tensor]:
+        """Every flat gradient buffer of this rank (clipping scales every one)."""
+        return list(context.flat_grads.values())
+
+    def checkpoint_part(self, context: RankContext, stages: dict) -> dict:
+        """This rank's part of a checkpoint: its chunks' state_dicts, its optimizer's named state (CPU)."""
+        model = {}
+        for module in {id(m): m for m in stages.values()}.values():
+            for name, tensor in module.state_dict().items():
+                model[name] = tensor.detach().cpu()
+        return {"model": model,
+                "optimizer": named_optimizer_state(context.optimizer, parameter_names(stages.values()))}
+
+    def merged_parts(self, context: RankContext, parts: list[dict]) -> tuple[dict, dict]:
+        """The whole model and optimizer state from every rank's part; a replicated chunk's first copy."""
+        model, optimizer = {}, {}
+        for part in parts:
+            for name, tensor in part["model"].items():
+                model.setdefault(name, tensor)
+            for name, state in part["optimizer"].items():
+                optimizer.setdefault(name, state)
+        return model, optimizer
+
+    def restore_optimizer(self, context: RankContext, stages: dict, saved: dict) -> None:
+        """Give this rank's optimizer the checkpoint's state of the parameters it steps."""
+        load_optimizer_state(context.optimizer, parameter_names(stages.values()), saved)
+
+
+FAMILY = register(ActivationPassing(), None)
+load_families()  # the other families extend this table; importing the interpreter registers them all
+
+
+__all__ = ["ACT", "FAMILY", "GRAD", "HANDLERS", "ActivationPassing", "Event", "RankContext", "Trained",
+           "make_context", "run_step", "stage_modules"]

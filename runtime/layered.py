@@ -21,11 +21,7 @@ such a model equal one process:
   it), else its index. So a chunk's parameters are ``"3.weight"`` as the
   whole model's are, and the chunks' state_dicts merge into the whole model's
   (``--save``, checkpoints).
-* **The cut.** By default even (``even_cut``: L layers into C chunks, the
-  first ``L % C`` chunks one layer more), or as a partition file says
-  (``pipec run --partition FILE``: ``cut_by_partition``). Each rank builds
-  every layer and keeps its chunk's, so each chunk a rank holds costs it one
-  whole build on the CPU; the other layers are freed at once.
+* **The cut**: even, or as a partition file says (``LayeredChunks``).
 
 A layer takes the layer before's output as its one argument, as in an
 ``nn.Sequential``; the first takes a microbatch's inputs. A tuple or dict a
@@ -43,6 +39,7 @@ import torch
 from torch import nn
 
 from pipec.errors import UsageError
+from pipec.runtime.family import runtime_family
 
 if TYPE_CHECKING:  # for annotations only
     from pipec.compiler.ir import Program
@@ -154,6 +151,12 @@ def even_cut(num_layers: int, num_chunks: int) -> Cut:
 class LayeredChunks:
     """The ``build_chunk`` a spec derives from ``layers``: (config, chunk, num_chunks, seed) -> ``LayerStack``.
 
+    The cut: by default even (``even_cut``: L layers into C chunks, the
+    first ``L % C`` chunks one layer more), or as a partition file says
+    (``pipec run --partition FILE``: ``cut_by_partition``). Each rank builds
+    every layer and keeps its chunk's, so each chunk a rank holds costs it one
+    whole build on the CPU; the other layers are freed at once.
+
     Attributes:
         layers: the spec's ``layers(config, seed)``.
         cut: per chunk (first, stop), from a partition file; None: ``even_cut``.
@@ -232,10 +235,10 @@ def cut_by_partition(spec, partition: Partition, path: str, program: Program, na
         raise UsageError(f"--partition {path} cuts a model given by its layers, and model spec {name} builds its own "
                          "chunks (build_chunk): leave --partition out, or give a spec with layers(config, seed) and "
                          "no build_chunk")
-    family = "weight-passing" if program.weights is not None else "sequence-ring" if program.rings is not None else None
-    if family:
-        raise UsageError(f"--partition {path} cuts a model into pipeline stages, and {program.name} is a {family} "
-                         "schedule, which has none to cut: leave --partition out")
+    family = runtime_family(program)
+    if not family.takes_partition:
+        raise UsageError(f"--partition {path} cuts a model into pipeline stages, and {program.name} is a "
+                         f"{family.label} schedule, which has none to cut: leave --partition out")
     if len(partition.stages) != program.num_chunks:
         raise UsageError(f"--partition {path} has {len(partition.stages)} stages, but {program.name} cuts the model "
                          f"into {program.num_chunks} chunks: make the partition for this schedule")

@@ -1,45 +1,34 @@
 """The model the runtime trains in demos and tests, and the interface for a user's own.
 
-A small LLaMA-style decoder: token embedding; ``layers`` decoder layers, each
-``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))`` with causal multi-head
-attention under rotary position embeddings and a SwiGLU MLP; a final RMSNorm and
-a linear output head. A pipeline cuts it into ``num_chunks`` chunks of
-consecutive layers (``chunk_layers``); chunk 0 also holds the embedding, the
-last chunk the final norm and the head.
+``LLAMA`` is the built-in ``ModelSpec``: a small LLaMA-style decoder (rotary
+causal attention, SwiGLU MLP, RMSNorm; docs/runtime.md, "The built-in model")
+that a pipeline cuts into ``num_chunks`` chunks of consecutive layers
+(``chunk_layers``; chunk 0 also holds the embedding, the last chunk the final
+norm and the head), trained on a synthetic task (``synthetic_batch``).
 
 Two properties make a pipelined run comparable with one process, bit for bit
-where the arithmetic is the same:
+where the arithmetic is the same: parameter names inside a chunk are the full
+model's (``layers.5.attn.wqkv.weight``), so the chunks' ``state_dict()``s
+merge into the full model's; and every parameter is drawn from a generator
+seeded by ``(seed, owner)`` (``stream_seed``; the owner is the layer index, or
+the embedding, or the head), never from torch's global generator, so a chunk
+built alone equals the same layers of the full model and building a model
+leaves the caller's random state untouched.
 
-* Parameter names inside a chunk are the full model's (``embed.weight``,
-  ``layers.5.attn.wqkv.weight``, ``norm.weight``, ``head.weight``), so the chunks'
-  ``state_dict()``s merge into the full model's.
-* Every parameter is drawn from a generator seeded by ``(seed, owner)`` where
-  the owner is the layer index (or the embedding, or the head), never from
-  torch's global generator: a chunk built alone equals the same layers of the
-  full model, and building a model leaves the caller's random state untouched.
-
-The synthetic task: the target of token ``x[t]`` is ``perm[x[t]]`` for a fixed
-random permutation ``perm`` of the vocabulary, on uniformly random tokens. The
-loss starts at ln(vocab) and falls within a few steps, so a demo's first lines
-already show it learning. (A task that needs attention, such as predicting
-``perm[x[t-1]]``, takes hundreds of steps at this size; attention and rotary
-embeddings still take part in every forward and backward, which is what the
-exactness tests need of them.)
-
-``ModelSpec`` bundles the functions the runtime calls; ``LLAMA`` is this
-module's, and ``load_model_spec("package.module:attribute")`` loads a user's
-(see docs/runtime.md, "Your own model"). A spec builds its chunks itself
-(``build_chunk`` and ``build_model``) or gives its layers in order
-(``layers``), which ``runtime/layered.py`` cuts. A spec feeds training from exactly
-one data source: ``synthetic_batch`` (this module's task), a ``microbatch``
-function or a ``dataset``; ``runtime/data.py`` draws every batch from it.
+``ModelSpec`` bundles the functions the runtime calls;
+``load_model_spec("package.module:attribute")`` loads a user's (docs/runtime.md,
+"Your own model"). A spec builds its chunks itself (``build_chunk`` and
+``build_model``) or gives its layers in order (``layers``, which
+``runtime/layered.py`` cuts), and feeds training from exactly one data source
+(``synthetic_batch``, a ``microbatch`` function or a ``dataset``), from which
+``runtime/data.py`` draws every batch.
 """
 from __future__ import annotations
 
 import importlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -422,7 +411,12 @@ def synthetic_batch(
 
     The target of token t is ``perm[x[t]]`` (``task_permutation``). The
     data depend only on (config, step, num_microbatches, seed), so every worker
-    draws the same batch without communicating.
+    draws the same batch without communicating. The loss starts at ln(vocab)
+    and falls within a few steps, so a demo's first lines already show it
+    learning. (A task that needs attention, such as predicting
+    ``perm[x[t-1]]``, takes hundreds of steps at this size; attention and
+    rotary embeddings still take part in every forward and backward, which is
+    what the exactness tests need of them.)
 
     Args:
         config: the model (vocab, seq_len, microbatch_size).
@@ -507,8 +501,32 @@ _NEEDS_TEXT = ("build_chunk and build_model (or layers, from which pipec derives
 DATA_SOURCES = ("synthetic_batch", "microbatch", "dataset")
 # Options of a dataset source only.
 _DATASET_OPTIONS = ("microbatch_rows", "sampler")
-_OPTIONAL_FUNCTIONS = ("describe", "activation_shape", *_DATASET_OPTIONS)
+_OPTIONAL_FUNCTIONS = ("describe", "activation_shape", "ring_model", *_DATASET_OPTIONS)
 _SOURCES_TEXT = "synthetic_batch, microbatch or dataset"
+
+
+class RingModel(NamedTuple):
+    """What a model spec declares for sequence-ring training (``ModelSpec.ring_model``).
+
+    Declaring it says the model's forward takes ``positions=`` (LongTensor [tokens], the
+    global positions of the tokens given, in the order of dimension 1 of its input) and
+    ``attend=`` (a function ``attend(q, k, v) -> out`` it calls for every attention, each
+    (batch, heads, tokens, head dim), in the same order on every call), that its inputs'
+    and targets' dimension 1 is the sequence, and that ``loss_fn`` is a mean over tokens
+    (``runtime/sequence.py``; docs/runtime.md, "Training with a sequence ring").
+
+    Attributes:
+        seq_len: the sequence length of its batches (the ring's chunks and pieces must cut it).
+        causal: whether its attention is causal (the ring's mask must be the same).
+    """
+
+    seq_len: int
+    causal: bool
+
+
+def ring_model(config: ModelConfig) -> RingModel:
+    """The built-in model's declaration for sequence rings: causal attention over ``config.seq_len`` tokens."""
+    return RingModel(config.seq_len, True)
 
 
 @dataclass(frozen=True)
@@ -556,6 +574,8 @@ class ModelSpec:
             ``nn.Sequential`` or a sequence of ``nn.Module``, built on the CPU
             with torch's global generator seeded with ``seed``
             (``runtime/layered.py``).
+        ring_model: optional (config) -> ``RingModel``: the model can train with a
+            sequence ring (its forward takes ``positions=`` and ``attend=``; see ``RingModel``).
     Raises:
         UsageError: a required function missing or not callable (one of
             build_chunk and build_model without the other, with or without
@@ -576,6 +596,7 @@ class ModelSpec:
     microbatch_rows: Callable[[Any], int] | None = None
     sampler: Callable[..., Any] | None = None
     layers: Callable[..., Any] | None = None
+    ring_model: Callable[[Any], RingModel] | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None and not callable(self.layers):
@@ -651,6 +672,7 @@ LLAMA = ModelSpec(
     describe=describe,
     activation_shape=activation_shape,
     layers=llama_layers,
+    ring_model=ring_model,
 )
 """The built-in model: the default of ``--model``."""
 

@@ -8,21 +8,8 @@ through ``pipec run``'s launcher (``pipec.commands.run.launch``: torch's
 elastic launcher, whose RANK, WORLD_SIZE, MASTER_ADDR, ... this reads as
 ``pipec.runtime.worker`` does). Each worker reads the jobs and the programs
 through the guarded reader (``read_jobs``, ``guarded_read.read_program``),
-joins the gloo group (``worker.join_group``) and, for every job in turn:
-
-* draws the whole-sequence q, k, v and output gradient (B, H, S, D) from the
-  job's seed, the same on every rank (``job_inputs``), and keeps its chunks;
-* meets the others at a barrier (no rank's waits count another's drawing),
-  runs its list (``runtime.rings.run_ring_attention``, every wait within the
-  timeout) and sends its out, dq, dk, dv to rank 0 as one tensor
-  (``torch.distributed``, never a file); rank 0 puts the sequence together.
-
-After a closing barrier (so that rank 0's reference counts against no one's
-timeout) the others end and rank 0 compares every job with one process
-(``compare``: float64 ``scaled_dot_product_attention`` over the whole
-sequence, gradients by autograd, the program's mask) and prints one line on
-stdout, ``ANSWER_PREFIX`` and the answers as JSON, which the parent's
-``on_line`` picks up.
+joins the gloo group and runs every job, rank 0 comparing each with one
+process and printing the answers (``main`` says how).
 
 A fault (a wait past the timeout, a failed peer, an op the runtime does not
 know) prints ``rank R, step S (INSTR): ...`` to stderr and ends the process
@@ -46,6 +33,7 @@ from typing import NamedTuple
 
 from pipec.compiler.guarded_read import Kind, read_json, read_program
 from pipec.errors import PipecError, UsageError
+from pipec.runtime import worker  # loads no torch either
 
 FIELDS = ("out", "dq", "dk", "dv")
 DTYPES = ("float32", "float64")
@@ -180,16 +168,31 @@ def compare(job: AttentionJob, whole: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run this rank's share of every job; returns the exit status (a fault ends the process itself)."""
-    from pipec.runtime.worker import _die, _die_with_launcher, _environment, fatal_errors, join_group
+    """Run this rank's share of every job; returns the exit status (a fault ends the process itself).
 
+    A worker joins the gloo group (``worker.join_group``) and, for every job in turn:
+
+    * draws the whole-sequence q, k, v and output gradient (B, H, S, D) from the
+      job's seed, the same on every rank (``job_inputs``), and keeps its chunks;
+    * meets the others at a barrier (no rank's waits count another's drawing),
+      runs its list (``runtime.rings.run_ring_attention``, every wait within the
+      timeout) and sends its out, dq, dk, dv to rank 0 as one tensor
+      (``torch.distributed``, never a file); rank 0 puts the sequence together.
+
+    After a closing barrier (so that rank 0's reference counts against no one's
+    timeout) the others end and rank 0 compares every job with one process
+    (``compare``: float64 ``scaled_dot_product_attention`` over the whole
+    sequence, gradients by autograd, the program's mask) and prints one line on
+    stdout, ``ANSWER_PREFIX`` and the answers as JSON, which the parent's
+    ``on_line`` picks up.
+    """
     parser = argparse.ArgumentParser(prog="python -m pipec.runtime.ring_check",
                                      description="One worker of `pipec attention` (started by it).")
     parser.add_argument("jobs", metavar="JOBS", help=f"the jobs' file ({JOBS_FILE} in the run folder)")
     args = parser.parse_args(argv)
-    _die_with_launcher()
+    worker.die_with_launcher()
     try:
-        rank, world, local_rank = _environment()
+        rank, world, local_rank = worker.launch_environment()
         jobs, timeout, deadline_s = read_jobs(args.jobs)
         for job in jobs:
             if job.program.rings is None or job.program.num_ranks != world:
@@ -198,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     except PipecError as error:  # every rank reads the same files: the same message from each, no fault
         sys.stderr.write(error.render().rstrip("\n") + "\n")
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: _die(f"rank {rank}: stopped by the launcher (another worker failed)"))
+    signal.signal(signal.SIGTERM,
+                  lambda *_: worker.die(f"rank {rank}: stopped by the launcher (another worker failed)"))
     # the last resort against a run that stops answering altogether: every wait has its own timeout
-    watchdog = threading.Timer(deadline_s, _die, (f"rank {rank}: still running at the run's deadline "
+    watchdog = threading.Timer(deadline_s, worker.die, (f"rank {rank}: still running at the run's deadline "
                                                   f"({deadline_s:g} s); stopped",))
     watchdog.daemon = True
     watchdog.start()
-    with fatal_errors(rank):
-        join_group("gloo", rank, world, local_rank, timeout)
+    with worker.fatal_errors(rank):
+        worker.join_group("gloo", rank, world, local_rank, timeout)
         gathered = [_run_job(job, rank, world, timeout) for job in jobs]
         # the references after every rank is done: none of the others' waits counts rank 0's reference
         _bounded_barrier(rank, world, timeout, "the closing barrier")
@@ -273,6 +277,4 @@ __all__ = ["ANSWER_PREFIX", "AttentionJob", "DTYPES", "FIELDS", "JOBS_FILE", "co
 
 
 if __name__ == "__main__":
-    from pipec.runtime.worker import end_process
-
-    end_process(main())
+    worker.end_process(main())

@@ -6,33 +6,12 @@ held by the ranks and moves keys and values round rings of ranks so that
 every query chunk meets every key piece its mask shows it. This module runs
 one rank's list on the current default process group (gloo on the CPU, NCCL
 on GPUs: the same logic, the waits differ as ``runtime/comm`` says), mirroring
-the checker's semantics op for op:
+the checker's semantics op for op.
 
-* A **bundle** (s, p) is piece p of the keys and values of every chunk rank s
-  holds, ascending, concatenated along the sequence: one tensor
-  ``(2, B, H, len(chunks_of(s)) * piece, D)`` (keys, then values) in the
-  inputs' dtype. Rank r starts with its own bundles (r, p). Under ``kv
-  again`` a delivered bundle replaces the one this rank received before for
-  that piece; under ``kv kept`` every delivered bundle stays.
-* ``AF`` (stage q, block) computes the block of chunk q's queries against
-  the key piece, by global positions (``attention.block_forward_at``), and
-  folds it into chunk q's running (out, lse) in fp32 (fp64 for fp64 inputs).
-* ``AB`` takes chunk q's final out and lse, keeps the block's dq on the rank
-  and adds its dk, dv into this rank's **partial** of the bundle (holder of
-  the kv chunk, piece), at that chunk's slice; a partial has the bundle's
-  shape in the accumulating dtype.
-* ``EXCHANGE`` posts its parts in list order: the collectives (``ALLTOALL_KV``,
-  ``ALLTOALL_DKV``: one ``all_to_all_single`` of every rank, each peer's
-  items flattened and concatenated in part order, an empty share for a peer
-  with nothing) when met, the point-to-point parts together at the end as one
-  ``batch_isend_irecv`` (a tag per kind, so that gloo keeps KV and dKV on
-  their own channels; NCCL matches by posting order, which the checks prove).
-  A received bundle or partial always lands in a new buffer. ``SEND_DKV``
-  sends this rank's partial and forgets it (zeros when it has none).
-* ``EXCHANGE_WAIT`` waits for every part of the exchange within ``timeout``
-  (``comm.await_blocking`` on gloo; on NCCL the stream waits and the deadline
-  is checked when the list ends, ``comm.settle``); then received bundles
-  become usable and received partials are added to this rank's.
+The state and op semantics (bundles, partials, AF, AB, EXCHANGE, its wait)
+are ``_RingRank``'s docstring. Each attention call's list runs through the
+one interpreter loop (``runtime/family.run_instructions``) with the table of
+its ``RingContext`` (``HANDLERS``, plus a fault ``--inject`` planted).
 
 The posting and the waiting are ``runtime/exchange.py``'s, shared with weight
 passing; this module gives it what each part means (``PART_POSTERS``).
@@ -45,6 +24,7 @@ instruction; a wait past the deadline is one too, never a hang.
 """
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Callable, Mapping, NamedTuple
 
 import torch
@@ -54,8 +34,9 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, RingPlan
 from pipec.errors import RuntimeFault, UsageError
 from pipec.runtime import comm
+from pipec.runtime.family import run_instructions
 from pipec.runtime.exchange import Exchange, PartHandler, check_all_waited, post_exchange, wait_exchange
-from pipec.runtime.attention import (_accumulating, block_backward_at, block_forward_at, empty_result,
+from pipec.runtime.attention import (accumulating_dtype, block_backward_at, block_forward_at, empty_result,
                                      merge_rows)
 
 # gloo matches point-to-point messages FIFO per (pair, tag): KV and dKV each keep their own channel.
@@ -129,7 +110,7 @@ def run_ring_attention(program: Program, rank: int, q, k, v, grad_out, *, timeou
         UsageError: not a ring program, or inputs that do not fit it.
         RuntimeFault: a wait past ``timeout``, a failed peer, or a list the runtime cannot run.
     """
-    run = _RingRank(program, rank, timeout, scale)
+    run = _RingRank(RingContext(program, rank, timeout=timeout, scale=scale))
     run.load(q, k, v)
     run.load_grad(grad_out)
     run.run_range(0, len(run.row))
@@ -168,7 +149,18 @@ class RingAttention:
 
     def __init__(self, program: Program, rank: int, *, timeout: float, scale: float | None = None,
                  iteration: int | None = None, label: str | None = None):
-        self._run = _RingRank(program, rank, timeout, scale, iteration)
+        self._start(RingContext(program, rank, timeout=timeout, scale=scale), iteration, label)
+
+    @classmethod
+    def in_context(cls, context: "RingContext", *, iteration: int | None = None,
+                   label: str | None = None) -> "RingAttention":
+        """A call run with ``context``'s list and table (a training run's: ``--inject`` and ``--trace``)."""
+        call = cls.__new__(cls)
+        call._start(context, iteration, label)
+        return call
+
+    def _start(self, context: "RingContext", iteration: int | None, label: str | None) -> None:
+        self._run = _RingRank(context, iteration)
         self._label = label
         self._stage = "new"
 
@@ -215,8 +207,11 @@ class RingAttention:
         return tuple(result.local(name).to(run.dtype) for name in ("dq", "dk", "dv"))
 
 
-def forward_end(run: "_RingRank") -> int:
+def forward_end(run) -> int:
     """Where rank ``run.rank``'s list stops being forward: the index of its backward's first instruction.
+
+    ``run`` is a ``RingContext`` or one call's state: what has the list (``row``), keeps the answer
+    (``split``) and makes faults (``fault``).
 
     The lowering puts every forward instruction (AF blocks, the forward KV
     exchanges and their waits) before every backward one. The backward starts
@@ -273,11 +268,25 @@ def wait_within(works, timeout: float, site: comm.Site, wait=comm.await_blocking
 # ------------------------------------------------------------------ state
 
 
-class _RingRank:
-    """One rank's state while it runs its list (``load`` the inputs first, ``load_grad`` before the backward)."""
+class RingContext:
+    """What one rank keeps across a run's attention calls: its list, its table, the process group's rules.
 
-    def __init__(self, program: Program, rank: int, timeout: float, scale: float | None,
-                 iteration: int | None = None):
+    Args:
+        program: a sequence-ring program (``Program.rings`` set).
+        rank: this rank.
+        timeout: the longest wait of one instruction, seconds.
+        scale: the softmax scale; 1/sqrt(D) when None.
+    Attributes:
+        row: this rank's list (a copy: ``--inject`` plants a fault in it).
+        handlers: op -> handler, ``HANDLERS`` plus anything planted.
+        events: None, or the trace's records so far: (index, start, end, waited, call) per instruction.
+        synchronize: called after every instruction when the trace must show device time, else None.
+    Raises:
+        UsageError: not a ring program, a rank outside it, a bad timeout, or a process group of another size.
+        RuntimeFault: an instruction the ring runtime has no handler for.
+    """
+
+    def __init__(self, program: Program, rank: int, *, timeout: float, scale: float | None = None):
         plan = program.rings
         if plan is None:
             raise UsageError(f"{program.name or 'the program'} is not a sequence-ring program (no rings): "
@@ -287,11 +296,77 @@ class _RingRank:
         if not timeout > 0:
             raise UsageError(f"the timeout must be a positive number of seconds, got {timeout}")
         self.program, self.plan, self.rank = program, plan, rank
-        self.row = program.ranks[rank]
-        self.timeout, self.scale, self.iteration = timeout, scale, iteration
+        self.row = list(program.ranks[rank])
+        self.handlers: dict[str, Callable] = dict(HANDLERS)
+        self.timeout, self.scale = timeout, scale
         self.split: int | None = None
-        self.label: str | None = None  # where in training this call runs, for fault messages
-        self.mine = plan.chunks_of(rank)
+        self.events: list | None = None
+        self.synchronize: Callable[[], None] | None = None
+        _check_row(self)
+        # A program without exchanges (one rank) runs without a process group.
+        self.backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+        if self.backend is not None and (dist.get_world_size(), dist.get_rank()) != (program.num_ranks, rank):
+            raise UsageError(f"the process group has {dist.get_world_size()} ranks and this is rank "
+                             f"{dist.get_rank()}, but the program has {program.num_ranks} ranks and was asked to run "
+                             f"rank {rank}'s list")
+        self.wait_fn, self.blocking = comm.wait_rule(self.backend or "gloo")
+
+    def fault(self, index: int, message: str, peer: int | None = None) -> RuntimeFault:
+        text = self.row[index].text() if 0 <= index < len(self.row) else "the end of the list"
+        return RuntimeFault(message, self.rank, index, text, peer)
+
+
+def _check_row(context: RingContext) -> None:
+    """Every instruction of the list has a handler in the ring's table; the first that has none is a fault."""
+    for index, action in enumerate(context.row):
+        if action.op in context.handlers:
+            continue
+        if action.op in ops.RING_PART_OPS:
+            raise context.fault(index, f"{action.op} stands outside an exchange; a sequence ring posts it inside "
+                                       "an EXCHANGE")
+        raise context.fault(index, f"the sequence-ring runtime has no instruction {action.op!r} (it runs AF, AB, "
+                                   "EXCHANGE and EXCHANGE_WAIT)")
+
+
+class _RingRank:
+    """One rank's state during one attention call (``load`` the inputs first, ``load_grad`` before the backward).
+
+    * A **bundle** (s, p) is piece p of the keys and values of every chunk rank s
+      holds, ascending, concatenated along the sequence: one tensor
+      ``(2, B, H, len(chunks_of(s)) * piece, D)`` (keys, then values) in the
+      inputs' dtype. Rank r starts with its own bundles (r, p). Under ``kv
+      again`` a delivered bundle replaces the one this rank received before for
+      that piece; under ``kv kept`` every delivered bundle stays.
+    * ``AF`` (stage q, block) computes the block of chunk q's queries against
+      the key piece, by global positions (``attention.block_forward_at``), and
+      folds it into chunk q's running (out, lse) in fp32 (fp64 for fp64 inputs).
+    * ``AB`` takes chunk q's final out and lse, keeps the block's dq on the rank
+      and adds its dk, dv into this rank's **partial** of the bundle (holder of
+      the kv chunk, piece), at that chunk's slice; a partial has the bundle's
+      shape in the accumulating dtype.
+    * ``EXCHANGE`` posts its parts in list order: the collectives (``ALLTOALL_KV``,
+      ``ALLTOALL_DKV``: one ``all_to_all_single`` of every rank, each peer's
+      items flattened and concatenated in part order, an empty share for a peer
+      with nothing) when met, the point-to-point parts together at the end as one
+      ``batch_isend_irecv`` (a tag per kind, so that gloo keeps KV and dKV on
+      their own channels; NCCL matches by posting order, which the checks prove).
+      A received bundle or partial always lands in a new buffer. ``SEND_DKV``
+      sends this rank's partial and forgets it (zeros when it has none).
+    * ``EXCHANGE_WAIT`` waits for every part of the exchange within ``timeout``
+      (``comm.await_blocking`` on gloo; on NCCL the stream waits and the deadline
+      is checked when the list ends, ``comm.settle``); then received bundles
+      become usable and received partials are added to this rank's.
+    """
+
+    def __init__(self, context: RingContext, iteration: int | None = None):
+        plan = context.plan
+        self.context = context
+        self.program, self.plan, self.rank, self.row = context.program, plan, context.rank, context.row
+        self.timeout, self.scale, self.iteration = context.timeout, context.scale, iteration
+        self.backend, self.wait_fn, self.blocking = context.backend, context.wait_fn, context.blocking
+        self.label: str | None = None  # where in training this call runs, for fault messages and the trace
+        self.waited = 0.0  # seconds spent waiting so far (the trace's wait of each instruction)
+        self.mine = plan.chunks_of(context.rank)
         self.grad_out = None
         # bundles: own per piece; received (kv again: per piece, (bundle, tensor)) or kept (bundle -> tensor)
         self.received: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
@@ -301,14 +376,15 @@ class _RingRank:
         self.partials: dict[tuple[int, int], torch.Tensor] = {}
         self.incoming: dict[tuple[int, int], int] = {}
         self.open: dict[int, Exchange] = {}
-        # A program without exchanges (one rank) runs without a process group.
-        self.backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
-        if self.backend is not None and (dist.get_world_size(), dist.get_rank()) != (program.num_ranks, rank):
-            raise UsageError(f"the process group has {dist.get_world_size()} ranks and this is rank "
-                             f"{dist.get_rank()}, but the program has {program.num_ranks} ranks and was asked to run "
-                             f"rank {rank}'s list")
-        self.wait_fn, self.blocking = comm.wait_rule(self.backend or "gloo")
         self.streamed: list = []
+
+    @property
+    def split(self) -> int | None:
+        return self.context.split
+
+    @split.setter
+    def split(self, value: int) -> None:
+        self.context.split = value
 
     def load(self, q, k, v) -> None:
         """Take this rank's chunks of the queries, keys and values, and make its own bundles."""
@@ -320,7 +396,7 @@ class _RingRank:
         if first is None:
             raise UsageError(f"rank {rank} holds no chunk of the sequence; every rank of a ring holds one")
         self.dtype, self.device = first.dtype, first.device
-        self.wide = _accumulating(self.dtype)
+        self.wide = accumulating_dtype(self.dtype)
         self.batch, self.heads, self.chunk, self.dim = first.shape
         if self.chunk % plan.pieces:
             raise UsageError(f"a chunk of {self.chunk} tokens cannot be cut into {plan.pieces} equal pieces")
@@ -343,17 +419,14 @@ class _RingRank:
                                  f"be {(self.batch, self.heads, self.chunk, self.dim)} {self.dtype}")
 
     def run_range(self, start: int, stop: int) -> None:
-        """Run instructions ``start`` .. ``stop - 1`` of the list."""
-        for index in range(start, stop):
-            action = self.row[index]
-            handler = HANDLERS.get(action.op)
-            if handler is None:
-                if action.op in ops.RING_PART_OPS:
-                    raise self.fault(index, f"{action.op} stands outside an exchange; a sequence ring posts it "
-                                            "inside an EXCHANGE")
-                raise self.fault(index, f"the sequence-ring runtime has no instruction {action.op!r} (it runs AF, "
-                                        "AB, EXCHANGE and EXCHANGE_WAIT)")
-            handler(self, action, index)
+        """Run instructions ``start`` .. ``stop - 1`` of the list through the one loop and the context's table;
+        with a trace, each is recorded with the call's label (``attention 3's forward``)."""
+        events = self.context.events
+        record = None
+        if events is not None:
+            call = self.label or ""
+            record = lambda event: events.append((*event, call))  # noqa: E731
+        run_instructions(self, self.row, self.context.handlers, start, stop, record, self.context.synchronize)
 
     def _chunks(self, given, name: str) -> dict[int, torch.Tensor]:
         if isinstance(given, Mapping):
@@ -388,7 +461,9 @@ class _RingRank:
 
     def wait_works(self, ex: Exchange, site: comm.Site) -> None:
         """Wait for an exchange's works within the timeout, the backend's way (``wait_within``)."""
+        start = perf_counter()
         wait_within(ex.works, self.timeout, site, self.wait_fn, training=self.iteration is not None)
+        self.waited += perf_counter() - start
         if not self.blocking:  # NCCL: the stream waits; the buffers live until the deadline is checked
             self.streamed.append((ex.works, site, ex.keep))
 
@@ -682,5 +757,5 @@ HANDLERS: dict[str, Callable[[_RingRank, Action, int], None]] = {
 }
 
 
-__all__ = ["HANDLERS", "PART_POSTERS", "RingAttention", "RingResult", "chunk_length", "forward_end", "own_chunks", "run_ring_attention",
-           "wait_within"]
+__all__ = ["HANDLERS", "PART_POSTERS", "RingAttention", "RingContext", "RingResult", "chunk_length", "forward_end",
+           "own_chunks", "run_ring_attention", "wait_within"]

@@ -1,50 +1,46 @@
-"""Sequence-parallel training: the built-in model trained with a sequence-ring program.
+"""Sequence-parallel training: the sequence-ring family's runtime, a model trained with a ring program.
 
-A ring program (``Program.rings``: ring attention, zigzag, TASP) says which
-chunks of the sequence each rank holds and how keys and values travel; here
-it trains the built-in decoder (``runtime/model.py``) with the sequence cut
-across the ranks:
+A ring program (``Program.rings``: ring attention, zigzag, TASP) cuts every
+sequence into chunks held by the ranks. Every rank builds the whole model
+from the same seed, draws the same whole batch (one microbatch a step), keeps
+the tokens of its chunks and runs the model on them; every attention call of
+the model runs the rank's ring list through the one interpreter loop
+(``runtime/family.run_instructions``): its forward half in the forward, its
+backward half when autograd reaches it (``RingAttentionFunction``). The ranks'
+losses sum to the batch's mean, one all-reduce sums the gradients, and every
+rank takes the same optimizer step, so the replicas stay equal and end with
+the one-process parameters (``reference_run(config, K, 1, seed)``).
 
-* **Every rank builds the whole model** from the same seed (identical
-  replicas) and draws the same global batch as the one-process reference
-  with one microbatch (``data.BatchSource`` with N = 1: ``synthetic_batch(config,
-  step, 1, seed)``, or the spec's other data source).
-* **Each rank keeps the tokens of its own chunks** (``plan.chunks_of(rank)``,
-  ascending; chunk c is tokens [c S/C, (c + 1) S/C)) and runs the embedding,
-  every layer and the head on them only, with rotary embeddings at the
-  tokens' global positions (``DecoderChunk.forward(x, positions, attend)``).
-* **Attention runs through the ring.** Every layer's attention is one call
-  of the program: its forward half in the forward
-  (``rings.RingAttention.forward``), its backward half when autograd reaches
-  it (``RingAttentionFunction``). All ranks call the layers in the same order,
-  forward and backward, so the programs' messages line up; each half leaves
-  nothing in flight, so one call never meets another's messages.
-* **The loss** of a rank is the sum of its tokens' cross-entropies over the
-  global token count, so the ranks' losses sum to the reference's mean.
-* **After the backward**, one all-reduce (sum) of every parameter's gradient
-  (flattened into one buffer, with the loss appended) over all ranks, within
-  ``--timeout``; then every rank takes the same optimizer step
-  (``spec.make_optimizer``), so the replicas stay equal. Rank 0 prints
-  ``step k loss X`` (the sum over ranks) and, with ``--save``, writes the
-  model's state_dict.
+What a model spec must give to train here (``check_ring_model``, before any
+worker joins): ``ring_model(config) -> RingModel(seq_len, causal)`` (its
+sequence length and mask; the built-in model declares it), a model whose
+forward takes ``positions=`` (the global positions of the tokens given) and
+``attend=`` (calls ``attend(q, k, v)`` for every attention, q, k, v
+(batch, heads, tokens, head dim)), inputs and targets whose dimension 1 is the
+sequence, and a ``loss_fn`` that is a mean over tokens. docs/runtime.md,
+"Training with a sequence ring", says why each is needed.
 
-What a ring schedule needs of the model (``check_ring_model``, before any
-worker joins the group): the built-in model (a user's model spec has no way
-to run on a part of the sequence with an injected attention), a causal mask
-(the built-in attention is causal: a full-mask ring would train another
-model), and a ``seq_len`` the program's chunks and pieces cut evenly.
+``SequenceRings`` registers the family's hooks: its table (``rings.HANDLERS``),
+its model check and its training loop (``train_ring``: ``--trace``,
+``--inject``, ``--save``, ``--resume`` and ``--clip-grad-norm`` as every family).
 """
 from __future__ import annotations
 
+from time import perf_counter
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from pipec.compiler import ops
+from pipec.compiler.ir import RingPlan
 from pipec.errors import UsageError
-from pipec.runtime import comm
-from pipec.runtime.config import RunConfig
+from pipec.runtime import checkpoint as checkpoints
+from pipec.runtime import comm, worker
+from pipec.runtime import model as builtin
 from pipec.runtime.data import BatchSource, data_needs
-from pipec.runtime.rings import RingAttention, chunk_length
+from pipec.runtime.family import RuntimeFamily, register
+from pipec.runtime.model import RingModel, call_spec_function, spec_label
+from pipec.runtime.rings import HANDLERS, PART_POSTERS, RingAttention, RingContext, chunk_length
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -64,20 +60,19 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def ring_attend(program, rank: int, *, timeout: float, iteration: int | None = None, scale: float | None = None):
-    """An ``attend(q, k, v)`` for ``DecoderChunk.forward``: each call runs ``program`` once through autograd.
+def ring_attend(context: RingContext, iteration: int | None = None):
+    """An ``attend(q, k, v)`` for a model's forward: each call runs ``context``'s list once through autograd.
 
     q, k, v are this rank's chunks concatenated in ascending chunk order,
-    (batch, heads, tokens of this rank, head dim). Fault messages name the
-    call (``attention 3's forward``: the fourth call, layer 3 of the built-in
-    model) and ``iteration``, the training step.
+    (batch, heads, tokens of this rank, head dim). Fault messages and the
+    trace name the call (``attention 3's forward``: the fourth call, layer 3
+    of the built-in model) and ``iteration``, the training step.
     """
     calls = 0
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         nonlocal calls
-        ring = RingAttention(program, rank, timeout=timeout, scale=scale, iteration=iteration,
-                             label=f"attention {calls}")
+        ring = RingAttention.in_context(context, iteration=iteration, label=f"attention {calls}")
         calls += 1
         return RingAttentionFunction.apply(q, k, v, ring)
     return attend
@@ -89,49 +84,54 @@ def token_positions(plan, rank: int, seq_len: int) -> torch.Tensor:
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in plan.chunks_of(rank)])
 
 
-def check_ring_model(spec, config, program) -> None:
+def ring_model(spec, config, program, name: str = "") -> RingModel:
+    """What the spec declares of its model for a ring (``spec.ring_model(config)``), checked.
+
+    Raises:
+        UsageError: the spec declares nothing (naming what a ring needs), or its
+            declaration is not a positive int ``seq_len`` and a bool ``causal``.
+    """
+    schedule = program.name or "the program"
+    if spec.ring_model is None:
+        raise UsageError(
+            f"{schedule} is a sequence-ring schedule, and {spec_label(name)} does not declare ring_model(config): "
+            "a ring runs each rank's part of the sequence with attention through the ring, so the spec must "
+            "give ring_model(config) -> RingModel(seq_len, causal) and a model whose forward takes positions= "
+            "and attend= (see docs/runtime.md, \"Training with a sequence ring\"; the built-in model, --model "
+            f"{builtin.DEFAULT_MODEL}, has them)")
+    declared = call_spec_function(name, "ring_model(config)", spec.ring_model, config)
+    seq_len, causal = getattr(declared, "seq_len", None), getattr(declared, "causal", None)
+    if type(seq_len) is not int or seq_len < 1 or type(causal) is not bool:
+        raise UsageError(f"{spec_label(name)}: ring_model(config) must return a RingModel(seq_len, causal): a "
+                         f"positive int and a bool; got {declared!r}")
+    return RingModel(seq_len, causal)
+
+
+def check_ring_model(spec, config, program, name: str = "") -> RingModel:
     """Check, before any worker starts, that ``program`` (a ring program) can train this model exactly.
 
+    Returns:
+        the model's ``RingModel`` (``ring_model``).
     Raises:
-        UsageError: a model spec other than the built-in one, a full-mask
-            program (the built-in attention is causal), or a ``seq_len`` that
-            the program's chunks and pieces do not cut evenly (naming both).
+        UsageError: ``ring_model``'s; a mask other than the model's (naming the
+            define to use); a ``seq_len`` that the program's chunks and pieces
+            do not cut evenly (naming both).
     """
-    from pipec.runtime import model as builtin
-
     plan = program.rings
-    name = program.name or "the program"
-    if spec.build_model is not builtin.build_model or not isinstance(config, builtin.ModelConfig):
-        raise UsageError(f"{name} is a sequence-ring schedule, which trains the built-in model only (--model "
-                         f"{builtin.DEFAULT_MODEL}, any --config): a ring runs each rank's part of the sequence with "
-                         "attention through the ring, and a model spec cannot say how to run its model that way")
-    if not plan.causal:
-        raise UsageError(f"{name} was compiled with a full attention mask, but the built-in model's attention is "
-                         "causal: a full-mask ring cannot train it exactly; compile it with -D causal=true")
+    schedule = program.name or "the program"
+    declared = ring_model(spec, config, program, name)
+    who = "the built-in model" if spec.build_model is builtin.build_model else spec_label(name)
+    if plan.causal != declared.causal:
+        program_mask, model_mask = ("a full attention mask", "causal") if declared.causal else ("a causal mask", "full")
+        verb = "a full-mask ring" if declared.causal else "a causal ring"
+        raise UsageError(f"{schedule} was compiled with {program_mask}, but {who}'s attention is {model_mask}: "
+                         f"{verb} cannot train it exactly; compile it with -D causal={str(declared.causal).lower()}")
     cut = plan.chunks * plan.pieces
-    if config.seq_len % cut:
+    if declared.seq_len % cut:
         pieces = f" x {plan.pieces} pieces" if plan.pieces > 1 else ""
-        raise UsageError(f"the model's seq_len {config.seq_len} cannot be cut into {name}'s {plan.chunks} chunks"
-                         f"{pieces}: it must be a multiple of {cut} (--config seq_len=N sets it)")
-
-
-def check_ring_options(config: RunConfig, program) -> None:
-    """The worker options a sequence-ring run does not support: ``--trace`` and fault injection.
-
-    Args:
-        config: the run's configuration.
-        program: the sequence-ring program it trains.
-
-    Raises:
-        UsageError: either was given (``--inject late:R:S``, a late start, is allowed).
-    """
-    name = program.name or "the program"
-    if config.trace:
-        raise UsageError(f"--trace is not supported for sequence-ring schedules ({name}): a ring's instructions "
-                         "run inside every layer's attention, forward and backward, not as one list per step")
-    inject = config.inject
-    if inject and not inject.startswith("late:"):
-        raise UsageError(f"--inject {inject}: faults cannot be planted in a sequence-ring schedule's list ({name})")
+        raise UsageError(f"the model's seq_len {declared.seq_len} cannot be cut into {schedule}'s {plan.chunks} "
+                         f"chunks{pieces}: it must be a multiple of {cut} (--config seq_len=N sets it)")
+    return declared
 
 
 def train_ring(plan, rank: int, world: int, device) -> list[float]:
@@ -139,18 +139,21 @@ def train_ring(plan, rank: int, world: int, device) -> list[float]:
 
     Collective: every rank calls it with the same arguments. Rank 0 prints the
     loss per step (the sum of the ranks' losses: the batch's mean loss) and,
-    with ``--save``, writes the whole model's state_dict.
+    with ``--save``, writes the whole model's state_dict; with ``--trace``,
+    every rank's ring instructions (each attention call's halves, ``args.call``)
+    and each step's all-reduce and optimizer step are gathered into one trace.
 
     Returns:
         on rank 0 the loss of each step; elsewhere an empty list.
     """
-    from pipec.runtime import checkpoint as checkpoints
-    from pipec.runtime.worker import saves_after, step_line
-
     program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
-    ring = program.rings
-    check_ring_model(spec, config, program)
-    positions = token_positions(ring, rank, config.seq_len).to(device)
+    declared = check_ring_model(spec, config, program, run.model)
+    context = RingContext(program, rank, timeout=run.timeout)
+    if run.trace and device.type == "cuda":
+        context.synchronize = torch.cuda.synchronize
+    if plan.inject:
+        worker.plant_injection(context, plan.inject)
+    positions = token_positions(program.rings, rank, declared.seq_len).to(device)
     # one whole batch a step (N = 1), the same on every rank: each keeps its tokens of it
     data = BatchSource(spec, config, run.seed, 1, data_needs(program, rank), name=run.model)
     model = spec.build_model(config, run.seed).to(device)
@@ -163,34 +166,63 @@ def train_ring(plan, rank: int, world: int, device) -> list[float]:
         checkpoints.load_optimizer_state(optimizer, names, resumed.optimizer)
         data.restore(resumed.data)
         first, plan.checkpoint = resumed.step + 1, None
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    others = tuple(r for r in range(world) if r != rank)
+    step = _RingTraining(plan, context, model, optimizer, positions, device, world)
     dist.barrier()
+    t0 = perf_counter()
     losses: list[float] = []
+    recorded: list[list] = []
     for iteration in range(first, run.steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        (inputs,), (targets,) = data.batch(iteration - 1)
-        tokens = targets.numel()  # the global batch's: every rank's losses sum to its mean
-        inputs, targets = inputs.to(device)[:, positions], targets.to(device)[:, positions]
-        attend = ring_attend(program, rank, timeout=run.timeout, iteration=iteration)
-        with plan.precision.autocast(device):
-            logits = model(inputs, positions=positions, attend=attend)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                   reduction="sum") / tokens
-        loss.backward()
-        total = _all_reduce_gradients(parameters, loss.detach(), run.timeout,
-                                      comm.Site(rank, len(program.ranks[rank]), "the step's gradient all-reduce",
-                                                others, iteration))
-        norm = None
-        if run.clip_grad_norm is not None:  # every replica holds the whole summed gradient: no message
-            norm = torch.nn.utils.clip_grad_norm_(parameters, run.clip_grad_norm).item()
-        optimizer.step()
+        context.events = [] if run.trace else None
+        total, norm = step.run(data.batch(iteration - 1), iteration)
+        if run.trace:
+            recorded.append(context.events)
         if rank == 0:
             losses.append(total)
-            print(step_line(iteration, total, norm), flush=True)
-        if saves_after(run, iteration) and rank == 0:  # every rank holds the same replica: rank 0's is the model
+            print(worker.step_line(iteration, total, norm), flush=True)
+        if worker.saves_after(run, iteration) and rank == 0:  # every rank holds the same replica: rank 0's
             _save(plan, model, optimizer, names, data.state_after(iteration), world, iteration)
+    if run.trace:
+        worker.write_trace(run, context, recorded, t0, world)
     return losses
+
+
+class _RingTraining:
+    """One rank's training step of a ring program: the model on its tokens, attention through the ring."""
+
+    def __init__(self, plan, context: RingContext, model, optimizer, positions: torch.Tensor, device, world: int):
+        self.plan, self.context, self.model, self.optimizer = plan, context, model, optimizer
+        self.positions, self.device = positions, device
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.others = tuple(r for r in range(world) if r != context.rank)
+
+    def run(self, batch, iteration: int) -> tuple[float, float | None]:
+        """Train on ``batch`` (one whole microbatch); returns (the ranks' summed loss, the gradient norm
+        before clipping or None). The step's end (all-reduce, clipping, optimizer) is the trace's
+        instruction ``len(row)``, as every family's optimizer step."""
+        spec, run, context, positions = self.plan.spec, self.plan.run, self.context, self.positions
+        self.optimizer.zero_grad(set_to_none=True)
+        (inputs,), (targets,) = batch
+        share = positions.numel() / targets.shape[1]  # a mean over this rank's tokens, scaled to the batch's
+        inputs, targets = inputs.to(self.device)[:, positions], targets.to(self.device)[:, positions]
+        attend = ring_attend(context, iteration)
+        with self.plan.precision.autocast(self.device):
+            out = self.model(inputs, positions=positions, attend=attend)
+            loss = spec.loss_fn(out, targets) * share
+        loss.backward()
+        start = perf_counter()
+        end = len(context.row)
+        total = _all_reduce_gradients(self.parameters, loss.detach(), run.timeout,
+                                      comm.Site(context.rank, end, "the step's gradient all-reduce", self.others,
+                                                iteration))
+        norm = None
+        if run.clip_grad_norm is not None:  # every replica holds the whole summed gradient: no message
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters, run.clip_grad_norm).item()
+        self.optimizer.step()
+        if context.synchronize is not None:
+            context.synchronize()
+        if context.events is not None:
+            context.events.append((end, start, perf_counter(), 0.0))
+        return total, norm
 
 
 def _all_reduce_gradients(parameters, loss: torch.Tensor, timeout: float, site: comm.Site) -> float:
@@ -218,16 +250,35 @@ def _all_reduce_gradients(parameters, loss: torch.Tensor, timeout: float, site: 
 def _save(plan, model, optimizer, names: dict, data_state: dict, world: int, iteration: int) -> None:
     """Write the checkpoint after step ``iteration`` from this rank's replica (``checkpoint.write_checkpoint``),
     with the data position ``data_state``."""
-    from pipec.runtime import checkpoint
-    from pipec.runtime.worker import checkpoint_meta
-
-    path = checkpoint.checkpoint_path(plan.run.save, iteration)
-    checkpoint.write_checkpoint(
+    path = checkpoints.checkpoint_path(plan.run.save, iteration)
+    checkpoints.write_checkpoint(
         path, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()},
-        checkpoint.named_optimizer_state(optimizer, names), step=iteration, seed=plan.run.seed,
-        data=data_state, meta=checkpoint_meta(plan.program, world, plan.precision))
+        checkpoints.named_optimizer_state(optimizer, names), step=iteration, seed=plan.run.seed,
+        data=data_state, meta=worker.checkpoint_meta(plan.program, world, plan.precision))
     print(f"saved: {path}", flush=True)
 
 
-__all__ = ["RingAttentionFunction", "check_ring_model", "check_ring_options", "ring_attend", "token_positions",
-           "train_ring"]
+class SequenceRings(RuntimeFamily):
+    """The sequence-ring family's runtime hooks: its table, its model check, its training loop."""
+
+    name = ops.SEQUENCE_RING
+    label = "sequence-ring"
+    handlers = HANDLERS
+    part_posters = PART_POSTERS
+    passes_activations = False
+    runs_chunks = False
+    takes_partition = False
+    reads_whole_batch = True
+
+    def check_model(self, spec, config, program, name: str) -> None:
+        check_ring_model(spec, config, program, name)
+
+    def train(self, plan, rank: int, world: int, device) -> list[float]:
+        return train_ring(plan, rank, world, device)
+
+
+FAMILY = register(SequenceRings(), RingPlan)
+
+
+__all__ = ["FAMILY", "RingAttentionFunction", "SequenceRings", "check_ring_model", "ring_attend", "ring_model",
+           "token_positions", "train_ring"]

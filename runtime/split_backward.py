@@ -4,30 +4,14 @@ A B does two things at once: it carries the output gradient back to the
 stage's input (what the previous stage waits for) and, on the way, into every
 parameter. Zero-bubble schedules run the first part as I and delay the second
 as W. Running W as a second backward from the stage's output would walk the
-whole input path again, so that I + W costs about 1.5 B. Instead:
-
-* I walks the autograd graph once (no compute) and finds the *branch nodes*:
-  the nodes on the path from the stage's input to its output where a path to
-  a parameter leaves it (for ``x @ W.T`` the matmul's backward, whose other
-  input leads through a transpose to W's accumulator). It hooks them, computes
-  the input gradient with the graph kept, and so records the gradient that
-  arrived at each branch node.
-* W starts from those recorded gradients and asks autograd for the
-  parameters only, one branch group at a time, so autograd computes only the
-  parameter branches (for a matmul: the weight's product, not the input's
-  again).
-
-A parameter used at several places along the input path (a shared weight)
-has a branch node at each. W then also walks the input path between them,
-which it cannot tell autograd to skip, with the incoming gradients of those
-nodes pinned to what I recorded so that nothing counts twice: exact, only not
-the short path.
-
-A stage may read several input tensors and make several outputs (a
-payload: ``runtime/payload.py``); the input path is then the union of the
-paths from every input that carries a gradient to any output. A stage with
-no such input (a pipeline's first stage) has no input path: I has nothing to
-compute, and W is the whole backward into the parameters.
+whole input path again, so that I + W costs about 1.5 B. Instead
+``input_grad`` (I) walks the graph once, records the gradient arriving at each
+*branch node* (where a path to a parameter leaves the input path) and returns
+the input gradient with a ``PendingWeightGrad``; ``weight_grad`` (W) computes
+from those records only the parameter branches. The result is exact, shared
+weights and several inputs or outputs (payloads) included; each function's
+docstring says how, and docs/runtime.md, "Split backward (I and W)", what it
+costs.
 
 The idea is the one of torch.distributed.pipelining's ``stage_backward_input``
 and ``stage_backward_weight``; this is an independent implementation of it.
@@ -139,6 +123,16 @@ def _branch_groups(outputs: list[torch.Tensor], leaves: list[torch.Tensor],
 def input_grad(output, output_grad, leaf, params: Sequence[torch.Tensor]):
     """I: the gradient of the stage's input(s), and what W needs.
 
+    Walks the autograd graph once (no compute) to find the *branch nodes*: the nodes on the
+    path from the stage's input to its output where a path to a parameter leaves it (for
+    ``x @ W.T`` the matmul's backward, whose other input leads through a transpose to W's
+    accumulator). It hooks them, computes the input gradient with the graph kept, and so
+    records the gradient that arrived at each branch node. A stage may read several input
+    tensors and make several outputs (a payload: ``runtime/payload.py``); the input path is
+    then the union of the paths from every input that carries a gradient to any output. A
+    stage with no such input (a pipeline's first stage) has no input path: I has nothing to
+    compute, and W is the whole backward into the parameters.
+
     Args:
         output: the stage's output tensor (or its scalar loss, then ``output_grad``
             is None), or a sequence of output tensors.
@@ -179,7 +173,15 @@ def _recorder(slots: list, i: int):
 
 
 def weight_grad(pending: PendingWeightGrad) -> None:
-    """W: accumulate the stage's weight gradients into each parameter's ``.grad``."""
+    """W: accumulate the stage's weight gradients into each parameter's ``.grad``.
+
+    Starts from the gradients I recorded and asks autograd for the parameters only, one branch
+    group at a time, so autograd computes only the parameter branches (for a matmul: the
+    weight's product, not the input's again). A parameter used at several places along the
+    input path (a shared weight) has a branch node at each; W then also walks the input path
+    between them, which it cannot tell autograd to skip, with the incoming gradients of those
+    nodes pinned to what I recorded so that nothing counts twice: exact, only not the short path.
+    """
     if pending.outputs:
         torch.autograd.backward(pending.outputs, pending.output_grads, inputs=list(pending.params))
         return

@@ -6,7 +6,9 @@ trace-event format's complete events (``"ph": "X"``, microseconds from a common
 ``t0`` taken right after a barrier, ``pid`` = rank, ``tid`` = 0, ``name`` = the
 instruction's text). A compute that waited for its inputs gets a nested
 ``wait`` slice over its first ``waited`` seconds, so the compute's own time is
-the rest (``args.compute_us``); ``write_chrome_trace`` writes every rank's events as one
+the rest (``args.compute_us``). A record may name the call it ran in (a
+sequence ring runs its list once per attention call: ``attention 3's
+forward``), kept as ``args.call``. ``write_chrome_trace`` writes every rank's events as one
 ``{"traceEvents": [...]}`` file that chrome://tracing and ui.perfetto.dev open.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ OPTIMIZER_NAME = "optimizer step"
 def chrome_events(
     rank: int,
     row: Sequence[Action],
-    steps: Iterable[Sequence[tuple[int, float, float, float]]],
+    steps: Iterable[Sequence[tuple]],
     t0: float,
 ) -> list[dict]:
     """One rank's trace events.
@@ -36,23 +38,27 @@ def chrome_events(
     Args:
         rank: the rank (the trace's pid).
         row: the rank's instruction list; index ``len(row)`` is the optimizer step.
-        steps: per training step, its (index, start, end, waited) records.
+        steps: per training step, its (index, start, end, waited) records, each optionally followed
+            by the call it ran in (a ring's ``attention 3's forward``).
         t0: the common origin, perf_counter seconds.
     Returns:
         complete events with name, cat, ph, pid, tid, ts, dur (microseconds) and
-        args {step (from 1), index, op, wait_us, compute_us}; after a compute
+        args {step (from 1), index, op, wait_us, compute_us, and call when the record names one}; after a compute
         that waited, its nested "wait" event (cat "wait").
     """
     names = [action.text() for action in row] + [OPTIMIZER_NAME]
     ops = [action.op for action in row] + ["OPTIMIZER"]
     out = []
     for iteration, records in enumerate(steps, start=1):
-        for index, start, end, waited in records:
+        for record in records:
+            index, start, end, waited = record[:4]
             op = ops[index]
             category = _CATEGORY.get(op, "other")
             ts = round((start - t0) * 1e6, 3)
             args = {"step": iteration, "index": index, "op": op, "wait_us": round(waited * 1e6, 3),
                     "compute_us": round((end - start - waited) * 1e6, 3)}
+            if len(record) > 4:
+                args["call"] = record[4]
             out.append({"name": names[index], "cat": category, "ph": "X", "pid": rank, "tid": 0,
                         "ts": ts, "dur": round((end - start) * 1e6, 3), "args": args})
             if waited > 0 and category == "compute":

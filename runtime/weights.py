@@ -7,36 +7,11 @@ them, stage ``s`` computing layer ``program.stages[s].position``. What moves
 is a layer's weights, to the ranks that run it, and its weight gradient, back
 to the layer's owner (``WeightPlan.owners``; under ``all_gather`` every rank
 keeps a 1/P shard of every layer instead). This module is the interpreter's
-part for that family, mirroring the symbolic executor op for op:
+part for that family, mirroring the symbolic executor op for op.
 
-* ``make_weight_context`` (once per run): the modules of every layer (each
-  rank builds every chunk; they are tiny here, and a production version would
-  build the layers it only borrows on the meta device), each layer's *flat
-  layout* (its trainable parameters concatenated in ``module.parameters()``
-  order, the same on every rank), the masters this rank keeps (the owned
-  layers' own parameters, or under ``all_gather`` its shard of each layer's
-  flat vector padded to a multiple of P) with ``.grad`` bound to flat buffers,
-  the communicators (``comm.communicator_groups``) and, for a ring, what the
-  successor's ring steps take.
-* ``WeightStep`` (once per training step): the copies of layers this rank
-  holds (``("W", layer, step)`` delivered by RECV_W, BCAST_W or ALLGATHER_W;
-  ``(pass, step)`` ring slots), its gradient accumulators (one fp32 partial
-  per layer), the ring gradient slot, and the exchanges posted and not waited.
-* Handlers: ``F`` runs the layer with ``torch.func.functional_call`` on the
-  weights it finds (the owner's master, or the copy the program delivered)
-  without autograd, keeping only its input; ``B`` (and ``I``) recompute that
-  forward with the weights as a leaf and ask autograd for the input's and
-  the flat weights' gradients; the weight gradient is a contribution added
-  to the layer's partial (the ring gradient slot, or the accumulator). ``I``
-  stashes it and ``W`` adds it. ``EXCHANGE`` posts every part (point-to-point
-  parts in one batch per group, collectives asynchronously, local fills at
-  once) and ``EXCHANGE_WAIT`` waits for them and applies what arrived, so
-  communication overlaps the computes between the two. The posting and the
-  waiting are ``runtime/exchange.py``'s, shared with sequence rings; this
-  module gives it what each part means (``PART_POSTERS``).
-* ``finish_step``: folds what is left into the owners' accumulators and sets
-  the masters' gradients; the interpreter then steps the optimizer, which
-  holds only this rank's masters (or shards).
+The parts (the weight context once per run, the step state, the handlers,
+the end of a step) are ``WeightPassing``'s docstring, the family's hooks that
+``runtime/family.py`` registers.
 
 Everything a program that passed the checks never does (a copy missing at a
 compute, an add to a partial in flight, a ring step whose giver holds another
@@ -56,6 +31,9 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, WeightPlan
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.runtime import comm, payload
+from pipec.runtime.checkpoint import load_optimizer_state, named_optimizer_state, parameter_names
+from pipec.runtime.family import register
+from pipec.runtime.interpreter import HANDLERS as HANDLERS_OF_STAGES, ActivationPassing, Trained
 from pipec.runtime.exchange import Exchange, FaultMaker, PartHandler, check_all_waited, post_exchange, wait_exchange
 from pipec.runtime.flat import bind_flat_grads
 
@@ -801,8 +779,6 @@ def merged_state(wctx: WeightContext, gathered: list[dict]) -> dict:
 def owned_optimizer_state(wctx: WeightContext, optimizer) -> dict:
     """This rank's optimizer state for a checkpoint: named by parameter for the owned layers, or per layer
     for its shards (``{"shards": {layer: {key: value}}}``, joined by ``merged_optimizer_state``)."""
-    from pipec.runtime.checkpoint import named_optimizer_state, parameter_names
-
     if not wctx.sharded:
         return named_optimizer_state(optimizer, parameter_names(wctx.modules[layer] for layer in wctx.owned))
     shards = {}
@@ -846,8 +822,6 @@ def merged_optimizer_state(wctx: WeightContext, gathered: list[dict]) -> dict:
 def restore_optimizer_state(wctx: WeightContext, optimizer, saved: dict) -> None:
     """Give this rank's optimizer the checkpoint's named state: the owned layers' parameters, or this
     rank's shard of each layer's state (the inverse of ``merged_optimizer_state``)."""
-    from pipec.runtime.checkpoint import load_optimizer_state, parameter_names
-
     if optimizer is None:
         return
     if not wctx.sharded:
@@ -871,8 +845,97 @@ def restore_optimizer_state(wctx: WeightContext, optimizer, saved: dict) -> None
     load_optimizer_state(optimizer, shard_names, by_shard)
 
 
+# ------------------------------------------------------------------ the family
+
+
+class WeightPassing(ActivationPassing):
+    """Weight passing's runtime hooks: activation passing's loop and step with this module's computes,
+    exchanges and frees, the weight context as the rank's extra state, the owners' masters trained,
+    clipped and checkpointed.
+
+    * ``make_weight_context`` (once per run): the modules of every layer (each
+      rank builds every chunk; they are tiny here, and a production version would
+      build the layers it only borrows on the meta device), each layer's *flat
+      layout* (its trainable parameters concatenated in ``module.parameters()``
+      order, the same on every rank), the masters this rank keeps (the owned
+      layers' own parameters, or under ``all_gather`` its shard of each layer's
+      flat vector padded to a multiple of P) with ``.grad`` bound to flat buffers,
+      the communicators (``comm.communicator_groups``) and, for a ring, what the
+      successor's ring steps take.
+    * ``WeightStep`` (once per training step): the copies of layers this rank
+      holds (``("W", layer, step)`` delivered by RECV_W, BCAST_W or ALLGATHER_W;
+      ``(pass, step)`` ring slots), its gradient accumulators (one fp32 partial
+      per layer), the ring gradient slot, and the exchanges posted and not waited.
+    * Handlers: ``F`` runs the layer with ``torch.func.functional_call`` on the
+      weights it finds (the owner's master, or the copy the program delivered)
+      without autograd, keeping only its input; ``B`` (and ``I``) recompute that
+      forward with the weights as a leaf and ask autograd for the input's and
+      the flat weights' gradients; the weight gradient is a contribution added
+      to the layer's partial (the ring gradient slot, or the accumulator). ``I``
+      stashes it and ``W`` adds it. ``EXCHANGE`` posts every part (point-to-point
+      parts in one batch per group, collectives asynchronously, local fills at
+      once) and ``EXCHANGE_WAIT`` waits for them and applies what arrived, so
+      communication overlaps the computes between the two. The posting and the
+      waiting are ``runtime/exchange.py``'s, shared with sequence rings; this
+      module gives it what each part means (``PART_POSTERS``).
+    * ``finish_step``: folds what is left into the owners' accumulators and sets
+      the masters' gradients; the interpreter then steps the optimizer, which
+      holds only this rank's masters (or shards).
+    """
+
+    name = ops.WEIGHT_PASSING
+    label = "weight-passing"
+    handlers = {**HANDLERS_OF_STAGES, **COMPUTE_HANDLERS, **HANDLERS}
+    part_posters = PART_POSTERS
+    passes_activations = False
+    takes_partition = False
+
+    def refusal_outside(self, op: str) -> str | None:
+        if op in ops.WEIGHT_OPS:
+            return (f"'{op}' moves weights, but the program has no weight plan (owners, routes): it is not a "
+                    "weight-passing program")
+        return None
+
+    def trained(self, program, rank, stages, device, groups) -> Trained:
+        """Every layer is here but only the masters this rank keeps (the owned layers', or its shards)
+        have gradients; collective (the communicators are made here when ``groups`` is None)."""
+        context = make_weight_context(program, rank, stages, device, groups)
+        return Trained(context.grads, context.parameters(), {}, context)
+
+    def stash(self, program, stages):
+        return None  # each layer's owner steps its optimizer after the list
+
+    def start_step(self, step) -> None:
+        step.weights = WeightStep()
+
+    def finish_step(self, step, end: int) -> None:
+        finish_step(step, end)
+
+    def counted_gradients(self, context) -> list[torch.Tensor]:
+        """A layer's gradient lives on its owner only; under ``all_gather`` the shards are disjoint."""
+        return list(context.weights.grads.values())
+
+    def all_gradients(self, context) -> list[torch.Tensor]:
+        return list(context.weights.grads.values())
+
+    def checkpoint_part(self, context, stages: dict) -> dict:
+        return {"model": owned_state(context.weights),
+                "optimizer": owned_optimizer_state(context.weights, context.optimizer)}
+
+    def merged_parts(self, context, parts: list[dict]) -> tuple[dict, dict]:
+        model = merged_state(context.weights, [part["model"] for part in parts])
+        return model, merged_optimizer_state(context.weights, [part["optimizer"] for part in parts])
+
+    def restore_optimizer(self, context, stages: dict, saved: dict) -> None:
+        restore_optimizer_state(context.weights, context.optimizer, saved)
+
+
+FAMILY = register(WeightPassing(), WeightPlan)
+
+
 __all__ = [
-    "COMPUTE_HANDLERS", "HANDLERS", "LayerLayout", "PART_POSTERS", "WeightContext", "WeightStep", "finish_step",
+    "COMPUTE_HANDLERS", "FAMILY", "HANDLERS", "LayerLayout", "PART_POSTERS", "WeightContext", "WeightPassing",
+    "WeightStep", "finish_step",
     "flat_weights", "layer_layout", "make_weight_context", "merged_optimizer_state", "merged_state",
     "owned_optimizer_state", "owned_state", "params_from_flat", "restore_optimizer_state",
 ]

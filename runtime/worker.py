@@ -14,9 +14,9 @@ its microbatch losses). ``--save`` gathers the chunks' parameters to rank 0
 (one copy of replicated chunks; under weight passing each layer from its
 owner) and writes the whole model's state_dict;
 ``--trace`` gathers every instruction's timing to rank 0 as one Chrome trace.
-A sequence-ring program (``Program.rings``) trains sequence-parallel instead
-(``runtime/sequence.py``: every rank builds the whole model and runs it on its
-chunks of the sequence, attention through the ring; no ``--trace``).
+A family with its own training loop (``RuntimeFamily.train``: sequence rings,
+``runtime/sequence.py``, every rank running the whole model on its chunks of
+the sequence) trains through it instead, with the same options.
 
 A fault (a wait past ``--timeout``, a peer that died) prints
 ``rank R, step S (INSTR): waited T s for rank Q ...`` to stderr and ends the
@@ -141,16 +141,16 @@ def parse_run_config(argv: list[str] | None = None) -> RunConfig:
 def main(argv: list[str] | None = None) -> int:
     """Run the worker; returns its exit status (a fault ends the process itself)."""
     config = parse_run_config(argv)
-    _die_with_launcher()
+    die_with_launcher()
     try:
-        rank, world, local_rank = _environment()
+        rank, world, local_rank = launch_environment()
         plan = make_plan(config, world)
         # before joining: a map this node cannot honour is every rank's mistake, not a fault
         index = device_index(plan.program.devices, rank, local_rank, _node_size(world)) if config.backend == "nccl" else None
     except PipecError as error:
         sys.stderr.write(error.render() + "\n")
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: _die(f"rank {rank}: stopped by the launcher (another worker failed)"))
+    signal.signal(signal.SIGTERM, lambda *_: die(f"rank {rank}: stopped by the launcher (another worker failed)"))
     if plan.inject and plan.inject.kind == _LATE and plan.inject.rank == rank:
         time.sleep(plan.inject.index)
     with fatal_errors(rank):
@@ -173,16 +173,16 @@ def fatal_errors(rank: int) -> Iterator[None]:
     try:
         yield
     except RuntimeFault as fault:
-        _die(fault.render())
+        die(fault.render())
     except PipecError as error:
-        _die(f"rank {rank}: {error.render()}")
+        die(f"rank {rank}: {error.render()}")
     except KeyboardInterrupt:
-        _die(f"rank {rank}: interrupted", status=130)
+        die(f"rank {rank}: interrupted", status=130)
     except BaseException:  # a bug: show it, and do not hang in the process group's teardown
-        _die(f"rank {rank}: internal error\n{traceback.format_exc()}")
+        die(f"rank {rank}: internal error\n{traceback.format_exc()}")
 
 
-def _die_with_launcher() -> None:
+def die_with_launcher() -> None:
     """On Linux, ask the kernel to SIGKILL this worker when its launcher dies, so
     that a killed ``pipec run`` or torchrun leaves no worker behind."""
     try:
@@ -208,7 +208,7 @@ def end_process(status: int) -> None:
     os._exit(status)
 
 
-def _die(message: str, status: int = 1) -> None:
+def die(message: str, status: int = 1) -> None:
     try:
         sys.stdout.flush()
         sys.stderr.write(message.rstrip("\n") + "\n")
@@ -217,7 +217,7 @@ def _die(message: str, status: int = 1) -> None:
         os._exit(status)
 
 
-def _environment() -> tuple[int, int, int]:
+def launch_environment() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; alone when it is not set."""
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -293,10 +293,6 @@ def make_plan(config: RunConfig, world: int) -> Plan:
     # needs is redone then; under torchrun nothing was checked: say what is wrong before joining the group
     layouts = model_layouts(spec, model_config, program, config.seed, config.model, precision,
                             checked=bool(config.program))
-    if program.rings is not None:
-        from pipec.runtime.sequence import check_ring_options
-
-        check_ring_options(config, program)
     from pipec.runtime.stash import check_update_options
 
     check_update_options(config, program)
@@ -360,10 +356,11 @@ def run_precision(config: RunConfig):
 def model_layouts(spec, config, program, seed: int, name: str, precision=None, *, checked: bool = False):
     """Check that the model fits the program, and what each chunk hands the next.
 
-    The built-in model's layers must split into the program's chunks; a
-    sequence-ring program must be able to train the model
-    (``sequence.check_ring_model``: the built-in model, a causal mask, a
-    ``seq_len`` its chunks and pieces cut). Then ``runtime.model.check_model_cut``
+    The program's family checks the model first (``RuntimeFamily.check_model``:
+    a sequence ring, ``sequence.check_ring_model``, needs a spec that declares
+    ``ring_model``, the model's mask, a ``seq_len`` its chunks and pieces cut).
+    In a family that runs the model cut into chunks, the built-in model's
+    layers must split into the program's chunks. Then ``runtime.model.check_model_cut``
     builds chunk 0 and runs it on one microbatch (and, when the spec declares
     no ``activation_shape``, runs that microbatch on through the chunks to
     find each boundary's layout).
@@ -373,25 +370,25 @@ def model_layouts(spec, config, program, seed: int, name: str, precision=None, *
             run``): a declared layout is taken as it is, without running chunk 0 again.
     Returns:
         chunk position c -> the ``payload.Layout`` of chunk c's output; None
-        for a weight-passing program (its activations never leave their rank)
-        and for a sequence ring.
+        in a family whose activations never leave their rank (weight passing)
+        or that runs no chunks (a sequence ring).
     Raises:
         UsageError: ``model spec NAME: ...``, naming the function at fault, or the cut.
     """
     from pipec.runtime.data import batch_microbatches
+    from pipec.runtime.family import runtime_family
     from pipec.runtime.model import ModelConfig, check_model_cut, chunk_layers
 
-    if program.rings is not None:
-        from pipec.runtime.sequence import check_ring_model
-
-        check_ring_model(spec, config, program)
+    family = runtime_family(program)
+    family.check_model(spec, config, program, name)
+    if not family.runs_chunks:
         return None
     if isinstance(config, ModelConfig):
         try:  # the cut must be even: say so before joining the group
             chunk_layers(config, 0, program.num_chunks)
         except UsageError as error:
             raise UsageError(f"{error} (--config layers=N sets the model's layer count)") from None
-    passes = program.weights is None
+    passes = family.passes_activations
     declared = _declared_layout(spec, config) if passes else None
     if checked and (declared is not None or not passes):
         return [declared] * (program.num_chunks - 1) if passes else None
@@ -588,13 +585,13 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     from pipec.runtime import comm
     from pipec.runtime.data import BatchSource, data_needs
     from pipec.runtime.checkpoint import load_modules, restore_optimizer
+    from pipec.runtime.family import runtime_family
     from pipec.runtime.interpreter import make_context, run_step, stage_modules
 
     program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
-    if program.rings is not None:  # sequence parallel: every rank runs the whole model on its tokens
-        from pipec.runtime.sequence import train_ring
-
-        return train_ring(plan, rank, world, device)
+    family = runtime_family(program)
+    if family.train is not None:  # the family's own loop (a sequence ring: the whole model on every rank)
+        return family.train(plan, rank, world, device)
     stages = stage_modules(program, rank,
                            lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, run.seed).to(device))
     checkpoint = plan.checkpoint
@@ -607,8 +604,8 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         precision=plan.precision, device=device, backend=run.backend, timeout=run.timeout, synchronize=synchronize,
         clip_grad_norm=run.clip_grad_norm,
     )
-    if plan.inject and plan.inject.kind != _LATE:
-        _inject(context, plan.inject)
+    if plan.inject:
+        plant_injection(context, plan.inject)
     first = 1
     if checkpoint is not None:
         restore_optimizer(context, stages, checkpoint.optimizer)
@@ -640,7 +637,7 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         if saves_after(run, iteration):
             _save_checkpoint(plan, context, stages, data.state_after(iteration), rank, world, iteration)
     if run.trace:
-        _write_trace(run, context, recorded, t0, world)
+        write_trace(run, context, recorded, t0, world)
     return losses
 
 
@@ -686,10 +683,15 @@ def _gather(obj, rank: int, world: int):
     return out
 
 
-def _write_trace(config: RunConfig, context, recorded, t0: float, world: int) -> None:
+def write_trace(config: RunConfig, context, recorded, t0: float, world: int) -> None:
     """Gather every rank's events to rank 0 and write them, with what ran: the
     target and cost file (so that ``pipec render --trace`` compiles the same
-    program again), the schedule's name and parameters."""
+    program again), the schedule's name and parameters.
+
+    Args:
+        context: the rank's context (``rank``, ``row``, ``program``): an interpreter's or a ring's.
+        recorded: per step, its events (``runtime/trace.chrome_events``).
+    """
     from pipec.compiler.driver import lasting_target
     from pipec.runtime.trace import chrome_events, write_chrome_trace
 
@@ -724,11 +726,17 @@ def parse_injection(text: str) -> Injection:
     return injection
 
 
-def _inject(context, injection: Injection) -> None:
-    """Plant ``hang``, ``kill`` (SIGKILL itself) or ``exit`` at instruction INDEX of RANK."""
+def plant_injection(context, injection: Injection) -> None:
+    """Plant ``hang``, ``stop``, ``kill`` (SIGKILL itself) or ``exit`` at instruction INDEX of RANK's list.
+
+    Args:
+        context: the rank's context, any family's: its ``row`` (a copy of the list) gets the
+            fault's instruction, its ``handlers`` table the fault's handler.
+        injection: the fault; ``late`` (a late start, done before joining) plants nothing.
+    """
     from pipec.compiler.ir import Action
 
-    if injection.rank != context.rank:
+    if injection.kind == _LATE or injection.rank != context.rank:
         return
     op = _INJECT_OPS[injection.kind]
     context.row.insert(min(injection.index, len(context.row)), Action(-1, op))
@@ -763,13 +771,15 @@ def _kill(step, action, index) -> None:
 
 
 def _exit(step, action, index) -> None:
-    _die(f"rank {step.ctx.rank}: injected exit before instruction {index}", status=3)
+    die(f"rank {step.rank}: injected exit before instruction {index}", status=3)
 
 
 _INJECTED = {"INJECT_HANG": _hang, "INJECT_STOP": _stop, "INJECT_KILL": _kill, "INJECT_EXIT": _exit}
 
 
 __all__ = [
-    "RuntimeFault", "build_parser", "check_device_map", "compile_program", "device_index", "fatal_errors",
-    "join_group", "leave_group", "load_program", "main", "make_plan", "parse_run_config", "train",
+    "RuntimeFault", "build_parser", "check_device_map", "compile_program", "device_index", "die",
+    "die_with_launcher", "fatal_errors", "join_group", "launch_environment", "leave_group", "load_program", "main",
+    "make_plan", "parse_run_config", "plant_injection",
+    "train", "write_trace",
 ]

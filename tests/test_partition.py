@@ -62,7 +62,7 @@ def memories(layers, bounds, replicas) -> list:
 
 
 def brute_force(layers, ranks, latency, bandwidth, ar_latency, ar_bandwidth, node_size, inter, limit, replicate):
-    """Every partition, priced from the module docstring's formulas written out again here; returns
+    """Every partition, priced from docs/costs.md's formulas ("Partition it") written out again here; returns
     (time per microbatch, stage count, ((stop, replicas), ...)) of the best, or None when none fits."""
 
     def link_time(a: int, b: int, nbytes) -> float:

@@ -8,14 +8,16 @@ and P = 4, ring_attention and tasp at P = 3 (sharing one set of processes,
 pieces cut). Every parameter must come within 1e-5 and have moved, and the
 printed losses must be the reference's. Then what cannot run is refused
 before any worker starts: a full-mask ring, a ``seq_len`` the chunks do not
-cut, ``--trace``, a user's model spec. In this process: the forward/backward
-split of a ring list, and the whole model through a one-rank ring inside
-autograd.
+cut, a model spec that does not declare ``ring_model``; ``--trace`` and
+``--inject`` pass the checks (``tests/test_ring_family.py`` runs them). In
+this process: the forward/backward split of a ring list, and the whole model
+through a one-rank ring inside autograd.
 """
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from pipec.cli import main
+from pipec.commands import run as run_command
 from pipec.compiler import ops
 from pipec.compiler.driver import compile_target
 from pipec.compiler.ir import RingPlan
@@ -31,7 +34,7 @@ from pipec.errors import UsageError
 from pipec.runtime import worker
 from pipec.runtime.model import ModelConfig, build_model, loss_fn
 from pipec.runtime.reference import reference_run
-from pipec.runtime.rings import RingAttention, _RingRank, forward_end, run_ring_attention
+from pipec.runtime.rings import RingAttention, RingContext, forward_end, run_ring_attention
 from pipec.runtime.sequence import ring_attend
 from runtime_util import assert_same_parameters, launch_batch
 
@@ -126,20 +129,30 @@ def test_a_sequence_length_the_chunks_do_not_cut_names_both_numbers(capsys, no_l
     assert "seq_len 20" in err and "3 chunks" in err and "multiple of 3" in err, err
 
 
-def test_trace_injection_and_a_users_model_are_refused(capsys, no_launch, tmp_path, monkeypatch):
-    assert main(["run", "zigzag_ring", "-D", "P=2", "--trace", str(tmp_path / "t.json")]) == 1
-    assert "--trace is not supported for sequence-ring schedules" in capsys.readouterr().err
-    assert main(["run", "zigzag_ring", "-D", "P=2", "--inject", "hang:0:3"]) == 1
-    assert "--inject hang:0:3" in capsys.readouterr().err
+def test_trace_and_injection_pass_the_checks_and_a_model_without_ring_model_is_refused(capsys, tmp_path,
+                                                                                      monkeypatch):
+    """``--trace`` and ``--inject`` are checked as for every schedule and reach the launch; a spec that
+    does not declare ``ring_model`` is refused before it, naming what it lacks."""
+    launched = []
+
+    def launch(python_args, nproc, **options):
+        launched.append(python_args)
+        shutil.rmtree(options["run_dir"], ignore_errors=True)
+        return run_command.LaunchResult(True)
+    monkeypatch.setattr(run_command, "launch", launch)
+    assert main(["run", "zigzag_ring", "-D", "P=2", "--trace", str(tmp_path / "t.json")]) == 0
+    assert main(["run", "zigzag_ring", "-D", "P=2", "--inject", "hang:0:3"]) == 0
+    assert len(launched) == 2, capsys.readouterr().err
     (tmp_path / "ring_user_model.py").write_text(
         "import dataclasses\n"
         "from pipec.runtime import model\n"
-        "SPEC = dataclasses.replace(model.LLAMA, build_model=lambda config, seed: model.build_model(config, seed))\n"
+        "SPEC = dataclasses.replace(model.LLAMA, ring_model=None)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["run", "zigzag_ring", "-D", "P=2", "--model", "ring_user_model:SPEC"]) == 1
     err = capsys.readouterr().err
-    assert "trains the built-in model only" in err and "Traceback" not in err, err
+    assert "does not declare ring_model(config)" in err and "positions= and attend=" in err, err
+    assert "Traceback" not in err and len(launched) == 2, err
 
 
 def test_the_worker_refuses_the_same_under_torchrun():
@@ -160,7 +173,7 @@ def test_the_forward_half_ends_where_the_backward_starts(target, ranks):
     """Every AF and every forward KV exchange (posted and waited) before the split; every AB after it."""
     program = compile_target(target, {"P": ranks}).program
     for rank, row in enumerate(program.ranks):
-        end = forward_end(_RingRank(program, rank, 5.0, None))
+        end = forward_end(RingContext(program, rank, timeout=5.0))
         before, after = row[:end], row[end:]
         assert all(a.op != ops.AB for a in before) and all(a.op != ops.AF for a in after)
         numbers = lambda actions, op: {a.mb for a in actions if a.op == op}  # noqa: E731
@@ -194,7 +207,7 @@ def test_the_whole_model_through_a_one_rank_ring_in_autograd_matches_its_own_att
     inputs = torch.randint(config.vocab, (2, config.seq_len), generator=torch.Generator().manual_seed(1))
     targets = (inputs * 7) % config.vocab
     grads = []
-    for attend in (None, ring_attend(program, 0, timeout=5.0)):
+    for attend in (None, ring_attend(RingContext(program, 0, timeout=5.0))):
         model = build_model(config, SEED)
         positions = None if attend is None else torch.arange(config.seq_len)
         loss = loss_fn(model(inputs, positions=positions, attend=attend), targets)

@@ -1,34 +1,22 @@
 """Deadlock freedom: simulate every rank's progress under a runtime's semantics.
 
-A rank walks its list; some instructions make it wait for other ranks. An
-instruction is *posted* once its rank has reached it (and stays posted). Two
-semantics are modelled:
+``check_deadlock(program, semantics)`` proves that every rank reaches the end
+of its list, or raises ``DeadlockError`` naming every rank of the wait-for
+cycle (or of the chain that ends in an instruction that never comes), marked
+in the grid and listed in ``cycle`` as (rank, step, what it waits on). An
+instruction is *posted* once its rank has reached it, and stays posted. Two
+semantics are modelled, both stated at ``check_deadlock``'s argument:
+``"rendezvous"`` (blocking sends and receives, atomic batches: the strictest,
+which pipec's own programs must pass) and ``"async"`` (torch's runtime,
+under which imported CSVs are proved: sends never block, a receive is waited
+at the first compute that reads it).
 
-``"rendezvous"`` (the strictest; pipec's own programs must pass it)
-    A SEND or RECV waits until its counterpart is posted (NCCL's blocking
-    point-to-point). A BATCH (``batch_isend_irecv``) posts all its parts at once
-    and completes when every part's counterpart is posted. Compute, frees and
-    ALLREDUCE_WAIT never wait.
-``"async"`` (torch.distributed.pipelining's runtime, for imported CSV)
-    Sends never block and a RECV only posts; the first compute that reads a
-    received tensor waits until the matching send is posted (and can never run
-    if its receive comes later on its own rank). ``check_conflict`` proves each
-    such tensor has a receive.
-
-Under both, a collective (ALLREDUCE_GRAD) is a meeting: a rank reaching its
-k-th collective on a communicator waits until every member of that
-communicator has reached its own k-th collective there. Meetings on several
-communicators in inconsistent orders are caught this way (NCCL's warning).
-
-Counterparts are paired the way the runtime pairs them: FIFO per ordered pair
-of ranks (``check_matching`` proves the tensors agree).
-
-The simulation runs on the wait-for engine of ``compiler/waitgraph.py``:
-each rank parks on the one position it waits for. If ranks remain parked,
-the wait-for graph (each parked rank points to the rank it waits on) has a
-cycle, or a chain ending in an instruction that never comes; ``DeadlockError``
-names every member, marks them in the grid and lists them in ``cycle`` as
-(rank, step, what it waits on).
+Under both, a rank's k-th collective on a communicator (ALLREDUCE_GRAD) is a
+meeting of every member's k-th collective there, so meetings on several
+communicators in inconsistent orders are caught (NCCL's warning); and
+counterparts pair as the runtime pairs them, FIFO per ordered pair of ranks
+(``check_matching`` proves the tensors agree). The run is the wait-for engine
+of ``compiler/waitgraph.py``: each rank parks on the one position it waits for.
 """
 from __future__ import annotations
 
@@ -85,7 +73,16 @@ def check_deadlock(
         program: a program with in-range communication (``scan_messages``
             raises MatchError otherwise); under "async" its compute actions must
             be well formed too.
-        semantics: "rendezvous" or "async" (module docstring).
+        semantics: "rendezvous" (the strictest; pipec's own programs must
+            pass it): a SEND or RECV waits until its counterpart is posted
+            (NCCL's blocking point-to-point); a BATCH (``batch_isend_irecv``)
+            posts all its parts at once and completes when every part's
+            counterpart is posted; compute, frees and ALLREDUCE_WAIT never
+            wait. Or "async" (torch.distributed.pipelining's runtime, for
+            imported CSV): sends never block and a RECV only posts; the first
+            compute that reads a received tensor waits until the matching send
+            is posted (and can never run if its receive comes later on its own
+            rank; ``check_conflict`` proves each such tensor has a receive).
         log, tasks, tables: precomputed ``scan_messages``, ``locate_tasks`` and
             ``stage_tables`` results (``check_all`` shares them); computed when
             omitted.

@@ -1,37 +1,21 @@
 """Sequence rings' meaning in the one symbolic run: every block, bundle and partial tracked.
 
-``check_rings(program)`` proves a sequence-ring program (``Program.rings`` set;
-ring, zigzag, TASP attention) with the engine of ``checks/symbolic.py``, which
-matches its messages, meets its all_to_alls and names a deadlock (an
-all_to_all completes when every rank joined it; its EXCHANGE_WAIT waits for
-that). What this module adds, the meaning of the family's ops:
-
-* **Mask coverage.** Every block the mask leaves visible (a query chunk
-  against a KV piece: ``RingPlan.visible``) is computed exactly once forward
-  (AF) and once backward (AB), on the rank holding its queries; no fully
-  masked block is computed; no backward block of a query chunk runs before
-  every forward block of that chunk (its backward needs the global output and
-  log-sum-exp). ``CoverageError``.
-* **Route consistency and buffer slots.** A block finds its KV bundle on its
-  rank when it runs (its own, or one delivered by a waited exchange and not yet
-  replaced); a rank sends only bundles it holds; under ``kv again`` a
-  delivered bundle replaces the rank's previous one of its piece, which must
-  not be in flight (a stale buffer reused while its send runs: the public
-  code's silent corruption), and at most two received buffers per piece are
-  alive (the one read and the one arriving). ``RouteError``.
-* **Reduction completeness.** dQ stays on its query's rank (AB runs there);
-  each AB adds its block's dK, dV to the rank's partial of the bundle; a
-  received partial is added at its wait; a rank never sends its partial of a
-  bundle while another partial of that bundle is arriving (that one would be
-  left behind); at the end every bundle's home holds each contribution exactly
-  once and no partial is left on another rank. ``RouteError``.
-* **Matching and deadlock** are the engine's (a KV or dKV of one bundle on
-  both sides of a message; the k-th all_to_all the same on every rank; both
-  sides of a message moved alike: a send inside an all_to_all against a
-  point-to-point receive is the hang of mixed batching). ``MatchError``,
-  ``DeadlockError``.
-
-Each error names the rank, the instruction (step) and the block or bundle.
+``check_rings(program)`` proves a sequence-ring program (``Program.rings`` set:
+ring, zigzag, TASP attention) and returns its ``RingReport``. The engine of
+``checks/symbolic.py`` runs it: it matches the messages (FIFO per pair over
+kind and bundle; a send inside an all_to_all against a point-to-point receive,
+the hang of mixed batching, is a ``MatchError``), meets the all_to_alls (an
+EXCHANGE_WAIT waits until every rank joined) and names a deadlock. This module
+adds the family's meaning of its ops (``RingSemantics``): the KV bundles and
+dK, dV partials each rank holds, from which it proves mask coverage (every
+visible block, ``RingPlan.visible``, once each way on its query's rank, and a
+chunk's backward blocks after all its forward ones: they need its global
+output and log-sum-exp; ``CoverageError``), route consistency and buffer slots
+(a block finds its bundle, no buffer replaced while its send runs: the public
+code's silent corruption; ``RouteError``) and reduction completeness (every
+contribution home exactly once; ``RouteError``). docs/rings.md, section 3,
+lists every hazard; each error names the rank, the instruction (step) and the
+block or bundle.
 """
 from __future__ import annotations
 
@@ -88,6 +72,21 @@ class _Holdings:
 
 @register_semantics
 class RingSemantics(Semantics):
+    """The sequence-ring family's ops for the one prover: what each rank holds, and what each op may do with it.
+
+    * Routes and buffer slots: a block finds its KV bundle on its rank when it runs (its own, or
+      one delivered by a waited exchange and not yet replaced); a rank sends only bundles it holds;
+      under ``kv again`` a delivered bundle replaces the rank's previous one of its piece, which
+      must not be in flight (a stale buffer reused while its send runs), and at most two received
+      buffers per piece are alive (the one read and the one arriving).
+    * Reductions: dQ stays on its query's rank (AB runs there); each AB adds its block's dK, dV to
+      the rank's partial of the bundle; a received partial is added at its wait; a rank never
+      sends its partial of a bundle while another partial of that bundle is arriving (that one
+      would be left behind); at the end every bundle's home holds each contribution exactly once
+      and no partial is left on another rank.
+    * Messages: both sides carry a KV or dKV of one bundle and move it alike.
+    """
+
     family = ops.SEQUENCE_RING
     part_ops = frozenset((ops.SEND_KV, ops.RECV_KV, ops.SEND_DKV, ops.RECV_DKV, ops.ALLTOALL_KV, ops.ALLTOALL_DKV))
 

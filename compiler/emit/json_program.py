@@ -1,76 +1,22 @@
 """A ``Program`` as JSON: what ``pipec compile --format json`` writes and the runtime loads.
 
-The format, version 1::
+``program_to_json`` encodes any ``Program`` as a JSON-ready dict;
+``write_program_json`` writes the same document compactly, streamed rank by
+rank with a newline before each rank's instructions (never held whole in
+memory; its docstring says why);
+``program_from_json`` decodes and validates one. The format (version 1: the
+header, the instructions, the weight-passing and sequence-ring sections, an
+example) is described in docs/formats.md, "The JSON program".
 
-    {"format": "pipec-program", "version": 1,
-     "name": str, "params": {str: int}, "source": str,
-     "num_ranks": int, "num_microbatches": int,
-     "stages": [{"id", "rank", "pipeline", "position"}, ...],
-     "pipelines": [[stage id, ...], ...], "mb_pipeline": [pipeline, ...],
-     "devices": [device, ...] | null,
-     "communicators": [{"id", "ranks", "purpose", "key"}, ...],
-     "owners": [rank, ...] | null,
-     "weights": {"groups", "route", "ring_by", "gradients", "prefetch",
-                 "buffers", "num_steps"} | null,
-     "rings": {"chunks", "holders", "pieces", "rings", "causal", "kv", "dkv",
-               "transfer", "note"},                  (sequence rings only)
-     "weight_versions": int | null,                  (optimizer updates in the order only)
-     "ranks": [[instruction, ...], ...]}
-
-An instruction is ``{"op", "text", "stage", "mb", "peer", "parts"}``: ``op`` and
-``text`` (torch's token, e.g. ``2F0``) always; ``stage``, ``mb`` and ``peer``
-only when set (an absent one reads back as -1, the IR's "none"), and those its
-op's rule lists (``ops.OpRule.fields``) are required; ``parts``, a list of
-sends and receives, only for a ``BATCH`` (an ``EXCHANGE`` of weight passing
-holds its parts the same way; its ``mb`` and its parts' are steps and
-exchange numbers, not microbatches). ``text`` is redundant and checked on
-load: it is there for people and tools that read the file, and a hand edit that
-changes one but not the other is caught instead of silently believed.
-``communicators`` (``Program.communicators``, in creation order) may be absent,
-as in files written before it existed: the program then derives them.
-``owners`` (the owner rank of each layer) and ``weights`` (the rest of
-``Program.weights``) are null for activation passing, and may be absent.
-``params`` values are integers or booleans (a ring schedule's ``causal``).
-``weight_versions`` (``Program.weight_versions``: the most versions of a
-stage's weights a program with optimizer updates ``U`` may keep, null for as
-many as it needs) is written only when it is not 1, and absent reads as 1.
-
-``rings`` is ``Program.rings`` (a ``RingPlan``) of a sequence-ring program
-(ring, zigzag, TASP attention) and is written only for one: absent (or null)
-means another family, so their files are as before. Its fields: ``chunks`` (C,
-1..``dsl.limits.MAX_CHUNKS``), ``holders`` (chunk -> rank, every rank holding
-C / P chunks), ``pieces`` (>= 1), ``rings`` (a non-empty list of rings, each
-every rank once), ``causal`` (a boolean), ``kv`` / ``dkv`` / ``transfer``
-(``ir.KV_ROUTES``, ``ir.DKV_ROUTES``, ``ir.TRANSFERS``) and ``note`` (a
-string). The rest of the header must say what ``lower_rings.ring_program``
-makes of the plan: stage c is query chunk c on ``holders[c]``, the blocks
-(``chunks * pieces``; at most ``dsl.limits.MAX_TASKS`` attention tasks) are
-the microbatches, ``weights`` is null, and ``communicators``, when given,
-include one of every rank (``WORLD``: the all_to_all meets there). A ring
-program holds only its family's instructions and the exchanges (``AF``,
-``AB``, ``EXCHANGE``, ``EXCHANGE_WAIT``), and another program none of them.
-An ``EXCHANGE``'s parts are ``SEND_KV``, ``RECV_KV``, ``SEND_DKV``,
-``RECV_DKV`` (``stage`` the holder rank of the bundle, ``mb`` its piece) or an
-``ALLTOALL_KV`` / ``ALLTOALL_DKV`` holding such sends and receives as its own
-``parts``: the one place parts nest two deep (a ``BATCH`` holds no
-all_to_all, an all_to_all no other). A field a ring instruction's rule does
-not list must be absent (or -1). For example (zigzag, P = 2)::
-
-    "rings": {"chunks": 4, "holders": [0, 1, 1, 0], "pieces": 1, "rings": [[0, 1]],
-              "causal": true, "kv": "again", "dkv": "behind", "transfer": "all_to_all", "note": ""}
-    {"op": "EXCHANGE", "text": "((0SEND_KV0;1RECV_KV0)ALLTOALL_KV0)EXCHANGE0", "mb": 0,
-     "parts": [{"op": "ALLTOALL_KV", "text": "(0SEND_KV0;1RECV_KV0)ALLTOALL_KV0", "mb": 0,
-                "parts": [{"op": "SEND_KV", "text": "0SEND_KV0", "stage": 0, "mb": 0, "peer": 1},
-                          {"op": "RECV_KV", "text": "1RECV_KV0", "stage": 1, "mb": 0, "peer": 1}]}]}
-
-``pipec compile`` writes it with ``write_program_json``: compact, streamed
-rank by rank, a newline before each rank's instructions (the same document as
-``program_to_json``, never held whole in memory).
-
-``program_from_json(program_to_json(p)) == p`` for every program. Loading
-validates structure and ranges and reports the first problem as an
-``ImportError_`` (at ``rank R, step S`` for an instruction); the semantic
-checks (dataflow, matching, deadlock) stay in ``pipec.compiler.checks``.
+Guarantees: ``program_from_json(program_to_json(p)) == p`` for every program.
+Loading validates structure and ranges (every field an op's rule lists, every
+index in range, each family's section consistent with its instructions) and
+reports the first problem as an ``ImportError_``, at ``rank R, step S`` for an
+instruction; the semantic checks (dataflow, matching, deadlock) stay in
+``pipec.compiler.checks``. Each instruction's ``text`` (torch's token) is
+redundant and checked on load: it is there for people and tools that read the
+file, and a hand edit that changes one but not the other is caught instead of
+silently believed.
 """
 from __future__ import annotations
 
@@ -79,25 +25,11 @@ from typing import Any, TextIO
 
 from pipec.compiler import ops
 from pipec.compiler.guarded_read import INT_LIMIT, quote
-from pipec.compiler.ir import (
-    DKV_ROUTES,
-    GRADIENT_ROUTES,
-    KV_ROUTES,
-    NO_PEER,
-    TRANSFERS,
-    WEIGHT_ROUTES,
-    WORLD,
-    Action,
-    Communicator,
-    Placement,
-    Program,
-    RingPlan,
-    StageInfo,
-    WeightPlan,
-)
+from pipec.compiler.guarded_read import read_int_list as _read_int_list
+from pipec.compiler.ir import NO_PEER, Action, Communicator, Placement, Program, StageInfo, build_program
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; these passes build hundreds of thousands of acyclic ones.
-from pipec.compiler.family import families_of
+from pipec.compiler.family import all_families, families_of
 from pipec.compiler.gc_pause import paused_gc
 from pipec.errors import ImportError_
 
@@ -137,10 +69,9 @@ _SUBSTEPS = frozenset(ops.SUBSTEP_OPS)
 # Weight passing's ops (and the exchanges sequence rings share) number steps
 # and exchanges in ``mb``, not microbatches.
 _STEP_NUMBERED = frozenset(ops.WEIGHT_OPS)
-# The instructions of a sequence-ring program: its family's, and the exchanges
-# that post and wait its parts. No other program may hold the family's ops.
+# A sequence ring's ops, for the message naming one in another program (which
+# program may hold which ops: ``Family.instruction_bounds``).
 _RING_FAMILY = frozenset(op for op, rule in ops.RULES.items() if rule.family == ops.SEQUENCE_RING)
-_RING_PROGRAM_OPS = _RING_FAMILY | frozenset(ops.EXCHANGE_OPS) | frozenset(ops.EXCHANGE_WAIT_OPS)
 ops.declare_pass("json program", _REQUIRED_FIELDS)
 # What collectives' communicators may be for (``ops.OpRule.communicator``).
 _PURPOSES = tuple(dict.fromkeys(rule.communicator for rule in ops.RULES.values() if rule.communicator
@@ -322,44 +253,27 @@ def program_from_json(data: dict) -> Program:
         raise ImportError_(f"\"mb_pipeline\" has {len(mb_pipeline)} entries for {num_microbatches} microbatches")
     devices = _read_devices(data, num_ranks)
     communicators = _read_communicators(data, stages, num_ranks)
-    if data.get("rings") is not None and data.get("weights") is not None:
-        raise ImportError_("a program has one family: \"rings\" (a sequence ring) and \"weights\" (weight passing) "
-                           "cannot both be set")
-    weights = _read_weights(data, num_ranks, len(pipelines[0]) if pipelines else 0)
-    rings = _read_rings(data, num_ranks, stages, num_microbatches, weights)
-    if rings is not None and communicators and not any(
-            c.purpose == WORLD and c.ranks == tuple(range(num_ranks)) for c in communicators):
-        raise ImportError_(f"communicators: a sequence ring's all_to_all meets every rank, but none of the "
-                           f"{len(communicators)} communicators is {WORLD!r} over all {num_ranks} ranks")
+    header = {"num_ranks": num_ranks, "num_microbatches": num_microbatches, "stages": stages, "pipelines": pipelines,
+              "communicators": communicators}
+    plans = [(family, plan) for family in all_families()  # each family reads its own fields
+             for plan in (family.plan_from_json(data, header),) if plan is not None]
     weight_versions = data.get("weight_versions", 1)
     if weight_versions is not None and (type(weight_versions) is not int or weight_versions < 1):
         raise ImportError_(f"field \"weight_versions\" must be a positive integer or null, got {quote(weight_versions)}")
     raw_ranks = _get(data, "ranks", list)
     if len(raw_ranks) != num_ranks:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
-    limits = _op_limits(len(stages), num_microbatches, num_ranks, rings, any(s.placement for s in stages))
+    limits = _op_limits(len(stages), num_microbatches, num_ranks, plans or [(all_families()[0], None)],
+                        any(s.placement for s in stages))
     ranks = []
     with paused_gc():
         for r, row in enumerate(raw_ranks):
             if not isinstance(row, list):
                 raise ImportError_(f"rank {r}'s instructions must be a list", rank=r)
             ranks.append(_read_row(row, r, limits, raw_ranks))
-    return Program(
-        name=name,
-        num_ranks=num_ranks,
-        num_microbatches=num_microbatches,
-        stages=stages,
-        pipelines=pipelines,
-        mb_pipeline=mb_pipeline,
-        ranks=ranks,
-        params=dict(params),
-        devices=devices,
-        source=source,
-        communicators=communicators,
-        weights=weights,
-        rings=rings,
-        weight_versions=weight_versions,
-    )
+    return build_program(name, num_ranks, num_microbatches, stages, pipelines, mb_pipeline, ranks,
+                         plans=[plan for _, plan in plans], params=dict(params), devices=devices, source=source,
+                         communicators=communicators, weight_versions=weight_versions)
 
 
 def _check_format(data) -> None:
@@ -399,14 +313,6 @@ def _get_int(data: dict, key: str, low: int) -> int:
     if value < low:
         raise ImportError_(f"field \"{key}\" must be at least {low}, got {value}")
     return value
-
-
-def _read_int_list(values: list, what: str, bound: int | None) -> list[int]:
-    for i, v in enumerate(values):
-        if type(v) is not int or v < 0 or (bound is not None and v >= bound):
-            limit = f" in 0..{bound - 1}" if bound is not None else " >= 0"
-            raise ImportError_(f"\"{what}\"[{i}] must be an integer{limit}, got {quote(v)}")
-    return list(values)
 
 
 def _read_stages(raw: list, num_ranks: int) -> list[StageInfo]:
@@ -514,141 +420,30 @@ def _check_placements(stages: list[StageInfo], communicators: list[Communicator]
                                f"on a communicator of exactly its members ({ops.STAGE_GROUP!r})")
 
 
-def _read_weights(data: dict, num_ranks: int, num_layers: int) -> WeightPlan | None:
-    """``Program.weights`` from ``owners`` and ``weights`` (both null or absent for activation passing)."""
-    raw, owners = data.get("weights"), data.get("owners")
-    if raw is None:
-        if owners is not None:
-            raise ImportError_("field \"owners\" needs \"weights\" (a weight-passing program has both)")
-        return None
-    if not isinstance(raw, dict):
-        raise ImportError_("field \"weights\" must be an object or null")
-    if owners is not None:
-        if not isinstance(owners, list) or len(owners) != num_layers:
-            raise ImportError_(f"field \"owners\" must list the owner rank of each of the {num_layers} layers")
-        owners = tuple(_read_int_list(owners, "owners", num_ranks))
-    groups = raw.get("groups")
-    if not isinstance(groups, list) or len(groups) != num_ranks:
-        raise ImportError_(f"weights.groups must list the group of each of the {num_ranks} ranks")
-    groups = tuple(_read_int_list(groups, "weights.groups", num_ranks))
-    route, gradients = raw.get("route"), raw.get("gradients")
-    if route not in WEIGHT_ROUTES:
-        raise ImportError_(f"weights.route is {route!r}; known: {', '.join(WEIGHT_ROUTES)}")
-    if gradients not in GRADIENT_ROUTES:
-        raise ImportError_(f"weights.gradients is {gradients!r}; known: {', '.join(GRADIENT_ROUTES)}")
-    if (owners is None) != (route == "all_gather"):
-        raise ImportError_("\"owners\" is null exactly when weights.route is all_gather (every rank keeps a shard)")
-    numbers = {}
-    for key, low in (("ring_by", None), ("prefetch", 0), ("num_steps", 0)):
-        value = raw.get(key)
-        if type(value) is not int or (low is not None and value < low):
-            raise ImportError_(f"weights.{key} must be an integer{'' if low is None else f' >= {low}'}, got {value!r}")
-        numbers[key] = value
-    buffers = raw.get("buffers")
-    if buffers is not None and (type(buffers) is not int or buffers < 1):
-        raise ImportError_(f"weights.buffers must be a positive integer or null, got {buffers!r}")
-    return WeightPlan(owners, groups, route, numbers["ring_by"], gradients, numbers["prefetch"], buffers,
-                      numbers["num_steps"])
-
-
-def _read_rings(data: dict, num_ranks: int, stages: list[StageInfo], num_microbatches: int,
-                weights: WeightPlan | None) -> RingPlan | None:
-    """``Program.rings`` from ``rings`` (absent or null for the other families), checked against the header."""
-    raw = data.get("rings")
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ImportError_("field \"rings\" must be an object or null")
-    if weights is not None:  # program_from_json says so before reading the weights
-        raise ImportError_("a program has one family: \"rings\" and \"weights\" cannot both be set")
-    # the language's bounds (imported here: the other families never load the front end for them)
-    from pipec.dsl.limits import MAX_CHUNKS, MAX_TASKS
-
-    chunks = raw.get("chunks")
-    if type(chunks) is not int or not 1 <= chunks <= MAX_CHUNKS:
-        raise ImportError_(f"rings.chunks must be an integer in 1..{MAX_CHUNKS:,}, got {quote(chunks)}")
-    holders = raw.get("holders")
-    if not isinstance(holders, list) or len(holders) != chunks:
-        raise ImportError_(f"rings.holders must list the rank holding each of the {chunks} chunks")
-    holders = tuple(_read_int_list(holders, "rings.holders", num_ranks))
-    counts = [0] * num_ranks
-    for rank in holders:
-        counts[rank] += 1
-    if chunks % num_ranks or any(count != chunks // num_ranks for count in counts):
-        rank = min(range(num_ranks), key=counts.__getitem__)
-        raise ImportError_(f"rings.holders: rank {rank} holds {counts[rank]} of the {chunks} chunks, but every one "
-                           f"of the {num_ranks} ranks holds the same share of the sequence")
-    causal = raw.get("causal")
-    if type(causal) is not bool:
-        raise ImportError_(f"rings.causal must be true or false, got {quote(causal)}")
-    pieces = raw.get("pieces")
-    if type(pieces) is not int or pieces < 1:
-        raise ImportError_(f"rings.pieces must be an integer >= 1, got {quote(pieces)}")
-    pairs = chunks * (chunks + 1) // 2 if causal else chunks * chunks
-    if 2 * pairs * pieces > MAX_TASKS:
-        raise ImportError_(f"rings: {chunks} chunks of {pieces:,} pieces are {2 * pairs * pieces:,} attention tasks "
-                           f"(a forward and a backward per visible block); pipec's limit is {MAX_TASKS:,}")
-    rings = raw.get("rings")
-    if not isinstance(rings, list) or not rings:
-        raise ImportError_("rings.rings must be a non-empty list of rings, each listing every rank once")
-    everyone = list(range(num_ranks))
-    for i, ring in enumerate(rings):
-        if not isinstance(ring, list) or len(ring) != num_ranks or any(type(r) is not int for r in ring) \
-                or sorted(ring) != everyone:
-            raise ImportError_(f"rings.rings[{i}] must list each of the {num_ranks} ranks once (a ring over "
-                               f"every rank), got {quote(ring)}")
-    routes = {}
-    for key, known in (("kv", KV_ROUTES), ("dkv", DKV_ROUTES), ("transfer", TRANSFERS)):
-        value = raw.get(key)
-        if type(value) is not str or value not in known:
-            raise ImportError_(f"rings.{key} is {quote(value)}; known: {', '.join(known)}")
-        routes[key] = value
-    note = raw.get("note", "")
-    if not isinstance(note, str):
-        raise ImportError_(f"rings.note must be a string, got {quote(note)}")
-    # what lower_rings.ring_program makes of the plan: the checks and the simulator count on it
-    if len(stages) != chunks:
-        raise ImportError_(f"a sequence ring's stages are its query chunks: {chunks} chunks, but {len(stages)} stages")
-    for info in stages:
-        if info.rank != holders[info.id]:
-            raise ImportError_(f"stage {info.id} (query chunk {info.id}) is on rank {info.rank}, but "
-                               f"rings.holders[{info.id}] is {holders[info.id]}")
-    if num_microbatches != chunks * pieces:
-        raise ImportError_(f"a sequence ring's microbatches are its blocks, chunks x pieces = {chunks * pieces:,}; "
-                           f"\"num_microbatches\" is {num_microbatches:,}")
-    return RingPlan(chunks, holders, pieces, tuple(tuple(ring) for ring in rings), causal, routes["kv"],
-                    routes["dkv"], routes["transfer"], note)
-
-
 # What an instruction's fields may hold, per op: (required fields, then the
 # bounds of stage, mb and peer: each lies in -1..bound-1, -1 being "none").
 _Limits = dict
 
 
-def _op_limits(num_stages: int, num_microbatches: int, num_ranks: int, plan: RingPlan | None,
-               placed: bool = False) -> _Limits:
+def _op_limits(num_stages: int, num_microbatches: int, num_ranks: int, plans: list, placed: bool = False) -> _Limits:
     """The ops this program may hold, each with its required fields and its fields' bounds.
 
-    A sequence ring holds its family's ops and the exchanges (a field its rule
-    does not list must be absent: bound 0); a KV or dK, dV move names a
-    bundle, ``stage`` its holder rank and ``mb`` its piece. Any other program
-    holds every other op, as before; the sub-steps only a program with a stage on a group of ranks
-    (``placed``), where they name a compute's stage and microbatch.
+    Each of the program's families (``plans``: (family, its plan)) may refuse
+    an op or narrow its bounds (``Family.instruction_bounds``): a sequence ring
+    holds only its family's ops and the exchanges, and no other program holds
+    its ops. The sub-steps only a program with a stage on a group of ranks (``placed``) may hold,
+    where they name a compute's stage and microbatch.
     """
     limits: _Limits = {}
     for op, required in _REQUIRED_FIELDS.items():
-        if (op not in _RING_PROGRAM_OPS) if plan is not None else (op in _RING_FAMILY):
-            continue
         if op in _SUBSTEPS and not placed:
             continue
-        mb_bound = INT_LIMIT if op in _STEP_NUMBERED and op not in _SUBSTEPS else num_microbatches
-        bounds = [num_stages, mb_bound, num_ranks]
-        if plan is not None:
-            if op in _RING_MOVES:
-                bounds = [num_ranks, plan.pieces, num_ranks]
-            fields = ops.RULES[op].fields
-            bounds = [bound if key in fields else 0 for key, bound in zip(("stage", "mb", "peer"), bounds)]
-        limits[op] = (required, *bounds)
+        step_numbered = op in _STEP_NUMBERED and op not in _SUBSTEPS
+        bounds = (num_stages, INT_LIMIT if step_numbered else num_microbatches, num_ranks)
+        for family, plan in plans:
+            bounds = bounds and family.instruction_bounds(plan, op, bounds)
+        if bounds is not None:
+            limits[op] = (required, *bounds)
     return limits
 
 

@@ -14,6 +14,7 @@ timeline is what ``render`` draws.
 """
 from __future__ import annotations
 
+from pipec.compiler.family import families_of
 from pipec.compiler.ir import Program
 
 
@@ -46,23 +47,11 @@ def _header(program: Program) -> str:
     name = program.name or "(unnamed)"
     if params:
         name += f" ({params})"
-    plan = program.rings
-    if plan is not None:  # a sequence ring: its stages are query chunks, its microbatches blocks
-        return (
-            f"schedule {name}: {program.num_ranks} ranks, {plan.chunks} chunks of {_count(plan.pieces, 'KV piece')} "
-            f"on {_count(len(plan.rings), 'ring')} ({'causal' if plan.causal else 'full'} mask; kv {plan.kv}, "
-            f"dkv {plan.dkv}, transfer {plan.transfer}), {program.instruction_count()} instructions"
-        )
-    return (
-        f"schedule {name}: {program.num_ranks} ranks, {len(program.stages)} stages, "
-        f"{program.num_microbatches} microbatches, {program.instruction_count()} instructions"
-    )
+    # what the program is made of, in its families' words (a sequence ring: chunks, pieces, rings, routes)
+    shape = ", ".join(family.grid_shape_text(program) for family in families_of(program))
+    return f"schedule {name}: {program.num_ranks} ranks, {shape}, {program.instruction_count()} instructions"
 
 
 def _value(value) -> str:
     """A parameter as the language writes it (a ring schedule's ``causal`` is ``true``, not ``True``)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -1,47 +1,26 @@
 """A ``Program`` as torch.distributed.pipelining's schedule CSV.
 
-torch reads a schedule as a CSV with one row per rank and one action token per
-cell (``PipelineScheduleMulti._load_csv`` for the compute-only form,
-``_PipelineScheduleRuntime._load_csv(format="compute_comms")`` for the form with
-communication). Two forms are written:
+``write_torch_csv(program, with_comms, for_torch)`` writes a single-pipeline
+activation-passing program in either of torch's forms: compute only (torch
+lowers it to communication itself) or with pipec's own sends and receives
+(a ``BATCH`` as its parts). What each op becomes is its rule's ``torch``
+field (``ops.py``), so no op is special-cased here. Programs torch's single
+chain of stages cannot express (replicated stages, weight passing, sequence
+rings) raise ``UsageError``.
 
-* compute only: the F, B, I and W tokens of each rank, in order. torch lowers
-  it to communication itself. torch has no checkpointed forward and no
-  recompute: a recomputed stage's FC is written as its F (the rule's
-  ``torch_token``) and its R is dropped, so torch runs the same order keeping
-  every activation.
-* with communication: pipec's own sends and receives as well. A ``BATCH`` is
-  written as its parts, in order, because torch has no batch token. torch's
-  runtime posts each send/recv as it meets it (isend/irecv) and waits for a
-  receive at first use, so the result is safe under those ("async")
-  semantics, which is how pipec checks a CSV with communication; the batch's
-  atomicity is lost, though, so under strict rendezvous sends (a blocking
-  NCCL send that waits for its receive) a written pair like ``0SEND_F2,
-  0RECV_B0`` / ``1SEND_B0, 1RECV_F2`` can wait on itself where the batch
-  could not. ``FREE_F``, ``ALLREDUCE_GRAD`` and ``ALLREDUCE_WAIT`` are
-  dropped: torch has no such tokens; it frees saved activations itself after
-  a backward and reduces gradients outside the pipeline schedule.
+The comms form is for the torch that will load it (``TorchRuntime``, found
+by ``installed_torch_runtime``): since 2.10 torch's runtime scales gradients
+only at ``REDUCE_GRAD``, so a CSV without it trains with gradients N times too
+large; the form written for such a torch carries ``REDUCE_GRAD`` and the
+``UNSHARD`` / ``RESHARD`` tokens where torch's own lowering puts them
+(``_add_reduce_grad``, ``_add_unshard_reshard``), and ``runtime_caveats``
+says what is not exact on older ones. pipec's importer skips those tokens,
+so the export reads back as the program it came from. Writing a BATCH as its
+parts loses its atomicity: the result is safe under torch's "async"
+semantics, which is how pipec checks a CSV with communication.
 
-torch's stages form a single chain (stage s+1 follows stage s), so only
-programs with one pipeline can be written; a stage is written as its position
-along that pipeline. Programs with replicated stages (several pipelines, e.g.
-BitPipe, Chimera) raise ``UsageError``.
-
-What torch's runtime needs besides the messages (``TorchRuntime``): since torch
-2.10 its ``_PipelineScheduleRuntime`` divides a stage's gradients by N (for a
-mean loss, ``scale_grads=True``) only at that stage's ``REDUCE_GRAD`` action,
-which its own lowering (``_add_reduce_grad``) puts after the stage's last
-backward (the N-th B or W). A CSV without it trains with gradients N times too
-large. So the comms form written for such a torch (``for_torch``; ``pipec
-compile`` gives the installed one) has ``<stage>REDUCE_GRAD`` there, after that
-backward's own sends, as torch's lowering orders it, and ``UNSHARD`` /
-``RESHARD`` around each stage's compute by torch's own rule
-(``_add_unshard_reshard``: the next three stages a rank computes are
-unsharded): no-ops for a plain module, what an FSDP-wrapped stage needs.
-Earlier torch cannot parse ``REDUCE_GRAD`` and scales elsewhere, so the
-tokens written follow the torch that will load the file; see ``TorchRuntime``
-for the versions and what is exact on each. pipec's importer skips all three
-tokens, so the export reads back as the program it came from.
+Both forms, what is dropped and why, and the token placement are described
+in docs/formats.md, "torch's schedule CSV".
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The workload families, each a module that registers its ``Family`` (``compiler/family.py``).
 
 Importing this package registers all three; ``compiler.family``'s lookups do
-so on first use.
+so on first use. The order is the order families are asked to read a program
+file's header (``Family.plan_from_json``): weight passing's checks come first.
 """
-from pipec.compiler.families import activation, sequence_rings, weight_passing  # noqa: F401  (they register)
+# they register, in this order
+from pipec.compiler.families import activation, weight_passing, sequence_rings  # noqa: F401,I001

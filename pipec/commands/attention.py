@@ -3,39 +3,25 @@
     pipec attention TARGET [-D NAME=VALUE ...] --nproc P --seq S --heads H --head-dim D
                     [--batch B] [--causal] [--dtype float32|float64] [--seed N] [--json] [--timeout SECONDS]
 
-TARGET (a ``.pipe`` file or a shipped schedule) is compiled as every command
-compiles it, or read and checked when it is a compiled program (``pipec
-compile --format json``), and must be a sequence-ring schedule (ring, zigzag,
-TASP attention). This process writes the program (as ``pipec compile --format
-json`` does) and the jobs (``runtime/ring_check.jobs_to_json``) into a run
-folder and starts P workers, ``python -m pipec.runtime.ring_check JOBS``,
-through ``pipec run``'s launcher (``pipec.commands.run.launch``: torch's
-elastic launcher, the workers' logs in the run folder; one OpenMP thread per
-core share unless OMP_NUM_THREADS says otherwise). The workers join a gloo
-group on this machine and run one forward and backward of attention over a
-sequence of S tokens (``runtime/rings.run_ring_attention``), every rank
-drawing the same random q, k, v and output gradient (B, H, S, D) from the
-seed and keeping its own chunks. Rank 0 gathers the results
-(``torch.distributed`` messages, never a shared file), compares them with one
-process, ``torch.nn.functional.scaled_dot_product_attention`` over the whole
-sequence in float64, its gradients by autograd, the mask the program's, and
-prints its answer as one line of JSON behind ``ring_check.ANSWER_PREFIX``,
-which this process picks out of its output.
+Why: the ring checks prove a program's routes and coverage symbolically; this
+proves its numbers. TARGET is compiled and checked as every command does it
+(``load_target_program``), or read and checked when it is a compiled program,
+and must be a sequence-ring schedule. P workers (``runtime/ring_check.py``,
+started through ``pipec run``'s launcher) run one forward and backward of
+attention on a gloo group, every rank drawing the same random inputs from the
+seed and keeping its own chunks; rank 0 gathers the results with
+``torch.distributed`` messages, never a shared file, and compares them with one
+process (float64 SDPA, its gradients by autograd, the program's mask).
 
 The answer is the largest absolute difference of out, dq, dk and dv with the
-largest magnitude of each (so that a relative error can be read), as text or,
-with ``--json``, ``{"out", "dq", "dk", "dv", "scale": {...}, "program": {...}, ...}``.
-The status is 0 when the run finished (the numbers are for the user to
-judge), 1 on any error: a target that is not a ring schedule, a length the
-chunks and pieces do not cut evenly, ``--nproc`` other than the program's
-ranks, ``--causal`` for a program with full attention, or a worker that
-failed or waited past ``--timeout`` (the run then ends with the launcher's
-report: the workers' fault lines, how each failed worker ended, where its
-logs are; never a hang).
-
-``attention_check(program, ...)`` is the same run for a compiled ``Program``
-(``compiler/lower_rings.lower_plan``'s, say); ``attention_checks`` runs
-several programs of one rank count in one set of processes.
+largest magnitude of each, as text or ``--json``. The status is 0 when the run
+finished (the numbers are for the user to judge), 1 on any error, raised before
+a process starts where it can be (``check_job``); a worker that fails or waits
+past ``--timeout`` ends the run with the launcher's report, never a hang.
+docs/rings.md, section 6, describes the run and its measured agreement.
+``attention_check(program, ...)`` is the same run for a compiled ``Program``;
+``attention_checks`` runs several programs of one rank count in one set of
+processes.
 """
 from __future__ import annotations
 
@@ -44,7 +30,9 @@ import os
 import shutil
 import tempfile
 
+from pipec.compiler.family import families_of
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
+from pipec.compiler.ops import SEQUENCE_RING
 from pipec.errors import PipecError, UsageError
 from pipec.runtime.ring_check import (ANSWER_PREFIX, DTYPES, FIELDS, JOBS_FILE, AttentionJob, job_inputs,
                                       jobs_to_json, reference)
@@ -93,7 +81,7 @@ def run(args) -> int:
 
     program = load_target_program(args.target, args.defines)
     require_ring(program, args.target)
-    if args.causal and not program.rings.causal:
+    if args.causal and not ring_plan(program).causal:
         raise UsageError(f"--causal: {args.target} compiles to full attention; pass -D causal=true if the schedule "
                          "has that parameter, or use a causal schedule (without --causal the program's own mask is "
                          "used)")
@@ -126,11 +114,16 @@ def load_target_program(target: str, defines: list[str]):
     return compile_target(target, parse_defines(defines)).program
 
 
+def ring_plan(program):
+    """The sequence-ring plan of ``program``, as its family holds it, or None when it is no sequence ring."""
+    return next((family.plan_of(program) for family in families_of(program) if family.name == SEQUENCE_RING), None)
+
+
 def require_ring(program, target: str | None = None) -> None:
     """Raise UsageError unless ``program`` is a sequence-ring program."""
-    if getattr(program, "rings", None) is None:
+    if ring_plan(program) is None:
         what = target or program.name or "the program"
-        family = "weight passing" if getattr(program, "weights", None) is not None else "activation passing"
+        family = families_of(program)[0].name
         raise UsageError(f"{what} is not a sequence-ring schedule (it is {family}): `pipec attention` runs ring, "
                          "zigzag and TASP attention schedules, whose `sequence chunks` declare how the sequence is cut")
 
@@ -149,7 +142,7 @@ def check_job(job: AttentionJob, nproc: int) -> None:
         raise UsageError(f"{program.name or 'the program'} was compiled for {program.num_ranks} ranks, but --nproc "
                          f"is {nproc}: pass --nproc {program.num_ranks}, or compile it for {nproc} ranks (its ranks "
                          f"parameter, e.g. -D P={nproc})")
-    plan = program.rings
+    plan = ring_plan(program)
     cut = plan.chunks * plan.pieces
     if not isinstance(job.seq, int) or job.seq < 1 or job.seq % cut:  # as runtime.rings.chunk_length, without torch
         cutting = f"{plan.chunks} equal chunks" + (f" of {plan.pieces} equal pieces" if plan.pieces > 1 else "")
@@ -308,4 +301,4 @@ def _write_jobs(jobs: list[AttentionJob], folder: str, timeout: float, deadline_
 
 
 __all__ = ["AttentionJob", "AttentionRunError", "attention_check", "attention_checks", "check_job", "describe",
-           "job_inputs", "reference", "register", "require_ring", "run"]
+           "job_inputs", "reference", "register", "require_ring", "ring_plan", "run"]

@@ -204,10 +204,6 @@ def check_launch(args, program) -> int:
 
     check_update_options(config, program)
     _check_model(config, program)
-    if program.rings is not None:  # sequence-parallel training: no --trace, no planted faults
-        from pipec.runtime.sequence import check_ring_options
-
-        check_ring_options(config, program)
     return nproc
 
 

@@ -21,6 +21,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from pipec.compiler.family import families_of
     from pipec.compiler.ops import memory_deltas
     from pipec.compiler.simulate import plain_number, simulate
     from pipec.compiler.versions import flushed_equivalent, version_plan, version_summary
@@ -47,11 +48,13 @@ def run(args) -> int:
     # a split backward: some op leaves a weight gradient waiting (I), counted in peak_waiting_w
     leaves_w_waiting = {op for op, delta in memory_deltas("waiting_w").items() if delta > 0}
     split = any(action.op in leaves_w_waiting for row in compiled.program.ranks for action in row)
-    rings = compiled.program.rings  # a sequence ring keeps no activations between stages: its memory is KV
+    # a sequence ring keeps no activations between stages: its memory is KV
+    families = families_of(program)
+    activations = all(family.counts_activations for family in families)
     for rank, stats in enumerate(result.ranks):
         lines.append(
             f"  rank {rank}: busy {number_text(stats.busy)}, idle {number_text(stats.idle)}"
-            + (f", peak activations {stats.peak_activations}" if rings is None else "")
+            + (f", peak activations {stats.peak_activations}" if activations else "")
             + (f", W waiting at most {stats.peak_waiting_w}" if split else "")
             + (f", kept inputs at most {stats.peak_kept_inputs}" if stats.peak_kept_inputs is not None else "")
             + (f", peak bytes {describe_peak_bytes(stats.peak_bytes)}" if stats.peak_bytes else "")
@@ -66,7 +69,6 @@ def run(args) -> int:
     if result.links is not None:
         lines.append(f"  links: something moved for {number_text(result.links['communication'])}, "
                      f"directed links busy {result.links['utilisation']:.3f} of the time meanwhile")
-    if rings is not None and rings.note:
-        lines.append(f"note: {rings.note}")
+    lines.extend(f"note: {note}" for note in (family.note(program) for family in families) if note)
     write_output("\n".join(lines), None)
     return 0

@@ -1,0 +1,151 @@
+"""Workload families in the runtime: what the interpreter asks of a family, where it finds one, the one loop.
+
+The runtime's side of ``compiler/family.py``. A family (activation passing,
+weight passing, sequence rings) is a module that builds one ``RuntimeFamily``
+and registers it with the kind of plan its programs carry
+(``runtime/interpreter.py``: activation passing, the family of plan-less
+programs; ``runtime/weights.py``; ``runtime/sequence.py``). The interpreter,
+the worker, checkpoints, clipping, the data source and the layer cutter never
+test which family a program is: they ask ``runtime_family(program)`` (or the
+rank context's ``family``) and call its hooks or read its attributes.
+
+Every family's lists run through ``run_instructions``: one loop over a rank's
+instructions, each handler looked up in the family's one table keyed by op
+(``RuntimeFamily.handlers``; a test or ``--inject`` may add to a rank's copy).
+A handler is ``(state, action, index) -> None``; ``state`` is the family's
+per-rank state for the list being run (the interpreter's step, or a ring's
+attention call) and has ``waited``, the seconds it spent waiting so far.
+
+The registry is filled when the family modules are imported; the lookups
+import them on first use, so a module that only asks need not know them.
+"""
+from __future__ import annotations
+
+import importlib
+from time import perf_counter
+from typing import Any, Callable, Mapping, Sequence
+
+from pipec.compiler import ops
+from pipec.compiler.ir import Action, Program
+
+# The modules that register a family, imported on the first lookup.
+FAMILY_MODULES = ("pipec.runtime.interpreter", "pipec.runtime.weights", "pipec.runtime.sequence")
+
+# A handler: (the family's per-rank state, the instruction, its index) -> None.
+Handler = Callable[[Any, Action, int], None]
+# A trace event: (index, start, end, waited) in perf_counter seconds, and optionally a fifth field
+# naming the call the instruction ran in (a ring's ``attention 3's forward``).
+Record = Callable[[tuple], None]
+
+
+class RuntimeFamily:
+    """One workload family's answers to what the runtime asks. Subclasses set or override what differs.
+
+    Attributes:
+        name: the family's name (``ops.FAMILIES``).
+        label: how messages name its schedules (``weight-passing``); "" for activation passing.
+        handlers: op -> handler, the family's one table (every op its lists may hold).
+        part_posters: part op -> its poster inside an EXCHANGE (``runtime/exchange.py``).
+        passes_activations: whether activations cross ranks between chunks (boundaries have wires).
+        runs_chunks: whether a rank runs the model cut into the program's chunks (a sequence ring
+            runs the whole model on every rank).
+        takes_partition: whether a partition file's stages can cut the model for its programs.
+        reads_whole_batch: whether every rank reads each step's whole batch as one microbatch
+            (a sequence ring, which cuts the batch along the sequence instead).
+        train: the family's own training loop ``(plan, rank, world, device) -> losses``, or None
+            for the worker's loop of interpreter steps (``worker.train``).
+    """
+
+    name: str = ""
+    label: str = ""
+    handlers: Mapping[str, Handler] = {}
+    part_posters: Mapping[str, Callable] = {}
+    passes_activations: bool = True
+    runs_chunks: bool = True
+    takes_partition: bool = True
+    reads_whole_batch: bool = False
+    train: Callable | None = None
+
+    def refusal_outside(self, op: str) -> str | None:
+        """Why ``op``, one of this family's, cannot run in another family's program; None: no handler."""
+        return None
+
+    def check_model(self, spec, config, program: Program, name: str) -> None:
+        """Raise ``UsageError`` when the model spec cannot train with ``program`` (before any worker joins)."""
+
+
+_BY_PLAN: dict[type, RuntimeFamily] = {}
+_DEFAULT: list[RuntimeFamily] = []
+# Ops the runtime names as not runnable yet, with why; ``pipec run`` and the worker refuse their programs.
+NOT_RUNNABLE = {ops.GATHER: "a sub-step of a stage placed on a group of ranks (ir.groups_refusal)"}
+_LOADING: list[bool] = []
+
+
+def register(family: RuntimeFamily, plan_type: type | None) -> RuntimeFamily:
+    """Register ``family`` for programs holding a plan of ``plan_type`` (None: plan-less programs).
+
+    The runtime's interpretation of the ops (``ops.declare_pass``, which ``tests/test_ops_table.py``
+    reads) is every registered family's table and part posters, declared again at each registration.
+    """
+    if plan_type is None:
+        _DEFAULT[:] = [family]
+    else:
+        _BY_PLAN[plan_type] = family
+    known = [*_DEFAULT, *_BY_PLAN.values()]
+    ops.declare_pass("runtime interpreter", {op for f in known for op in (*f.handlers, *f.part_posters)}
+                     | set(NOT_RUNNABLE))
+    return family
+
+
+def load_families() -> None:
+    """Import every family module (``FAMILY_MODULES``), once; each registers its family."""
+    if not _LOADING:
+        _LOADING.append(True)
+        for module in FAMILY_MODULES:
+            importlib.import_module(module)
+
+
+def runtime_family(program: Program) -> RuntimeFamily:
+    """The family that trains ``program``: the one of its plan, activation passing when it holds none."""
+    load_families()
+    found = [_BY_PLAN[type(plan)] for plan in program.plans if type(plan) in _BY_PLAN]
+    return found[0] if found else _DEFAULT[0]
+
+
+def families() -> list[RuntimeFamily]:
+    """Every registered family, the default first."""
+    load_families()
+    return [*_DEFAULT, *_BY_PLAN.values()]
+
+
+def refusal_outside(op: str, family: RuntimeFamily) -> str | None:
+    """Why ``op``, which ``family``'s table lacks, cannot run there: the first other family's refusal, or None."""
+    return next((why for other in families() if other is not family and op in other.handlers
+                 for why in [other.refusal_outside(op)] if why is not None), None)
+
+
+def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handler], start: int, stop: int,
+                     record: Record | None = None, synchronize: Callable[[], None] | None = None) -> None:
+    """Run instructions ``start`` .. ``stop - 1`` of ``row``, each through its op's handler: the one loop.
+
+    Args:
+        state: the family's per-rank state, passed to every handler; has ``waited`` (seconds).
+        row: the rank's instruction list.
+        handlers: op -> handler; every op of the range has one (the family checked the list).
+        start, stop: the range.
+        record: called with (index, start, end, waited) per instruction, perf_counter seconds; None: nothing kept.
+        synchronize: called after every instruction when the trace must show device time, else None.
+    """
+    for index in range(start, stop):
+        action = row[index]
+        begin = perf_counter()
+        before = state.waited
+        handlers[action[1]](state, action, index)
+        if synchronize is not None:
+            synchronize()
+        if record is not None:
+            record((index, begin, perf_counter(), state.waited - before))
+
+
+__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "families", "load_families", "refusal_outside",
+           "register", "run_instructions", "runtime_family"]
