@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_left, bisect_right
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 from itertools import accumulate, chain, compress, groupby, repeat
 from typing import NamedTuple
@@ -554,6 +554,16 @@ def _finish(out: list[Action], collectives: list[tuple[int, Action]]) -> None:
 # ---------------------------------------------------------------- global order
 
 
+def _streams(rows: list[list[Action]], plan: _Plan) -> list[list[int]]:
+    """Each rank's stream for ``_place_in_global_order``: its computes (input index k, sort key 2k) and its
+    all-reduces (~their position in its collectives, sort key 2 * index + 1: after compute index)."""
+    streams = []
+    for rank, row in enumerate(rows):
+        inserts = [(2 * index + 1, ~j) for j, (index, _) in enumerate(plan.collectives[rank])]
+        streams.append([item for _, item in sorted([(2 * k, k) for k in range(len(row))] + inserts, key=_gap_of)])
+    return streams
+
+
 def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] | None:
     """Rebuild the lists by advancing ranks in turn (tier 3, torch's ``_add_send_recv``); None if the order is cyclic.
 
@@ -571,12 +581,7 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
     num_ranks = program.num_ranks
     rows = program.ranks
     parts = _parts(plan)
-    # Each rank's stream: its computes (input index k, sort key 2k) and its
-    # all-reduces (~their position in its collectives, sort key 2 * index + 1: after compute index).
-    streams = []
-    for rank, row in enumerate(rows):
-        inserts = [(2 * index + 1, ~j) for j, (index, _) in enumerate(plan.collectives[rank])]
-        streams.append([item for _, item in sorted([(2 * k, k) for k in range(len(row))] + inserts, key=_gap_of)])
+    streams = _streams(rows, plan)
     produced = [dict(zip(senders, range(first, first + len(senders))))
                 for senders, first in zip(plan.senders, plan.first)]
     readers_of: dict[int, list[int]] = {}  # index * R + rank of a reader -> the messages it reads
@@ -584,10 +589,7 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
         readers_of.setdefault(index * num_ranks + dst, []).append(message)
     chunk_of = [s.position for s in program.stages]
     reduce_of = [{chunk_of[started.stage]: started for _, started in collectives} for collectives in plan.collectives]
-    members: dict[int, int] = {}  # chunk -> how many ranks run its all-reduce
-    for mine in reduce_of:
-        for chunk in mine:
-            members[chunk] = members.get(chunk, 0) + 1
+    members = Counter(chunk for mine in reduce_of for chunk in mine)  # chunk -> how many ranks run its all-reduce
     delivered = bytearray(len(plan.sources))
     waiting: dict[int, list[int]] = {}
     arrived: dict[int, list[int]] = {}  # chunk -> ranks that have reached its all-reduce
