@@ -6,6 +6,10 @@ for a worker, ``pipec run``'s own parser for the launcher); right there
 record, and the runtime reads nothing else: no module below the command line
 takes an ``argparse.Namespace``. What a run settles later (the seed, once a
 ``--resume`` checkpoint is read) makes a new record (``dataclasses.replace``).
+
+The constants below are the command line's defaults. They live here, in a
+module that loads no torch, because ``pipec``'s parser is built for every
+command: ``pipec check`` must not pay for importing torch.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ DEFAULT_BACKEND = "gloo"
 DEFAULT_DTYPE = "fp32"
 # The built-in LLaMA-style decoder (``runtime.model.LLAMA``).
 DEFAULT_MODEL = "pipec.runtime.model:LLAMA"
+# ``pipec profile``'s measured passes per layer when not told (``runtime.profile``).
+DEFAULT_REPEATS = 20
 
 
 @dataclasses.dataclass(frozen=True)

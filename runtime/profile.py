@@ -40,14 +40,13 @@ from torch import nn
 from pipec.compiler.costs import LAYER_KEYS
 from pipec.errors import UsageError
 from pipec.runtime import payload
+from pipec.runtime.config import DEFAULT_REPEATS
 from pipec.runtime.data import BatchSource
 from pipec.runtime.layered import build_layers
 from pipec.runtime.model import ModelSpec, call_spec_function, spec_label
 
 # Passes run before the measured ones.
 WARMUP = 3
-# Measured passes when the caller does not say.
-DEFAULT_REPEATS = 20
 _MS_PER_SECOND = 1000.0
 
 

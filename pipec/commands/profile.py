@@ -14,7 +14,7 @@ from pipec.commands._common import dump_json, human_bytes, write_output
 
 def register(sub) -> None:
     from pipec.compiler.guarded_read import positive_count_arg
-    from pipec.runtime.profile import DEFAULT_REPEATS
+    from pipec.runtime.config import DEFAULT_REPEATS  # not runtime.profile, which loads torch
     from pipec.runtime.worker import add_model_arguments
 
     parser = sub.add_parser(
