@@ -406,6 +406,8 @@ class Program:
             they move; None for activation passing.
         rings: for a sequence-ring program, how the sequence is cut and KV
             moves; None otherwise.
+        family_plans: the plans of the families whose plan type ``Program`` has no field for (a
+            family added as a module of its own, docs/ir.md "Adding a family"), in registration order.
         weight_versions: with optimizer updates in the order (asynchronous
             training, ``compiler/versions.py``), the most versions of a
             stage's weights it may keep at once: 1 keeps only the newest (no
@@ -426,6 +428,7 @@ class Program:
     weights: WeightPlan | None = None
     rings: RingPlan | None = None
     weight_versions: int | None = 1
+    family_plans: tuple = ()
 
     def __post_init__(self) -> None:
         if not self.communicators:  # each plan's groups, in plan order; a program without one: the replicas'
@@ -437,7 +440,7 @@ class Program:
     @property
     def plans(self) -> tuple:
         """The family plans the program holds (``compiler/family.py`` maps each to its family), in a fixed order."""
-        return tuple(plan for plan in (self.weights, self.rings) if plan is not None)
+        return tuple(plan for plan in (self.weights, self.rings) if plan is not None) + self.family_plans
 
     # -- stage graph -------------------------------------------------------------
 
@@ -539,9 +542,11 @@ def build_program(name: str, num_ranks: int, num_microbatches: int, stages: list
     """The one place a ``Program`` is made from its parts (a program derived from another is
     ``dataclasses.replace``'s): each of ``plans`` (a family's plan) goes to its field by its type;
     ``fields`` are the optional ones (``params``, ``devices``, ``source``, ``communicators``,
-    ``weight_versions``)."""
+    ``weight_versions``); a plan of a type with no field of its own goes to ``family_plans``."""
+    plans = tuple(plans)
     return Program(name, num_ranks, num_microbatches, stages, pipelines, mb_pipeline, ranks, **fields,
-                   **{_PLAN_FIELDS[type(plan)]: plan for plan in plans})
+                   **{_PLAN_FIELDS[type(plan)]: plan for plan in plans if type(plan) in _PLAN_FIELDS},
+                   family_plans=tuple(plan for plan in plans if type(plan) not in _PLAN_FIELDS))
 
 
 def tensor_of(action: Action, program: Program) -> tuple[str, int, int]:

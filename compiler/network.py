@@ -29,6 +29,7 @@ from pipec.compiler.costs import CostModel, Link, Number, exact_ratio
 
 # The collectives of ``ring_hops``.
 BROADCAST, REDUCE, ALL_GATHER, REDUCE_SCATTER = "broadcast", "reduce", "all_gather", "reduce_scatter"
+ALL_REDUCE = "all_reduce"
 
 
 class Network:
@@ -182,7 +183,8 @@ def ring_hops(kind: str, members: Sequence[int], root: int | None = None
     A broadcast is a chain from ``root`` along the ring (n - 1 hops of the whole
     value), a reduce the same chain towards it; an all-gather or a
     reduce-scatter goes round the whole ring in n - 1 steps of 1/n of the
-    value, (n - 1)/n on each of its n hops. One member: no hop.
+    value, (n - 1)/n on each of its n hops; an all-reduce is a reduce-scatter
+    and then an all-gather, twice round. One member: no hop.
     """
     n = len(members)
     if n <= 1:
@@ -198,6 +200,8 @@ def ring_hops(kind: str, members: Sequence[int], root: int | None = None
         return [(dst, src) for src, dst in chain], Fraction(1), n - 1
     if kind in (ALL_GATHER, REDUCE_SCATTER):
         return chain + [(order[-1], order[0])], Fraction(n - 1, n), n - 1
+    if kind == ALL_REDUCE:
+        return chain + [(order[-1], order[0])], Fraction(2 * (n - 1), n), 2 * (n - 1)
     raise ValueError(f"unknown collective {kind!r}")
 
 

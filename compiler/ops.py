@@ -34,7 +34,8 @@ from typing import Iterable, NamedTuple
 ACTIVATION_PASSING = "activation passing"
 WEIGHT_PASSING = "weight passing"
 SEQUENCE_RING = "sequence ring"
-FAMILIES = (ACTIVATION_PASSING, WEIGHT_PASSING, SEQUENCE_RING)
+TENSOR_PARALLEL = "tensor parallel"
+FAMILIES = (ACTIVATION_PASSING, WEIGHT_PASSING, SEQUENCE_RING, TENSOR_PARALLEL)
 
 # --------------------------------------------------------------------- values
 
@@ -110,6 +111,9 @@ VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
     ValueKind("kv", "KV piece", SEQUENCE_RING, ("holder", "piece", "pass"), SIZE_KV, DTYPE_COMPUTE),
     ValueKind("dkv", "dKV partial", SEQUENCE_RING, ("holder", "piece", "hop"), SIZE_KV, DTYPE_FP32),
     ValueKind("stats", "softmax statistics", SEQUENCE_RING, ("chunk",), SIZE_STATS, DTYPE_FP32),
+    # tensor parallelism (docs/ir.md, "Adding a family"): one rank's partial sum of a layer's output
+    # (forward) or of its input's gradient (backward), one layer boundary's tensor of one microbatch
+    ValueKind("partial_sum", "partial sum", TENSOR_PARALLEL, ("layer", "mb"), SIZE_BOUNDARY, DTYPE_FP32),
 )}
 
 
@@ -252,10 +256,12 @@ AF, AB = "AF", "AB"
 SEND_KV, RECV_KV, SEND_DKV, RECV_DKV = "SEND_KV", "RECV_KV", "SEND_DKV", "RECV_DKV"
 ALLTOALL_KV, ALLTOALL_DKV = "ALLTOALL_KV", "ALLTOALL_DKV"
 GATHER = "GATHER"
+TF, TB, ALLREDUCE_TF, ALLREDUCE_TB = "TF", "TB", "ALLREDUCE_TF", "ALLREDUCE_TB"
 
 _AP = ACTIVATION_PASSING
 _WP = WEIGHT_PASSING
 _SR = SEQUENCE_RING
+_TP = TENSOR_PARALLEL
 _COMPUTE_CSV = (KEEP, KEEP)
 _COMM_CSV = (DROP, KEEP)
 _PEER_FIELDS = ("stage", "mb", "peer")
@@ -394,6 +400,21 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
     # s's weights from its members' shards for the compute of (s, m) it sits in.
     OpRule(GATHER, PART_COLLECTIVE, _AP, reads=(Use("shard"),), writes=(Use("weight"),), fields=("stage", "mb"),
            communicator=STAGE_GROUP, doc="all-gather the stage's weights from its group's shards (a sub-step)"),
+    # -- tensor parallelism (Megatron-LM's MLP; docs/ir.md, "Adding a family"). Every rank holds a
+    # column slice of each layer's first matrix and a row slice of its second: TF(l, m) makes this
+    # rank's partial sum of layer l's output for microbatch m, TB(l, m) its partial of the input's
+    # gradient (and its slices' weight gradients); the all-reduce after each, on every rank, sums
+    # the partials into the whole tensor the next task reads.
+    OpRule(TF, COMPUTE, _TP, writes=(Use("partial_sum"),), trace="compute", unit_cost=1,
+           doc="forward of this rank's slices of layer ``stage`` for microbatch ``mb``: a partial sum"),
+    OpRule(TB, COMPUTE, _TP, writes=(Use("partial_sum"),), trace="compute", unit_cost=2,
+           doc="backward of this rank's slices of layer ``stage`` for ``mb``: a partial input gradient"),
+    OpRule(ALLREDUCE_TF, PART_COLLECTIVE, _TP, reads=(Use("partial_sum"),), writes=(Use("partial_sum"),),
+           fields=("stage", "mb"), communicator=WORLD,
+           doc="sum every rank's partial output of layer ``stage`` for ``mb`` (the row-parallel all-reduce)"),
+    OpRule(ALLREDUCE_TB, PART_COLLECTIVE, _TP, reads=(Use("partial_sum"),), writes=(Use("partial_sum"),),
+           fields=("stage", "mb"), communicator=WORLD,
+           doc="sum every rank's partial input gradient of layer ``stage`` for ``mb`` (the column-parallel one)"),
 )}
 
 OPS: tuple[str, ...] = tuple(RULES)
@@ -461,6 +482,10 @@ DROP_COPY_OPS = ops_of(DROP_COPY)
 # Sequence rings: the attention blocks, and the parts that move KV and dKV.
 RING_COMPUTE_OPS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if RULES[op].family == SEQUENCE_RING)
 RING_PART_OPS: tuple[str, ...] = tuple(op for op in EXCHANGE_PART_OPS if RULES[op].family == SEQUENCE_RING)
+# The computes whose dataflow their family's semantics prove in the one symbolic run (a ring's attention
+# blocks, tensor parallelism's slices), not the stage-to-stage rules of ``DEPENDENCIES``: their inputs are
+# on the rank once the exchanges before them in its list were waited, so the simulator runs them in order.
+IN_ORDER_COMPUTE_OPS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if RULES[op].family != ACTIVATION_PASSING)
 # Placements: the parts a compute of a stage on a group may hold (its sub-steps, on the group's communicator).
 SUBSTEP_OPS: tuple[str, ...] = tuple(op for op in EXCHANGE_PART_OPS if RULES[op].communicator == STAGE_GROUP)
 # The compute ops that run on a layer's weights (a borrowed copy under weight

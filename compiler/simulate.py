@@ -37,7 +37,7 @@ from pipec.compiler.memory_counts import (
     ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_kept_inputs, peak_waiting_w,
     recomputes,
 )
-from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Network
+from pipec.compiler.network import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, Network
 from pipec.compiler.traffic import node_map, traffic
 from pipec.errors import DeadlockError, MatchError, UsageError, WellFormedError
 
@@ -182,7 +182,7 @@ def _exact(value: Number) -> Number:
 #   reading stage, published by the receive that carries it (act: 5, grad: 6);
 # * after them, one key per model chunk for the end of its gradient all-reduce.
 
-_ACTIVATION_COMPUTE_OPS = tuple(op for op in ops.COMPUTE_OPS if op not in ops.RING_COMPUTE_OPS)
+_ACTIVATION_COMPUTE_OPS = tuple(op for op in ops.COMPUTE_OPS if op not in ops.IN_ORDER_COMPUTE_OPS)
 _WAITED_KINDS = tuple(dict.fromkeys(
     [dep.kind for op in _ACTIVATION_COMPUTE_OPS for dep in ops.DEPENDENCIES[op]] + list(ops.MESSAGE_KINDS)))
 # value kind -> the space its producers publish their end time in
@@ -231,12 +231,13 @@ _HANDLERS = {op: _COLLECTIVE_HANDLERS[rule.category, rule.communicator] for op, 
 _HANDLERS.update({op: "post_exchange" for op in ops.EXCHANGE_OPS})
 _HANDLERS.update({op: "wait_exchange" for op in ops.EXCHANGE_WAIT_OPS})
 _HANDLERS.update({op: "drop_copy" for op in ops.DROP_COPY_OPS})
-_HANDLERS.update({op: "attention_block" for op in ops.RING_COMPUTE_OPS})
+_HANDLERS.update({op: "in_order_compute" for op in ops.IN_ORDER_COMPUTE_OPS})
 _EXCHANGE_PARTS = frozenset(ops.EXCHANGE_PART_OPS)
 # What a collective part is priced as (``Network.collective``; a ring step as its hops).
 _COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "shift", ops.BCAST_W: BROADCAST,
                     ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER,
-                    ops.ALLTOALL_KV: "all_to_all", ops.ALLTOALL_DKV: "all_to_all", ops.GATHER: ALL_GATHER}
+                    ops.ALLTOALL_KV: "all_to_all", ops.ALLTOALL_DKV: "all_to_all", ops.GATHER: ALL_GATHER,
+                    ops.ALLREDUCE_TF: ALL_REDUCE, ops.ALLREDUCE_TB: ALL_REDUCE}
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})  # their ``peer`` is the root
 # An exchange's sends, receives and local copies are priced by their category; a collective part
 # by its own kind of collective (``_COLLECTIVE_KIND``).
@@ -789,13 +790,16 @@ class _Simulation:
                 return None
         return max([clock] + [self.ready[key] for key in keys])
 
-    def attention_block(self, rank: int, step: int, action: Action, clock: Number) -> Number:
-        """AF, AB: one attention block, priced by the area the mask leaves of it (a whole chunk x chunk
-        block costs the op's cost, a diagonal one half, a piece its share). Its inputs are on the rank:
-        KV by the exchanges waited before it, a backward's statistics by the forwards before it."""
+    def in_order_compute(self, rank: int, step: int, action: Action, clock: Number) -> Number:
+        """A compute whose family proves its dataflow (``ops.IN_ORDER_COMPUTE_OPS``: a ring's AF, AB, tensor
+        parallelism's TF, TB), priced by the share of its op's cost its family gives it (a ring's block: the
+        area the mask leaves of it, a whole chunk x chunk block the op's cost, a diagonal one half, a piece
+        its share). Its inputs are on the rank: brought by the exchanges waited before it, or made by the
+        computes before it."""
         area = first_answer(self.families, lambda family: family.block_area(self.program, action))
         if area is None:
-            raise self._error(WellFormedError, f"{action.text()}: no block of a sequence ring", rank, step)
+            raise self._error(WellFormedError, f"{action.text()}: no task of a {' or '.join(f.name for f in self.families)}",
+                              rank, step)
         cost = self.costs.compute(action.op, 0)
         duration = area * cost if isinstance(cost, int) else float(area) * cost  # exact under integer costs
         self.slots[rank].append(Slot(clock, clock + duration, action, False))

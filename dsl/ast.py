@@ -325,6 +325,13 @@ class Pieces(Node):
 
 
 @dataclass(frozen=True)
+class TensorParallel(Node):
+    """``tensor parallel layers E``: E MLP blocks, each split across every rank (Megatron-LM)."""
+
+    layers: Expr
+
+
+@dataclass(frozen=True)
 class RingMode(Node):
     """``kv again|kept``, ``dkv behind|direct`` or ``transfer p2p|all_to_all``."""
 
@@ -394,7 +401,7 @@ Decl = (
     Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | Recompute | Stash | ExplicitOrder
     | GreedyOrder
     | SortedOrder | Home | Own | Group | Weights | Gradients | WeightCount | Sequence | Hold | Mask | Rings | Pieces
-    | RingMode
+    | RingMode | TensorParallel
 )
 
 

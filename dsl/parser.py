@@ -542,6 +542,9 @@ class _ToAst(Transformer_NonRecursive):
     def pieces(self, meta, children):
         return ast.Pieces(self._span(meta), children[0])
 
+    def tensor(self, meta, children):
+        return ast.TensorParallel(self._span(meta), children[0])
+
     def kv(self, meta, children):
         return ast.RingMode(self._span(meta), "kv", str(children[0]))
 

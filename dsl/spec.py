@@ -222,6 +222,8 @@ class ScheduleSpec:
         weight_versions: the most versions of a stage's weights the schedule
             keeps for its backwards (``stash weights <= K``: K; ``stash
             weights``: None, as many as the order needs; without: 1).
+        family_declarations: the evaluated declarations of each family added as a module of its own
+            (``dsl/families.py``'s ``Declared.field`` -> them), which has no field here.
     """
 
     name: str
@@ -246,6 +248,7 @@ class ScheduleSpec:
     rings: RingSpec | None = None
     recomputed: frozenset[int] = frozenset()
     weight_versions: int | None = 1
+    family_declarations: dict[str, object] = field(default_factory=dict)
 
     def stage_id(self, pipeline: int, position: int) -> int:
         return pipeline * self.num_stages + position

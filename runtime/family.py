@@ -4,7 +4,8 @@ The runtime's side of ``compiler/family.py``. A family (activation passing,
 weight passing, sequence rings) is a module that builds one ``RuntimeFamily``
 and registers it with the kind of plan its programs carry
 (``runtime/interpreter.py``: activation passing, the family of plan-less
-programs; ``runtime/weights.py``; ``runtime/sequence.py``). The interpreter,
+programs; ``runtime/weights.py``; ``runtime/sequence.py``;
+``runtime/tensor_parallel.py``). The interpreter,
 the worker, checkpoints, clipping, the data source and the layer cutter never
 test which family a program is: they ask ``runtime_family(program)`` (or the
 rank context's ``family``) and call its hooks or read its attributes.
@@ -29,7 +30,8 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program
 
 # The modules that register a family, imported on the first lookup.
-FAMILY_MODULES = ("pipec.runtime.interpreter", "pipec.runtime.weights", "pipec.runtime.sequence")
+FAMILY_MODULES = ("pipec.runtime.interpreter", "pipec.runtime.weights", "pipec.runtime.sequence",
+                  "pipec.runtime.tensor_parallel")
 
 # A handler: (the family's per-rank state, the instruction, its index) -> None.
 Handler = Callable[[Any, Action, int], None]
@@ -72,6 +74,10 @@ class RuntimeFamily:
 
     def check_model(self, spec, config, program: Program, name: str) -> None:
         """Raise ``UsageError`` when the model spec cannot train with ``program`` (before any worker joins)."""
+
+    def refuse_run(self, run) -> str | None:
+        """Why the family's runtime cannot take the run's options (a ``RunConfig``) yet, or None."""
+        return None
 
 
 _BY_PLAN: dict[type, RuntimeFamily] = {}

@@ -12,7 +12,9 @@
   (``check_weights``: every copy and gradient where it must be, buffers within
   their bound), sequence rings (``check_rings``: every visible attention
   block computed exactly once forward and backward, every KV bundle where it
-  must be, every dK, dV contribution home once). A family whose programs do
+  must be, every dK, dV contribution home once), tensor parallelism
+  (``checks/tensor_parallel.py``: every slice computed once on whole inputs,
+  every partial all-reduced once). A family whose programs do
   not speak of stages and microbatches (rings: ``Family.stage_checks``) is
   proved by this run alone.
 * ``check_placed`` (``checks/placement.py``): a program with stages on rank
@@ -40,6 +42,7 @@ from pipec.compiler.checks.memory import check_memory, peak_activations
 from pipec.compiler.checks.placement import check_placed
 from pipec.compiler.checks.rings import RingReport, check_rings
 from pipec.compiler.checks.symbolic import prove_exchanges, proves_exchanges
+from pipec.compiler.checks import tensor_parallel  # noqa: F401  (registers the family's semantics)
 from pipec.compiler.checks.weights import WeightReport, check_weights
 from pipec.compiler.family import families_of
 from pipec.compiler.memory_counts import Number

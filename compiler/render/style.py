@@ -27,6 +27,8 @@ KINDS = {
     ops.U: (0, "optimizer update of the stage's weights"),
     ops.AF: (186, "attention forward block"),
     ops.AB: (350, "attention backward block"),
+    ops.TF: (160, "forward of a layer's tensor-parallel slices"),
+    ops.TB: (95, "backward of a layer's tensor-parallel slices"),
 }
 # The compute ops with a colour, and every other op (drawn by its category).
 ops.declare_pass("drawing style", [op for op in ops.COMPUTE_OPS if op in KINDS]

@@ -203,6 +203,11 @@ def check_launch(args, program) -> int:
     from pipec.runtime.stash import check_update_options
 
     check_update_options(config, program)
+    from pipec.runtime.family import runtime_family
+
+    refusal = runtime_family(program).refuse_run(config)
+    if refusal is not None:
+        raise UsageError(f"{args.target}: {refusal}")
     _check_model(config, program)
     return nproc
 
