@@ -206,8 +206,8 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
         slot = resolver.bind(inner, decl.var, INT, decl.var_span).slot
         when_fn = None if decl.when is None else resolver.expect(decl.when, inner, BOOL, "a `when` condition")
         out.recomputes.append((decl, slot, when_fn))
-    elif owner_of(decl) is not None:  # a family's own declaration (`weights`, `sequence`, ...)
-        owner_of(decl).resolve_decl(out, decl, scope)
+    elif (owner := owner_of(decl)) is not None:  # a family's own declaration (`weights`, `sequence`, ...)
+        owner.resolve_decl(out, decl, scope)
     elif isinstance(decl, ast.ExplicitOrder):
         if out.explicit is None and out.greedy is None and out.sorted is None:
             inner = scope.child()
