@@ -5,16 +5,19 @@ whose expressions and statements are compiled into closures
 (``pipec.dsl.evaluate``), or raises every error it found at once: unknown
 names, type mismatches, a missing ``stages``, a missing or second order,
 parameters without the ``ranks``/``microbatches`` roles, tasks of the wrong
-backward mode, keys or priorities given twice, the rules of weight passing
-(``pipec.dsl.weights``: ``weights`` without ``home``, a task outside every
-``at step``, ``own`` with ``all_gather``, routes that do not pair, ...) and
-those of sequence rings (``pipec.dsl.rings``: ``sequence`` without ``hold``,
-``mask`` or ``rings``, a declaration of another family beside it, ...),
-and those of recomputation (``recompute stage`` only in activation passing,
-``R`` only where a stage is recomputed, ``FC`` never written). A
-sequence ring has no stages, places or microbatches parameter: the compiler
-derives its layout, and its order unless ``order rank r`` writes it, every
-block in an ``at step`` and of the ring's task kinds (``TaskKinds.ring``).
+backward mode, keys or priorities given twice, the rules of each family
+(asked of ``pipec.dsl.families``: weight passing's, ``pipec.dsl.weights``:
+``weights`` without ``home``, a task outside every ``at step``, ``own`` with
+``all_gather``, routes that do not pair, ...; sequence rings',
+``pipec.dsl.rings``: ``sequence`` without ``hold``, ``mask`` or ``rings``, a
+declaration of another family beside it, ...) and those of recomputation
+(``recompute stage`` only in activation passing, ``R`` only where a stage is
+recomputed, ``FC`` never written). A family whose declarations lay the
+schedule out (a sequence ring) needs no stages, places, order or parameter
+its family has no use for: the compiler derives its layout, and its order
+unless ``order rank r`` writes it, each task compiled by the family.
+This module tests no family: it asks the schedule's (``ResolvedSchedule.family``)
+and every registered one.
 """
 from __future__ import annotations
 
@@ -22,11 +25,10 @@ from typing import Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import BOOL, INT, KEY, Resolver, Scope
+from pipec.dsl.families import declared_families, family_of, first_word, owner_of
 from pipec.dsl.order_body import assign_statement, branch_statement, loop_statement, OrderState
-from pipec.dsl.rings import OTHER_DECLS, RING_DECLS, check_ring_rules, resolve_ring_decl
 from pipec.dsl.schedule import DEFAULT_PREFER, ResolvedSchedule
 from pipec.dsl.spec import TaskKinds
-from pipec.dsl.weights import WEIGHT_DECLS, check_weight_rules, resolve_weight_decl
 from pipec.errors import ResolveError, SourceErrors
 
 
@@ -47,9 +49,11 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
     resolver.functions = {d.name: d for d in schedule.decls if isinstance(d, ast.FuncDef)}
     out = ResolvedSchedule(schedule, path, source, resolver, tasks=tasks)
     scope = Scope()
-    # Read before anything: a sequence ring needs no microbatches parameter,
-    # and the other families' declarations are refused in it, not resolved.
-    ring = out.ring_decls.ring = any(isinstance(d, ast.Sequence) for d in schedule.decls)
+    # Read before anything: a family may need no microbatches parameter (a
+    # sequence ring), refuse the other families' declarations instead of
+    # resolving them, and say what an order body written before its
+    # declarations may hold (tasks at steps).
+    family = out.family = family_of(schedule)
     _resolve_params(out, schedule, scope)
 
     backward_nodes = [d for d in schedule.decls if isinstance(d, ast.Backward)]
@@ -61,18 +65,16 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
     out.split_backward = out.backward_mode != tasks.default_mode
     orders = [d for d in schedule.decls if isinstance(d, (ast.ExplicitOrder, ast.GreedyOrder, ast.SortedOrder))]
     # Read before the walk, like `backward`: an order body written before
-    # `weights` must already know that its tasks belong to steps, and one
-    # written before `recompute` that it may write the recompute.
-    out.weight_decls.passing = any(isinstance(d, ast.Weights) for d in schedule.decls)
+    # `recompute` must already know that it may write the recompute.
     recomputes = [d for d in schedule.decls if isinstance(d, ast.Recompute)]
     out.recomputing = bool(recomputes)
 
     for decl in schedule.decls:
-        if not (ring and isinstance(decl, OTHER_DECLS)):
+        if not isinstance(decl, family.foreign):
             _resolve_decl(out, decl, scope)
 
-    if ring:  # its layout is derived, its order too unless written: only its own rules apply
-        _check_ring_schedule(out, schedule, recomputes, orders)
+    if family.lays_out(out):  # its layout is derived, its order too unless written: only its own rules apply
+        _check_laid_out_schedule(out, schedule, recomputes, orders)
     else:
         _check_pipeline_schedule(out, schedule, recomputes, orders, backward_nodes)
     if resolver.errors:
@@ -80,20 +82,13 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
     return out
 
 
-def _check_ring_schedule(out: ResolvedSchedule, schedule: ast.Schedule, recomputes: list, orders: list) -> None:
-    """What a sequence ring's schedule must (not) declare; errors go to ``out.resolver``."""
-    resolver = out.resolver
-    check_ring_rules(resolver, out.ring_decls, schedule)
-    for node in recomputes:
-        resolver.error("`recompute stage` belongs to activation passing: a sequence ring keeps no stage "
-                       "activations to recompute (its attention backward recomputes each block from the "
-                       "(out, lse) its forward kept)", node.span)
-    if out.stash is not None:
-        resolver.error("`stash weights` belongs to activation passing: a sequence ring has no weights that an "
-                       "update could change under a microbatch in flight", out.stash[0].span)
-    written = [d for d in orders if isinstance(d, ast.ExplicitOrder)]
-    for extra in written[1:]:
-        resolver.error(f"a schedule has one order; another is at line {written[0].span.line}", extra.span)
+def _check_laid_out_schedule(out: ResolvedSchedule, schedule: ast.Schedule, recomputes: list,
+                             orders: list) -> None:
+    """What a schedule its family lays out (a sequence ring) must (not) declare: its family's rules alone (the
+    other families' declarations, orders among them, are refused there); errors go to ``out.resolver``."""
+    out.family.check_schedule(out, schedule)
+    _refuse_declarations(out, recomputes)
+    _check_one_order(out, [d for d in orders if not isinstance(d, out.family.foreign)])
 
 
 def _check_pipeline_schedule(out: ResolvedSchedule, schedule: ast.Schedule, recomputes: list, orders: list,
@@ -102,27 +97,39 @@ def _check_pipeline_schedule(out: ResolvedSchedule, schedule: ast.Schedule, reco
     resolver = out.resolver
     if out.stages.node is None:
         resolver.error("a schedule needs `stages EXPR` (how many stages each pipeline has)", schedule.span)
-    check_weight_rules(resolver, out.weight_decls, schedule)
-    check_ring_rules(resolver, out.ring_decls, schedule)  # ring declarations without `sequence`
-    if out.weight_decls.passing:
-        for node in recomputes:
-            resolver.error("`recompute stage` belongs to activation passing: weight passing already recomputes "
-                           "every layer (its F keeps only the layer's input, its B runs the forward again)",
-                           node.span)
-        if out.stash is not None:
-            resolver.error("`stash weights` belongs to activation passing: under weight passing each layer's owner "
-                           "steps its optimizer after the list", out.stash[0].span)
-    if not out.places and out.weight_decls.home is None:
+    for family in declared_families():  # a family's declarations without the one that makes it the schedule's too
+        family.check_schedule(out, schedule)
+    _refuse_declarations(out, recomputes)
+    if not out.places and not any(family.places(out) for family in declared_families()):
         resolver.error("a schedule needs at least one `place stage s on rank EXPR`", schedule.span)
     if not orders:
         resolver.error(
             "a schedule needs an order: `order rank r { ... }`, `order greedy { ... }` or `order sorted { ... }`",
             schedule.span,
         )
-    for extra in orders[1:]:
-        resolver.error(f"a schedule has one order; another is at line {orders[0].span.line}", extra.span)
+    _check_one_order(out, orders)
     for extra in backward_nodes[1:]:
         resolver.error(f"`backward` is already declared at line {backward_nodes[0].span.line}", extra.span)
+
+
+def _refuse_declarations(out: ResolvedSchedule, recomputes: list) -> None:
+    """The ``recompute stage`` and ``stash weights`` of activation passing that the schedule's family refuses.
+
+    Args:
+        out: the schedule resolved (its family, its ``stash``; errors go to its resolver).
+        recomputes: its ``recompute stage`` declarations, in text order.
+    """
+    stash = [] if out.stash is None else [out.stash[0]]
+    for node in recomputes + stash:
+        refusal = out.family.refusal(node)
+        if refusal is not None:
+            out.resolver.error(refusal, node.span)
+
+
+def _check_one_order(out: ResolvedSchedule, orders: list) -> None:
+    """A schedule has one order: each after the first is an error (at it, naming the first's line)."""
+    for extra in orders[1:]:
+        out.resolver.error(f"a schedule has one order; another is at line {orders[0].span.line}", extra.span)
 
 
 def _resolve_params(out: ResolvedSchedule, schedule: ast.Schedule, scope: Scope) -> None:
@@ -139,7 +146,7 @@ def _resolve_params(out: ResolvedSchedule, schedule: ast.Schedule, scope: Scope)
         if len(holders) == 1:
             setattr(out, attr, holders[0].name)
         elif not holders:
-            if role == "microbatches" and out.ring_decls.ring:
+            if role == "microbatches" and not out.family.microbatches:
                 continue  # a sequence ring has no microbatches
             resolver.error(f"a schedule needs one parameter of type `{role}`", schedule.span)
         else:
@@ -199,10 +206,8 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
         slot = resolver.bind(inner, decl.var, INT, decl.var_span).slot
         when_fn = None if decl.when is None else resolver.expect(decl.when, inner, BOOL, "a `when` condition")
         out.recomputes.append((decl, slot, when_fn))
-    elif isinstance(decl, WEIGHT_DECLS):
-        resolve_weight_decl(resolver, out.weight_decls, decl, scope)
-    elif isinstance(decl, RING_DECLS):
-        resolve_ring_decl(resolver, out.ring_decls, decl, scope)
+    elif (owner := owner_of(decl)) is not None:  # a family's own declaration (`weights`, `sequence`, ...)
+        owner.resolve_decl(out, decl, scope)
     elif isinstance(decl, ast.ExplicitOrder):
         if out.explicit is None and out.greedy is None and out.sorted is None:
             inner = scope.child()
@@ -244,19 +249,9 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope, inside: ast.
             fn, type_ = resolver.expr(stmt.value, scope)
             slot = resolver.bind(scope, stmt.name, type_, stmt.name_span).slot
             compiled.append(assign_statement(slot, fn))
-        elif isinstance(stmt, ast.Task) and out.ring_decls.ring:
-            compiled.append(_resolve_ring_task(out, stmt, scope, inside))
         elif isinstance(stmt, ast.Task):
-            _check_kind(out, stmt)
-            if stmt.piece is not None:
-                resolver.error(f"{stmt.kind}(...) takes two arguments, a stage and a microbatch; a third, a KV "
-                               f"piece, is for a sequence ring's {' and '.join(out.tasks.ring)}", stmt.piece.span)
-            if inside is None and out.weight_decls.passing:
-                resolver.error(f"{stmt.kind}(...) is outside every `at step`: in a weight-passing schedule "
-                               "every task belongs to a step, `at step EXPR { ... }`", stmt.span)
-            stage_fn = resolver.expect(stmt.stage, scope, INT, "a task's stage")
-            mb_fn = resolver.expect(stmt.mb, scope, INT, "a task's microbatch")
-            compiled.append(out._state.emitter(stmt, stage_fn, mb_fn))
+            own = out.family.resolve_task(out, stmt, scope, inside)  # a family's own tasks (a ring's blocks)
+            compiled.append(own if own is not None else _resolve_task(out, stmt, scope, inside))
         elif isinstance(stmt, ast.For):
             start = resolver.expect(stmt.start, scope, INT, "a range start")
             stop = resolver.expect(stmt.stop, scope, INT, "a range end")
@@ -276,29 +271,36 @@ def _resolve_body(out: ResolvedSchedule, body: tuple, scope: Scope, inside: ast.
     return compiled
 
 
-def _resolve_ring_task(out: ResolvedSchedule, stmt: ast.Task, scope: Scope, inside: ast.AtStep | None) -> Callable:
-    """A block of a sequence ring's written order: ``KIND(q, kv)`` or ``KIND(q, kv, piece)``, in an ``at step``."""
-    resolver, tasks = out.resolver, out.tasks
-    if stmt.kind not in tasks.ring:
-        forward = " or ".join(f"{kind}(q, kv[, piece])" for kind in tasks.ring_forward)
-        backward = " or ".join(f"{kind}(q, kv[, piece])" for kind in tasks.ring_backward)
-        resolver.error(f"there is no task {stmt.kind}(...) in a sequence ring: its order writes attention blocks, "
-                       f"{forward} forward and {backward} backward", stmt.span)
-    if inside is None:
-        resolver.error(f"{stmt.kind}(...) is outside every `at step`: in a sequence ring's order every block "
-                       "belongs to a step, `at step EXPR { ... }` (0..P-1 forward, P..2P-1 backward)", stmt.span)
-    q_fn = resolver.expect(stmt.stage, scope, INT, "a block's query chunk")
-    kv_fn = resolver.expect(stmt.mb, scope, INT, "a block's KV chunk")
-    piece_fn = None if stmt.piece is None else resolver.expect(stmt.piece, scope, INT, "a block's KV piece")
-    return out._state.ring_emitter(stmt, q_fn, kv_fn, piece_fn, stmt.kind in tasks.ring_forward)
+def _resolve_task(out: ResolvedSchedule, stmt: ast.Task, scope: Scope, inside: ast.AtStep | None) -> Callable:
+    """Compile a pipeline's task, ``KIND(stage, mb)``, of a kind the schedule orders.
+
+    Args:
+        out: the schedule being resolved (its family, task kinds and order state).
+        stmt: the task statement.
+        scope: the names visible to it.
+        inside: the ``at step`` block it is in, or None (its family may need one).
+    Returns:
+        the closure that emits the task.
+    """
+    resolver = out.resolver
+    _check_kind(out, stmt)
+    if stmt.piece is not None:
+        piece = first_word(lambda family: family.piece_elsewhere(out.tasks, stmt.kind))
+        resolver.error(piece or f"{stmt.kind}(...) takes two arguments, a stage and a microbatch", stmt.piece.span)
+    outside = None if inside is not None else out.family.outside_steps(stmt.kind)
+    if outside is not None:
+        resolver.error(outside, stmt.span)
+    stage_fn = resolver.expect(stmt.stage, scope, INT, "a task's stage")
+    mb_fn = resolver.expect(stmt.mb, scope, INT, "a task's microbatch")
+    return out._state.emitter(stmt, stage_fn, mb_fn)
 
 
 def _resolve_at_step(out: ResolvedSchedule, stmt: ast.AtStep, scope: Scope, outer: ast.AtStep | None) -> Callable:
-    """``at step E { ... }``: only with `weights` or in a sequence ring, never inside another."""
+    """``at step E { ... }``: only where the schedule's family puts tasks at steps, never inside another."""
     resolver = out.resolver
-    if not out.weight_decls.passing and not out.ring_decls.ring:
-        resolver.error("`at step` belongs to weight passing: it needs `weights ROUTE` (ring, direct, staged or "
-                       "all_gather)", stmt.span)
+    if not out.family.at_steps:
+        elsewhere = first_word(lambda family: family.at_step_elsewhere())
+        resolver.error(elsewhere or "`at step` belongs to a family whose order has steps", stmt.span)
     if outer is not None:
         resolver.error(f"`at step` inside `at step` (line {outer.span.line}): a task belongs to one step", stmt.span)
     step = resolver.expect(stmt.step, scope, INT, "a step")
@@ -327,14 +329,9 @@ def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
     """A task's kind must be one the schedule's backward mode orders (the rule table's kinds); a
     recompute needs a recomputed stage, and what a forward becomes there is written as the forward."""
     tasks, mode = out.tasks, out.backward_mode
-    if stmt.kind in tasks.recomputes and out.weight_decls.passing:
-        out.resolver.error(f"{stmt.kind}(...) recomputes a stage's forward, and weight passing needs none: its B "
-                           "already runs the layer's forward again from the input its F kept", stmt.span)
-        return
-    if stmt.kind in tasks.updates and out.weight_decls.passing:
-        out.resolver.error(f"{stmt.kind}(...) updates a stage's weights inside the order, and under weight passing "
-                           "each layer's owner steps its optimizer after the list: asynchronous updates belong to "
-                           "activation passing", stmt.span)
+    refusal = out.family.kind_refusal(tasks, stmt.kind)  # weight passing: no recompute, no update
+    if refusal is not None:
+        out.resolver.error(refusal, stmt.span)
         return
     if stmt.kind in tasks.recomputes and not out.recomputing:
         out.resolver.error(f"{stmt.kind}(...) runs a recomputed stage's forward again, and this schedule "
@@ -348,9 +345,9 @@ def _check_kind(out: ResolvedSchedule, stmt: ast.Task) -> None:
         out.resolver.error(f"{stmt.kind}(...) is what {written}(...) becomes on a recomputed stage (`recompute "
                            f"stage`); write {written}(s, m)", stmt.span)
         return
-    if stmt.kind in tasks.ring:
-        out.resolver.error(f"{stmt.kind}(...) is a sequence ring's task (an attention block): it needs `sequence "
-                           "chunks EXPR`", stmt.span)
+    elsewhere = first_word(lambda family: family.kind_elsewhere(tasks, stmt.kind))  # a ring's attention block
+    if elsewhere is not None:
+        out.resolver.error(elsewhere, stmt.span)
     elif stmt.kind not in tasks.kinds:
         out.resolver.error(f"there is no task {stmt.kind}(...) (tasks: {', '.join(tasks.kinds)})", stmt.span)
     elif mode != tasks.default_mode:

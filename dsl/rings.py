@@ -7,7 +7,8 @@ derives each rank's order of attention blocks (at each step, every visible
 block of the rank's queries with the KV it holds then); a schedule may write
 it instead, ``order rank r { at step E { AF(q, kv[, piece]) ... } }`` (steps
 0..P-1 forward, P..2P-1 backward; resolved with the order body,
-``pipec.dsl.resolve``, run by ``pipec.dsl.order_body``). The front end hands
+``pipec.dsl.resolve``, each block by ``resolve_ring_task``, run by
+``pipec.dsl.order_body``). The front end hands
 the compiler a ``RingSpec``; the ``ScheduleSpec`` around it has one stage per
 chunk (a query chunk), placed on the chunk's holder, one pipeline, no policy,
 and the written order if any. The declarations:
@@ -21,15 +22,17 @@ Contract: ``resolve_ring_decl`` compiles one declaration; ``check_ring_rules``
 reports, before any parameter, every rule that ties them (``sequence`` needs
 ``hold``, ``mask`` and ``rings``; the others need ``sequence``; a ring
 schedule has no declaration of the other families, and its written order
-needs its pieces known); ``ring_spec`` evaluates
-them with the parameters, raising ``EvalError`` at the expression whose value
-is out of range.
+needs its pieces known); ``resolve_ring_task`` compiles one block of a
+written order; ``ring_spec`` evaluates them with the parameters, raising
+``EvalError`` at the expression whose value is out of range. The family's
+``Declared`` (``pipec.dsl.families``) answers resolution and evaluation with
+these, and says why a ring refuses ``recompute stage`` and ``stash weights``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import gcd
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import BOOL, INT, Fn, Resolver, Scope
@@ -39,7 +42,7 @@ from pipec.dsl.spec import RingSpec
 from pipec.errors import EvalError, Span
 
 if TYPE_CHECKING:
-    from pipec.dsl.schedule import Budget
+    from pipec.dsl.schedule import Budget, ResolvedSchedule
 
 RING_DECLS = (ast.Sequence, ast.Hold, ast.Mask, ast.Rings, ast.Pieces, ast.RingMode)
 
@@ -82,9 +85,6 @@ class RingDecls:
         rings: the declaration and the closures of its values.
         pieces: ``pieces E`` and the closure of ``E``.
         modes: ``kv`` / ``dkv`` / ``transfer`` -> its declaration.
-        ring: the schedule is a sequence ring (it declares ``sequence``),
-            known before the declarations are walked: parameters and the
-            other families' declarations need it.
     """
 
     sequence: tuple[ast.Sequence, Fn] | None = None
@@ -93,7 +93,6 @@ class RingDecls:
     rings: tuple[ast.Rings, tuple[Fn, ...]] | None = None
     pieces: tuple[ast.Pieces, Fn] | None = None
     modes: dict[str, ast.RingMode] = field(default_factory=dict)
-    ring: bool = False
 
     def declared(self) -> list[ast.Node]:
         """Every declaration held, in text order (messages about them come in that order)."""
@@ -209,6 +208,33 @@ def _check_written_order(resolver: Resolver, decls: RingDecls, schedule: ast.Sch
     resolver.error(f"an order written block by block needs `pieces EXPR` under `rings {decls.rings[0].kind}` "
                    f"(line {decls.rings[0].span.line}): its default, one piece per ring, depends on the rings the "
                    "compiler finds, and a block names its piece", order.span)
+
+
+def resolve_ring_task(schedule: "ResolvedSchedule", stmt: ast.Task, scope: Scope,
+                      inside: ast.AtStep | None) -> Callable:
+    """Compile a block of a sequence ring's written order, ``KIND(q, kv)`` or ``KIND(q, kv, piece)``.
+
+    Args:
+        schedule: the schedule being resolved (its resolver, task kinds and order state).
+        stmt: the block's task statement.
+        scope: the names visible to it.
+        inside: the ``at step`` block it is in (None: an error, every block belongs to a step).
+    Returns:
+        the closure that emits the block at its step.
+    """
+    resolver, tasks = schedule.resolver, schedule.tasks
+    if stmt.kind not in tasks.ring:
+        forward = " or ".join(f"{kind}(q, kv[, piece])" for kind in tasks.ring_forward)
+        backward = " or ".join(f"{kind}(q, kv[, piece])" for kind in tasks.ring_backward)
+        resolver.error(f"there is no task {stmt.kind}(...) in a sequence ring: its order writes attention blocks, "
+                       f"{forward} forward and {backward} backward", stmt.span)
+    if inside is None:
+        resolver.error(f"{stmt.kind}(...) is outside every `at step`: in a sequence ring's order every block "
+                       "belongs to a step, `at step EXPR { ... }` (0..P-1 forward, P..2P-1 backward)", stmt.span)
+    q_fn = resolver.expect(stmt.stage, scope, INT, "a block's query chunk")
+    kv_fn = resolver.expect(stmt.mb, scope, INT, "a block's KV chunk")
+    piece_fn = None if stmt.piece is None else resolver.expect(stmt.piece, scope, INT, "a block's KV piece")
+    return schedule._state.ring_emitter(stmt, q_fn, kv_fn, piece_fn, stmt.kind in tasks.ring_forward)
 
 
 def written_pieces(spec: RingSpec) -> int:
@@ -374,15 +400,49 @@ class RingOrder:
     written: int = 0
 
 
+# Activation passing's declarations a sequence ring cannot hold, and why.
+_REFUSALS = {
+    ast.Recompute: "`recompute stage` belongs to activation passing: a sequence ring keeps no stage activations to "
+                   "recompute (its attention backward recomputes each block from the (out, lse) its forward kept)",
+    ast.Stash: "`stash weights` belongs to activation passing: a sequence ring has no weights that an update could "
+               "change under a microbatch in flight",
+}
+
+
 class _SequenceRings(Declared):
     """Sequence rings' declarations: they lay the schedule out (a stage per chunk on its holder), and a
     written order numbers blocks, each at a step of the two passes."""
 
     field = "rings"
     at_steps = True
+    decls = RING_DECLS
+    derives_layout = True
+    foreign = OTHER_DECLS
+    microbatches = False
 
-    def lays_out(self, schedule):
-        return schedule.ring_decls.ring
+    def declares(self, schedule):
+        return any(isinstance(decl, ast.Sequence) for decl in schedule.decls)
+
+    def resolve_decl(self, schedule, decl, scope):
+        resolve_ring_decl(schedule.resolver, schedule.ring_decls, decl, scope)
+
+    def check_schedule(self, schedule, node):
+        check_ring_rules(schedule.resolver, schedule.ring_decls, node)  # without `sequence`: each declaration
+
+    def refusal(self, decl):
+        return _REFUSALS.get(type(decl))
+
+    def resolve_task(self, schedule, stmt, scope, inside):
+        return resolve_ring_task(schedule, stmt, scope, inside)
+
+    def kind_elsewhere(self, tasks, kind):
+        if kind not in tasks.ring:
+            return None
+        return f"{kind}(...) is a sequence ring's task (an attention block): it needs `sequence chunks EXPR`"
+
+    def piece_elsewhere(self, tasks, kind):
+        return (f"{kind}(...) takes two arguments, a stage and a microbatch; a third, a KV piece, is for a "
+                f"sequence ring's {' and '.join(tasks.ring)}")
 
     def layout(self, schedule, env, P, label):
         rings = ring_spec(schedule.ring_decls, env, P, schedule.resolver, schedule.budget, label)

@@ -26,7 +26,7 @@ from pipec.dsl.evaluate import Fn, Resolver
 from pipec.dsl.limits import (
     BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, check_int,
 )
-from pipec.dsl.families import Declared, declared_families
+from pipec.dsl.families import ACTIVATION_PASSING, Declared, declared_families
 from pipec.dsl.rings import RingDecls
 from pipec.dsl.spec import GreedyPolicy, ScheduleSpec, TaskKinds
 from pipec.dsl.weights import WeightDecls, home_pipelines
@@ -98,6 +98,8 @@ class ResolvedSchedule:
     weight_decls: WeightDecls = field(default_factory=WeightDecls)
     # sequence, hold, mask, rings, pieces, kv, dkv, transfer (sequence rings)
     ring_decls: RingDecls = field(default_factory=RingDecls)
+    # the family whose rules the schedule follows (``pipec.dsl.families.family_of``, read before the walk)
+    family: Declared = ACTIVATION_PASSING
     tasks: TaskKinds | None = None
     # `recompute stage s [when C]`: each declaration, its variable's slot and its condition's closure
     recomputes: list[tuple[ast.Recompute, int, Fn | None]] = field(default_factory=list)

@@ -17,7 +17,10 @@ reports, before any parameter, every rule that ties them (``weights`` needs
 ``home_pipelines`` and ``weight_spec`` evaluate them with the parameters,
 raising ``EvalError`` at the expression whose value is out of range. The
 ``at step E`` blocks of an order body are resolved with the body
-(``pipec.dsl.resolve``) and run by ``pipec.dsl.order_body``.
+(``pipec.dsl.resolve``) and run by ``pipec.dsl.order_body``. The family's
+``Declared`` (``pipec.dsl.families``) answers resolution and evaluation with
+these, and says why weight passing refuses recomputation, ``stash weights``
+and updates in the order, and a task outside every ``at step``.
 """
 from __future__ import annotations
 
@@ -53,8 +56,6 @@ class WeightDecls:
         weights: ``weights ROUTE [by E]``; ``ring_by`` the closure of ``E``.
         gradients: ``gradients ROUTE``.
         counts: ``prefetch`` / ``buffers`` -> the declaration and its value's closure.
-        passing: the schedule is weight-passing (it declares ``weights``),
-            known before the declarations are walked: order bodies need it.
     """
 
     home: tuple[ast.Home, int, Fn] | None = None
@@ -64,7 +65,6 @@ class WeightDecls:
     ring_by: Fn | None = None
     gradients: ast.Gradients | None = None
     counts: dict[str, tuple[ast.WeightCount, Fn]] = field(default_factory=dict)
-    passing: bool = False
 
     def declared(self) -> list[ast.Node]:
         """Every declaration held, in text order (messages about them come in that order)."""
@@ -281,11 +281,54 @@ def _count(decls: WeightDecls, env: list, what: str, minimum: int, source: str) 
 _DEFAULT_COUNT = {"prefetch": 0, "buffers": None}
 
 
+# Activation passing's declarations a weight-passing schedule cannot hold, and why.
+_REFUSALS = {
+    ast.Recompute: "`recompute stage` belongs to activation passing: weight passing already recomputes every layer "
+                   "(its F keeps only the layer's input, its B runs the forward again)",
+    ast.Stash: "`stash weights` belongs to activation passing: under weight passing each layer's owner steps its "
+               "optimizer after the list",
+}
+
+
 class _WeightPassing(Declared):
-    """Weight passing's declarations: a ``WeightSpec`` beside the layout, its order's tasks at steps."""
+    """Weight passing's declarations: a ``WeightSpec`` beside the layout, its order's tasks at steps,
+    no recomputation nor update of activation passing's."""
 
     field = "weights"
     at_steps = True
+    decls = WEIGHT_DECLS
+
+    def declares(self, schedule):
+        return any(isinstance(decl, ast.Weights) for decl in schedule.decls)
+
+    def resolve_decl(self, schedule, decl, scope):
+        resolve_weight_decl(schedule.resolver, schedule.weight_decls, decl, scope)
+
+    def check_schedule(self, schedule, node):
+        check_weight_rules(schedule.resolver, schedule.weight_decls, node)
+
+    def refusal(self, decl):
+        return _REFUSALS.get(type(decl))
+
+    def places(self, schedule):
+        return schedule.weight_decls.home is not None  # `home` lays out one pipeline per rank
+
+    def outside_steps(self, kind):
+        return (f"{kind}(...) is outside every `at step`: in a weight-passing schedule every task belongs to a "
+                "step, `at step EXPR { ... }`")
+
+    def kind_refusal(self, tasks, kind):
+        if kind in tasks.recomputes:
+            return (f"{kind}(...) recomputes a stage's forward, and weight passing needs none: its B already "
+                    "runs the layer's forward again from the input its F kept")
+        if kind in tasks.updates:
+            return (f"{kind}(...) updates a stage's weights inside the order, and under weight passing each "
+                    "layer's owner steps its optimizer after the list: asynchronous updates belong to "
+                    "activation passing")
+        return None
+
+    def at_step_elsewhere(self):
+        return "`at step` belongs to weight passing: it needs `weights ROUTE` (ring, direct, staged or all_gather)"
 
     def evaluate(self, schedule, env, spec):
         decls = schedule.weight_decls
