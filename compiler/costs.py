@@ -26,9 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence, Union
 
 from pipec.compiler import ops as rules
-from pipec.compiler.guarded_read import COSTS, INT_LIMIT, INT_LIMIT_TEXT, plain_int, quote, read_json
+from pipec.compiler.guarded_read import (
+    COST_LIMIT, COST_LIMIT_TEXT, COSTS, INT_LIMIT, INT_LIMIT_TEXT, LIMITS_DOC, cost_number_problem, plain_int, quote,
+    read_json,
+)
 from pipec.compiler.guarded_read import json_type as _json_type
-from pipec.errors import CostFileError, PipecError, UsageError
+from pipec.errors import CostFileError, NumberLimitError, PipecError, UsageError
 
 Number = Union[int, float]
 # A chunk or rank written as a JSON key: ASCII digits only.
@@ -153,6 +156,10 @@ class LayerCost:
     activation: Number
     parameters: Number
 
+    def __post_init__(self) -> None:
+        for name in LAYER_KEYS[1:]:
+            _within_limits(getattr(self, name), f"layer {quote(self.name)}: {name}")
+
     @property
     def time(self) -> Number:
         """Its forward and backward: PipeDream's T_l."""
@@ -225,8 +232,12 @@ class CostModel:
         value_bytes: the bytes of one value of a size class, as sorted
             (size class, bytes) pairs; ``sizes`` gives them as a dict.
         layers: the model's layers in order (the file's ``layers``); empty when it has none.
+        source: the cost file the model was read from, which messages about its totals name ("": none).
 
-    Fields are tuples so that the model is hashable; lookup tables are built
+    Every number is within the guarded reader's limits (``guarded_read.cost_number_problem``: at most
+    ``COST_LIMIT``, a bandwidth at least ``MIN_BANDWIDTH``), so that no sum of a program's size overflows:
+    ``FieldReader`` names a file's number past them at its key, and a model built in Python is held to the
+    same when it is made (``NumberLimitError``). Fields are tuples so that the model is hashable; lookup tables are built
     once in ``__post_init__``.
     """
 
@@ -246,17 +257,38 @@ class CostModel:
     post: Number = 0
     value_bytes: tuple[tuple[str, Number], ...] = ()
     layers: tuple[LayerCost, ...] = ()
+    source: str = field(default="", compare=False)  # the cost file it was read from, for messages ("" if none)
     _compute_table: dict = field(init=False, repr=False, compare=False, hash=False)
     _pair_table: dict = field(init=False, repr=False, compare=False, hash=False)
     _bytes_table: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        self._check_limits()
         compute = {(None, op): cost for op, cost in self.ops}
         compute.update({(chunk, op): cost for chunk, op, cost in self.per_chunk})
         # frozen: the caches are set once, here, and never change afterwards
         object.__setattr__(self, "_compute_table", compute)
         object.__setattr__(self, "_pair_table", {(a, b): link for a, b, link in self.pairs})
         object.__setattr__(self, "_bytes_table", dict(self.message_bytes))
+
+    def _check_limits(self) -> None:
+        """Raise ``NumberLimitError`` at the first number past the guarded reader's limits."""
+        numbers = [(f"compute.{op}", cost) for op, cost in self.ops]
+        numbers += [(f"compute.per_chunk.{chunk}.{op}", cost) for chunk, op, cost in self.per_chunk]
+        numbers += [(f"links.bytes.{kind}", size) for kind, size in self.message_bytes]
+        numbers += [("allreduce.bytes", self.allreduce_bytes), ("links.post", self.post)]
+        numbers += [(f"sizes.{size_class}", size) for size_class, size in self.value_bytes]
+        links = [("links", self.link), ("links.inter_node", self.inter_node), ("links.nic", self.nic),
+                 ("links.port", self.port), ("links.rails", self.rails), ("allreduce", self.allreduce_link)]
+        links += [(f"links.pairs.{low}-{high}", link) for low, high, link in self.pairs]
+        for key, link in links:
+            if link is not None:
+                if link.latency is not None:
+                    numbers.append((f"{key}.latency", link.latency))
+                if link.bandwidth is not None:
+                    _within_limits(link.bandwidth, f"{key}.bandwidth", self.source, bandwidth=True)
+        for key, value in numbers:
+            _within_limits(value, key, self.source)
 
     @property
     def sizes(self) -> dict[str, Number]:
@@ -389,8 +421,10 @@ class FieldReader:
                     raise self.fail(_join(key, name), f"unknown key (expected one of {', '.join(allowed)})")
         return value
 
-    def number(self, value: Any, key: str, positive: bool = False) -> Number:
-        """``value`` as a non-negative (or, with ``positive``, strictly positive) finite number."""
+    def number(self, value: Any, key: str, positive: bool = False, *, limited: bool = True,
+               bandwidth: bool = False) -> Number:
+        """``value`` as a non-negative (or, with ``positive``, strictly positive) finite number; with ``limited``
+        (a cost file's number) at most ``guarded_read.COST_LIMIT``, a ``bandwidth`` at least ``MIN_BANDWIDTH``."""
         # bool is an int subclass in Python, but `true` is not a cost
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, f"expected a number, got {_json_type(value)}")
@@ -402,6 +436,9 @@ class FieldReader:
             raise self.fail(key, f"expected a positive number, got {value}")
         if value < 0:
             raise self.fail(key, f"expected a non-negative number, got {value}")
+        problem = cost_number_problem(value, bandwidth=bandwidth) if limited else None
+        if problem is not None:
+            raise self.fail(key, problem)
         return value
 
     def index(self, text: str, key: str) -> int:
@@ -427,7 +464,8 @@ class FieldReader:
         """(latency, bandwidth, the object) of a link object; absent fields are None."""
         given = self.table(value, key, ("latency", "bandwidth") + extra)
         latency = self.number(given["latency"], _join(key, "latency")) if "latency" in given else None
-        bandwidth = self.number(given["bandwidth"], _join(key, "bandwidth"), positive=True) if "bandwidth" in given else None
+        bandwidth = (self.number(given["bandwidth"], _join(key, "bandwidth"), positive=True, bandwidth=True)
+                     if "bandwidth" in given else None)
         return latency, bandwidth, given
 
     def pair(self, text: str, key: str) -> tuple[int, int]:
@@ -564,7 +602,7 @@ def costs_from_json(data: Any, path: str = "<costs>") -> CostModel:
     for name, section in _SECTIONS.items():
         if name in top:
             fields.update(section(reader, top[name]))
-    return CostModel(**fields)
+    return CostModel(**fields, source=path)
 
 
 def load_costs(path: str) -> CostModel:
@@ -603,9 +641,22 @@ def rolled_up(data: Mapping[str, Any], ranges: Sequence[tuple[int, int]], path: 
     if not model.layers:
         raise CostFileError(f"{path}: no \"layers\" to roll up into chunks (`pipec profile` writes them)")
     chunks = roll_up(model.layers, ranges).per_chunk
+    for chunk, ((first, stop), times) in enumerate(zip(ranges, chunks)):
+        for op, time in zip(("F", "B"), times):
+            if time > COST_LIMIT:
+                raise CostFileError(f"{path}: layers[{first}] .. layers[{stop - 1}], chunk {chunk} of the cut, sum "
+                                    f"to {op} = {time:g}, above the {COST_LIMIT_TEXT} a cost file holds per task: "
+                                    f"their chunk cost file could not be read ({LIMITS_DOC})")
     compute = {key: value for key, value in data.get("compute", {}).items() if key != "per_chunk"}
     compute["per_chunk"] = {str(chunk): {"F": f, "B": b} for chunk, (f, b) in enumerate(chunks)}
     return {**{key: value for key, value in data.items() if key != "layers"}, "compute": compute}
+
+
+def _within_limits(value: Number, key: str, source: str = "", *, bandwidth: bool = False) -> None:
+    """Raise ``NumberLimitError`` when ``value``, a cost model's number at ``key``, is past the reader's limits."""
+    problem = cost_number_problem(value, bandwidth=bandwidth)
+    if problem is not None:
+        raise NumberLimitError(f"{source or 'cost model'}: {key}: {problem}")
 
 
 def _join(key: str, name: str) -> str:

@@ -19,6 +19,11 @@ through these functions, so each guard is written once:
   optional sign (``int()`` also takes ``1_000``, ``٣``, ``³`` and spaces);
   argparse ``type=`` functions ``count_arg``, ``positive_count_arg``,
   ``seconds_arg`` for numeric options;
+* the numbers of a cost file (``cost_number_problem``: at most ``COST_LIMIT``
+  each, a bandwidth at least ``MIN_BANDWIDTH``), so that no sum a program's
+  size can form overflows, and the totals formed from them (``checked_total``:
+  a float finite, an integer within ``+-2^63``), the last guard before a total
+  is reported or written;
 * messages: ``quote`` (a value read from a file, repr-escaped so that no raw
   control character reaches a terminal, shortened) and ``json_type`` (what
   kind of JSON value stood where another was expected).
@@ -34,7 +39,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from pipec.errors import ImportError_, PipecError, UsageError
+from pipec.errors import ImportError_, NumberLimitError, PipecError, UsageError
 
 # Integers pipec reads lie in -INT_LIMIT < v < INT_LIMIT (dsl.limits: the
 # language's range, so a number read from a file fits everything a schedule
@@ -103,6 +108,10 @@ CHECKPOINT = Kind("pipec checkpoint", "the checkpoint", 1024 * _GiB, "1 TiB")
 
 _PLAIN_INT = re.compile(r"[+-]?[0-9]+")
 _PLAIN_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+# A decimal with a sign and an exponent: what ``plain_float`` reads.
+_PLAIN_FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# The longest decimal ``plain_float`` reads.
+MAX_DECIMAL_CHARS = 40
 
 
 class _Refused(Exception):
@@ -553,6 +562,99 @@ def plain_int(text: str, what: str, error: type[PipecError] = UsageError, *, low
     return value
 
 
+# ----------------------------------------------------------------- cost numbers and totals
+
+# The largest number a cost file gives (a time per task, message, latency or post, in the file's unit:
+# ms as pipec measures them, so 1e15 is 31,700 years; bytes of a value, a message, a layer: a petabyte;
+# a bandwidth), and the API's cost models are held to the same (``costs.CostModel``). A program has at
+# most a few 10^7 instructions (a 256 MiB program file; the language stops at 2,000,000 tasks), so every
+# float sum the simulator, the partitioner and the memory check form stays below 1e38, far from float's
+# 1.8e308; integer sums are exact, and ``checked_total`` holds them to pipec's range.
+COST_LIMIT = 10**15
+COST_LIMIT_TEXT = "1e15"
+# The smallest bandwidth (bytes per time unit): a message's bytes / bandwidth stays at most 1e30.
+MIN_BANDWIDTH = 1e-15
+MIN_BANDWIDTH_TEXT = "1e-15"
+# Where the limits are stated for users.
+LIMITS_DOC = 'docs/costs.md, "Limits"'
+
+
+def cost_number_problem(value: Any, *, bandwidth: bool = False) -> str | None:
+    """What is wrong with ``value`` as a number of a cost model beyond its type and sign, or None when nothing is.
+
+    Args:
+        value: an int or a float (a reader has checked the type).
+        bandwidth: ``value`` is a bandwidth: also at least ``MIN_BANDWIDTH``.
+    Returns:
+        ``"1e+308 is above pipec's limit of 1e15 ..."`` for a number not finite, above ``COST_LIMIT``
+        (or below ``-COST_LIMIT``), or a bandwidth below ``MIN_BANDWIDTH``; None otherwise.
+    """
+    shown = f"{value:g}" if isinstance(value, float) else quote(value, 40)
+    if value != value or abs(value) > COST_LIMIT:  # nan, +-inf and every number past the limit
+        return (f"{shown} is above pipec's limit of {COST_LIMIT_TEXT} for a number of a cost file (a time, "
+                f"bytes or a bandwidth), which keeps every sum of a program's costs finite ({LIMITS_DOC})")
+    if bandwidth and value < MIN_BANDWIDTH:
+        return (f"a bandwidth of {shown} is below pipec's limit of {MIN_BANDWIDTH_TEXT}, which keeps every "
+                f"transfer's time finite ({LIMITS_DOC})")
+    return None
+
+
+def checked_total(value: Any, what: str, source: str = "") -> Any:
+    """``value``, a total pipec formed from the numbers it read, when pipec can report it.
+
+    Args:
+        value: an int, a float or a ``Fraction``.
+        what: what it is, for the message (``"rank 2's busy time"``).
+        source: the file its numbers came from (a cost file), "" when not known.
+    Returns:
+        ``value``.
+    Raises:
+        NumberLimitError: a float that is not finite (a sum that overflowed), or an int (or exact
+            fraction) outside ``-2^63 < v < 2^63``, naming ``source`` and ``what``.
+    """
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        problem = f"overflows ({value})"
+    elif -INT_LIMIT < value < INT_LIMIT:
+        return value
+    else:
+        digits = str(abs(int(value)))
+        shown = f"{int(value):,}" if len(digits) <= 30 else f"an integer of {len(digits)} digits"
+        problem = f"is {shown}, past pipec's integer range (-{INT_LIMIT_TEXT} < n < {INT_LIMIT_TEXT})"
+    where = f"{source}: " if source else ""
+    raise NumberLimitError(f"{where}{what} {problem}: the costs are too large for this program (each number of a "
+                           f"cost file is at most {COST_LIMIT_TEXT}, and a total must stay finite and an integer "
+                           f"total below {INT_LIMIT_TEXT}; {LIMITS_DOC})")
+
+
+def plain_float(text: str, what: str, error: type[PipecError] = UsageError, *, high: float | None = None,
+                high_text: str = "") -> float:
+    """``text`` as a finite float, when it is a plain ASCII decimal: ``[+-]?`` digits with an optional
+    point and exponent (``3e-4``, ``-0.5``), at most ``MAX_DECIMAL_CHARS`` characters (spaces stripped);
+    not ``inf``, ``nan``, ``1_0.5``, ``٣``, ``0x1p3``.
+
+    Args:
+        text: the text.
+        what: what it is, for messages (``"--config lr"``).
+        error: the ``PipecError`` subclass to raise.
+        high: the largest value accepted, when given (``high_text`` as messages show it).
+    Raises:
+        error: naming ``what`` and quoting ``text``.
+    """
+    stripped = text.strip()
+    if not _PLAIN_FLOAT.fullmatch(stripped):
+        raise error(f"{what}: expected a decimal number in ASCII digits (e.g. 0.5 or 3e-4), got {quote(text, 40)}")
+    if len(stripped) > MAX_DECIMAL_CHARS:
+        raise error(f"{what}: a decimal of {len(stripped)} characters; write at most {MAX_DECIMAL_CHARS}")
+    value = float(stripped)
+    if not math.isfinite(value):
+        raise error(f"{what}: {quote(text, 40)} overflows to infinity")
+    if high is not None and value > high:
+        raise error(f"{what}: {quote(text, 40)} is above pipec's limit of {high_text or high}")
+    return value
+
+
 # ----------------------------------------------------------------- argparse types
 
 
@@ -644,8 +746,8 @@ def read_program(path: str, error: type[PipecError] = UsageError):
 
 
 __all__ = [
-    "CHECKPOINT", "COSTS", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PARTITION", "PROGRAM", "SOURCE", "TEXT", "TOKENS",
+    "CHECKPOINT", "COST_LIMIT", "COSTS", "MIN_BANDWIDTH", "checked_total", "cost_number_problem", "Kind", "is_plain_int", "MAX_INT_DIGITS", "PARTITION", "PROGRAM", "SOURCE", "TEXT", "TOKENS",
     "TOKEN_DTYPES", "TORCH_CSV", "TRACE", "count_arg", "json_type", "looks_like_program", "map_tokens", "parse_json_text",
-    "plain_int", "positive_count_arg", "positive_decimal_arg", "quote", "read_bytes", "read_json", "read_program",
+    "plain_float", "plain_int", "positive_count_arg", "positive_decimal_arg", "quote", "read_bytes", "read_json", "read_program",
     "read_text", "regular_file_size", "seconds_arg", "shown_path", "stream_text_bytes",
 ]

@@ -30,7 +30,7 @@ from collections import defaultdict
 from statistics import median
 from typing import Any, NamedTuple
 
-from pipec.compiler.costs import SPLITS
+from pipec.compiler.costs import SPLITS, costs_from_json
 from pipec.compiler.ir import Program
 from pipec.compiler.ops import CHECKPOINTS, COMPUTE_OPS, POSTING_OPS
 from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step, events_of
@@ -70,6 +70,7 @@ def measure_costs(document: Any, program: Program, name: str = "trace") -> Measu
         name: how to call the trace in errors.
     Raises:
         UsageError: no compute events, or events of another program.
+        CostFileError: a measured time past a cost file's limits (``guarded_read.cost_number_problem``).
     """
     events = compute_events(document)
     steps = sorted({event_step(event) for event in events})
@@ -95,6 +96,9 @@ def measure_costs(document: Any, program: Program, name: str = "trace") -> Measu
     posts = _posting_times(document, program, name, measured)
     if posts:
         data["links"] = {"post": _ms(median(posts))}
+    # what `pipec costs` writes, `--costs` must read: a trace's times past the cost file's limits (a
+    # hostile or broken trace) are named here, at their key, rather than written
+    costs_from_json(data, f"the costs measured from {name}")
     return MeasuredCosts(data, samples, len(posts), measured)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
 from pipec.compiler.costs import CostModel, FieldReader, LayerCost, Number, exact_ratio, ring_allreduce_time
-from pipec.compiler.guarded_read import PARTITION, json_type, quote, read_json
+from pipec.compiler.guarded_read import PARTITION, checked_total, json_type, quote, read_json
 from pipec.errors import UsageError
 
 # The partition file: {"format": FORMAT, "version": VERSION, ...} (``partition_to_json``).
@@ -261,6 +261,10 @@ class _Search:
             time = stage_time(sum(layer.time for layer in span), parameters, boundary, replicas,
                               rank + replicas - 1, self.costs)
             memory = stage_memory(parameters, sum(layer.activation for layer in span), keep)
+            # the partition file holds them: a total that overflowed (or an int past 2^63) is named, never written
+            what = f"stage {len(stages)} (layers {first}..{stop - 1})"
+            checked_total(time, f"{what}'s time per microbatch", self.costs.source)
+            checked_total(memory, f"{what}'s memory per rank", self.costs.source)
             stages.append(PartitionStage(first, stop, replicas, tuple(range(rank, rank + replicas)), time, memory))
             first, rank = stop, rank + replicas
         return Partition(len(layers), self.ranks, names, tuple(stages), max(stage.time for stage in stages))
@@ -283,6 +287,8 @@ def partition(layers: Sequence[LayerCost], ranks: int, costs: CostModel | None =
         UsageError: no layers, fewer than one rank, more ranks than layers without
             replication, a problem too large to search (``MAX_MOVES``), or a memory limit no
             partition fits (naming the smallest that would).
+        NumberLimitError: a stage's time or memory past what a partition file holds (a float not
+            finite, an integer past 2^63), naming the cost file (``guarded_read.checked_total``).
     """
     costs = CostModel.unit() if costs is None else costs
     if not layers:
@@ -373,7 +379,7 @@ def partition_from_json(data: Any, path: str = "<partition>") -> Partition:
     if rank != rank_count:
         raise reader.fail("stages", f"the stages' replicas add up to {rank} ranks, and the partition is for "
                                     f"{rank_count}: every rank holds a stage")
-    time_per_microbatch = reader.number(top["time_per_microbatch"], "time_per_microbatch")
+    time_per_microbatch = reader.number(top["time_per_microbatch"], "time_per_microbatch", limited=False)
     slowest = max(stage.time for stage in stages)
     if time_per_microbatch != slowest:
         raise reader.fail("time_per_microbatch", f"{time_per_microbatch} is not the slowest stage's time, {slowest}")
@@ -406,8 +412,8 @@ def _stage(reader: FieldReader, value: Any, key: str, first: int, rank: int, lay
     if held != expected:
         raise reader.fail(f"{key}.ranks", f"expected the next {replicas} ranks, {expected}, got {held}: the stages "
                                           "run on consecutive ranks, in pipeline order")
-    return PartitionStage(start, stop, replicas, tuple(held), reader.number(given["time"], f"{key}.time"),
-                          reader.number(given["memory"], f"{key}.memory"))
+    return PartitionStage(start, stop, replicas, tuple(held), reader.number(given["time"], f"{key}.time", limited=False),
+                          reader.number(given["memory"], f"{key}.memory", limited=False))
 
 
 def load_partition(path: str) -> Partition:

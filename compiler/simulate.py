@@ -32,6 +32,7 @@ from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
 from pipec.compiler.family import families_of, first_answer
 from pipec.compiler.gc_pause import paused_gc
+from pipec.compiler.guarded_read import checked_total
 from pipec.compiler.ir import Action, Program, groups_refusal
 from pipec.compiler.memory_counts import (
     ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_kept_inputs, peak_waiting_w,
@@ -295,6 +296,10 @@ def simulate(program: Program, costs: CostModel | None = None, *,
         DeadlockError: a rank waits for an input that never arrives.
         ValueError: an unknown size class or a negative size.
         UsageError: a stage placed on a group of ranks (``ir.groups_refusal``).
+        NumberLimitError: a total (the makespan, a rank's busy or idle time, its peak bytes, the links'
+            use) that overflowed: a float not finite, an integer past 2^63 (``guarded_read.checked_total``),
+            naming the cost file. Costs within the reader's limits never overflow a float; an integer
+            total can pass 2^63 on a long program.
     """
     refusal = groups_refusal(program, "the simulator")
     if refusal is not None:
@@ -842,7 +847,9 @@ class _Simulation:
                 lane = [slot._replace(start=_exact(slot.start), end=_exact(slot.end)) for slot in lane]
             timeline.append(lane)
         moved = traffic(self.program, self.sizes or self.costs.sizes, node_map(self.program, self.costs.node_size))
-        return SimResult(makespan, float(bubble), ranks, timeline, moved, self.network.usage(self.num_ranks))
+        result = SimResult(makespan, float(bubble), ranks, timeline, moved, self.network.usage(self.num_ranks))
+        _check_totals(result, self.costs.source)
+        return result
 
     def _error(self, kind: type, message: str, rank: int, step: int) -> Exception:
         return kind(message, rank=rank, step=step, grid=self.program.grid())
@@ -885,6 +892,24 @@ class _Simulation:
             rank=first, step=self.pc[first], grid=self.program.grid(), marks=others,
             cycle=[(r, self.pc[r], self._describe_wait(self.parked_on[r])) for r in stuck],
         )
+
+
+def _check_totals(result: SimResult, source: str) -> None:
+    """Raise ``NumberLimitError`` (naming the cost file ``source``) at the first total of ``result`` that
+    overflowed: every time the result reports and every peak in bytes (the timeline's slots lie within
+    the makespan)."""
+    checked_total(result.makespan, "the makespan", source)
+    for rank, stats in enumerate(result.ranks):
+        checked_total(stats.busy, f"rank {rank}'s busy time", source)
+        checked_total(stats.idle, f"rank {rank}'s idle time", source)
+        for size_class, size in (stats.peak_bytes or {}).items():
+            checked_total(size, f"rank {rank}'s peak bytes of {size_class}-sized values", source)
+    for kind, by_link in (result.traffic or {}).items():
+        for link, size in by_link.items():
+            checked_total(size, f"the {kind} bytes one step moves ({link})", source)
+    if result.links is not None:
+        checked_total(result.links["communication"], "the time anything moved on the links", source)
+    checked_total(result.bubble_ratio, "the bubble ratio", source)
 
 
 def _tasks_text(task_ops: tuple[str, ...], stage: int, mb: int) -> str:

@@ -250,6 +250,14 @@ class CostFileError(PipecError):
     """A cost file that cannot be used."""
 
 
+class NumberLimitError(PipecError):
+    """A number beyond what pipec computes with: one given to the API past the limits the guarded reader
+    holds files to (``guarded_read.COST_LIMIT``), or a total formed from numbers read (a makespan, a busy
+    time, peak bytes, a partition's stage time or memory) that overflows: a float that became infinite or
+    not a number, an integer past pipec's range (below 2^63). The message names the file (and the key) the
+    numbers came from where it is known."""
+
+
 class ImportError_(ProgramError):
     """A torch CSV that cannot be read as a schedule."""
 

@@ -457,12 +457,38 @@ def override_config(config, items: Sequence[str]):
         if not sep or name not in fields:
             known = ", ".join(fields)
             raise UsageError(f"--config expects NAME=VALUE with NAME one of {known}; got {item!r}")
-        kind = type(getattr(config, name))
-        try:
-            changes[name] = kind(text.strip())
-        except ValueError:
-            raise UsageError(f"--config {name}: {text!r} is not a valid {kind.__name__}") from None
+        changes[name] = _config_value(text, getattr(config, name), f"--config {name}")
     return dataclasses.replace(config, **changes)
+
+
+# What a bool field of a model config accepts from --config, and what it means.
+_CONFIG_BOOLS = {"true": True, "false": False, "1": True, "0": False}
+
+
+def _config_value(text: str, current, what: str):
+    """``text`` as a value of the type of ``current``, read as every number pipec reads (``guarded_read``):
+    an int in plain ASCII digits within pipec's range, a float as a plain finite decimal, a bool as
+    true/false (``bool("false")`` would be True); another type from its constructor.
+
+    Raises:
+        UsageError: naming ``what`` and quoting ``text``.
+    """
+    from pipec.compiler.guarded_read import plain_float, plain_int, quote
+
+    if isinstance(current, bool):
+        value = _CONFIG_BOOLS.get(text.strip().lower())
+        if value is None:
+            raise UsageError(f"{what}: expected true or false, got {quote(text, 40)}")
+        return value
+    if isinstance(current, int):
+        return plain_int(text, what)
+    if isinstance(current, float):
+        return plain_float(text, what)
+    kind = type(current)
+    try:
+        return kind(text.strip())
+    except (ValueError, TypeError):
+        raise UsageError(f"{what}: {quote(text, 40)} is not a valid {kind.__name__}") from None
 
 
 def _declared_layout(spec, config):

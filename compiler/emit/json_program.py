@@ -287,15 +287,22 @@ def _check_format(data) -> None:
 
 
 def _read_devices(data: dict, num_ranks: int) -> list[int] | None:
-    """``Program.devices`` from ``devices`` (null or absent: the identity)."""
+    """``Program.devices`` from ``devices`` (null or absent: the identity): a permutation of the ranks."""
     devices = data.get("devices")
     if devices is None:
         return None
     if not isinstance(devices, list):
         raise ImportError_("field \"devices\" must be a list or null")
-    devices = _read_int_list(devices, "devices", None)
     if len(devices) != num_ranks:
         raise ImportError_(f"\"devices\" has {len(devices)} entries for {num_ranks} ranks")
+    devices = _read_int_list(devices, "devices", num_ranks)
+    # as the language's device map: a permutation of the ranks (a rank per device, every device used)
+    seen: dict[int, int] = {}
+    for rank, device in enumerate(devices):
+        if device in seen:
+            raise ImportError_(f"\"devices\"[{rank}] is device {device}, which rank {seen[device]} runs on too: "
+                               f"\"devices\" must be a permutation of 0..{num_ranks - 1}")
+        seen[device] = rank
     return devices
 
 

@@ -12,7 +12,7 @@ from typing import TextIO
 from pipec.compiler.defines import parse_defines  # one definition, shared with the runtime's worker
 from pipec.compiler.guarded_read import count_arg, quote
 from pipec.compiler.trace_events import recorded
-from pipec.errors import UsageError
+from pipec.errors import NumberLimitError, UsageError
 
 
 def add_target_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> None:
@@ -68,14 +68,18 @@ def parse_byte_budget(items) -> dict:
 
 
 def _byte_count(text: str, size_class: str):
-    """A ``--budget-bytes`` value (``_BYTES``-shaped) as an int below 2^63, or a finite float of at most 40 characters."""
-    from pipec.compiler.guarded_read import is_plain_int, plain_int
+    """A ``--budget-bytes`` value (``_BYTES``-shaped) as an int below 2^63, or a decimal of at most 40
+    characters below 2^63 too (the guarded reader's ``plain_int`` and ``plain_float``): a budget is compared
+    with peaks in bytes, which stay within pipec's integer range."""
+    from pipec.compiler.guarded_read import INT_LIMIT, INT_LIMIT_TEXT, is_plain_int, plain_float, plain_int
 
+    what = f"--budget-bytes {size_class}"
     if is_plain_int(text):
-        return plain_int(text, f"--budget-bytes {size_class}")
-    if len(text) > 40:
-        raise UsageError(f"--budget-bytes {size_class}: a decimal of {len(text)} characters; write at most 40")
-    return float(text)  # 40 characters of digits stay far below float's 1.8e308
+        return plain_int(text, what)
+    value = plain_float(text, what)
+    if value >= INT_LIMIT:
+        raise UsageError(f"{what}: {quote(text, 40)} is past pipec's integer range (below {INT_LIMIT_TEXT} bytes)")
+    return value
 
 
 def byte_budget_from_args(args, costs) -> dict | None:
@@ -169,8 +173,19 @@ def atomic_output(path: str | None) -> Iterator[TextIO]:
         yield out
 
 
-def dump_json(data) -> str:
-    return json.dumps(data, indent=2)
+def dump_json(data, what: str = "the JSON output") -> str:
+    """``data`` as indented JSON, which never holds ``Infinity`` or ``NaN`` (they are not JSON, and pipec's own
+    reader refuses them): the totals are checked where they are formed (``guarded_read.checked_total``), and
+    a number that is not finite all the same is refused here, before anything is written.
+
+    Raises:
+        NumberLimitError: ``data`` holds a float that is not finite, naming ``what``.
+    """
+    try:
+        return json.dumps(data, indent=2, allow_nan=False)
+    except ValueError:
+        raise NumberLimitError(f"{what} holds a number that is not finite (inf or nan), which JSON cannot carry; "
+                               "nothing was written") from None
 
 
 def describe_params(params: dict) -> str:

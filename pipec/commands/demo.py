@@ -18,6 +18,7 @@ import tempfile
 
 from pipec.commands._common import describe_params, write_output
 from pipec.compiler.defines import parse_defines, value_text
+from pipec.compiler.guarded_read import count_arg
 
 DEFAULT_STEPS = 10
 # The worker's per-step line (runtime.worker): "step K loss X".
@@ -29,7 +30,7 @@ def register(sub) -> None:
     parser.add_argument("--schedule", default="bitpipe", help="a shipped schedule or .pipe file (default bitpipe)")
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument(
-        "--steps", type=int, default=DEFAULT_STEPS, metavar="K",
+        "--steps", type=count_arg, default=DEFAULT_STEPS, metavar="K",
         help=f"training steps on CPU ranks (default {DEFAULT_STEPS}; 0: compile, check and simulate only)",
     )
     parser.add_argument("--trace", metavar="FILE",

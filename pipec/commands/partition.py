@@ -62,13 +62,15 @@ def run(args) -> int:
         raise CostFileError(f'{args.costs}: no "layers" to partition (`pipec profile --model SPEC -o FILE` '
                             "measures them; docs/costs.md gives the format)")
     part = partition(costs.layers, ranks, costs, memory_limit=args.memory, replicate=args.replicate)
-    document = dump_json(partition_to_json(part))
+    document = dump_json(partition_to_json(part), "the partition file")
+    # every output made before any is written: a refusal (a chunk's summed costs past the limit) writes none
+    chunk_costs = dump_json(rolled_up(data, part.cut, args.costs), "the chunk cost file") if args.costs_out else None
     if args.output:
         write_output(document, args.output)
     if args.schedule_out:
         write_output(schedule_source(part), args.schedule_out)
-    if args.costs_out:
-        write_output(dump_json(rolled_up(data, part.cut, args.costs)), args.costs_out)
+    if chunk_costs is not None:
+        write_output(chunk_costs, args.costs_out)
     write_output(document if args.json else _table(part, args), None)
     return 0
 

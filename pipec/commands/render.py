@@ -87,7 +87,8 @@ def run(args) -> int:
             from pipec.compiler.costs import costs_from_json
             from pipec.compiler.measured_costs import UNIT, measure_costs
 
-            pricing, unit = costs_from_json(measure_costs(trace, program, args.trace).data), UNIT
+            measured_costs = measure_costs(trace, program, args.trace).data
+            pricing, unit = costs_from_json(measured_costs, f"the costs measured from {args.trace}"), UNIT
         write_timeline(simulate(program, pricing), program, args.output, measured=measured, unit=unit)
     write_output(f"wrote {args.output}", None)
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from pipec.commands._common import write_output
+from pipec.compiler.guarded_read import count_arg
 from pipec.errors import UsageError
 
 
@@ -21,9 +22,10 @@ def register(sub) -> None:
         "rings",
         help="arc-disjoint Hamiltonian rings (TASP): all links of an all-to-all or rail topology at once",
     )
-    parser.add_argument("n", nargs="?", type=int, metavar="N", help="number of devices, all-to-all")
-    parser.add_argument("--nodes", type=int, metavar="M", help="number of nodes (rail-optimised topology)")
-    parser.add_argument("--per-node", type=int, metavar="K", help="devices per node (rail-optimised topology)")
+    # counts as every command reads them: plain ASCII digits (not 1_000 or ١٢), within pipec's range
+    parser.add_argument("n", nargs="?", type=count_arg, metavar="N", help="number of devices, all-to-all")
+    parser.add_argument("--nodes", type=count_arg, metavar="M", help="number of nodes (rail-optimised topology)")
+    parser.add_argument("--per-node", type=count_arg, metavar="K", help="devices per node (rail-optimised topology)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(func=run)
 

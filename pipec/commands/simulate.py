@@ -22,6 +22,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from pipec.compiler.family import families_of
+    from pipec.compiler.guarded_read import checked_total
     from pipec.compiler.ops import memory_deltas
     from pipec.compiler.simulate import plain_number, simulate
     from pipec.compiler.versions import flushed_equivalent, version_plan, version_summary
@@ -35,11 +36,13 @@ def run(args) -> int:
     plan = version_plan(program)
     # asynchronous training: the same updates with a flush after each, for the throughput it gains
     flushed = None if plan is None else sum(simulate(each, costs).makespan for each in flushed_equivalent(program, plan))
+    if flushed is not None:
+        checked_total(flushed, "the makespan with a flush after every update", costs.source if costs else "")
     if args.json:
         out = result.to_json()
         if plan is not None:
             out["versions"] = {**version_summary(program, plan), "flushed_makespan": plain_number(flushed)}
-        write_output(dump_json(out), None)
+        write_output(dump_json(out, "the simulation's JSON"), None)
         return 0
     lines = [
         f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {number_text(result.makespan)}, "
