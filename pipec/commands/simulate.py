@@ -24,7 +24,7 @@ def run(args) -> int:
     from pipec.compiler.family import families_of
     from pipec.compiler.ops import memory_deltas
     from pipec.compiler.simulate import plain_number, simulate
-    from pipec.compiler.versions import flushed_equivalent, version_plan, version_summary
+    from pipec.compiler.versions import flushed_makespan, version_plan, version_summary
 
     costs = load_costs(args)
     compiled = compile_from_args(args, costs)
@@ -34,7 +34,7 @@ def run(args) -> int:
     program = compiled.program
     plan = version_plan(program)
     # asynchronous training: the same updates with a flush after each, for the throughput it gains
-    flushed = None if plan is None else sum(simulate(each, costs).makespan for each in flushed_equivalent(program, plan))
+    flushed = None if plan is None else flushed_makespan(program, plan, costs)
     if args.json:
         out = result.to_json()
         if plan is not None:
