@@ -12,8 +12,9 @@ a fresh process so that one run's memory does not hide another's,
 
 and prints the instructions, the CPU seconds and the peak resident memory the
 command added to the process (``resource.getrusage``'s maxrss, less its value
-after pipec's imports), in all and per million instructions. Linear work keeps
-the per-million figures flat as ``--scale`` grows.
+after a run at the default size, which made pipec's imports), in all and per
+million instructions. Linear work keeps the per-million figures flat as
+``--scale`` grows.
 
 Usage: python benchmarks/large_programs.py [--scale 1.0] [--only pipedream,...]
 """
@@ -30,13 +31,14 @@ import time
 
 # (schedule, its parameters at --scale 1): each check or simulate takes a few seconds on one core
 CASES = [
-    ("zb_h1", {"P": 16, "N": 1000}),
-    ("pipedream", {"P": 16, "N": 1000}),
-    ("weipipe", {"P": 16, "N": 800}),
-    ("zigzag_ring", {"P": 24}),
+    ("zb_h1", {"P": 16, "N": 4000}),
+    ("pipedream", {"P": 16, "N": 4000}),
+    ("weipipe", {"P": 16, "N": 2048}),
+    ("zigzag_ring", {"P": 128}),
 ]
-# the parameters --scale multiplies (a sequence ring grows with its ranks, quadratically in instructions)
-_SCALED = {"zb_h1": "N", "pipedream": "N", "weipipe": "N", "zigzag_ring": "P"}
+# the parameter --scale multiplies, and what it stays a multiple of (WeiPipe: N % P == 0; a sequence
+# ring grows with its ranks, quadratically in instructions)
+_SCALED = {"zb_h1": ("N", 1), "pipedream": ("N", 1), "weipipe": ("N", 16), "zigzag_ring": ("P", 2)}
 
 
 def _maxrss_bytes() -> int:
@@ -51,7 +53,10 @@ def measure_one(command: str, name: str, params: dict[str, int]) -> dict:
     from pipec.cli import main
     from pipec.compiler.driver import compile_target
 
-    argv = [command, name, *(arg for k, v in params.items() for arg in ("-D", f"{k}={v}"))] + (["--json"] if command == "simulate" else [])
+    extra = ["--json"] if command == "simulate" else []
+    argv = [command, name, *(arg for k, v in params.items() for arg in ("-D", f"{k}={v}"))] + extra
+    with contextlib.redirect_stdout(io.StringIO()):  # the imports and tables a run makes once, at its default size
+        main([command, name] + extra)
     before = _maxrss_bytes()
     cpu, wall = time.process_time(), time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -89,7 +94,6 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        import pipec.cli  # noqa: F401  (imports before the baseline of memory)
         command, name, params = json.loads(args.child)
         print(json.dumps(measure_one(command, name, params)))
         return
@@ -99,7 +103,8 @@ def main() -> None:
     for name, params in CASES:
         if only and name not in only:
             continue
-        scaled = {**params, _SCALED[name]: max(2, round(params[_SCALED[name]] * args.scale))}
+        key, step = _SCALED[name]
+        scaled = {**params, key: max(2, step, round(params[key] * args.scale / step) * step)}
         for command in ("check", "simulate"):
             print(row(measure(command, name, scaled)), flush=True)
 
