@@ -25,12 +25,15 @@ the list, every forward and backward on the same weights.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.family import first_refusal
-from pipec.compiler.ir import Program
+from pipec.compiler.costs import CostModel
+from pipec.compiler.ir import Action, Program
+from pipec.compiler.memory_counts import Number
+from pipec.compiler.simulate import simulate
 from pipec.errors import VersionError
 
 # It reads only the compute ops' rule fields (which pass of the weights they run, whether they
@@ -125,7 +128,7 @@ def version_plan(program: Program) -> VersionPlan | None:
     peak: dict[int, int] = {}
     for rank, row in enumerate(program.ranks):
         current: dict[int, int] = {}       # stage -> its newest version
-        in_flight: dict[int, dict[int, int]] = {}  # stage -> mb -> the version its forward ran on
+        in_flight: defaultdict[int, _InFlight] = defaultdict(_InFlight)  # stage -> its microbatches in flight
         unapplied: dict[int, list[tuple[int, int]]] = {}  # stage -> (mb, index) of gradients not yet applied
         for index, action in enumerate(row):
             op, stage, mb = action[1], action[0], action[2]
@@ -141,7 +144,7 @@ def version_plan(program: Program) -> VersionPlan | None:
             elif op in _FORWARD_USERS:
                 version = current.get(stage, 0)
                 version_of[stage, mb] = version
-                in_flight.setdefault(stage, {})[mb] = version
+                in_flight[stage].start(mb, version)
             elif op in _BACKWARD_USERS:
                 used = version_of.get((stage, mb), 0)
                 newest = current.get(stage, 0)
@@ -151,11 +154,11 @@ def version_plan(program: Program) -> VersionPlan | None:
                 if newest != used:
                     stashed.add((stage, mb))
                 if op in _CONTRIBUTORS:
-                    in_flight.get(stage, {}).pop(mb, None)
+                    in_flight[stage].end(mb)
                     unapplied.setdefault(stage, []).append((mb, index))
             else:
                 continue
-            kept = len(set(in_flight.get(stage, {}).values()) | {current.get(stage, 0)})
+            kept = in_flight[stage].versions_with(current.get(stage, 0))
             if kept > peak.get(stage, 0):
                 peak[stage] = kept
         for stage, pending in sorted(unapplied.items()):
@@ -165,6 +168,34 @@ def version_plan(program: Program) -> VersionPlan | None:
                 f"follows it on rank {rank} (write U({program.stages[stage].position}, m) after the last backward "
                 f"of the stage)", rank, index, program.grid())
     return VersionPlan(version_of, updates, frozenset(stashed), peak, bound)
+
+
+class _InFlight:
+    """One stage's microbatches whose forward ran and whose weight gradient is not made yet, with the
+    version each ran on and how many ran on each version: the versions it keeps, in time independent
+    of how many are in flight."""
+
+    def __init__(self) -> None:
+        self.version_of: dict[int, int] = {}
+        self.riders: Counter = Counter()  # version -> microbatches in flight on it (only versions with some)
+
+    def start(self, mb: int, version: int) -> None:
+        """``mb``'s forward ran on ``version`` (a second forward of it, a recompute, replaces the first)."""
+        self.end(mb)
+        self.version_of[mb] = version
+        self.riders[version] += 1
+
+    def end(self, mb: int) -> None:
+        """``mb``'s weight gradient is made: it no longer holds a version (nothing when it was not in flight)."""
+        version = self.version_of.pop(mb, None)
+        if version is not None:
+            self.riders[version] -= 1
+            if not self.riders[version]:
+                del self.riders[version]
+
+    def versions_with(self, newest: int) -> int:
+        """How many versions the stage keeps: those of its microbatches in flight, and ``newest``."""
+        return len(self.riders) + (newest not in self.riders)
 
 
 def _too_new(program: Program, action, stage: int, mb: int, used: int, newest: int, bound: int) -> str:
@@ -201,18 +232,63 @@ def flushed_equivalent(program: Program, plan: VersionPlan) -> list[Program]:
     microbatches (and their updates) in their order, so the sum of their
     makespans is the time the same updates take when each minibatch drains
     the pipeline before the next starts: the throughput the order gains by not
-    flushing is that sum over its own makespan.
+    flushing is that sum over its own makespan (``flushed_makespan``). Its
+    microbatches are renumbered 0..k-1 in ascending order (the program has k),
+    so that simulating it costs its own size, not the whole program's.
 
     Args:
         program: a program of one pipeline with updates (``plan`` is its plan).
         plan: its version plan.
     Returns:
-        one program per update of the last stage, in order.
+        one program per update of the last stage, in order; minibatches whose
+        programs are equal share one object.
     """
+    distinct, order = _flushed_minibatches(program, plan)
+    return [distinct[index] for index in order]
+
+
+def flushed_makespan(program: Program, plan: VersionPlan, costs: CostModel | None = None) -> Number:
+    """The makespan of the same updates with a flush after each: the sum, in update order, of the
+    makespans of ``flushed_equivalent``'s programs under ``costs``, each distinct one simulated once.
+
+    Args:
+        program: a program of one pipeline with updates.
+        plan: its version plan.
+        costs: the cost model (unit costs when None).
+    Returns:
+        the sum (0 when the last stage makes no update).
+    """
+    distinct, order = _flushed_minibatches(program, plan)
+    makespans = [simulate(each, costs).makespan for each in distinct]
+    return sum(makespans[index] for index in order)
+
+
+def _flushed_minibatches(program: Program, plan: VersionPlan) -> tuple[list[Program], list[int]]:
+    """The distinct programs of ``flushed_equivalent`` and, per update of the last stage in order, the
+    index of its program among them; one pass over the lists (each task joins the minibatches its
+    microbatch belongs to)."""
     last = program.pipelines[0][-1]
-    out = []
-    for update in plan.updates.get(last, ()):
-        members = frozenset(update.applies)
-        rows = [[a for a in row if a.is_compute and a[2] in members] for row in program.ranks]
-        out.append(dataclasses.replace(program, ranks=rows, communicators=list(program.communicators)))
-    return out
+    groups = [sorted(frozenset(update.applies)) for update in plan.updates.get(last, ())]
+    joins: dict[int, list[tuple[int, int]]] = {}  # mb -> (minibatch, the mb's number in it)
+    for group, members in enumerate(groups):
+        for number, mb in enumerate(members):
+            joins.setdefault(mb, []).append((group, number))
+    rows = [[[] for _ in program.ranks] for _ in groups]
+    for rank, row in enumerate(program.ranks):
+        for action in row:
+            if action.mb in joins and action.is_compute:
+                stage, op, _, peer, parts = action
+                for group, number in joins[action.mb]:
+                    rows[group][rank].append(Action(stage, op, number, peer, parts))
+    distinct: dict[tuple, int] = {}
+    programs: list[Program] = []
+    order = []
+    for members, group_rows in zip(groups, rows):
+        mb_pipeline = [program.mb_pipeline[mb] for mb in members]
+        key = (tuple(map(tuple, group_rows)), tuple(mb_pipeline))
+        if key not in distinct:
+            distinct[key] = len(programs)
+            programs.append(dataclasses.replace(program, ranks=group_rows, num_microbatches=len(members),
+                                                mb_pipeline=mb_pipeline, communicators=list(program.communicators)))
+        order.append(distinct[key])
+    return programs, order

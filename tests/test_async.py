@@ -23,7 +23,9 @@ from pipec.compiler.checks import check_all
 from pipec.compiler.driver import compile_spec, compile_target
 from pipec.compiler.emit import program_from_json, program_to_json
 from pipec.compiler.simulate import simulate
-from pipec.compiler.versions import flushed_equivalent, version_plan
+from pipec.compiler.costs import costs_from_json
+from pipec.compiler.ir import Action
+from pipec.compiler.versions import flushed_equivalent, flushed_makespan, version_plan
 from pipec.errors import EvalError, ImportError_, PipecError, VersionError
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import async_reference_run, reference_run
@@ -219,6 +221,82 @@ def test_no_flush_gains_the_bubble_of_every_update(P, N):
         parts = flushed_equivalent(program, plan)
         assert len(parts) == len(plan.updates[P - 1]) == N // len(plan.updates[P - 1][0].applies)
         assert [simulate(part).makespan for part in parts] == [per_update] * len(parts)
+
+
+# Costs whose sums are inexact in floating point, with links, so that the order of a sum shows.
+FLOAT_COSTS = {"compute": {"F": 0.1, "B": 0.3, "U": 0.07, "per_chunk": {"1": {"F": 0.13}}},
+               "links": {"latency": 0.01, "bandwidth": 100.0, "bytes": {"act": 4.0, "grad": 4.0}, "node_size": 2,
+                         "inter_node": {"latency": 0.05, "bandwidth": 25.0}}}
+
+
+def _asynchronous_programs():
+    """Small programs of both PipeDream schedules and a planted order updating every 2 or 4 backwards."""
+    for P in (2, 3, 4, 5):
+        for N in sorted({1, P - 1, P, 2 * P + 1, 16} - {0}):
+            yield compile_target("pipedream", {"P": str(P), "N": str(N)}).program
+        for M in (P, P + 1, 2 * P):
+            yield compile_target("pipedream_2bw", {"P": str(P), "M": str(M), "N": str(M * (16 // M))}).program
+        for every in (2, 4):
+            yield compiled(ASYNC.format(stash="stash weights"), P=P, N=16, every=every)
+
+
+def _reference_flushed(program, plan):
+    """``flushed_equivalent`` as first written: per update of the last stage, every rank's compute tasks of
+    its microbatches, numbered as in the program (each update filters the whole program)."""
+    import dataclasses
+    out = []
+    for update in plan.updates.get(program.pipelines[0][-1], ()):
+        rows = [[a for a in row if a.is_compute and a.mb in update.applies] for row in program.ranks]
+        out.append(dataclasses.replace(program, ranks=rows, communicators=list(program.communicators)))
+    return out
+
+
+def _reference_peak_versions(program):
+    """The most versions each stage keeps at once, walked the straightforward way: after every task of the
+    stage, the versions of its microbatches in flight (forward ran, weight gradient not made) and its newest."""
+    from pipec.compiler import ops
+    forward = {op for op, way in ops.WEIGHT_PASS.items() if way == ops.FORWARD}
+    backward = {op for op, way in ops.WEIGHT_PASS.items() if way == ops.BACKWARD}
+    peak = {}
+    for row in program.ranks:
+        newest, in_flight = {}, {}
+        for stage, op, mb, _, _ in row:
+            if op in ops.UPDATE_OPS:
+                newest[stage] = newest.get(stage, 0) + 1
+            elif op in forward:
+                in_flight.setdefault(stage, {})[mb] = newest.get(stage, 0)
+            elif op in backward:
+                if op in ops.GRADIENT_CONTRIBUTORS:
+                    in_flight.get(stage, {}).pop(mb, None)
+            else:
+                continue
+            kept = len(set(in_flight.get(stage, {}).values()) | {newest.get(stage, 0)})
+            peak[stage] = max(peak.get(stage, 0), kept)
+    return peak
+
+
+def test_the_flushed_comparison_equals_its_straightforward_form():
+    # flushed_makespan simulates each distinct minibatch once, its microbatches renumbered from 0: the same
+    # programs up to that numbering, the same sum in the same order, under unit and floating-point costs
+    float_costs = costs_from_json(FLOAT_COSTS)
+    for program in _asynchronous_programs():
+        plan = version_plan(program)
+        reference = _reference_flushed(program, plan)
+        parts = flushed_equivalent(program, plan)
+        assert len(parts) == len(reference)
+        for part, whole in zip(parts, reference):
+            members = sorted({a.mb for row in whole.ranks for a in row})
+            assert part.num_microbatches == len(members)
+            assert part.ranks == [[Action(a.stage, a.op, members.index(a.mb)) for a in row] for row in whole.ranks]
+        for costs in (None, float_costs):
+            expected = sum(simulate(each, costs).makespan for each in reference)
+            assert flushed_makespan(program, plan, costs) == expected, program.name
+            assert type(flushed_makespan(program, plan, costs)) is type(expected)
+
+
+def test_the_version_walk_equals_its_straightforward_form():
+    for program in _asynchronous_programs():
+        assert version_plan(program).peak_versions == _reference_peak_versions(program), program.name
 
 
 def test_simulate_and_check_report_updates_and_versions(capsys):

@@ -25,7 +25,7 @@ def run(args) -> int:
     from pipec.compiler.guarded_read import checked_total
     from pipec.compiler.ops import memory_deltas
     from pipec.compiler.simulate import plain_number, simulate
-    from pipec.compiler.versions import flushed_equivalent, version_plan, version_summary
+    from pipec.compiler.versions import flushed_makespan, version_plan, version_summary
 
     costs = load_costs(args)
     compiled = compile_from_args(args, costs)
@@ -35,7 +35,7 @@ def run(args) -> int:
     program = compiled.program
     plan = version_plan(program)
     # asynchronous training: the same updates with a flush after each, for the throughput it gains
-    flushed = None if plan is None else sum(simulate(each, costs).makespan for each in flushed_equivalent(program, plan))
+    flushed = None if plan is None else flushed_makespan(program, plan, costs)
     if flushed is not None:
         checked_total(flushed, "the makespan with a flush after every update", costs.source if costs else "")
     if args.json:
