@@ -6,7 +6,10 @@ values, another cost file, other ``--steps`` or another pipec would train
 something else, or wait on messages no rank sends. So right after joining the
 group each worker calls ``check_same_training``: the ranks gather what each
 one runs (``what_runs``), and when they differ every rank prints the same line
-(``mismatch``) and exits 1, before the first step.
+(``mismatch``) and exits 1, before the first step. The same gather carries
+rank 0's check of a ``--program`` file (``worker.program_refusal``): once the
+ranks agree that they hold one program, a program rank 0's check rejected is
+refused on every rank, with the check's message.
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ _SAME = ("TARGET, -D, --costs, --steps, --seed, --model, --config, --partition (
          "--clip-grad-norm, --save, --save-every, --trace, --resume (the same checkpoint) and pipec version")
 
 
-def check_same_training(plan, world: int) -> None:
-    """Stop this worker, with ``mismatch``'s line on stderr and status 1, unless every rank runs the same training.
+def check_same_training(plan, world: int, refusal: str | None = None) -> None:
+    """Stop this worker, with ``mismatch``'s line on stderr and status 1, unless every rank runs the same
+    training, a program rank 0's check accepted.
 
     Collective: every rank calls it once, right after joining the default
     group, before any other collective. One ``all_gather_object`` of a short
@@ -39,9 +43,13 @@ def check_same_training(plan, world: int) -> None:
         plan: the worker's ``runtime.worker.Plan``: the program, the model's config, the run's
             configuration (``plan.run``, a ``runtime.config.RunConfig``).
         world: the world size.
+        refusal: on rank 0, ``worker.program_refusal``'s verdict on the program (None: accepted, or
+            compiled and proved here); the other ranks' is not read.
     Returns:
-        None, when every rank runs the same training; otherwise it does not
-        return (``runtime.worker.end_process``).
+        None, when every rank runs the same training and rank 0 did not
+        refuse it; otherwise it does not return (``runtime.worker.end_process``):
+        ranks holding different programs print ``mismatch``'s line, naming
+        them, and a program rank 0 refused prints ``refusal`` on every rank.
     """
     import torch.distributed as dist
 
@@ -50,9 +58,11 @@ def check_same_training(plan, world: int) -> None:
     # torchrun's node rank (GROUP_RANK; none when the workers were started by hand) and the machine
     where = {"node": os.environ.get("GROUP_RANK"), "host": socket.gethostname()}
     texts = [None] * world
-    dist.all_gather_object(texts, json.dumps([what_runs(plan), where]))
+    dist.all_gather_object(texts, json.dumps([what_runs(plan), where, refusal]))
     gathered = [json.loads(text) for text in texts]
-    line = mismatch([runs for runs, _ in gathered], [where for _, where in gathered])
+    line = mismatch([runs for runs, _, _ in gathered], [where for _, where, _ in gathered])
+    if line is None:  # one program on every rank: rank 0's proof of it holds for all
+        line = gathered[0][2]
     if line is not None:
         sys.stderr.write(line + "\n")
         end_process(1)

@@ -4,7 +4,8 @@ Started by torchrun (or ``pipec run``) once per rank, it reads RANK, WORLD_SIZE,
 LOCAL_RANK and LOCAL_WORLD_SIZE from the environment (without them it runs
 alone as rank 0 of 1), gets the program: from ``--program FILE``, the JSON
 ``pipec run`` compiled once for all workers, or else by compiling the target
-itself (compilation is deterministic, so every rank gets the same program),
+itself (compilation is deterministic, so every rank gets the same program;
+a file is proved by rank 0's check, ``program_refusal``, before any step),
 joins the process group on its device (on GPU the one the program's device map
 gives it), builds only its own chunks (under weight passing, where every rank
 runs every layer, that is every chunk), and runs K training steps through the
@@ -41,7 +42,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
 from pipec.compiler.ir import groups_refusal
-from pipec.errors import PipecError, RuntimeFault, UsageError
+from pipec.errors import PipecError, RuntimeFault, UsageError, printable
 from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_STEPS,
                                   DEFAULT_TIMEOUT_S, RunConfig)
 
@@ -54,6 +55,10 @@ JOIN_ALLOWANCE_S = 300.0
 # instruction INDEX of RANK, or start RANK late by INDEX seconds.
 _INJECT_OPS = {"hang": "INJECT_HANG", "stop": "INJECT_STOP", "kill": "INJECT_KILL", "exit": "INJECT_EXIT"}
 _LATE = "late"
+# The first line every rank prints when rank 0's check rejects the --program file (``program_refusal``);
+# the check's own message follows it.
+PROGRAM_REFUSED = ("{file}: refused before the first step: the program fails pipec's checks "
+                   "(run on rank 0, as `pipec check` runs them):")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(config, world)
         # before joining: a map this node cannot honour is every rank's mistake, not a fault
         index = device_index(plan.program.devices, rank, local_rank, _node_size(world)) if config.backend == "nccl" else None
+        refusal = program_refusal(config, plan.program, rank)
     except PipecError as error:
         sys.stderr.write(error.render() + "\n")
         return 1
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         device = join_group(config.backend, rank, world, local_rank, config.timeout, gpu=index)
         from pipec.runtime.agreement import check_same_training  # every node must train the same thing
 
-        check_same_training(plan, world)
+        check_same_training(plan, world, refusal)  # the same program on every rank, and rank 0 proved it
         train(plan, rank, world, device)
         # The run's cyclic garbage (autograd graphs, communication works that
         # hold the group) is freed now, while the group and the interpreter are
@@ -441,6 +447,41 @@ def load_program(path: str):
     from pipec.compiler.guarded_read import read_program
 
     return read_program(path)
+
+
+def program_refusal(config: RunConfig, program, rank: int) -> str | None:
+    """Rank 0's proof of a ``--program`` file: the line that refuses it, or None.
+
+    A program read from a file may be one the checks reject (hand-edited, or
+    written by something else); the runtime cannot tell two equal-sized
+    tensors apart, so a swapped receive would train silently wrong. Rank 0
+    runs the full check (``check_all``, as ``pipec check FILE`` does) before
+    joining the group, and the ranks share its verdict in their first
+    collective (``agreement.check_same_training``, which also proves that
+    every rank holds the same program): every rank then stops with this
+    text, before any step. A compiled TARGET was proved by ``compile_target``
+    on every rank already. Checking costs milliseconds (0.5 ms for 1f1b at
+    its default size, 20 ms for tasp's 2,256 instructions), so ``pipec run``,
+    which checked the program before writing it, simply pays it once more.
+
+    Args:
+        config: the run's configuration (``config.program``: the file, or None).
+        program: the program the worker loaded.
+        rank: this worker's rank; only rank 0 checks.
+    Returns:
+        on rank 0, for a program the checks reject: ``PROGRAM_REFUSED``
+        with the file's name, then the check's own message (``rank R, step
+        S: ...`` and the grid window); otherwise None.
+    """
+    if not config.program or rank != 0:
+        return None
+    from pipec.compiler.checks import check_all
+
+    try:
+        check_all(program, semantics="rendezvous")
+    except PipecError as error:
+        return PROGRAM_REFUSED.format(file=printable(config.program)) + "\n" + error.render()
+    return None
 
 
 def override_config(config, items: Sequence[str]):
@@ -806,6 +847,6 @@ _INJECTED = {"INJECT_HANG": _hang, "INJECT_STOP": _stop, "INJECT_KILL": _kill, "
 __all__ = [
     "RuntimeFault", "build_parser", "check_device_map", "compile_program", "device_index", "die",
     "die_with_launcher", "fatal_errors", "join_group", "launch_environment", "leave_group", "load_program", "main",
-    "make_plan", "parse_run_config", "plant_injection",
+    "make_plan", "parse_run_config", "plant_injection", "program_refusal", "PROGRAM_REFUSED",
     "train", "write_trace",
 ]

@@ -39,13 +39,15 @@ import textwrap
 import pytest
 import torch
 
+from pipec.compiler.checks import check_all
 from pipec.compiler.driver import compile_spec, compile_target, shipped_schedules, task_kinds
 from pipec.compiler.emit.json_program import write_program_json
 from pipec.dsl.spec import ScheduleSpec, WeightSpec
+from pipec.errors import ProgramError
 from pipec.runtime.model import LLAMA, ModelConfig, build_chunk
 from pipec.runtime.reference import reference_run
 from pipec.runtime.weights import flat_weights, layer_layout, params_from_flat
-from runtime_util import assert_same_parameters, launch_batch, launch_workers
+from runtime_util import assert_same_parameters, launch_batch
 
 STEPS = 3
 SEED = 7
@@ -365,16 +367,23 @@ def test_the_worker_plans_a_weight_program_without_an_activation_shape(user_mode
 def test_a_missing_exchange_ends_both_ranks_with_a_named_fault(tmp_path):
     """Rank 0's first exchange (its send of layer 0's weights to rank 1) is taken out of the program:
     rank 1 waits for the weights, rank 0 then for rank 1; each stops at the timeout with a one-line
-    RuntimeFault naming its EXCHANGE_WAIT and the rank it waited for, instead of hanging."""
+    RuntimeFault naming its EXCHANGE_WAIT and the rank it waited for, instead of hanging.
+
+    The worker itself refuses such a file before any step (rank 0 checks it:
+    tests/test_checked_program.py); this runs it past that check, through the
+    batch runner (``make_plan`` and ``train``), as the runtime would if it
+    were ever handed an unchecked program."""
     program = compile_spec(direct(2, 1, 2)).program
     row = program.ranks[0]
     assert row[0].text() == "(0SEND_W0)EXCHANGE0" and row[1].text() == "EXCHANGE_WAIT0", row[:2]
     broken = dataclasses.replace(program, ranks=[row[2:], program.ranks[1]])
+    with pytest.raises(ProgramError):  # what `python -m pipec.runtime --program` refuses
+        check_all(broken)
     path = tmp_path / "broken.json"
     with open(path, "w") as handle:
         write_program_json(broken, handle)
     timeout = 2.0
-    run = launch_workers(["broken", "--program", str(path), "--steps", "1", "--timeout", str(timeout)], 2, 90.0)
+    run = launch_batch([["broken", "--program", str(path), "--steps", "1", "--timeout", str(timeout)]], 2, 90.0)
     assert not run.timed_out and run.returncodes == [1, 1], run.describe()
     # whichever deadline passes first says "no answer"; the other rank may see its peer leave first
     reason = r"(no answer within the timeout|the peer failed or closed the connection)"
