@@ -215,7 +215,7 @@ ACTIVATION_PASSING = Declared()
 _REGISTERED: list[Declared] = []
 # The declaration modules, in the order the front end asks their families (a pipeline's
 # schedule reports weight passing's broken rules before those of sequence rings).
-_MODULES = ("pipec.dsl.weights", "pipec.dsl.rings")
+_MODULES = ("pipec.dsl.weights", "pipec.dsl.rings", "pipec.dsl.tensor_parallel")
 
 
 def register(family: Declared) -> Declared:

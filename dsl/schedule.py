@@ -100,6 +100,8 @@ class ResolvedSchedule:
     ring_decls: RingDecls = field(default_factory=RingDecls)
     # the family whose rules the schedule follows (``pipec.dsl.families.family_of``, read before the walk)
     family: Declared = ACTIVATION_PASSING
+    # the resolved declarations of a family added as a module of its own (``Declared.field`` -> them)
+    family_decls: dict = field(default_factory=dict)
     tasks: TaskKinds | None = None
     # `recompute stage s [when C]`: each declaration, its variable's slot and its condition's closure
     recomputes: list[tuple[ast.Recompute, int, Fn | None]] = field(default_factory=list)

@@ -14,7 +14,7 @@ from pipec.compiler.driver import compile_target
 from pipec.compiler.emit.json_program import program_from_json, program_to_json
 from pipec.compiler.family import Family, all_families, families_of
 from pipec.compiler.ir import Action, build_program
-from pipec.compiler.ops import ACTIVATION_PASSING, SEQUENCE_RING, WEIGHT_PASSING
+from pipec.compiler.ops import ACTIVATION_PASSING, SEQUENCE_RING, TENSOR_PARALLEL, WEIGHT_PASSING
 from pipec.dsl.families import declared_families, declared_in
 
 
@@ -23,7 +23,8 @@ def _program(name: str, **params):
 
 
 def test_every_family_is_registered_plan_less_first_weights_read_before_rings():
-    assert [family.name for family in all_families()] == [ACTIVATION_PASSING, WEIGHT_PASSING, SEQUENCE_RING]
+    assert [family.name for family in all_families()] == [ACTIVATION_PASSING, WEIGHT_PASSING, SEQUENCE_RING,
+                                                          TENSOR_PARALLEL]
 
 
 def test_a_family_that_overrides_nothing_answers_as_activation_passing():
@@ -68,7 +69,7 @@ def test_build_program_puts_each_plan_in_its_field_and_derives_communicators_fro
 
 
 def test_the_front_end_asks_the_declared_families():
-    assert {family.field for family in declared_families()} == {"weights", "rings"}
+    assert {family.field for family in declared_families()} == {"weights", "rings", "tensor"}
     assert declared_in(compile_target("1f1b", {"P": 2, "N": 2}).spec) == []
     (family, declared), = declared_in(compile_target("weipipe", {"P": 4, "N": 8}).spec)
     assert family.field == "weights" and family.at_steps and family.step_refusal(declared, 99, 4) is None

@@ -11,6 +11,7 @@ name before any worker starts.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,11 +48,12 @@ def test_megatron_mlp_trains_to_the_one_process_parameters(tmp_path, ranks):
     (["--trace", "t.json"], "--trace"),
     (["--clip-grad-norm", "1.0"], "--clip-grad-norm"),
     (["--dtype", "bf16"], "--dtype bf16"),
-    (["--model", "pipec.examples.token_file:SPEC"], "--model is not taken yet"),
+    (["--model", "ring_model_spec:SPEC"], "--model is not taken yet"),
 ])
 def test_what_the_runtime_does_not_take_yet_is_refused_before_any_worker_starts(capsys, no_launch, tmp_path,
                                                                                 monkeypatch, option, named):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
     assert main(["run", "megatron_mlp", "-D", "P=2", *option]) == 1
     err = capsys.readouterr().err
     assert named in err and "tensor-parallel" in err and "Traceback" not in err, err
