@@ -459,7 +459,7 @@ def test_hostile_ranks_are_refused(tmp_path, capsys):
 
 def _page_examples() -> list[str]:
     doc = (ROOT / "docs" / "language.md").read_text()
-    section = doc[doc.index("## 12. Sequence rings"):]
+    section = doc[doc.index("## 12. Sequence rings"):doc.index("## 13. Tensor parallelism")]
     return re.findall(r"```\n(# [^\n]*\nschedule .*?)```", section, re.S)
 
 
