@@ -75,13 +75,14 @@ def tensor_program(plan: TensorPlan, num_microbatches: int, name: str = "", para
     """The program of ``plan``: each rank's list from ``tensor_order``, every task but layer 0's backward
     followed by an EXCHANGE of its all-reduce and the wait for it (numbered alike on every rank)."""
     row: list[Action] = []
+    number = 0  # the exchanges' numbers, counted as they are written
     for op, layer, mb in tensor_order(plan.layers, num_microbatches):
         row.append(Action(layer, op, mb))
         if op == TB and layer == 0:
             continue
-        number = sum(1 for action in row if action.op == EXCHANGE)
         row.append(Action(-1, EXCHANGE, number, parts=(Action(layer, ALLREDUCE_AFTER[op], mb),)))
         row.append(Action(-1, EXCHANGE_WAIT, number))
+        number += 1
     stages = [StageInfo(layer, 0, 0, layer) for layer in range(plan.layers)]
     return build_program(name, plan.num_ranks, num_microbatches, stages, [list(range(plan.layers))],
                          [0] * num_microbatches, [list(row) for _ in range(plan.num_ranks)], plans=(plan,),
