@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 from operator import itemgetter
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
@@ -474,6 +474,7 @@ class _Simulation:
         parked_ons = self.parked_on
         new_tuple = tuple.__new__
         num_stages, num_mbs = self.num_stages, self.num_mbs
+        post_group = self._poster()
         while work:
             r = work.pop()
             row, end_of_row, outgoing, slots_append = fixed[r]
@@ -518,7 +519,7 @@ class _Simulation:
                     # A single SEND/RECV posts exactly like a one-part BATCH: all
                     # parts or none, each at ``clock``; the rank goes on.
                     group = parts if op in batch_ops else (action,)
-                    clock, parked_on = self._post(r, pc, action, group, clock, outgoing)
+                    clock, parked_on = post_group(r, pc, action, group, clock, outgoing)
                     if parked_on >= 0:
                         break
                 else:  # the rare collectives and exchanges, through their handlers
@@ -538,82 +539,104 @@ class _Simulation:
     def _unknown(self, r: int, pc: int, action: Action, clock) -> None:
         raise self._error(WellFormedError, f"unknown instruction {action.text()}", r, pc)
 
-    def _post(self, r: int, pc: int, action: Action, group: tuple, clock, outgoing: list) -> tuple:
-        """Post the message parts ``group`` of ``r``'s instruction ``pc`` at ``clock``, all or none.
-
-        Returns:
-            (the rank's clock after posting, -1), or (``clock``, the key of a tensor to send that is
-            not produced yet: the rank parks on it and posts nothing).
-        """
+    def _poster(self) -> Callable[..., tuple]:
+        """The function that posts a message instruction's parts (``drain`` calls it for nearly every
+        other instruction), with the simulation's tables bound once: a bound method would load them
+        from ``self`` on every call, a measurable share of the simulation."""
         ready, waiters, work, comm_plan = self.ready, self.waiters, self.work, self.comm_plan
-        sent_tensors, channels, comm_slots, network = self.sent_tensors, self.channels, self.comm_slots, self.network
+        channels, comm_slots, network = self.channels, self.comm_slots, self.network
         devices, kind_bytes, shared, new_tuple = self.devices, self.kind_bytes, network.shared, tuple.__new__
-        num_stages, num_mbs, num_ranks, op = self.num_stages, self.num_mbs, self.num_ranks, action[1]
-        post = self.costs.post
-        # Posting is all or none, in two passes (the order of checks
-        # decides which error a program with several faults gets).
-        # First pass: every part is a message, and every tensor sent is
-        # produced (by this rank, earlier in its list) or the rank parks.
-        if not group:
-            raise self._error(WellFormedError, f"{action.text()} posts nothing", r, pc)
-        for part in group:
-            bases = sent_tensors.get(part[1], _NOT_A_MESSAGE)
-            if bases is None:  # a receive: it never waits
-                continue
-            if bases is _NOT_A_MESSAGE:
-                raise self._malformed(part, r, pc)
-            p_stage, _, p_mb, p_peer, _ = part
-            if 0 <= p_stage < num_stages and 0 <= p_mb < num_mbs:
-                base = bases[p_stage]
-                if base is not None and ready[base + p_mb] is None:
-                    if op not in _BATCH_OPS and (not 0 <= p_peer < num_ranks or p_peer == r):
-                        raise self._malformed(part, r, pc)  # a lone send is checked in full first
-                    return clock, base + p_mb
-        if post:  # the rank posts every part; the sends leave when it is done
-            clock += post * len(group)
-        # Second pass: check each part in full, then post it; a part
-        # that finds its counterpart waiting in the channel delivers.
-        for part in group:
-            p_stage, p_op, p_mb, p_peer, _ = part
-            if not (0 <= p_stage < num_stages and 0 <= p_mb < num_mbs and 0 <= p_peer < num_ranks) or p_peer == r:
-                raise self._malformed(part, r, pc)
-            message = comm_plan[p_op][p_stage]
-            if message is None:
-                raise self._malformed(part, r, pc)
-            is_send, tensor_base, arrival_base, kind = message
-            if is_send:
-                sends, receives, transfer = outgoing[p_peer] or self._channel(r, p_peer)
-                produced = ready[tensor_base + p_mb]
-                sent = (tensor_base + p_mb, produced if produced > clock else clock, r, pc)
-                if not receives:
-                    sends.append(sent)
-                    continue
-                posted = receives.popleft()
-            else:
-                sends, receives, transfer = channels[p_peer][r] or self._channel(p_peer, r)
-                posted = (tensor_base + p_mb, arrival_base + p_mb, r, pc, part)
-                if not sends:
-                    receives.append(posted)
-                    continue
-                sent = sends.popleft()
-            # sent: (tensor, time, rank, step); posted: (tensor, arrival key, rank, step, part)
-            if sent[0] != posted[0]:
-                raise self._mismatch(sent, posted)
-            sent_at, delay = sent[1], transfer[kind]
-            if shared:  # links and NICs shared: the network reserves its bandwidth
-                arrival = network.transfer(devices[sent[2]], devices[posted[2]], kind_bytes[kind], sent_at)
-                delay = arrival - sent_at
-            else:
-                arrival = sent_at + delay
+        num_stages, num_mbs, num_ranks = self.num_stages, self.num_mbs, self.num_ranks
+        post, malformed, open_channel, mismatch = self.costs.post, self._malformed, self._channel, self._mismatch
+        first_unproduced = self._unproduced_finder()
+
+        def post_group(r: int, pc: int, action: Action, group: tuple, clock, outgoing: list) -> tuple:
+            """Post the message parts ``group`` of ``r``'s instruction ``pc`` at ``clock``, all or none.
+
+            Returns:
+                (the rank's clock after posting, -1), or (``clock``, the key of a tensor to send that is
+                not produced yet: the rank parks on it and posts nothing).
+            """
+            # Posting is all or none, in two passes (the order of checks decides which error a
+            # program with several faults gets). First pass: every part is a message, and every
+            # tensor sent is produced (by this rank, earlier in its list) or the rank parks.
+            unproduced = first_unproduced(r, pc, action, group)
+            if unproduced >= 0:
+                return clock, unproduced
+            if post:  # the rank posts every part; the sends leave when it is done
+                clock += post * len(group)
+            # Second pass: check each part in full, then post it; a part
+            # that finds its counterpart waiting in the channel delivers.
+            for part in group:
+                p_stage, p_op, p_mb, p_peer, _ = part
+                if not (0 <= p_stage < num_stages and 0 <= p_mb < num_mbs and 0 <= p_peer < num_ranks) or p_peer == r:
+                    raise malformed(part, r, pc)
+                message = comm_plan[p_op][p_stage]
+                if message is None:
+                    raise malformed(part, r, pc)
+                is_send, tensor_base, arrival_base, kind = message
+                if is_send:
+                    sends, receives, transfer = outgoing[p_peer] or open_channel(r, p_peer)
+                    produced = ready[tensor_base + p_mb]
+                    sent = (tensor_base + p_mb, produced if produced > clock else clock, r, pc)
+                    if not receives:
+                        sends.append(sent)
+                        continue
+                    posted = receives.popleft()
+                else:
+                    sends, receives, transfer = channels[p_peer][r] or open_channel(p_peer, r)
+                    posted = (tensor_base + p_mb, arrival_base + p_mb, r, pc, part)
+                    if not sends:
+                        receives.append(posted)
+                        continue
+                    sent = sends.popleft()
+                # sent: (tensor, time, rank, step); posted: (tensor, arrival key, rank, step, part)
+                if sent[0] != posted[0]:
+                    raise mismatch(sent, posted)
+                sent_at, delay = sent[1], transfer[kind]
+                if shared:  # links and NICs shared: the network reserves its bandwidth
+                    arrival = network.transfer(devices[sent[2]], devices[posted[2]], kind_bytes[kind], sent_at)
+                    delay = arrival - sent_at
+                else:
+                    arrival = sent_at + delay
+                    if delay:
+                        network.record(devices[sent[2]], devices[posted[2]], sent_at, arrival)
                 if delay:
-                    network.record(devices[sent[2]], devices[posted[2]], sent_at, arrival)
-            if delay:
-                comm_slots[posted[2]].append(new_tuple(Slot, (sent_at, arrival, posted[4], True)))
-            key = posted[1]
-            ready[key] = arrival
-            if key in waiters:
-                work.extend(waiters.pop(key))
-        return clock, -1
+                    comm_slots[posted[2]].append(new_tuple(Slot, (sent_at, arrival, posted[4], True)))
+                key = posted[1]
+                ready[key] = arrival
+                if key in waiters:
+                    work.extend(waiters.pop(key))
+            return clock, -1
+
+        return post_group
+
+    def _unproduced_finder(self) -> Callable[[int, int, Action, tuple], int]:
+        """The first pass of posting (``_poster``): ``first_unproduced(r, pc, action, group)`` raises for a
+        part that is no message, and returns the key of the first tensor ``group`` sends that is not
+        produced yet (the rank parks on it), or -1."""
+        ready, sent_tensors, malformed, error = self.ready, self.sent_tensors, self._malformed, self._error
+        num_stages, num_mbs, num_ranks = self.num_stages, self.num_mbs, self.num_ranks
+
+        def first_unproduced(r: int, pc: int, action: Action, group: tuple) -> int:
+            if not group:
+                raise error(WellFormedError, f"{action.text()} posts nothing", r, pc)
+            for part in group:
+                bases = sent_tensors.get(part[1], _NOT_A_MESSAGE)
+                if bases is None:  # a receive: it never waits
+                    continue
+                if bases is _NOT_A_MESSAGE:
+                    raise malformed(part, r, pc)
+                p_stage, _, p_mb, p_peer, _ = part
+                if 0 <= p_stage < num_stages and 0 <= p_mb < num_mbs:
+                    base = bases[p_stage]
+                    if base is not None and ready[base + p_mb] is None:
+                        if action[1] not in _BATCH_OPS and (not 0 <= p_peer < num_ranks or p_peer == r):
+                            raise malformed(part, r, pc)  # a lone send is checked in full first
+                        return base + p_mb
+            return -1
+
+        return first_unproduced
 
     def _malformed(self, part: Action, rank: int, step: int) -> WellFormedError:
         """The error for a message (or batch part) of ``rank`` that cannot be posted."""

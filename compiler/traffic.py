@@ -70,40 +70,63 @@ def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[in
     Returns:
         kind -> {"intra": bytes, "inter": bytes}, kinds in the rule table's order.
     """
-    moved: dict[str, dict[str, Fraction]] = {}
+    # Shares are summed per kind and link (whole values as integers, pieces as Fractions) and
+    # weighed once at the end: bytes = size x shares, exact, with one multiplication per kind
+    # instead of one per message (a step holds hundreds of thousands of messages).
+    whole: dict[tuple[str, str], int] = {}
+    pieces: dict[tuple[str, str], Fraction] = {}
 
-    def add(kind: str, src: int, dst: int, share: Fraction) -> None:
-        nbytes = share * Fraction(sizes.get(ops.VALUE_KINDS[kind].size_class, 0))
-        link = INTRA if node_of(src) == node_of(dst) else INTER
-        moved.setdefault(kind, {INTRA: Fraction(0), INTER: Fraction(0)})[link] += nbytes
+    def add(kind: str, src: int, dst: int, share: Fraction | int) -> None:
+        key = (kind, INTRA if node_of(src) == node_of(dst) else INTER)
+        if share == 1:
+            whole[key] = whole.get(key, 0) + 1
+        else:
+            pieces[key] = pieces.get(key, 0) + share
 
     seen_collectives: set[tuple] = set()
     families = families_of(program)
+    sharing = [family for family in families if type(family).value_share is not Family.value_share]
     for rank, row in enumerate(program.ranks):
         for action in row:
             for part in action.parts or (action,):
-                _count(program, families, rank, part, add, seen_collectives)
-    order = list(ops.VALUE_KINDS)
-    return {kind: {link: _plain(value) for link, value in moved[kind].items()}
-            for kind in sorted(moved, key=order.index)}
+                _count(program, sharing, families, rank, part, add, seen_collectives)
+    return _weighed(whole, pieces, sizes)
 
 
-def _count(program: Program, families: list[Family], rank: int, part: Action, add, seen: set) -> None:
+def _weighed(whole: Mapping[tuple[str, str], int], pieces: Mapping[tuple[str, str], Fraction],
+             sizes: Mapping[str, Number]) -> dict[str, dict[str, Number]]:
+    """kind -> {"intra", "inter"} bytes: each kind's summed shares times its size, kinds in the rule
+    table's order (a kind that moved lists both links)."""
+    moved: dict[str, dict[str, Number]] = {}
+    for kind in ops.VALUE_KINDS:
+        keys = [(kind, link) for link in (INTRA, INTER)]
+        if not any(key in whole or key in pieces for key in keys):
+            continue
+        size = Fraction(sizes.get(ops.VALUE_KINDS[kind].size_class, 0))
+        moved[kind] = {link: _plain(size * (whole.get((kind, link), 0) + pieces.get((kind, link), 0)))
+                       for kind, link in keys}
+    return moved
+
+
+def _count(program: Program, sharing: list[Family], families: list[Family], rank: int, part: Action, add,
+           seen: set) -> None:
+    """Add what ``part`` on ``rank`` moves; ``sharing``: the families that answer value_share (the rest
+    would say None), ``families``: all of the program's."""
     op = part.op
     rule = ops.RULES.get(op)
     if rule is None:
         return
     if op in _SENDS:
         kind = rule.carries.kind
-        share = first_answer(families, lambda family: family.value_share(program, part, kind))
-        add(kind, rank, part.peer, Fraction(1) if share is None else share)
+        share = first_answer(sharing, lambda family: family.value_share(program, part, kind)) if sharing else None
+        add(kind, rank, part.peer, 1 if share is None else share)
     elif part.parts:  # an all_to_all of a sequence ring: its sends, each over its own link
         for inner in part.parts:
-            _count(program, families, rank, inner, add, seen)
+            _count(program, sharing, families, rank, inner, add, seen)
     elif op in _RING_STEPS:
         giver = first_answer(families, lambda family: family.ring_step_giver(program, rank))
         if part.stage >= 0 and giver is not None:  # this rank takes a slot: it crossed the link from its giver
-            add(rule.reads[0].kind, giver, rank, Fraction(1))
+            add(rule.reads[0].kind, giver, rank, 1)
     elif op in _RING_OF:
         communicator = program.communicator_on(part, rank)
         if communicator is None:
