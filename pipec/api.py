@@ -54,23 +54,30 @@ def compile(target: str | os.PathLike[str], params: Mapping[str, ParamValue] | N
 
 
 def load(source: str | os.PathLike[str], *, costs: Costs = None, check: bool = True) -> Program:
-    """A compiled program (``pipec compile --format json``, or ``Program.to_json()``) from a file or its text.
+    """A compiled program (``pipec compile --format json``, or ``Program.to_json()``) from its text or a file.
 
     Args:
-        source: the JSON text (a string whose first non-blank character is ``{``), or a path to it.
+        source: the JSON text (a string whose first non-blank character is ``{``), or a path to it
+            (any other string, or an ``os.PathLike``; ``load_file`` takes a path whatever its name).
         costs: the cost model for ``simulate`` and the byte sizes (default: unit costs).
         check: prove it safe before returning it, with ``pipec check``'s checks (an edited file may not be).
     Raises:
         UsageError: not a regular file, too large, not JSON, or not a pipec program.
         ProgramError: the content is invalid, or (``check``) a check fails.
     """
+    if not isinstance(source, str) or source.lstrip(" \t\r\n\ufeff")[:1] != "{":
+        return load_file(source, costs=costs, check=check)
+    program = Program(_program_from_text(source), cost_model(costs))
+    if check:
+        program.check()
+    return program
+
+
+def load_file(path: str | os.PathLike[str], *, costs: Costs = None, check: bool = True) -> Program:
+    """``load`` for a file, read through pipec's guarded reader (a regular file, at most 256 MiB)."""
     from pipec.compiler.guarded_read import read_program
 
-    if isinstance(source, str) and source.lstrip(" \t\r\n\ufeff")[:1] == "{":
-        ir = _program_from_text(source)
-    else:
-        ir = read_program(os.fspath(source))  # the one guarded reader
-    program = Program(ir, cost_model(costs))
+    program = Program(read_program(os.fspath(path)), cost_model(costs))
     if check:
         program.check()
     return program
