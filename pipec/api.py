@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any, Mapping, Union
+from typing import TYPE_CHECKING, Any, Mapping, Union
 
-from pipec.compiler.costs import CostModel
-from pipec.compiler.ir import Program as IRProgram
-from pipec.compiler.memory_counts import Number
 from pipec.errors import CostFileError, UsageError
-from pipec.simulation import Simulation
+
+if TYPE_CHECKING:  # the compiler's modules are imported where they are used: `pipec check` pays for what it uses
+    from pipec.compiler.costs import CostModel
+    from pipec.compiler.ir import Program as IRProgram
+    from pipec.compiler.memory_counts import Number
+    from pipec.simulation import Simulation
 
 # A parameter's value as a schedule takes it: an integer, a bool, or either written as text ("4", "true").
 ParamValue = Union[int, bool, str]
 # A cost model: a cost file's path, its parsed JSON (docs/costs.md), or a model already built.
-Costs = Union[str, "os.PathLike[str]", Mapping[str, Any], CostModel, None]
+Costs = Union[str, "os.PathLike[str]", Mapping[str, Any], "CostModel", None]
 
 
 def compile(target: str | os.PathLike[str], params: Mapping[str, ParamValue] | None = None, *, costs: Costs = None,
@@ -89,7 +91,7 @@ def cost_model(costs: Costs) -> CostModel | None:
     Raises:
         CostFileError: a file or a parsed cost file that is not a valid one (docs/costs.md).
     """
-    from pipec.compiler.costs import costs_from_json, load_costs
+    from pipec.compiler.costs import CostModel, costs_from_json, load_costs
 
     if costs is None or isinstance(costs, CostModel):
         return costs
@@ -181,6 +183,7 @@ class Program:
         from pipec.compiler.guarded_read import checked_total
         from pipec.compiler.simulate import simulate
         from pipec.compiler.versions import flushed_makespan, version_plan, version_summary
+        from pipec.simulation import Simulation
 
         result = simulate(self.ir, self.costs, sizes=self._sizes() or None)
         plan = version_plan(self.ir)

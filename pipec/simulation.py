@@ -9,10 +9,11 @@ flush after every update), so the command and the API compute it once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipec.compiler.memory_counts import Number
-from pipec.compiler.simulate import SimResult, plain_number
+if TYPE_CHECKING:
+    from pipec.compiler.memory_counts import Number
+    from pipec.compiler.simulate import SimResult
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class Simulation:
 
     def to_json(self) -> dict[str, Any]:
         """What ``pipec simulate --json`` prints, as a dict of plain numbers, lists and dicts."""
+        from pipec.compiler.simulate import plain_number
+
         out = self.result.to_json()
         if self.versions is not None:
             out["versions"] = {**self.versions, "flushed_makespan": plain_number(self.flushed_makespan)}
