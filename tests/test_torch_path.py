@@ -2,8 +2,9 @@
 
 Four gloo processes each run ``torch_path_worker.py``: compile with ``pipec.compile``, build this rank's
 ``PipelineStage`` objects, get the schedule from ``pipec.torch.schedule_for`` and train three SGD steps with
-``schedule.step``, with torch loaded with pipec's messages (``comms=True``) or placing its own
-(``comms=False``, torchtitan's route). For 1F1B, interleaved 1F1B (v=2), ZB-V and a schedule whose eight stages are placed by
+``schedule.step``, three ways: torch loaded with pipec's messages (``comms=True``), placing its own
+(``comms=False``), and as torchtitan loads a CSV (compute only, ``scale_grads=False``, a loss divided by the
+microbatch count). For 1F1B, interleaved 1F1B (v=2), ZB-V and a schedule whose eight stages are placed by
 hand (neither torch's loop nor its V), every final parameter must match the same training in one process
 within ``runtime_util.TOLERANCE``. Also: the stages a rank is given are checked against the program before
 torch sees them (a wrong set is a ``UsageError``, not a hang).
@@ -33,8 +34,9 @@ CASES = {
     "zbv": ("zbv", {"P": 4, "N": 8}),
     "hand_placed": (HAND_PLACED, {"P": 4, "N": 8}),
 }
-# The CSV form torch's runtime is loaded with: pipec's own messages, or torch's (comms=False).
-FORMS = ("comms", "compute")
+# The CSV form torch's runtime is loaded with: pipec's own messages, or torch's (comms=False); and torchtitan's
+# way with the compute-only form: scale_grads=False, a loss that divides by the microbatch count itself.
+FORMS = ("comms", "compute", "titan")
 
 
 @pytest.fixture(scope="module")

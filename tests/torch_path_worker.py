@@ -3,7 +3,8 @@
 Run as a script by ``tests/test_torch_path.py`` (through ``runtime_util._launch``,
 which sets torchrun's environment). It joins a gloo group once; then, for each
 case ``NAME:FORM:TARGET:JSON_PARAMS`` (FORM: ``comms`` or ``compute``, the CSV form torch
-is loaded with), it does what docs/torch.md tells a user to do:
+is loaded with, or ``titan``: compute only, as torchtitan loads it, with ``scale_grads=False`` and the
+loss divided by the microbatch count instead), it does what docs/torch.md tells a user to do:
 compiles the schedule with ``pipec.compile``, cuts its own model into the
 program's stages, builds a ``PipelineStage`` for each stage the program places
 on this rank, asks ``pipec.torch.schedule_for`` for the schedule, and trains
@@ -70,7 +71,12 @@ def train(case: str, out: str, rank: int) -> None:
     chunks = {s: copy.deepcopy(nn.Sequential(*(model[i] for i in layers_of(s, program.num_stages))))
               for s in program.stages_on(rank)}
     stages = [PipelineStage(chunk, s, program.num_stages, torch.device("cpu")) for s, chunk in chunks.items()]
-    schedule = pipec.torch.schedule_for(program, stages, loss_fn=nn.functional.mse_loss, comms=form == "comms")
+    if form == "titan":  # as torchtitan loads a CSV: compute only, scale_grads=False, the loss divided by the user
+        count = program.num_microbatches
+        schedule = pipec.torch.schedule_for(program, stages, loss_fn=lambda out, y: nn.functional.mse_loss(out, y) / count,
+                                            comms=False, scale_grads=False)
+    else:
+        schedule = pipec.torch.schedule_for(program, stages, loss_fn=nn.functional.mse_loss, comms=form == "comms")
     optimizer = torch.optim.SGD([p for chunk in chunks.values() for p in chunk.parameters()], lr=LR)
     for x, y in batches():
         optimizer.zero_grad()
