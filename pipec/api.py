@@ -50,7 +50,7 @@ def compile(target: str | os.PathLike[str], params: Mapping[str, ParamValue] | N
 
     model = cost_model(costs)
     budget = _byte_budget(byte_budget, model)
-    compiled = compile_target(os.fspath(target), _params(params), costs=model,
+    compiled = compile_target(_path(target, "target"), _params(params), costs=model,
                               memory_budget=_count(memory_budget, "memory_budget"), byte_budget=budget)
     return Program(compiled.program, model)
 
@@ -79,7 +79,7 @@ def load_file(path: str | os.PathLike[str], *, costs: Costs = None, check: bool 
     """``load`` for a file, read through pipec's guarded reader (a regular file, at most 256 MiB)."""
     from pipec.compiler.guarded_read import read_program
 
-    program = Program(read_program(os.fspath(path)), cost_model(costs))
+    program = Program(read_program(_path(path, "load")), cost_model(costs))
     if check:
         program.check()
     return program
@@ -266,6 +266,13 @@ class Program:
 
     def _sizes(self) -> dict[str, Number]:
         return self.costs.sizes if self.costs is not None else {}
+
+
+def _path(path: str | os.PathLike[str], what: str) -> str:
+    """``path`` as text (a file's path, or a shipped schedule's name)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"{what}: expected a path or a name, got {type(path).__name__}")
+    return os.fspath(path)
 
 
 def _params(params: Mapping[str, ParamValue] | None) -> dict[str, ParamValue]:

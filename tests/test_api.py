@@ -77,6 +77,8 @@ def test_a_loaded_program_is_checked_unless_asked_not_to(tmp_path):
     (lambda: pipec.compile("1f1b", byte_budget={"activations": 10}), UsageError, "unknown size class 'activations'"),
     (lambda: pipec.compile("1f1b", costs={"sizes": {"activation": 1}}, byte_budget={"activation": float("inf")}),
      UsageError, "byte_budget activation: expected a number"),
+    (lambda: pipec.compile(4), UsageError, "target: expected a path or a name, got int"),
+    (lambda: pipec.load(None), UsageError, "load: expected a path or a name, got NoneType"),
     (lambda: pipec.load("{not json"), UsageError, "<program text>"),
     (lambda: pipec.load('{"format": "pipec-program"}'), PipecError, ""),
     (lambda: pipec.load("[1, 2]"), UsageError, ""),
