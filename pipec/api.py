@@ -96,10 +96,47 @@ def cost_model(costs: Costs) -> CostModel | None:
     if costs is None or isinstance(costs, CostModel):
         return costs
     if isinstance(costs, Mapping):
-        return costs_from_json(dict(costs), "<costs given to pipec.compile>")
+        return costs_from_json(_as_read(costs), _GIVEN_COSTS)
     if isinstance(costs, (str, os.PathLike)):
         return load_costs(os.fspath(costs))
     raise CostFileError(f"costs: expected a cost file's path, its parsed JSON or a CostModel, got {type(costs).__name__}")
+
+
+# How messages name a cost model given as a dict.
+_GIVEN_COSTS = "<costs given to pipec>"
+
+
+def _as_read(costs: Mapping[str, Any]) -> Any:
+    """A cost file given as a dict, as pipec's guarded reader would have read it from a file: JSON's types
+    only (text keys, finite numbers in range), at most the cost file's size limit.
+
+    Raises:
+        CostFileError: what is not JSON (a NaN, a set, a key that is not text), or what the reader refuses.
+    """
+    import json
+
+    from pipec.compiler.guarded_read import COSTS, parse_json_text
+
+    try:
+        if any(not isinstance(key, str) for key in _keys(costs)):
+            raise TypeError("a key that is not text")
+        text = json.dumps(costs, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise CostFileError(f"{_GIVEN_COSTS}: not what a JSON cost file can hold ({error})") from None
+    if len(text) > COSTS.limit:
+        raise CostFileError(f"{_GIVEN_COSTS}: over {COSTS.limit_text} as JSON, the limit for {COSTS.noun}")
+    return parse_json_text(text, _GIVEN_COSTS, CostFileError, "cost file")
+
+
+def _keys(value: Any):
+    """Every key of every mapping in ``value``, nested in mappings and lists."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield key
+            yield from _keys(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _keys(item)
 
 
 class Program:

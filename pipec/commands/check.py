@@ -28,7 +28,7 @@ def run(args) -> int:
     if looks_like_program(args.target):
         checked = _checked_program_file(args)
     else:
-        checked = compile_from_args(args)
+        checked = compile_from_args(args, load_costs(args))  # the cost file read first, as it always was
     name, program = checked.name, checked.ir
     families = families_of(program)
     sizes = checked.costs.sizes if checked.costs is not None else {}

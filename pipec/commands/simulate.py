@@ -7,6 +7,7 @@ from pipec.commands._common import (
     describe_params,
     describe_peak_bytes,
     dump_json,
+    load_costs,
     number_text,
     write_output,
 )
@@ -23,7 +24,7 @@ def run(args) -> int:
     from pipec.compiler.family import families_of
     from pipec.compiler.ops import memory_deltas
 
-    compiled = compile_from_args(args)
+    compiled = compile_from_args(args, load_costs(args))  # the cost file read first, as it always was
     simulation = compiled.simulate()
     result, program = simulation.result, compiled.ir
     if args.json:
