@@ -189,7 +189,7 @@ class Program:
 
         For a program of one pipeline, stage ``s`` is the ``s``-th along it: torch's ``stage_index``.
         """
-        if not 0 <= rank < self.num_ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             raise UsageError(f"rank {rank} is out of range: {self.name} has {self.num_ranks} ranks")
         return tuple(sorted(info.id for info in self.ir.stages if rank in info.ranks))
 

@@ -54,13 +54,16 @@ def schedule_for(program: Program, stages: Sequence[Any], n_microbatches: int | 
         version = runtime.version if runtime is not None else "no torch"
         raise UsageError(f"pipec.torch.schedule_for needs torch's _PipelineScheduleRuntime (torch 2.5 or later; "
                          f"found {version})")
+    csv_text = program.to_torch_csv(comms=comms)  # first: a program torch cannot run is named as such
     count = _microbatches(program, n_microbatches)
     _check_stages(program, stages)
-    actions = _actions(program.to_torch_csv(comms=comms))
+    actions = _actions(csv_text)
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
     schedule = _PipelineScheduleRuntime(list(stages), n_microbatches=count, loss_fn=loss_fn, scale_grads=scale_grads,
                                         **schedule_options)
+    # What the runtime's _load_csv does once it has read its file, without a file: both are torch's private
+    # API (torchtitan calls _load_csv), tested here on torch 2.13.
     if comms:
         schedule._prepare_schedule_with_comms(actions, format="compute_comms")
     else:  # as torch's own _load_csv: the compute order kept, then lowered with torch's messages
