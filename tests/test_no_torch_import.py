@@ -108,3 +108,37 @@ def test_the_probe_sees_an_import_where_there_is_one(inputs):
                                       inputs)
     assert status == 0, err
     assert imported
+
+
+# The Python API's compile-side surface (docs/api.md), used as a user would: none of it imports torch;
+# nor does importing pipec.torch, whose helper imports torch when it is called.
+_API_PROBE = """\
+import sys
+import pipec
+import pipec.torch
+program = pipec.compile("1f1b", {"P": 4, "N": 8})
+program.check(memory_budget=4)
+assert program.simulate().makespan == 33
+again = pipec.load(program.to_json())
+again.render("timeline.svg")
+again.to_torch_csv()
+again.to_text()
+print(f"torch={'torch' in sys.modules}")
+"""
+
+
+def test_the_python_api_imports_no_torch(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _API_PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "torch=False"
+    assert (tmp_path / "timeline.svg").exists()
+
+
+def test_import_pipec_loads_no_compiler():
+    """``import pipec`` costs what ``pipec.errors`` costs: the API is loaded on first use (PEP 562)."""
+    probe = "import sys, pipec\nprint(sorted(m for m in sys.modules if m.startswith('pipec')))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['pipec', 'pipec.errors']"

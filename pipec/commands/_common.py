@@ -100,18 +100,20 @@ def byte_budget_from_args(args, costs) -> dict | None:
 
 
 def compile_from_args(args, costs=None):
-    """Compile and check the target of ``args`` (``--costs``, ``--budget``, ``--budget-bytes``).
+    """Compile and check the target of ``args`` (``--costs``, ``--budget``, ``--budget-bytes``) with the API.
 
     Args:
         args: the parsed command line.
         costs: the cost model, when the caller has loaded it already; else ``--costs`` is read.
+    Returns:
+        the checked ``pipec.api.Program``.
     """
-    from pipec.compiler.driver import compile_target
+    from pipec.api import compile as compile_program
 
     parse_byte_budget(getattr(args, "budget_bytes", None) or [])  # a mistake here is named before the cost file is read
     if costs is None:
         costs = load_costs(args)
-    return compile_target(
+    return compile_program(
         args.target, parse_defines(args.defines), costs=costs, memory_budget=getattr(args, "budget", None),
         byte_budget=byte_budget_from_args(args, costs),
     )

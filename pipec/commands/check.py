@@ -26,13 +26,12 @@ def run(args) -> int:
     from pipec.compiler.guarded_read import looks_like_program
 
     if looks_like_program(args.target):
-        name, program, costs = _checked_program_file(args)
+        checked = _checked_program_file(args)
     else:
-        costs = load_costs(args)
-        compiled = compile_from_args(args, costs)
-        name, program = compiled.spec.name, compiled.program
+        checked = compile_from_args(args, load_costs(args))  # the cost file read first, as it always was
+    name, program = checked.name, checked.ir
     families = families_of(program)
-    sizes = costs.sizes if costs is not None else {}
+    sizes = checked.costs.sizes if checked.costs is not None else {}
     shape = ", ".join(family.shape_text(program) for family in families)
     proof = "; ".join(family.proof_text(program, lambda: _memory_text(program, sizes)) for family in families)
     write_output(f"ok: {name} ({describe_params(program.params)}): {program.num_ranks} ranks, {shape}, "
@@ -70,16 +69,15 @@ def _versions(program) -> str:
 
 
 def _checked_program_file(args):
-    """(name, program, costs) of a compiled program file, checked as the compiler checks what it emits."""
-    from pipec.compiler.checks import check_all
-    from pipec.compiler.guarded_read import read_program
+    """The compiled program file ``args.target`` (a ``pipec.api.Program``), checked as the compiler checks what
+    it emits."""
+    from pipec.api import load_file
 
     if args.defines:
         raise UsageError(f"-D sets parameters of a .pipe schedule; the compiled program '{args.target}' has its own")
     parse_byte_budget(getattr(args, "budget_bytes", None) or [])  # named before the cost file is read
     costs = load_costs(args)
     byte_budget = byte_budget_from_args(args, costs)
-    program = read_program(args.target)
-    check_all(program, semantics="rendezvous", memory_budget=args.budget, byte_budget=byte_budget,
-              sizes=costs.sizes if costs is not None else {})
-    return program.name, program, costs
+    program = load_file(args.target, costs=costs, check=False)
+    program.check(memory_budget=args.budget, byte_budget=byte_budget)
+    return program

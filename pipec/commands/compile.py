@@ -27,13 +27,11 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    program = compile_from_args(args).program
+    program = compile_from_args(args)
     if args.format == "json":
-        from pipec.compiler.emit.json_program import write_program_json
-
         # streamed: a large program's JSON is never held whole
         with atomic_output(args.output) as out:
-            write_program_json(program, out)
+            program.write_json(out)
         return 0
     text = _text_of(program, args.format)
     with atomic_output(args.output) as out:
@@ -42,24 +40,13 @@ def run(args) -> int:
 
 
 def _text_of(program, form: str) -> str:
-    """The program in one of the text formats (everything but json)."""
-    from pipec.compiler.emit import format_text_grid, write_torch_csv
-
+    """The program (a ``pipec.api.Program``) in one of the text formats (everything but json); for
+    torch-csv-comms, a note on stderr where the installed torch's runtime would not run it exactly."""
     if form == "torch-csv":
-        return write_torch_csv(program, with_comms=False)
+        return program.to_torch_csv(comms=False)
     if form == "torch-csv-comms":
-        return _torch_comms_csv(program)
-    return format_text_grid(program)
-
-
-def _torch_comms_csv(program) -> str:
-    """The comms CSV for the installed torch's runtime; a note on stderr where that runtime would not run it exactly."""
-    from pipec.compiler.emit.torch_csv import NEWEST_TORCH, installed_torch_runtime, runtime_caveats, write_torch_csv
-
-    runtime = installed_torch_runtime()
-    # without a torch here that could load it, the form the newest accepted torch runs exactly
-    target = runtime if runtime is not None and runtime.loads_comms else NEWEST_TORCH
-    text = write_torch_csv(program, with_comms=True, for_torch=target)
-    for caveat in runtime_caveats(program, runtime):
-        sys.stderr.write(f"warning: {caveat}\n")
-    return text
+        text = program.to_torch_csv(comms=True)
+        for caveat in program.torch_caveats():
+            sys.stderr.write(f"warning: {caveat}\n")
+        return text
+    return program.to_text()

@@ -25,7 +25,7 @@ import os
 import sys
 
 from pipec.commands._common import load_costs, read_json, target_of_run, write_output
-from pipec.compiler.guarded_read import count_arg, looks_like_program, positive_count_arg, read_program
+from pipec.compiler.guarded_read import count_arg, looks_like_program, positive_count_arg
 from pipec.compiler.trace_events import recorded
 from pipec.errors import UsageError
 
@@ -99,22 +99,23 @@ def _is_program_file(target: str) -> bool:
 
 
 def _load_program(target: str, defines: dict[str, str]):
-    """A program .json (``pipec compile``), unchecked."""
+    """A program .json (``pipec compile``), unchecked, as a ``pipec.api.Program``."""
+    from pipec.api import load_file
+
     if defines:
         raise UsageError("-D sets parameters of a .pipe schedule; a compiled program .json already has its own")
-    return read_program(target)  # the one guarded reader
+    return load_file(target, check=False)  # the one guarded reader
 
 
 def _checked_program(target: str, defines: dict[str, str], costs, budget):
-    """The program to simulate: compiled and checked, or loaded and checked."""
-    from pipec.compiler.checks import check_all
-    from pipec.compiler.driver import compile_target
+    """The program to simulate (the compiler's): compiled and checked, or loaded and checked, by the API."""
+    from pipec.api import compile as compile_program
 
     if not _is_program_file(target):
-        return compile_target(target, defines, costs=costs, memory_budget=budget).program
+        return compile_program(target, defines, costs=costs, memory_budget=budget).ir
     program = _load_program(target, defines)
-    check_all(program, memory_budget=budget)
-    return program
+    program.check(memory_budget=budget)
+    return program.ir
 
 
 def _program_for_graph(target: str, defines: dict[str, str], costs, budget):
@@ -128,7 +129,7 @@ def _program_for_graph(target: str, defines: dict[str, str], costs, budget):
     from pipec.errors import DeadlockError
 
     if _is_program_file(target):
-        program = _load_program(target, defines)
+        program = _load_program(target, defines).ir
     else:
         _, program = lower_spec(resolve_target(target).evaluate(defines), costs)
     try:

@@ -1,0 +1,115 @@
+"""pipec's schedules inside a user's own torch.distributed.pipelining training loop (docs/torch.md).
+
+``schedule_for(program, stages, ...)`` gives the user's ``PipelineStage`` objects a schedule with torch's
+``step()`` interface: torch's own ``_PipelineScheduleRuntime``, loaded with the program's actions as
+``pipec compile --format torch-csv-comms`` (or ``torch-csv``) writes them. The user keeps their model,
+loss, optimizer and loop; only the order of the pipeline's work is pipec's.
+
+What is checked here, before torch sees anything, is what torch would otherwise report as a hang or an
+assertion deep in a step: the stages this rank was given against the ones the program places on it, the
+process group's size against the program's ranks, the microbatch count. torch is imported when
+``schedule_for`` is called, not when this module (or ``pipec``) is imported.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from pipec.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    from pipec.api import Program
+
+
+def schedule_for(program: Program, stages: Sequence[Any], n_microbatches: int | None = None,
+                 loss_fn: Callable | None = None, *, comms: bool = True, scale_grads: bool = True,
+                 **schedule_options: Any) -> _PipelineScheduleRuntime:
+    """A torch pipeline schedule that runs ``program`` on this rank's ``stages``.
+
+    Args:
+        program: a ``pipec.Program`` of one pipeline (``pipec.compile`` or ``pipec.load``).
+        stages: this rank's ``torch.distributed.pipelining.PipelineStage`` objects, exactly the stages
+            ``program.stages_on(rank)`` names (stage ``s`` built with ``stage_index=s``), in any order.
+        n_microbatches: the microbatches a ``step()`` splits its batch into; the program's own count
+            (``program.num_microbatches``) when None, and it must be that count.
+        loss_fn: ``loss_fn(output, target)``, as for torch's schedules.
+        comms: True: torch runs pipec's own sends and receives, in pipec's checked order
+            (``format="compute_comms"``); False: torch places the messages itself (``format="compute_only"``,
+            what torchtitan's ``pipeline_parallel_schedule_csv`` loads).
+        scale_grads: divide gradients by the microbatch count (a mean loss), as torch's schedules do.
+        schedule_options: passed on to ``_PipelineScheduleRuntime`` (``args_chunk_spec``, ...).
+    Returns:
+        the schedule: ``step(*inputs, target=..., losses=...)`` as torch's own schedules.
+    Raises:
+        UsageError: a program torch cannot run (several pipelines, weight passing, sequence rings; a torch
+            without ``_PipelineScheduleRuntime``), stages that are not the ones the program places on this
+            rank, a process group of another size, another microbatch count.
+    """
+    from pipec.compiler.emit.torch_csv import installed_torch_runtime
+
+    runtime = installed_torch_runtime()
+    if runtime is None or not runtime.loads_comms:
+        version = runtime.version if runtime is not None else "no torch"
+        raise UsageError(f"pipec.torch.schedule_for needs torch's _PipelineScheduleRuntime (torch 2.5 or later; "
+                         f"found {version})")
+    csv_text = program.to_torch_csv(comms=comms)  # first: a program torch cannot run is named as such
+    count = _microbatches(program, n_microbatches)
+    _check_stages(program, stages)
+    actions = _actions(csv_text)
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    schedule = _PipelineScheduleRuntime(list(stages), n_microbatches=count, loss_fn=loss_fn, scale_grads=scale_grads,
+                                        **schedule_options)
+    # What the runtime's _load_csv does once it has read its file, without a file: both are torch's private
+    # API (torchtitan calls _load_csv), tested here on torch 2.13.
+    if comms:
+        schedule._prepare_schedule_with_comms(actions, format="compute_comms")
+    else:  # as torch's own _load_csv: the compute order kept, then lowered with torch's messages
+        schedule.pipeline_order = actions
+        schedule._prepare_schedule_with_comms(actions, format="compute_only")
+    for caveat in program.torch_caveats() if comms else ():
+        warnings.warn(f"pipec.torch: {caveat}", stacklevel=2)
+    return schedule
+
+
+def _microbatches(program: Program, n_microbatches: int | None) -> int:
+    if n_microbatches is None:
+        return program.num_microbatches
+    if n_microbatches != program.num_microbatches:
+        raise UsageError(f"{program.name} orders {program.num_microbatches} microbatches a step; n_microbatches is "
+                         f"{n_microbatches} (compile it with N={n_microbatches}, or leave n_microbatches out)")
+    return n_microbatches
+
+
+def _check_stages(program: Program, stages: Sequence[Any]) -> None:
+    """``stages`` are this rank's (the ones the program places on it) in a process group of the program's size.
+
+    Stage ids are torch's stage indices only for a program whose one pipeline runs its stages in id order.
+    """
+    ir = program.ir
+    if len(ir.pipelines) == 1 and ir.pipelines[0] != list(range(len(ir.stages))):
+        raise UsageError(f"{program.name}: its pipeline runs stages {ir.pipelines[0]}; pipec.torch needs stage s "
+                         "to be the s-th (torch's stage_index)")
+    if not stages:
+        raise UsageError("schedule_for needs this rank's stages (torch.distributed.pipelining.PipelineStage)")
+    group_size, rank = stages[0].group_size, stages[0].group_rank
+    if group_size != program.num_ranks:
+        raise UsageError(f"{program.name} runs on {program.num_ranks} ranks; the stages' process group has {group_size}")
+    given = sorted(stage.stage_index for stage in stages)
+    wanted = sorted(program.stages_on(rank))
+    if given != wanted:
+        raise UsageError(f"rank {rank}: {program.name} places stages {wanted} here; the stages given are {given}")
+    totals = {stage.num_stages for stage in stages}
+    if totals != {program.num_stages}:
+        raise UsageError(f"{program.name} has {program.num_stages} stages; the stages given say "
+                         f"{sorted(totals)} in all")
+
+
+def _actions(csv_text: str) -> dict[int, list]:
+    """torch's actions, rank by rank, from a CSV pipec wrote (one line per rank, even an empty one)."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    return {rank: [_Action.from_str(cell) for cell in line.split(",") if cell]
+            for rank, line in enumerate(csv_text.split("\n")[:-1])}
