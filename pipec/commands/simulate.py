@@ -1,12 +1,19 @@
-"""``pipec simulate``: predict makespan, bubble ratio and memory per rank."""
+"""``pipec simulate``: predict makespan, bubble ratio and memory per rank.
+
+TARGET may also be a torch.distributed.pipelining schedule CSV (``pipec compile --format torch-csv``),
+read and checked as ``pipec import-torch`` does.
+"""
 from __future__ import annotations
 
 from pipec.commands._common import (
     add_target_arguments,
+    byte_budget_from_args,
     compile_from_args,
     describe_params,
     describe_peak_bytes,
     dump_json,
+    imported_program,
+    is_torch_csv,
     load_costs,
     number_text,
     write_output,
@@ -20,19 +27,32 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
+def _program(args, costs):
+    """(name, checked program) of TARGET: a schedule compiled, or a torch schedule CSV imported and checked."""
+    if not is_torch_csv(args.target):
+        compiled = compile_from_args(args, costs)
+        return compiled.spec.name, compiled.program
+    from pipec.commands._common import parse_defines
+    from pipec.compiler.checks import check_all
+
+    program, semantics = imported_program(args.target, parse_defines(args.defines))
+    check_all(program, semantics=semantics, memory_budget=args.budget,
+              byte_budget=byte_budget_from_args(args, costs), sizes=costs.sizes if costs is not None else {})
+    return program.name, program
+
+
 def run(args) -> int:
     from pipec.compiler.family import families_of
     from pipec.compiler.guarded_read import checked_total
     from pipec.compiler.ops import memory_deltas
     from pipec.compiler.simulate import plain_number, simulate
-    from pipec.compiler.versions import flushed_makespan, version_plan, version_summary
+    from pipec.compiler.versions import flushed_makespan, staleness_note, version_plan, version_summary
 
     costs = load_costs(args)
-    compiled = compile_from_args(args, costs)
+    name, program = _program(args, costs)
     # the cost file's bytes per size class, if it has any: peak bytes per rank (else the output is as without)
     sizes = costs.sizes if costs is not None else {}
-    result = simulate(compiled.program, costs, sizes=sizes or None)
-    program = compiled.program
+    result = simulate(program, costs, sizes=sizes or None)
     plan = version_plan(program)
     # asynchronous training: the same updates with a flush after each, for the throughput it gains
     flushed = None if plan is None else flushed_makespan(program, plan, costs)
@@ -45,12 +65,12 @@ def run(args) -> int:
         write_output(dump_json(out, "the simulation's JSON"), None)
         return 0
     lines = [
-        f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {number_text(result.makespan)}, "
+        f"{name} ({describe_params(program.params) or 'a torch schedule CSV'}): makespan {number_text(result.makespan)}, "
         f"bubble ratio {result.bubble_text()}"
     ]
     # a split backward: some op leaves a weight gradient waiting (I), counted in peak_waiting_w
     leaves_w_waiting = {op for op, delta in memory_deltas("waiting_w").items() if delta > 0}
-    split = any(action.op in leaves_w_waiting for row in compiled.program.ranks for action in row)
+    split = any(action.op in leaves_w_waiting for row in program.ranks for action in row)
     # a sequence ring keeps no activations between stages: its memory is KV
     families = families_of(program)
     activations = all(family.counts_activations for family in families)
@@ -69,6 +89,7 @@ def run(args) -> int:
                      f"on average; weight versions per stage {summary['weight_versions']}")
         lines.append(f"  with a flush after every update: makespan {number_text(flushed)}; without, "
                      f"{number_text(flushed / result.makespan)} times the throughput")
+        lines.append(f"note: {staleness_note(program)}")
     if result.links is not None:
         lines.append(f"  links: something moved for {number_text(result.links['communication'])}, "
                      f"directed links busy {result.links['utilisation']:.3f} of the time meanwhile")
