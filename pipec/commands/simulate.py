@@ -53,6 +53,7 @@ def run(args) -> int:
     # the cost file's bytes per size class, if it has any: peak bytes per rank (else the output is as without)
     sizes = costs.sizes if costs is not None else {}
     result = simulate(program, costs, sizes=sizes or None)
+    _warn_mixed_units(args, program)
     plan = version_plan(program)
     # asynchronous training: the same updates with a flush after each, for the throughput it gains
     flushed = None if plan is None else flushed_makespan(program, plan, costs)
@@ -96,3 +97,21 @@ def run(args) -> int:
     lines.extend(f"note: {note}" for note in (family.note(program) for family in families) if note)
     write_output("\n".join(lines), None)
     return 0
+
+
+def _warn_mixed_units(args, program) -> None:
+    """On stderr: the cost file prices some compute ops and leaves the program's others at unit costs."""
+    if not args.costs:
+        return
+    import sys
+
+    from pipec.compiler.costs import unit_priced_ops
+    from pipec.compiler.guarded_read import COSTS, read_json
+    from pipec.errors import CostFileError
+
+    used = {action.op for row in program.ranks for action in row}
+    left = unit_priced_ops(read_json(args.costs, COSTS, CostFileError), used)
+    if left:
+        sys.stderr.write(f"warning: {args.costs} prices some compute ops but not {', '.join(left)}, which keep "
+                         f"unit costs: the makespan adds its times to units it cannot be compared with; give "
+                         f"{', '.join(left)} in its \"compute\" (docs/costs.md)\n")
