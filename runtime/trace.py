@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 from pipec.compiler import ops
 from pipec.compiler.spread import usable_cores
 from pipec.compiler.atomic_write import atomic_writer
-from pipec.compiler.ir import Action
+from pipec.compiler.ir import LABEL_SCHEME, Action
 
 # Trace category of each op (its rule's ``trace``: compute, comm or memory):
 # the viewers colour and filter by it.
@@ -93,7 +93,7 @@ def write_chrome_trace(path: str, per_rank: Sequence[list[dict]], metadata: dict
         events.extend(rank_events)
     document = {"traceEvents": events, "displayTimeUnit": "ms"}
     # the cores the writing rank could use: `pipec costs` warns when the ranks outnumbered them
-    document["otherData"] = {**(metadata or {}), "cores": usable_cores()}
+    document["otherData"] = {**(metadata or {}), "cores": usable_cores(), "labels": LABEL_SCHEME}
     with atomic_writer(path, what="the trace") as handle:  # whole or not at all: the old trace stays until then
         json.dump(document, handle, separators=(",", ":"))
 
