@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 
 from pipec.compiler.costs import SPLITS, costs_from_json
 from pipec.compiler.ir import Program
-from pipec.compiler.spread import Spread
 from pipec.compiler.ops import CHECKPOINTS, COMPUTE_OPS, POSTING_OPS
+from pipec.compiler.spread import Spread
 from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step, events_of
 from pipec.errors import UsageError
 
@@ -61,7 +61,7 @@ class MeasuredCosts(NamedTuple):
     samples: dict[tuple[int, str], int]
     messages: int
     steps: list[int]
-    spreads: dict[tuple[int, str], Spread] = {}
+    spreads: dict[tuple[int, str], Spread]
 
 
 def measure_costs(document: Any, program: Program, name: str = "trace") -> MeasuredCosts:

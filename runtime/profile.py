@@ -160,10 +160,15 @@ def profile_layers(spec: ModelSpec, config: Any, seed: int, *, repeats: int = DE
         LayerProfile(layer_name, median(forwards[i]) * _MS_PER_SECOND, median(backwards[i]) * _MS_PER_SECOND,
                      chain.activation_bytes[i], sum(_nbytes(p) for p in modules[i].parameters()))
         for i, (layer_name, _) in enumerate(named))
-    ms = lambda values: Spread.of([value * _MS_PER_SECOND for value in values])  # noqa: E731
-    spreads = {layer_name: ms([f + b for f, b in zip(forwards[i], backwards[i])]) for i, (layer_name, _) in enumerate(named)}
-    spreads["whole model"] = ms(wholes)
+    spreads = {layer_name: _spread_ms([f + b for f, b in zip(forwards[i], backwards[i])])
+               for i, (layer_name, _) in enumerate(named)}
+    spreads["whole model"] = _spread_ms(wholes)
     return Profile(layers, median(wholes) * _MS_PER_SECOND, device.type, repeats, spreads)
+
+
+def _spread_ms(seconds: list[float]) -> Spread:
+    """The spread of some repeats timed in seconds, in ms."""
+    return Spread.of([value * _MS_PER_SECOND for value in seconds])
 
 
 class _Step(NamedTuple):

@@ -36,9 +36,8 @@ def run(args) -> int:
     from pipec.compiler.measured_costs import UNIT
     from pipec.runtime.model import load_model_spec
     from pipec.runtime.profile import profile_layers
-    from pipec.runtime.worker import DEFAULT_SEED, override_config
-
     from pipec.compiler.spread import load_average
+    from pipec.runtime.worker import DEFAULT_SEED, override_config
 
     spec = load_model_spec(args.model)
     config = override_config(spec.config, args.config)
