@@ -34,9 +34,9 @@ def register(sub) -> None:
 def run(args) -> int:
     from pipec.compiler.costs import costs_from_json
     from pipec.compiler.measured_costs import UNIT
+    from pipec.compiler.spread import load_average
     from pipec.runtime.model import load_model_spec
     from pipec.runtime.profile import profile_layers
-    from pipec.compiler.spread import load_average
     from pipec.runtime.worker import DEFAULT_SEED, override_config
 
     spec = load_model_spec(args.model)
