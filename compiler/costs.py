@@ -661,3 +661,30 @@ def _within_limits(value: Number, key: str, source: str = "", *, bandwidth: bool
 
 def _join(key: str, name: str) -> str:
     return f"{key}.{name}" if key != "top level" else name
+
+
+def unit_priced_ops(data: Mapping[str, Any], used: set[str]) -> list[str]:
+    """The compute ops of ``used`` that a cost file leaves at their unit costs while it prices others itself.
+
+    A file with measured F and B (``pipec costs``: milliseconds) that gives no time for a sequence
+    ring's attention ops prices those at 1 and 2: a makespan that adds milliseconds to unit costs
+    means neither. An op priced through another (I and W from B, FC and R from F) counts as given
+    when that one is; an op free under unit costs (U) is never named.
+
+    Args:
+        data: the parsed cost file.
+        used: the ops of the program it prices.
+    Returns:
+        the ops left at unit costs, sorted; empty when the file prices no compute at all (unit
+        costs throughout) or every used op.
+    """
+    compute = data.get("compute") or {}
+    given = {key for key in compute if key in UNIT_COMPUTE}
+    for times in (compute.get("per_chunk") or {}).values():
+        given |= {key for key in times if key in UNIT_COMPUTE}
+    if not given:
+        return []
+    derived = {part: whole for whole, parts in SPLITS.items() for part in parts} | PRICED_LIKE
+    return sorted(op for op in used & UNIT_COMPUTE.keys()
+                  if UNIT_COMPUTE[op] and op not in given and derived.get(op) not in given)
+

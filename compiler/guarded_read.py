@@ -727,6 +727,26 @@ def looks_like_program(path: str) -> bool:
     return head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1] in (b"{", b"[")
 
 
+def looks_like_torch_csv(path: str) -> bool:
+    """True when ``path`` is a regular file named ``*.csv``, or whose first non-blank character is a digit
+    or ``(``: a torch.distributed.pipelining schedule CSV (``0F0,0F1,...``), never a ``.pipe`` source
+    (which starts with a word or a comment)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError):
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, 4096)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    first = head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1]
+    return path.lower().endswith(".csv") or first.isdigit() or first == b"("
+
+
 def read_program(path: str, error: type[PipecError] = UsageError):
     """The compiled program (``pipec compile --format json``) in ``path``, unchecked.
 

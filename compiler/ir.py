@@ -66,6 +66,12 @@ from pipec.compiler.ops import (  # noqa: F401  (re-exported)
 NO_PEER = -1
 
 
+# How every drawing and listing labels a task: its text form (``Action.text``), stage, op, microbatch,
+# as torch.distributed.pipelining's CSV writes it. Every legend (SVG, HTML, text timeline, Chrome traces
+# of the simulator and of runs) explains it with this sentence.
+LABEL_SCHEME = "task labels: 2F3 = stage 2, op F, microbatch 3 (as in torch's schedule CSV)"
+
+
 class Action(NamedTuple):
     """One instruction of a rank.
 

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 from pipec.compiler.costs import SPLITS, costs_from_json
 from pipec.compiler.ir import Program
 from pipec.compiler.ops import CHECKPOINTS, COMPUTE_OPS, POSTING_OPS
+from pipec.compiler.spread import Spread
 from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step, events_of
 from pipec.errors import UsageError
 
@@ -53,12 +54,14 @@ class MeasuredCosts(NamedTuple):
             of I + W has none.
         messages: how many posted messages ``links.post`` is the median over (0: none, no links section).
         steps: the training steps measured.
+        spreads: (chunk, op) -> the spread of its tasks' times, ms (``compiler.spread``).
     """
 
     data: dict[str, Any]
     samples: dict[tuple[int, str], int]
     messages: int
     steps: list[int]
+    spreads: dict[tuple[int, str], Spread]
 
 
 def measure_costs(document: Any, program: Program, name: str = "trace") -> MeasuredCosts:
@@ -99,7 +102,8 @@ def measure_costs(document: Any, program: Program, name: str = "trace") -> Measu
     # what `pipec costs` writes, `--costs` must read: a trace's times past the cost file's limits (a
     # hostile or broken trace) are named here, at their key, rather than written
     costs_from_json(data, f"the costs measured from {name}")
-    return MeasuredCosts(data, samples, len(posts), measured)
+    spreads = {key: Spread(*(value / _US_PER_UNIT for value in Spread.of(values))) for key, values in times.items()}
+    return MeasuredCosts(data, samples, len(posts), measured, spreads)
 
 
 def _posting_times(document: Any, program: Program, name: str, measured: list[int]) -> list[float]:

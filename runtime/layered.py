@@ -234,7 +234,7 @@ def cut_by_partition(spec, partition: Partition, path: str, program: Program, na
     if not spec.derives_chunks:
         raise UsageError(f"--partition {path} cuts a model given by its layers, and model spec {name} builds its own "
                          "chunks (build_chunk): leave --partition out, or give a spec with layers(config, seed) and "
-                         "no build_chunk")
+                         "no build_chunk (the built-in model so: --model pipec.runtime.model:LLAMA_LAYERS)")
     family = runtime_family(program)
     if not family.takes_partition:
         raise UsageError(f"--partition {path} cuts a model into pipeline stages, and {program.name} is a "

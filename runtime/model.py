@@ -25,6 +25,7 @@ leaves the caller's random state untouched.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -675,6 +676,11 @@ LLAMA = ModelSpec(
     ring_model=ring_model,
 )
 """The built-in model: the default of ``--model``."""
+
+LLAMA_LAYERS = dataclasses.replace(LLAMA, build_chunk=None, build_model=None)
+"""The built-in model given by its layers only (``llama_layers``), so that pipec cuts it: evenly, or as a
+``pipec partition`` file says (``pipec run --partition``). Its layers are ``LLAMA``'s, bit for bit
+(``llama_layers``)."""
 
 DEFAULT_MODEL = run_config.DEFAULT_MODEL
 """``--model``'s default, ``pipec.runtime.model:LLAMA`` (kept in ``runtime.config``, which loads no torch)."""

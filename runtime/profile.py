@@ -30,7 +30,7 @@ and the data move to the GPU and every timing is bracketed by ``torch.cuda.synch
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Callable, NamedTuple
 
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from pipec.compiler.costs import LAYER_KEYS
+from pipec.compiler.spread import Spread
 from pipec.errors import UsageError
 from pipec.runtime import payload
 from pipec.runtime.config import DEFAULT_REPEATS
@@ -78,12 +79,15 @@ class Profile:
         whole: median time of one forward and backward of the whole chain, ms.
         device: where it ran (``cpu``, ``cuda``).
         repeats: how many measured passes each median is over.
+        spreads: what the repeats spread over, ms (``compiler.spread``): each layer's F + B
+            by its name, and the whole model's under ``"whole model"``.
     """
 
     layers: tuple[LayerProfile, ...]
     whole: float
     device: str
     repeats: int
+    spreads: dict = field(default_factory=dict)
 
     @property
     def layer_sum(self) -> float:
@@ -156,7 +160,15 @@ def profile_layers(spec: ModelSpec, config: Any, seed: int, *, repeats: int = DE
         LayerProfile(layer_name, median(forwards[i]) * _MS_PER_SECOND, median(backwards[i]) * _MS_PER_SECOND,
                      chain.activation_bytes[i], sum(_nbytes(p) for p in modules[i].parameters()))
         for i, (layer_name, _) in enumerate(named))
-    return Profile(layers, median(wholes) * _MS_PER_SECOND, device.type, repeats)
+    spreads = {layer_name: _spread_ms([f + b for f, b in zip(forwards[i], backwards[i])])
+               for i, (layer_name, _) in enumerate(named)}
+    spreads["whole model"] = _spread_ms(wholes)
+    return Profile(layers, median(wholes) * _MS_PER_SECOND, device.type, repeats, spreads)
+
+
+def _spread_ms(seconds: list[float]) -> Spread:
+    """The spread of some repeats timed in seconds, in ms."""
+    return Spread.of([value * _MS_PER_SECOND for value in seconds])
 
 
 class _Step(NamedTuple):

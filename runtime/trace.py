@@ -17,8 +17,9 @@ import json
 from typing import Iterable, Sequence
 
 from pipec.compiler import ops
+from pipec.compiler.spread import usable_cores
 from pipec.compiler.atomic_write import atomic_writer
-from pipec.compiler.ir import Action
+from pipec.compiler.ir import LABEL_SCHEME, Action
 
 # Trace category of each op (its rule's ``trace``: compute, comm or memory):
 # the viewers colour and filter by it.
@@ -82,7 +83,8 @@ def write_chrome_trace(path: str, per_rank: Sequence[list[dict]], metadata: dict
     Args:
         path: the file to write.
         per_rank: each rank's events from ``chrome_events``, in rank order.
-        metadata: optional top-level "otherData" (schedule, parameters, ...).
+        metadata: optional top-level "otherData" (schedule, parameters, ...); ``cores``
+            (``compiler.spread.usable_cores``) is added to it.
     Raises:
         UsageError: the file cannot be written (``compiler.atomic_write``).
     """
@@ -90,8 +92,8 @@ def write_chrome_trace(path: str, per_rank: Sequence[list[dict]], metadata: dict
     for rank_events in per_rank:
         events.extend(rank_events)
     document = {"traceEvents": events, "displayTimeUnit": "ms"}
-    if metadata:
-        document["otherData"] = metadata
+    # the cores the writing rank could use: `pipec costs` warns when the ranks outnumbered them
+    document["otherData"] = {**(metadata or {}), "cores": usable_cores(), "labels": LABEL_SCHEME}
     with atomic_writer(path, what="the trace") as handle:  # whole or not at all: the old trace stays until then
         json.dump(document, handle, separators=(",", ":"))
 

@@ -682,6 +682,8 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
                        device=device, name=run.model)
     if checkpoint is not None:
         data.restore(checkpoint.data)
+    if rank == 0:
+        _print_staleness_note(program)
     dist.barrier()
     t0 = time.perf_counter()
     recorded = []
@@ -733,6 +735,15 @@ def _save_checkpoint(plan: Plan, context, stages, data_state: dict, rank: int, w
                                     data=data_state,
                                     meta=checkpoint_meta(context.program, world, plan.precision))
         print(f"saved: {path}", flush=True)
+
+
+def _print_staleness_note(program) -> None:
+    """Before the first step of an asynchronous program: what its learning rate needs (one line)."""
+    from pipec.compiler.versions import staleness_note
+
+    note = staleness_note(program)
+    if note is not None:
+        print(f"note: {note}", flush=True)
 
 
 def step_line(iteration: int, loss: float, grad_norm: float | None) -> str:

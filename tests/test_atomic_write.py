@@ -166,7 +166,7 @@ def test_the_trace_and_the_saved_model_go_through_the_writer(tmp_path):
     with pytest.raises(UsageError, match="cannot write the trace"):
         write_chrome_trace(str(tmp_path / "gone" / "run.json"), [[]])
     write_chrome_trace(str(trace), [[], []], {"schedule": "x"})
-    assert json.loads(trace.read_text())["otherData"] == {"schedule": "x"}
+    assert json.loads(trace.read_text())["otherData"]["schedule"] == "x"
     saved = tmp_path / "model.pt"
     with atomic_writer(str(saved), binary=True) as out:  # as the worker's --save does
         torch.save({"w": torch.ones(2)}, out)

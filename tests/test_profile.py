@@ -36,11 +36,11 @@ def test_the_built_in_models_layers_are_the_model_name_for_name_and_compute_its_
     assert torch.equal(layers(tokens), whole(tokens))
 
 
-def test_the_layers_times_add_up_to_the_whole_models_forward_and_backward():
-    # medians of many short passes, so that a loaded machine moves both sides alike
-    measured = profile_layers(LLAMA, TINY, 0, repeats=100)
-    assert abs(measured.layer_sum - measured.whole) <= 0.2 * measured.whole, (measured.layer_sum, measured.whole)
-    assert all(layer.F > 0 and layer.B > 0 for layer in measured.layers)
+def test_every_layer_is_timed_and_the_whole_model_too():
+    # the sum against the whole is a figure, not a property: benchmarks/model_speed.py prints it
+    measured = profile_layers(LLAMA, TINY, 0, repeats=3)
+    assert [layer.name for layer in measured.layers] == ["embed", "layer0", "layer1", "head"]
+    assert all(layer.F > 0 and layer.B > 0 for layer in measured.layers) and measured.whole > 0
 
 
 def test_profile_writes_a_cost_file_of_exact_bytes_that_partition_reads(capsys, tmp_path):

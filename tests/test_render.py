@@ -16,7 +16,6 @@ import re
 import shutil
 import struct
 import subprocess
-import time
 import xml.etree.ElementTree as ET
 import zlib
 from collections import Counter
@@ -28,6 +27,7 @@ import pytest
 
 from pipec.cli import main
 from pipec.compiler.costs import costs_from_json
+from pipec.compiler.ir import LABEL_SCHEME
 from pipec.compiler.checks import check_all
 from pipec.compiler.driver import compile_target
 from pipec.compiler.emit import program_to_json
@@ -120,15 +120,18 @@ def test_svg_has_one_box_per_compute_instruction_at_its_simulated_place(name):
     assert f"makespan {result.makespan}" in heading and "bubble ratio" in heading
 
 
-def test_svg_title_shows_the_exact_bubble_and_labels_name_chunks_when_ranks_hold_several():
+def test_svg_title_shows_the_exact_bubble_and_labels_are_the_tasks_text_form_explained_in_the_legend():
     program, result = compiled("bitpipe", P=4)
     text = timeline_svg(make_drawing(result, program))
     assert "makespan 28, bubble ratio 1/7 = 0.1429" in text  # DESIGN.md section 8
     labels = re.findall(r'<text class="box-label"[^>]*>([^<]+)</text>', text)
-    assert "F0c0" in labels and "B0c7" in labels  # microbatch 0's forward at chunk 0, its backward at chunk 7
+    # every box is labelled as compile --format text, traces and torch's CSV write its task (ir.LABEL_SCHEME)
+    texts = {action.text() for row in program.ranks for action in row}
+    assert labels and set(labels) <= texts and "0F0" in labels
+    assert LABEL_SCHEME in html.unescape(text)
     program, result = compiled("1f1b", P=4, N=8)
     labels = re.findall(r'<text class="box-label"[^>]*>([^<]+)</text>', timeline_svg(make_drawing(result, program)))
-    assert Counter(label[0] for label in labels) == {"F": 32, "B": 32} and "F7" in labels
+    assert Counter(re.sub(r"[0-9]", "", label) for label in labels) == {"F": 32, "B": 32} and "3F7" in labels
 
 
 def test_svg_draws_message_slots_when_links_cost_time():
@@ -600,7 +603,7 @@ def test_hovering_a_box_in_chromium_shows_its_rank_op_stage_microbatch_start_and
     action = slot.action
     assert tips["box"].splitlines() == [
         f"rank {rank} (predicted)",
-        f"op {action.op}  ({action.op}{action.mb}c{program.stages[action.stage].chunk})",
+        f"op {action.op}  ({action.text()})",
         f"stage {action.stage}, chunk {program.stages[action.stage].chunk}",
         f"microbatch {action.mb}",
         f"start {slot.start}",
@@ -612,14 +615,13 @@ def test_hovering_a_box_in_chromium_shows_its_rank_op_stage_microbatch_start_and
 
 
 @needs_chromium
-def test_a_64_rank_512_microbatch_timeline_renders_fast_and_opens_in_a_browser(tmp_path):
+def test_a_64_rank_512_microbatch_timeline_renders_and_opens_in_a_browser(tmp_path):
+    # how fast is a figure of the machine: python benchmarks/render_speed.py prints it
     program, result = compiled("interleaved_1f1b", P=64, N=512)
     boxes = compute_count(program)
     assert boxes == 64 * 512 * 2 * 2
-    started = time.perf_counter()
     write_timeline(result, program, str(tmp_path / "big.html"))
     write_timeline(result, program, str(tmp_path / "big.svg"))
-    assert time.perf_counter() - started < 10
     image = screenshot(tmp_path / "big.html", tmp_path / "big.png", tmp_path / "profile")
     # sub-pixel boxes blend into stripes: count coloured (not grey, not white) pixels instead of exact fills
     assert coloured_share(image) > 0.3
@@ -638,3 +640,16 @@ def test_docs_timelines_are_up_to_date(name):
         path.write_text(text, encoding="utf-8")
     assert path.exists() and path.read_text(encoding="utf-8") == text, \
         f"{path} is stale: PIPEC_UPDATE_DOCS=1 pytest tests/test_render.py -k docs"
+
+
+def test_chrome_traces_of_the_simulator_and_of_runs_carry_the_label_scheme(tmp_path):
+    from pipec.runtime.trace import write_chrome_trace
+
+    out = tmp_path / "t.json"
+    assert main(["render", "1f1b", "-D", "P=2", "-D", "N=2", "-o", str(out)]) == 0
+    simulated = json.loads(out.read_text())
+    assert simulated["otherData"]["labels"] == LABEL_SCHEME
+    assert {event["name"] for event in simulated["traceEvents"] if event.get("cat") == "compute"} >= {"0F0", "1B1"}
+    write_chrome_trace(str(tmp_path / "run.json"), [[]], {"schedule": "1f1b"})
+    run = json.loads((tmp_path / "run.json").read_text())["otherData"]
+    assert run["labels"] == LABEL_SCHEME and run["schedule"] == "1f1b" and run["cores"] >= 1

@@ -9,7 +9,6 @@ message bars, so the file stays under ``MAX_SVG_BYTES``.
 from __future__ import annotations
 
 import re
-import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -44,9 +43,7 @@ def _svg(name: str, params: dict, cost_file: dict) -> tuple[str, object]:
 def test_a_box_ten_million_times_shorter_than_another_draws_a_small_file(tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text('{"compute": {"F": 1e-7, "B": 1}}')
-    started = time.perf_counter()
     assert main(["render", "1f1b", "-D", "P=4", "-D", "N=8", "--costs", str(path), "-o", str(tmp_path / "t.svg")]) == 0
-    assert time.perf_counter() - started < 10
     text = (tmp_path / "t.svg").read_text()
     assert len(text.encode()) < 200_000
     root = ET.fromstring(text)

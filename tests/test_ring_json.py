@@ -12,7 +12,6 @@ import copy
 import io
 import itertools
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -118,10 +117,8 @@ def test_the_text_grid_names_the_rings_and_nests_the_parts():
 
 
 def pipec(capsys, *argv: str) -> tuple[int, str, str]:
-    """Run ``pipec``: exit status, stdout, stderr; never a traceback, always quick."""
-    start = time.perf_counter()
+    """Run ``pipec``: exit status, stdout, stderr; never a traceback."""
     status = main(list(argv))
-    assert time.perf_counter() - start < 5.0
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     return status, out, err

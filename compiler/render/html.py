@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+from pipec.compiler.ir import LABEL_SCHEME
 from pipec.compiler.render import style
 from pipec.compiler.render._templates import render
 from pipec.compiler.render.model import Drawing, Timeline
@@ -45,6 +46,7 @@ def timeline_html(drawing: Drawing) -> str:
         heading=drawing.heading,
         data_json=data_json,
         legend=style.legend(drawing.ops_present()),
+        label_scheme=LABEL_SCHEME,
         has_comms=any(lane for panel in drawing.panels for lane in panel.comms),
         shades=style.SHADES,
         idle_fill=style.IDLE_FILL,

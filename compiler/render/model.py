@@ -58,7 +58,7 @@ class Drawing:
             predicted when a run is drawn).
         panels: measured first (when there is one), then the prediction.
         stage_chunk: stage id -> model chunk, for labels and tips.
-        show_chunk: whether labels name the chunk (a rank holds several stages).
+        show_chunk: whether a rank holds several stages (tips name the chunk; labels are ir.LABEL_SCHEME's).
     """
 
     heading: str

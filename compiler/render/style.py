@@ -62,9 +62,9 @@ def fill_of(op: str, mb: int) -> str:
     return palette()[op][mb % SHADES]
 
 
-def box_label(op: str, mb: int, chunk: int, show_chunk: bool) -> str:
-    """Returns: the text of a box: ``F3``, or ``F3c1`` (chunk 1) when a rank holds several chunks."""
-    return f"{op}{mb}c{chunk}" if show_chunk else f"{op}{mb}"
+def box_label(stage: int, op: str, mb: int) -> str:
+    """Returns: the text of a box, the task's text form (``ir.LABEL_SCHEME``): ``2F3``, stage 2's F of microbatch 3."""
+    return f"{stage}{op}{mb}"
 
 
 def legend(ops_present) -> list[tuple[str, str, str]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from operator import itemgetter
 
+from pipec.compiler.ir import LABEL_SCHEME
 from pipec.compiler.render import style
 from pipec.compiler.render._templates import render
 from pipec.compiler.render.model import Drawing, Timeline, format_time
@@ -38,7 +39,7 @@ MIN_SHORTEST_BOX_PX = 3
 MAX_PLOT_PX = 10_000
 # The most box and message-bar elements a drawing holds (the file's size bound).
 MAX_ELEMENTS = 25_000
-LEGEND_HEIGHT = 36
+LEGEND_HEIGHT = 52  # two lines: the colours, then the label scheme
 # A slot's start (comms are not kept in start order).
 _start = itemgetter(0)
 
@@ -70,6 +71,7 @@ def timeline_svg(drawing: Drawing) -> str:
         layout=layout,
         palette=style.palette(),
         legend=legend,
+        label_scheme=LABEL_SCHEME,
         has_comms=has_comms,
         shades=style.SHADES,
         idle_fill=style.IDLE_FILL,
@@ -189,7 +191,7 @@ def _box_rows(lane, left: float, scale: float, merge_px: float, drawing: Drawing
         label or "", label x); per run (op filling most of it, shade, x,
         width, start, end, number of boxes).
     """
-    shades, chunk_of, show_chunk = style.SHADES, drawing.stage_chunk, drawing.show_chunk
+    shades = style.SHADES
     label_of, fits = style.box_label, style.label_fits
     rows, runs = [], []
     for group in _runs(lane, scale, merge_px):
@@ -200,7 +202,7 @@ def _box_rows(lane, left: float, scale: float, merge_px: float, drawing: Drawing
         stage, op, mb = action[0], action[1], action[2]
         # a box under half a pixel alone (no neighbour to merge with) is kept visible
         x, width = left + start * scale, max((end - start) * scale, 0.5)
-        label = label_of(op, mb, chunk_of[stage], show_chunk)
+        label = label_of(stage, op, mb)
         rows.append((op, mb % shades, f"{x:.2f}", f"{width:.2f}", start, end, stage, mb,
                      label if fits(label, width) else "", f"{x + width / 2:.2f}"))
     return rows, runs

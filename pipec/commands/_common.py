@@ -119,6 +119,33 @@ def compile_from_args(args, costs=None):
     )
 
 
+def is_torch_csv(target: str) -> bool:
+    """Whether TARGET is a torch.distributed.pipelining schedule CSV (``pipec compile --format torch-csv``)."""
+    from pipec.compiler.guarded_read import looks_like_torch_csv
+
+    return looks_like_torch_csv(target)
+
+
+def imported_program(target: str, defines: dict[str, str]):
+    """A torch schedule CSV as a program, completed with communication when it has none, unchecked.
+
+    Returns:
+        (program, the semantics to check it under: "async" for a CSV with communication, as torch's
+        runtime runs it, else "rendezvous"; ``compiler.import_torch.prepare_imported``).
+    Raises:
+        UsageError: -D given (a CSV has no parameters), or the file cannot be read.
+        ProgramError: the CSV is not a schedule.
+    """
+    from pipec.compiler.guarded_read import TORCH_CSV, read_text
+    from pipec.compiler.import_torch import read_torch_csv
+    from pipec.compiler.lower_comms import insert_communication
+
+    if defines:
+        raise UsageError(f"-D sets parameters of a .pipe schedule; the torch schedule CSV '{target}' has none")
+    program, had_comms = read_torch_csv(read_text(target, TORCH_CSV), source=target)
+    return (program, "async") if had_comms else (insert_communication(program), "rendezvous")
+
+
 def number_text(value) -> str:
     """A time or count as a table shows it: an integral value as an integer, else four significant digits."""
     return str(int(value)) if float(value).is_integer() else f"{float(value):.4g}"

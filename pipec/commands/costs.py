@@ -55,16 +55,40 @@ def run(args) -> int:
     lines = [
         f"{program.name} ({describe_params(program.params)}), steps {steps[0]}..{steps[-1]} of {args.trace}: "
         f"median compute time per task, {UNIT}",
-        "  chunk " + "".join(f"{op:>9}     " for op in ops),
+        "  chunk " + "".join(f"{op:>9}     " for op in ops) + "  widest spread (max - min) / median",
     ]
     for chunk, times in per_chunk.items():
         cells = "".join(_cell(times.get(op), measured.samples.get((int(chunk), op)), SPLITS.get(op, ())) for op in ops)
-        lines.append(f"  {chunk:>5} {cells}")
+        lines.append(f"  {chunk:>5} {cells}  {_widest(measured.spreads, int(chunk))}")
     if measured.messages:
         lines.append(f"  posting one message: {measured.data['links']['post']:.4g} {UNIT} (median of {measured.messages})")
     lines.append(f"wrote {args.output} (message travel not measured: add latency and bandwidth to \"links\" by hand)")
     write_output("\n".join(lines), None)
+    _warn_noise(measured, program, trace)
     return 0
+
+
+def _warn_noise(measured, program, trace) -> None:
+    """On stderr, what made the run's times noise: ranks sharing cores, or repeats spread wide."""
+    import sys
+
+    from pipec.compiler.spread import noise_warnings
+    from pipec.compiler.trace_events import recorded
+
+    cores = recorded(trace, "cores", int)  # the running machine's; a trace without it: this one's
+    spreads = {f"chunk {chunk} {op}": spread for (chunk, op), spread in measured.spreads.items()}
+    processes = len(set(program.devices)) if program.devices else program.num_ranks  # torchrun's processes
+    for warning in noise_warnings(spreads, processes, cores):
+        sys.stderr.write(f"warning: {warning}\n")
+
+
+def _widest(spreads, chunk: int) -> str:
+    """The op of ``chunk`` whose repeats spread most, with its min / median / max: ``B min 2.1 / ...``."""
+    mine = [(op, spread) for (at, op), spread in spreads.items() if at == chunk]
+    if not mine:
+        return ""
+    op, spread = max(mine, key=lambda item: item[1].relative)
+    return f"{op} {spread.text()}"
 
 
 def _cell(time, samples, parts) -> str:

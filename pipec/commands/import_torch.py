@@ -8,6 +8,10 @@ schedule's shape. Any problem with the file or the schedule is a pipec error
 from __future__ import annotations
 
 import json
+import os
+
+# How a user without a CSV at hand gets one: the chain README's "Using it" follows.
+MAKE_ONE = "make one with `pipec compile 1f1b -D P=4 -D N=8 --format torch-csv -o schedule.csv`"
 
 
 def register(subparsers) -> None:
@@ -16,10 +20,11 @@ def register(subparsers) -> None:
         help="check and simulate a torch.distributed.pipelining schedule CSV",
         description=(
             "Read a torch.distributed.pipelining schedule CSV (compute-only or with communication), "
-            "prove it safe with pipec's checks and simulate it."
+            f"prove it safe with pipec's checks and simulate it. {MAKE_ONE[0].upper()}{MAKE_ONE[1:]}; "
+            "`pipec render CSV -o x.html` draws it."
         ),
     )
-    parser.add_argument("csv", metavar="CSV", help="torch schedule CSV, one row per rank")
+    parser.add_argument("csv", metavar="CSV", help=f"torch schedule CSV, one row per rank ({MAKE_ONE})")
     parser.add_argument("--json", action="store_true", help="print the simulation as JSON")
     parser.add_argument("--costs", metavar="FILE", help="cost model file for the simulator (unit costs by default)")
     parser.set_defaults(func=run)
@@ -29,6 +34,11 @@ def run(args) -> int:
     from pipec.compiler.import_torch import import_and_check
 
     # the file (missing, a folder, a FIFO, too large, not UTF-8) is judged by the guarded reader in import_and_check
+    if not os.path.lexists(args.csv):
+        from pipec.compiler.guarded_read import quote
+        from pipec.errors import UsageError
+
+        raise UsageError(f"no file {quote(args.csv)}: {MAKE_ONE}")
     costs = _load_costs(args.costs) if args.costs else None
     program, result = import_and_check(args.csv, costs=costs)
     if args.json:

@@ -33,6 +33,11 @@ def register(sub) -> None:
                              "its \"allreduce\" the replicas' gradient sync (default: free)")
     parser.add_argument("-D", dest="defines", action="append", default=[], metavar="P=RANKS",
                         help="the ranks to partition over, every one used (required)")
+    parser.add_argument("--link", metavar="LATENCY,BANDWIDTH",
+                        help="the link between ranks: latency in the cost file's time unit (ms for `pipec profile`) "
+                             "and bandwidth in bytes per that unit; sets the cost file's \"links\" (and --costs-out's)")
+    parser.add_argument("--allreduce", metavar="LATENCY,BANDWIDTH",
+                        help="the replicas' gradient all-reduce link, in the same units; sets \"allreduce\"")
     parser.add_argument("--memory", type=count_arg, metavar="BYTES",
                         help="the most bytes a rank may hold: its stage's weights and gradients and the activations "
                              "of the microbatches it keeps (default: no limit)")
@@ -57,6 +62,7 @@ def run(args) -> int:
 
     ranks = _ranks(args.defines)
     data = read_json(args.costs, COSTS, CostFileError)  # kept: --costs-out writes it back, rolled up
+    data = _with_links(data, args)
     costs = costs_from_json(data, args.costs)
     if not costs.layers:
         raise CostFileError(f'{args.costs}: no "layers" to partition (`pipec profile --model SPEC -o FILE` '
@@ -72,7 +78,38 @@ def run(args) -> int:
     if chunk_costs is not None:
         write_output(chunk_costs, args.costs_out)
     write_output(document if args.json else _table(part, args), None)
+    if args.replicate and "allreduce" not in data:
+        import sys
+
+        sys.stderr.write("warning: no all-reduce cost (--allreduce or the cost file's \"allreduce\"): replicas sync "
+                         "their gradients for free, so replicating looks free\n")
     return 0
+
+
+def _with_links(data, args):
+    """The cost file with ``--link`` and ``--allreduce`` set in it (a copy; the file's own values replaced)."""
+    data = dict(data)
+    for option, key in (("link", "links"), ("allreduce", "allreduce")):
+        text = getattr(args, option)
+        if text is None:
+            continue
+        latency, bandwidth = _link(text, f"--{option}")
+        data[key] = {**(data.get(key) or {}), "latency": latency, "bandwidth": bandwidth}
+    return data
+
+
+def _link(text: str, option: str) -> tuple[float, float]:
+    """``LATENCY,BANDWIDTH`` as two numbers (the cost file's reader judges their range).
+
+    Raises:
+        UsageError: not two plain non-negative numbers.
+    """
+    from pipec.compiler.guarded_read import plain_float
+
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise UsageError(f"{option} expects LATENCY,BANDWIDTH (two numbers: ms and bytes per ms), got '{text}'")
+    return plain_float(parts[0].strip(), f"{option} latency"), plain_float(parts[1].strip(), f"{option} bandwidth")
 
 
 def _ranks(defines: list[str]) -> int:

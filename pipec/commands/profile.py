@@ -34,12 +34,14 @@ def register(sub) -> None:
 def run(args) -> int:
     from pipec.compiler.costs import costs_from_json
     from pipec.compiler.measured_costs import UNIT
+    from pipec.compiler.spread import load_average
     from pipec.runtime.model import load_model_spec
     from pipec.runtime.profile import profile_layers
     from pipec.runtime.worker import DEFAULT_SEED, override_config
 
     spec = load_model_spec(args.model)
     config = override_config(spec.config, args.config)
+    load = load_average()  # before measuring: this process's own work is not the machine's load
     measured = profile_layers(spec, config, DEFAULT_SEED, repeats=args.repeats, name=args.model)
     data = measured.cost_data()
     costs_from_json(data, "the measured layers")  # what pipec writes, pipec reads: a bad layer name fails here
@@ -53,6 +55,26 @@ def run(args) -> int:
                      f"{human_bytes(layer.parameters):>11}")
     lines.append(f"  layers' F + B summed: {measured.layer_sum:.4f} {UNIT}; the whole model's forward and backward: "
                  f"{measured.whole:.4f} {UNIT} (sum / whole {measured.layer_sum / measured.whole:.3f})")
+    lines.append(f"  spread of the repeats (F + B): whole model {measured.spreads['whole model'].text()}; "
+                 + _widest_layer(measured.spreads))
     lines.append(f"wrote {args.output}" if args.output else "(-o FILE writes them as a cost file)")
     write_output("\n".join(lines), None)
+    _warn_noise(measured.spreads, load)
     return 0
+
+
+def _widest_layer(spreads) -> str:
+    """The layer whose repeats spread most: ``widest layer0, min ... (spread 12%)``."""
+    name, spread = max(((name, spread) for name, spread in spreads.items() if name != "whole model"),
+                       key=lambda item: item[1].relative)
+    return f"widest {name}, {spread.text()}"
+
+
+def _warn_noise(spreads, load) -> None:
+    """On stderr, what made the profile noise: a busy machine, or repeats spread wide."""
+    import sys
+
+    from pipec.compiler.spread import noise_warnings
+
+    for warning in noise_warnings(spreads, 1, load=load):
+        sys.stderr.write(f"warning: {warning}\n")

@@ -14,8 +14,10 @@
   that fails the deadlock check is still drawn, its wait-for cycle in red (a
   note on stderr says so; the exit status stays 0, the drawing was made).
 
-TARGET is a ``.pipe`` file, a shipped schedule, or a program ``.json`` from
-``pipec compile`` (edited or not). With ``--trace`` it may be left out: the
+TARGET is a ``.pipe`` file, a shipped schedule, a program ``.json`` from
+``pipec compile`` (edited or not), or a torch.distributed.pipelining schedule
+CSV (``*.csv``, or a file that starts with an action such as ``0F0``; as
+``pipec import-torch`` reads it). With ``--trace`` it may be left out: the
 trace records what ran (the target, a file's path made absolute, its
 parameters and its cost file, which is also the default ``--costs``).
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-from pipec.commands._common import load_costs, read_json, target_of_run, write_output
+from pipec.commands._common import imported_program, is_torch_csv, load_costs, read_json, target_of_run, write_output
 from pipec.compiler.guarded_read import count_arg, looks_like_program, positive_count_arg
 from pipec.compiler.trace_events import recorded
 from pipec.errors import UsageError
@@ -38,7 +40,8 @@ def register(sub) -> None:
     )
     parser.add_argument(
         "target", nargs="?", metavar="TARGET",
-        help="a .pipe file, a shipped schedule's name, or a program .json from `pipec compile` "
+        help="a .pipe file, a shipped schedule's name, a program .json from `pipec compile`, or a torch "
+             "schedule .csv "
              "(with --trace: default, the schedule the trace names)",
     )
     parser.add_argument(
@@ -111,6 +114,12 @@ def _checked_program(target: str, defines: dict[str, str], costs, budget):
     """The program to simulate (the compiler's): compiled and checked, or loaded and checked, by the API."""
     from pipec.api import compile as compile_program
 
+    if is_torch_csv(target):  # pipec compile --format torch-csv, or torch's own schedule
+        from pipec.compiler.checks import check_all
+
+        program, semantics = imported_program(target, defines)
+        check_all(program, semantics=semantics, memory_budget=budget)
+        return program
     if not _is_program_file(target):
         return compile_program(target, defines, costs=costs, memory_budget=budget).ir
     program = _load_program(target, defines)
@@ -128,12 +137,15 @@ def _program_for_graph(target: str, defines: dict[str, str], costs, budget):
     from pipec.compiler.driver import lower_spec, resolve_target
     from pipec.errors import DeadlockError
 
-    if _is_program_file(target):
+    semantics = "rendezvous"
+    if is_torch_csv(target):
+        program, semantics = imported_program(target, defines)
+    elif _is_program_file(target):
         program = _load_program(target, defines).ir
     else:
         _, program = lower_spec(resolve_target(target).evaluate(defines), costs)
     try:
-        check_all(program, memory_budget=budget)
+        check_all(program, semantics=semantics, memory_budget=budget)
     except DeadlockError as deadlock:
         return program, deadlock.cycle
     return program, []
