@@ -15,9 +15,11 @@ node 0 keeps (``Nodes``, ``_meeting``).
 
 What the user sees:
 
-* every worker's stdout, live: rank 0's lines as they are (the loss per step),
-  another rank's behind ``[rank R] `` (R its global rank);
-* on success, any worker stderr (warnings) after the run, behind ``[rank R] ``;
+* each phase as it ends and every step with its loss, speed and memory
+  (``run_report``, which the workers feed with events on their stdout);
+* every worker's stdout and stderr, live: rank 0's stdout lines as they are,
+  others behind ``[rank R] `` (R its global rank); ``--log-format json``: all
+  of it as JSON objects, one a line;
 * on a failure, the workers' fault messages (``rank R, step S (INSTR): waited
   T s for rank Q ...``), each distinct one once, and how each failed worker
   ended; never the launcher's own traceback. Exit status 1.
