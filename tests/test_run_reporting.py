@@ -229,3 +229,28 @@ def test_samples_and_tokens_come_from_the_config_when_it_says():
     assert batch_size(ModelConfig(microbatch_size=2, seq_len=16), 8) == (16, 256)
     assert batch_size(object(), 8) == (None, None)
     assert batch_size(object(), 4, rows_per_microbatch=3) == (12, None)
+
+
+def test_the_progress_bar_is_drawn_only_on_a_terminal_outside_ci(capsys, monkeypatch):
+    from pipec.commands.run_report import shows_bar
+
+    assert not shows_bar("text")  # captured: not a terminal
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdout", Terminal())
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    assert shows_bar("text") and not shows_bar("json")
+    monkeypatch.setenv("CI", "true")
+    assert not shows_bar("text")
+
+
+def test_the_bar_is_erased_before_a_line_and_drawn_again_after_it(capsys):
+    console = Console(bar=True)
+    console.progress("[##..] step 1/2")
+    console.out("a line")
+    console.close()
+    assert capsys.readouterr().out == ("\r\x1b[K[##..] step 1/2" "\r\x1b[K" "a line\n" "[##..] step 1/2" "\r\x1b[K")
