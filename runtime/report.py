@@ -15,6 +15,7 @@ The phases a worker reports, in order: ``start`` (the process is up),
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -116,5 +117,13 @@ class StepClock:
                 print(step_line(iteration, loss, grad_norm), flush=True)
             return
         memory, kind = peak_memory(self.device)
-        emit("step", step=iteration, steps=self.steps, step_s=round(seconds, 6), loss=loss, grad_norm=grad_norm,
+        emit("step", step=iteration, steps=self.steps, step_s=round(seconds, 6), loss=json_number(loss),
+             grad_norm=json_number(grad_norm),
              samples=self.samples, tokens=self.tokens, memory_bytes=memory, memory_kind=kind)
+
+
+def json_number(value: float | None) -> float | str | None:
+    """``value`` as strict JSON holds it: a diverged loss (nan, inf) as the string ``"nan"``, ``"inf"``."""
+    if value is None or math.isfinite(value):
+        return value
+    return str(float(value))

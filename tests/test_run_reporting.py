@@ -254,3 +254,16 @@ def test_the_bar_is_erased_before_a_line_and_drawn_again_after_it(capsys):
     console.out("a line")
     console.close()
     assert capsys.readouterr().out == ("\r\x1b[K[##..] step 1/2" "\r\x1b[K" "a line\n" "[##..] step 1/2" "\r\x1b[K")
+
+
+def test_a_diverged_loss_is_still_a_step_line():
+    from pipec.runtime.report import json_number
+
+    console = _Lines()
+    report = RunReport(console=console)
+    report.launching(1, 0, None)
+    console.out_lines.clear()
+    report.on_stdout(0, _event("step", step=1, steps=1, step_s=0.5, loss=json_number(float("nan")), grad_norm=None,
+                               samples=None, tokens=None, memory_bytes=None, memory_kind="rss peak"))
+    [line] = console.out_lines
+    assert line.startswith("step 1 loss nan | step 0.500 s | - samples/s | - tokens/s | peak memory r0 ? | 1/1"), line

@@ -122,6 +122,13 @@ def _rate(amount, seconds: float, unit: str) -> str:
     return f"{amount / seconds:,.1f} {unit}/s"
 
 
+def _number(value) -> float | None:
+    """A loss or norm from an event: a number, or ``"nan"``/``"inf"`` for one that diverged (``json_number``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return float(value) if value in ("nan", "inf", "-inf") else None
+
+
 def _duration(seconds: float) -> str:
     seconds = max(0, round(seconds))
     if seconds < 60:
@@ -291,11 +298,11 @@ class RunReport:
             return
         stats = (f"step {seconds:.3f} s | {_rate(samples, seconds, 'samples')} | {_rate(tokens, seconds, 'tokens')}"
                  f" | peak memory {self._memory(memory)} | {step}/{steps}, eta {_duration(eta)}")
-        loss = lead.get("loss")
-        if 0 in by_rank and isinstance(loss, (int, float)):
+        loss, norm = _number(lead.get("loss")), _number(lead.get("grad_norm"))
+        if 0 in by_rank and loss is not None:
             from pipec.runtime.worker import step_line
 
-            self.console.out(f"{step_line(step, loss, lead.get('grad_norm'))} | {stats}")
+            self.console.out(f"{step_line(step, loss, norm)} | {stats}")
         else:
             self._text("step", f"{step} of {steps} done on {_ranks(ranks[0], len(ranks))} | {stats}")
         done = int(BAR_WIDTH * step / steps) if steps else BAR_WIDTH
