@@ -81,7 +81,8 @@ def peak_memory(device) -> tuple[int | None, str]:
     return int(peak if sys.platform == "darwin" else peak * 1024), "rss peak"
 
 
-def batch_size(spec_config, num_microbatches: int, rows_per_microbatch: int | None = None) -> tuple[int | None, int | None]:
+def batch_size(spec_config, num_microbatches: int,
+               rows_per_microbatch: int | None = None) -> tuple[int | None, int | None]:
     """(samples, tokens) one training step consumes, or None where the model does not say.
 
     Samples: N microbatches of the dataset's rows per microbatch, or the
