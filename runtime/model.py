@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -706,10 +708,7 @@ def load_model_spec(text: str) -> ModelSpec:
     module_name, _, attribute = text.partition(":")
     if not module_name or (":" in text and not attribute):
         raise UsageError(f"--model expects package.module:attribute, got {text!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # a user's module may fail in any way while importing
-        raise UsageError(f"--model {text}: cannot import module {module_name!r}: {type(error).__name__}: {error}") from error
+    module = _import_spec_module(module_name, text)
     target: Any = module
     for part in attribute.split(".") if attribute else ():
         if not hasattr(target, part):
@@ -733,6 +732,32 @@ def load_model_spec(text: str) -> ModelSpec:
         return ModelSpec(config=getattr(target, "config", None), **found)
     except UsageError as error:
         raise UsageError(f"--model {text}: {error}") from None
+
+
+def _import_spec_module(module_name: str, text: str):
+    """Import ``--model``'s module as a torchrun script's import would find it: the current directory
+    first, then the installed packages.
+
+    ``python -m`` (every worker) puts the current directory first on
+    ``sys.path``; the ``pipec`` command, a console script, does not, so a
+    ``mymodel.py`` beside the user would be found by the workers but not by
+    the launcher's check. The directory is put first here, once.
+
+    Raises:
+        UsageError: the import failed (with its own error; where the module was not found, where it was looked for).
+    """
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(module_name)
+    except Exception as error:  # a user's module may fail in any way while importing
+        hint = ""
+        if isinstance(error, ModuleNotFoundError) and error.name == module_name.split(".")[0]:
+            hint = (f" (looked in the current directory, {here}, and the installed packages: run pipec from the "
+                    f"folder holding {error.name}.py, or add that folder to PYTHONPATH)")
+        raise UsageError(f"--model {text}: cannot import module {module_name!r}: {type(error).__name__}: "
+                         f"{error}{hint}") from error
 
 
 def call_spec_function(name: str, what: str, function: Callable, *arguments: Any) -> Any:

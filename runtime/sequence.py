@@ -35,7 +35,7 @@ from pipec.compiler import ops
 from pipec.compiler.ir import RingPlan
 from pipec.errors import UsageError
 from pipec.runtime import checkpoint as checkpoints
-from pipec.runtime import comm, worker
+from pipec.runtime import comm, report, worker
 from pipec.runtime import model as builtin
 from pipec.runtime.data import BatchSource, data_needs
 from pipec.runtime.family import RuntimeFamily, register
@@ -169,6 +169,7 @@ def train_ring(plan, rank: int, world: int, device) -> list[float]:
     step = _RingTraining(plan, context, model, optimizer, positions, device, world)
     dist.barrier()
     t0 = perf_counter()
+    clock = report.StepClock(rank, run.steps, device, *report.batch_size(config, 1, data.rows_per_microbatch))
     losses: list[float] = []
     recorded: list[list] = []
     for iteration in range(first, run.steps + 1):
@@ -178,7 +179,7 @@ def train_ring(plan, rank: int, world: int, device) -> list[float]:
             recorded.append(context.events)
         if rank == 0:
             losses.append(total)
-            print(worker.step_line(iteration, total, norm), flush=True)
+        clock.done(iteration, total if rank == 0 else None, norm)
         if worker.saves_after(run, iteration) and rank == 0:  # every rank holds the same replica: rank 0's
             _save(plan, model, optimizer, names, data.state_after(iteration), world, iteration)
     if run.trace:

@@ -32,7 +32,7 @@ from pipec.compiler import ops
 from pipec.compiler.families.tensor_parallel import TensorPlan
 from pipec.compiler.ir import Action
 from pipec.errors import RuntimeFault, UsageError
-from pipec.runtime import comm
+from pipec.runtime import comm, report
 from pipec.runtime import model as builtin
 from pipec.runtime.exchange import Exchange, check_all_waited, post_exchange, wait_exchange
 from pipec.runtime.family import RuntimeFamily, register, run_instructions
@@ -222,6 +222,7 @@ def train_tensor(plan, rank: int, world: int, device) -> list[float]:
     optimizer = torch.optim.SGD([t for layer in params for t in layer.values()], lr=config.lr)
     state = TensorStep(program, rank, world, params, config, run.seed, run.timeout, run.backend)
     losses = []
+    clock = report.StepClock(rank, run.steps, device)
     for iteration in range(1, run.steps + 1):
         optimizer.zero_grad()
         state.reset(iteration)
@@ -230,7 +231,7 @@ def train_tensor(plan, rank: int, world: int, device) -> list[float]:
         optimizer.step()
         if rank == 0:
             losses.append(state.loss)
-            print(f"step {iteration} loss {state.loss:.6f}", flush=True)
+        clock.done(iteration, state.loss if rank == 0 else None)
     if run.save:
         _save(run.save.replace("{step}", str(run.steps)), params, rank, world)
     return losses

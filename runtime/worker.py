@@ -43,6 +43,7 @@ from typing import Iterator, NamedTuple, Sequence
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
 from pipec.compiler.ir import groups_refusal
 from pipec.errors import PipecError, RuntimeFault, UsageError, printable
+from pipec.runtime import report
 from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_STEPS,
                                   DEFAULT_TIMEOUT_S, RunConfig)
 
@@ -149,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     try:
         rank, world, local_rank = launch_environment()
+        report.start(rank)
         plan = make_plan(config, world)
+        report.emit("load", program=plan.program.name)
         # before joining: a map this node cannot honour is every rank's mistake, not a fault
         index = device_index(plan.program.devices, rank, local_rank, _node_size(world)) if config.backend == "nccl" else None
         refusal = program_refusal(config, plan.program, rank)
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(plan.inject.index)
     with fatal_errors(rank):
         device = join_group(config.backend, rank, world, local_rank, config.timeout, gpu=index)
+        report.emit("join", device=str(device))
         from pipec.runtime.agreement import check_same_training  # every node must train the same thing
 
         check_same_training(plan, world, refusal)  # the same program on every rank, and rank 0 proved it
@@ -684,8 +688,11 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         data.restore(checkpoint.data)
     if rank == 0:
         _print_staleness_note(program)
+    report.built(stages)
     dist.barrier()
     t0 = time.perf_counter()
+    clock = report.StepClock(rank, run.steps, device,
+                             *report.batch_size(config, program.num_microbatches, data.rows_per_microbatch))
     recorded = []
     losses = []
     for iteration in range(first, run.steps + 1):
@@ -702,7 +709,7 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         comm.settle([reduced], run.timeout, site)
         if rank == 0:
             losses.append(total.item())
-            print(step_line(iteration, losses[-1], context.grad_norm), flush=True)
+        clock.done(iteration, losses[-1] if rank == 0 else None, context.grad_norm)
         if saves_after(run, iteration):
             _save_checkpoint(plan, context, stages, data.state_after(iteration), rank, world, iteration)
     if run.trace:

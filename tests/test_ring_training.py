@@ -42,7 +42,8 @@ STEPS = 3
 SEED = 7
 DEADLINE_S = 120.0
 LONG = ModelConfig(seq_len=24)  # 3 chunks; 6 chunks x 2 pieces (tasp at P = 3)
-LOSS_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
+# rank 0's line; `pipec run` adds the step's speed and memory behind " | "
+LOSS_LINE = re.compile(r"^step (\d+) loss (\S+)(?: \| .*)?$", re.M)
 
 # name -> (target, ranks, config overrides, the config the reference trains)
 CASES = {

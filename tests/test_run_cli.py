@@ -29,7 +29,8 @@ from pipec.runtime.worker import build_parser as worker_parser
 
 # Longest wall time of one multi-process run before the test kills it and fails.
 DEADLINE_S = 90
-LOSS_LINE = re.compile(r"^step (\d+) loss (\S+)$", re.M)
+# rank 0's line under torchrun; `pipec run` adds the step's speed and memory behind " | "
+LOSS_LINE = re.compile(r"^step (\d+) loss (\S+)(?: grad norm \S+)?(?: \| .*)?$", re.M)
 # Marks the processes of one run (through the environment every descendant inherits).
 MARKER = "PIPEC_TEST_RUN_MARKER"
 

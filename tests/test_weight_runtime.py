@@ -403,7 +403,7 @@ def test_a_missing_exchange_ends_both_ranks_with_a_named_fault(tmp_path):
 @pytest.mark.skipif("weipipe" not in shipped_schedules(), reason="schedules/weipipe.pipe has not landed")
 def test_pipec_run_trains_the_shipped_weipipe(tmp_path):
     """``pipec run weipipe``: compiled and checked once, P workers, the saved model equal to one process."""
-    from test_run_cli import run_pipec
+    from test_run_cli import losses_of, run_pipec
 
     ranks = 4
     program = compile_target("weipipe", {"P": ranks}).program
@@ -414,8 +414,7 @@ def test_pipec_run_trains_the_shipped_weipipe(tmp_path):
     assert done.status == 0, done.describe()
     want = reference_run(ModelConfig(), 3, program.num_microbatches, SEED)
     assert_same_parameters(torch.load(save), want.state_dict, "pipec run weipipe")
-    printed = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert printed == pytest.approx(want.losses, abs=2e-6)
+    assert losses_of(done.stdout) == pytest.approx(want.losses, abs=2e-6)
 
 
 def test_program_json_round_trips_the_weight_plan(compiled, tmp_path):

@@ -15,9 +15,11 @@ node 0 keeps (``Nodes``, ``_meeting``).
 
 What the user sees:
 
-* every worker's stdout, live: rank 0's lines as they are (the loss per step),
-  another rank's behind ``[rank R] `` (R its global rank);
-* on success, any worker stderr (warnings) after the run, behind ``[rank R] ``;
+* each phase as it ends and every step with its loss, speed and memory
+  (``run_report``, which the workers feed with events on their stdout);
+* every worker's stdout and stderr, live: rank 0's stdout lines as they are,
+  others behind ``[rank R] `` (R its global rank); ``--log-format json``: all
+  of it as JSON objects, one a line;
 * on a failure, the workers' fault messages (``rank R, step S (INSTR): waited
   T s for rank Q ...``), each distinct one once, and how each failed worker
   ended; never the launcher's own traceback. Exit status 1.
@@ -47,6 +49,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from pipec.commands import run_report
 from pipec.compiler.defines import parse_defines
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
 from pipec.errors import UsageError, printable
@@ -121,6 +124,7 @@ def register(sub) -> None:
     nodes.add_argument("--join-timeout", dest="join_timeout", type=seconds_arg, default=None, metavar="SECONDS",
                        help=f"how long the nodes wait for each other before the run starts "
                             f"(default {JOIN_ALLOWANCE_S:g})")
+    run_report.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -132,19 +136,22 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    program, nproc = check_before_launch(args)
-    result = launch_program(program, worker_arguments(args), nproc, nodes=nodes_of(args))
+    nodes = nodes_of(args)
+    report = run_report.RunReport.from_args(args, nodes)
+    program, nproc = check_before_launch(args, report)
+    result = launch_program(program, worker_arguments(args), nproc, nodes=nodes, reporter=report)
     if result.ok:
         return 0
     sys.stderr.write(result.report)
     return 1
 
 
-def check_before_launch(args) -> tuple[object, int]:
+def check_before_launch(args, report: run_report.RunReport | None = None) -> tuple[object, int]:
     """Compile and check the target, and validate the launch, before any worker starts.
 
     Args:
         args: the parsed ``pipec run`` arguments.
+        report: where the phases are reported as they end (compile, check); None: nowhere.
     Returns:
         (the checked program, the number of workers to start: see ``check_launch``).
     Raises:
@@ -153,8 +160,15 @@ def check_before_launch(args) -> tuple[object, int]:
     from pipec.commands._common import load_costs
     from pipec.compiler.driver import compile_target
 
+    start = time.monotonic()
     program = compile_target(args.target, parse_defines(args.defines), costs=load_costs(args)).program
-    return program, check_launch(args, program)
+    if report is not None:
+        report.compiled(program, time.monotonic() - start)
+        start = time.monotonic()
+    nproc = check_launch(args, program)
+    if report is not None:
+        report.checked(args.model or DEFAULT_MODEL, time.monotonic() - start)
+    return program, nproc
 
 
 def check_launch(args, program) -> int:
@@ -446,11 +460,13 @@ def launch_program(program, arguments: list[str], nproc: int, **options) -> Laun
         arguments: the worker's other arguments (``worker_arguments``): TARGET,
             -D and --costs name what the program came from, in the trace.
         nproc: the number of workers (on this node).
-        options: passed on to ``launch`` (``on_line``, ``echo``, ``env``, ``nodes``).
+        options: passed on to ``launch`` (``on_line``, ``echo``, ``env``, ``nodes``, ``reporter``, whose
+            ``--log-dir`` also picks the folder).
     Returns:
         ``launch``'s result.
     """
-    run_dir = tempfile.mkdtemp(prefix="pipec-run-")
+    reporter = options.get("reporter")
+    run_dir = run_report.run_folder(reporter.log_dir if reporter is not None else None)
     try:
         path = write_program(program, run_dir)
     except BaseException:
@@ -494,6 +510,7 @@ def launch(
     run_dir: str | None = None,
     command: str = "pipec run",
     nodes: Nodes | None = None,
+    reporter: run_report.RunReport | None = None,
 ) -> LaunchResult:
     """Run ``python PYTHON_ARGS`` on ``nproc`` local workers through torch's elastic launcher.
 
@@ -511,34 +528,32 @@ def launch(
         command: how the report and the messages name the command (``pipec attention`` launches too).
         nodes: this launcher's node of a run over several machines; None: one machine.
             Output lines and the report name the workers by their global rank.
+        reporter: shows phases, steps, stdout and stderr live (``run_report``; ``on_line``, ``echo`` unused).
     Returns:
         a ``LaunchResult``; every worker has exited when it returns.
     """
     from torch.distributed import DistError
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     log_dir = run_dir or tempfile.mkdtemp(prefix="pipec-run-")
     first = nodes.rank * nproc if nodes else 0
-    config = LaunchConfig(
-        **_meeting(nodes),
-        nproc_per_node=nproc,
-        max_restarts=0,
-        monitor_interval=MONITOR_INTERVAL_S,
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
-    )
-    follower = _OutputFollower(log_dir, nproc, on_line, echo, first)
-    exits: dict[int, int] = {}
+    config = _launch_config(log_dir, nproc, nodes)
+    if reporter is not None:
+        reporter.launching(nproc, first, nodes.endpoint if nodes else None)
+        env = {**(env or {}), **reporter.worker_environment()}
+    followers = _followers(log_dir, nproc, first, on_line, echo, reporter)
+    exits, launched = {}, False
     with _worker_environment(env), _quiet_launcher_logs(), _prompt_shutdown():
-        follower.start()
+        for follower in followers:
+            follower.start()
         try:
             if nodes is not None and nodes.rank > 0:
                 _reach_node_zero(nodes)
             elastic_launch(config, sys.executable)(*python_args)
+            launched = True
         except ChildFailedError as failed:
             exits = {rank: failure.exitcode for rank, failure in failed.failures.items()}
         except (SignalException, KeyboardInterrupt) as stop:
@@ -554,14 +569,45 @@ def launch(
             shutil.rmtree(log_dir, ignore_errors=True)
             return LaunchResult(ok=False, report=_rendezvous_failure(error, nodes, command))
         finally:
-            follower.stop()
+            for follower in followers:
+                follower.stop()
+            if reporter is not None:
+                reporter.finished(launched, log_dir)
     if not exits:
-        _echo_stderr(log_dir, nproc, first)
-        shutil.rmtree(log_dir, ignore_errors=True)
+        _after_success(log_dir, nproc, first, reporter)
         return LaunchResult(ok=True)
     faults = _distinct(line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))
     report = _failure_report(log_dir, nproc, exits, faults, command, first)
     return LaunchResult(ok=False, report=report, exits=exits, faults=faults)
+
+
+def _launch_config(log_dir: str, nproc: int, nodes: Nodes | None):
+    """The elastic launcher's ``LaunchConfig``: ``nproc`` workers, no restarts, their output in ``log_dir``."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(**_meeting(nodes), nproc_per_node=nproc, max_restarts=0, monitor_interval=MONITOR_INTERVAL_S,
+                        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL))
+
+
+def _followers(log_dir: str, nproc: int, first: int, on_line, echo: bool,
+               reporter: run_report.RunReport | None) -> list[_OutputFollower]:
+    """What follows the workers' files: their stdout (to ``on_line`` and ours); with a reporter, both
+    stdout and stderr, live, through it."""
+    if reporter is None:
+        return [_OutputFollower(log_dir, nproc, on_line, echo, first)]
+    return [_OutputFollower(log_dir, nproc, reporter.on_stdout, False, first),
+            _OutputFollower(log_dir, nproc, reporter.on_stderr, False, first, name="stderr.log")]
+
+
+def _after_success(log_dir: str, nproc: int, first: int, reporter: run_report.RunReport | None) -> None:
+    """Show the workers' stderr (unless a reporter showed it live), and remove the run's folder
+    unless ``--log-dir`` keeps it."""
+    if reporter is None:
+        _echo_stderr(log_dir, nproc, first)
+    if reporter is None or not reporter.keep_logs:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _meeting(nodes: Nodes | None) -> dict:
@@ -771,11 +817,13 @@ def _quiet_launcher_logs() -> Iterator[None]:
 
 
 class _OutputFollower:
-    """Copies the workers' stdout files to our stdout while they run (the launcher writes them to files)."""
+    """Copies the workers' stdout (or stderr) files to our stdout, or to ``on_line``, while they run (the
+    launcher writes them to files)."""
 
     def __init__(self, log_dir: str, nproc: int, on_line: Callable[[int, str], None] | None, echo: bool,
-                 first: int = 0):
+                 first: int = 0, name: str = "stdout.log"):
         self.log_dir = log_dir
+        self.name = name  # the worker file followed: stdout.log, or stderr.log
         self.nproc = nproc
         self.first = first  # the global rank of this node's first worker
         self.on_line = on_line
@@ -798,7 +846,7 @@ class _OutputFollower:
                 finished = self.done.is_set()  # read before the last pass, so nothing written before stop is lost
                 for rank in range(self.nproc):
                     if rank not in handles:
-                        path = _worker_file(self.log_dir, rank, "stdout.log")
+                        path = _worker_file(self.log_dir, rank, self.name)
                         if path is None:
                             continue
                         handles[rank] = open(path, encoding="utf-8", errors="replace")
