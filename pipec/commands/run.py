@@ -51,7 +51,9 @@ from pipec.compiler.defines import parse_defines
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
 from pipec.errors import UsageError, printable
 from pipec.runtime.agreement import MISMATCH_PREFIX
-from pipec.runtime.config import DEFAULT_MODEL, DEFAULT_SEED, RunConfig
+from pipec.commands._deadline import StopWatch
+from pipec.runtime.config import DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_TIMEOUT_S, RunConfig
+from pipec.runtime.phases import PHASE_DIR_ENV
 from pipec.runtime.worker import JOIN_ALLOWANCE_S
 
 # How often the launcher's agent looks at its workers, in seconds: the delay
@@ -68,7 +70,9 @@ _CONTINUE_EVERY_S = 0.1
 FOLLOW_INTERVAL_S = 0.05
 # A worker's fault message: "rank R, step S (INSTR): ..." (runtime.worker's RuntimeFault), or the line
 # every worker prints when the ranks were not started for the same training (runtime.agreement.check_same_training).
-FAULT_LINE = re.compile(rf"rank \d+, step \d+ \(.+\): .*|{re.escape(MISMATCH_PREFIX)}.*")
+# Or a phase overrun: "rank R (host H), phase X: waited T s (...)" (runtime.phases.phase_line).
+FAULT_LINE = re.compile(rf"rank \d+, step \d+ \(.+\): .*|rank \d+ \(host .*\), phase .+: waited .*|"
+                        rf"{re.escape(MISMATCH_PREFIX)}.*")
 # Stderr lines shown for a failed worker that printed no fault message.
 TAIL_LINES = 20
 # The compiled program's file in the run folder, passed to the workers as --program.
@@ -87,6 +91,7 @@ _PASS_THROUGH = (
     ("--clip-grad-norm", "clip_grad_norm"),
     ("--save-every", "save_every"),
     ("--inject", "inject"),
+    ("--join-timeout", "join_timeout"),
 )
 # Repeatable worker options: (option, dest holding a list).
 _REPEATED = (("-D", "defines"), ("--config", "config"))
@@ -133,7 +138,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     program, nproc = check_before_launch(args)
-    result = launch_program(program, worker_arguments(args), nproc, nodes=nodes_of(args))
+    result = launch_program(program, worker_arguments(args), nproc, nodes=nodes_of(args), timeout=args.timeout)
     if result.ok:
         return 0
     sys.stderr.write(result.report)
@@ -199,7 +204,26 @@ def check_launch(args, program) -> int:
         _check_outputs(args)
     if nodes is not None:
         _check_endpoint(nodes)
-    _check_resume(config)
+    _checks_under_deadline(config, program)
+    return nproc
+
+
+def _checks_under_deadline(config: RunConfig, program) -> None:
+    """The checks that run a user's code or read a checkpoint (which may hang), each phase within its deadline
+    (``runtime.phases.announce``), so that a module whose import hangs is named, not waited for."""
+    import torch  # noqa: F401 - loading torch is start-up on a loaded machine, not the model's build
+
+    from pipec.runtime import phases
+
+    with phases.launcher_checks(config.timeout):
+        phases.announce(phases.CHECKPOINT_LOAD)
+        _check_resume(config)
+        phases.announce(phases.MODEL_BUILD)
+        _check_model_fits(config, program)
+
+
+def _check_model_fits(config: RunConfig, program) -> None:
+    """The update options, the family's refusals and the model spec against ``program``."""
     from pipec.runtime.stash import check_update_options
 
     check_update_options(config, program)
@@ -207,9 +231,8 @@ def check_launch(args, program) -> int:
 
     refusal = runtime_family(program).refuse_run(config)
     if refusal is not None:
-        raise UsageError(f"{args.target}: {refusal}")
+        raise UsageError(f"{config.target}: {refusal}")
     _check_model(config, program)
-    return nproc
 
 
 def _workers_per_node(nproc: int | None, ranks: int, count: int, target: str) -> int:
@@ -494,6 +517,7 @@ def launch(
     run_dir: str | None = None,
     command: str = "pipec run",
     nodes: Nodes | None = None,
+    timeout: float | None = None,
 ) -> LaunchResult:
     """Run ``python PYTHON_ARGS`` on ``nproc`` local workers through torch's elastic launcher.
 
@@ -511,6 +535,8 @@ def launch(
         command: how the report and the messages name the command (``pipec attention`` launches too).
         nodes: this launcher's node of a run over several machines; None: one machine.
             Output lines and the report name the workers by their global rank.
+        timeout: ``--timeout`` (None: the default): a worker stopped that long is named and the run
+            ended (``_deadline.StopWatch``).
     Returns:
         a ``LaunchResult``; every worker has exited when it returns.
     """
@@ -532,10 +558,14 @@ def launch(
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
     )
     follower = _OutputFollower(log_dir, nproc, on_line, echo, first)
+    stop_watch = StopWatch(log_dir, nproc, first, DEFAULT_TIMEOUT_S if timeout is None else timeout)
     exits: dict[int, int] = {}
-    with _worker_environment(env), _quiet_launcher_logs(), _prompt_shutdown():
+    with _worker_environment({**(env or {}), PHASE_DIR_ENV: log_dir}), _quiet_launcher_logs(), _prompt_shutdown():
         follower.start()
+        stop_watch.start()
         try:
+            if nodes is not None:
+                _say_waiting(nodes, command)
             if nodes is not None and nodes.rank > 0:
                 _reach_node_zero(nodes)
             elastic_launch(config, sys.executable)(*python_args)
@@ -554,14 +584,23 @@ def launch(
             shutil.rmtree(log_dir, ignore_errors=True)
             return LaunchResult(ok=False, report=_rendezvous_failure(error, nodes, command))
         finally:
+            stopped = stop_watch.stop()
             follower.stop()
     if not exits:
         _echo_stderr(log_dir, nproc, first)
         shutil.rmtree(log_dir, ignore_errors=True)
         return LaunchResult(ok=True)
-    faults = _distinct(line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))
-    report = _failure_report(log_dir, nproc, exits, faults, command, first)
+    faults = _distinct([*stopped, *(line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))])
+    report = _failure_report(log_dir, nproc, exits, faults, command, first, ended=stop_watch.ended)
     return LaunchResult(ok=False, report=report, exits=exits, faults=faults)
+
+
+def _say_waiting(nodes: Nodes, command: str) -> None:
+    """Say, on this node, that it waits for the others and for how long (no worker starts before they meet)."""
+    others = "node 0" if nodes.rank > 0 else f"the other {nodes.count - 1} node{'s' if nodes.count > 2 else ''}"
+    sys.stderr.write(f"{command}: node {nodes.rank} of {nodes.count} waits for {others} at {nodes.endpoint}, "
+                     f"at most {nodes.join_timeout:g} s (--join-timeout)\n")
+    sys.stderr.flush()
 
 
 def _meeting(nodes: Nodes | None) -> dict:
@@ -633,15 +672,17 @@ def _rendezvous_failure(error: Exception, nodes: Nodes | None, command: str) -> 
 
 
 def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: list[str],
-                    command: str = "pipec run", first: int = 0) -> str:
+                    command: str = "pipec run", first: int = 0, ended: bool = False) -> str:
     """The failure text: fault messages, then how each failed worker ended (``exits``: by global rank; this
-    node's workers are ranks ``first`` ..), then where the logs are."""
+    node's workers are ranks ``first`` ..), then where the logs are. ``ended``: the launcher killed them
+    itself, a stopped worker past its deadline (``_deadline.StopWatch``)."""
     lines = [f"{command}: the run failed"] + [printable(fault) for fault in faults]
     for rank in sorted(exits):
         code = exits[rank]
         stderr = _read_stderr(log_dir, rank - first)
         if code < 0:
-            lines.append(f"rank {rank}: {_signal_name(-code)}")
+            lines.append(f"rank {rank}: {_signal_name(-code)}"
+                         + (" (the launcher ended the run at the deadline)" if ended and code == -signal.SIGKILL else ""))
             continue
         lines.append(f"rank {rank}: exited with status {code}")
         if not _fault_lines(stderr):
