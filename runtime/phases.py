@@ -60,9 +60,9 @@ def phase_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"phase-{rank}.json")
 
 
-def phase_line(who: str, phase: str, waited: float, why: str) -> str:
-    """The one line that names a stalled phase: ``WHO, phase X: waited T s (WHY)``."""
-    return f"{who}, phase {phase}: waited {waited:.1f} s ({why})"
+def phase_line(speaker: str, phase: str, waited: float, why: str) -> str:
+    """The one line that names a stalled phase: ``SPEAKER, phase X: waited T s (WHY)``, SPEAKER from ``who``."""
+    return f"{speaker}, phase {phase}: waited {waited:.1f} s ({why})"
 
 
 def who(rank: int | None, host: str | None = None) -> str:
@@ -155,9 +155,7 @@ def launcher_checks(timeout: float):
     model spec): inside, ``announce`` gives each phase its deadline; after, nothing is watched."""
     global _current
     if _current is None:
-        _current = Watch(None, timeout, timeout)
-        _current.enter(START_UP, None)
-        _current._thread.start()
+        _current = Watch(None, timeout, timeout).start()
     _current.timeout = timeout
     try:
         yield
@@ -193,5 +191,5 @@ def read_phase(folder: str, rank: int) -> dict | None:
 
 
 __all__ = ["CHECKPOINT_LOAD", "CHECKPOINT_SAVE", "FIRST_EXCHANGE", "GROUP_EXIT", "GROUP_FORMATION", "MODEL_BUILD",
-           "PHASES", "PHASE_DIR_ENV", "START_UP", "STOP_AT_ENV", "TRACE", "TRAINING", "MARGIN_S", "Watch", "announce", "launcher_checks",
-           "phase_file", "phase_line", "read_phase", "start_watch", "step_phase", "who"]
+           "MARGIN_S", "PHASES", "PHASE_DIR_ENV", "START_UP", "STOP_AT_ENV", "TRACE", "TRAINING", "Watch", "announce",
+           "launcher_checks", "phase_file", "phase_line", "read_phase", "start_watch", "step_phase", "who"]

@@ -299,7 +299,7 @@ def make_plan(config: RunConfig, world: int) -> Plan:
         raise UsageError(f"--steps must be at least 1, got {config.steps}")
     if not config.timeout > 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {config.timeout}")
-    # importing torch and compiling take what they take on a loaded machine: part of joining, not of a phase of --timeout
+    # importing torch and compiling take what they take on a loaded machine: part of joining, not --timeout's
     phases.announce(phases.START_UP, deadline=config.join_timeout)
     import torch  # noqa: F401
 

@@ -590,7 +590,8 @@ def launch(
         _echo_stderr(log_dir, nproc, first)
         shutil.rmtree(log_dir, ignore_errors=True)
         return LaunchResult(ok=True)
-    faults = _distinct([*stopped, *(line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))])
+    said = (line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))
+    faults = _distinct([*stopped, *said])  # the launcher's phase lines first: they name the rank at fault
     report = _failure_report(log_dir, nproc, exits, faults, command, first, ended=stop_watch.ended)
     return LaunchResult(ok=False, report=report, exits=exits, faults=faults)
 
@@ -681,8 +682,9 @@ def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: lis
         code = exits[rank]
         stderr = _read_stderr(log_dir, rank - first)
         if code < 0:
-            lines.append(f"rank {rank}: {_signal_name(-code)}"
-                         + (" (the launcher ended the run at the deadline)" if ended and code == -signal.SIGKILL else ""))
+            ended_here = ended and code == -signal.SIGKILL
+            lines.append(f"rank {rank}: stopped by the launcher, which ended the run at the deadline (SIGKILL)"
+                         if ended_here else f"rank {rank}: {_signal_name(-code)}")
             continue
         lines.append(f"rank {rank}: exited with status {code}")
         if not _fault_lines(stderr):
