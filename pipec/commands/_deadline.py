@@ -50,8 +50,9 @@ class StopWatch:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipec-stop-watch", daemon=True)
 
-    def start(self) -> None:
+    def start(self) -> StopWatch:
         self._thread.start()
+        return self
 
     def stop(self) -> list[str]:
         """Stop watching; returns the lines to report: those it named, else the ranks seen stopped a while."""

@@ -535,8 +535,7 @@ def launch(
         command: how the report and the messages name the command (``pipec attention`` launches too).
         nodes: this launcher's node of a run over several machines; None: one machine.
             Output lines and the report name the workers by their global rank.
-        timeout: ``--timeout`` (None: the default): a worker stopped that long is named and the run
-            ended (``_deadline.StopWatch``).
+        timeout: ``--timeout`` (None: its default): a worker stopped that long ends the run (``_deadline``).
     Returns:
         a ``LaunchResult``; every worker has exited when it returns.
     """
@@ -558,16 +557,13 @@ def launch(
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL),
     )
     follower = _OutputFollower(log_dir, nproc, on_line, echo, first)
-    stop_watch = StopWatch(log_dir, nproc, first, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    stop_watch = StopWatch(log_dir, nproc, first, DEFAULT_TIMEOUT_S if timeout is None else timeout).start()
     exits: dict[int, int] = {}
     with _worker_environment({**(env or {}), PHASE_DIR_ENV: log_dir}), _quiet_launcher_logs(), _prompt_shutdown():
         follower.start()
-        stop_watch.start()
         try:
             if nodes is not None:
-                _say_waiting(nodes, command)
-            if nodes is not None and nodes.rank > 0:
-                _reach_node_zero(nodes)
+                _join_nodes(nodes, command)
             elastic_launch(config, sys.executable)(*python_args)
         except ChildFailedError as failed:
             exits = {rank: failure.exitcode for rank, failure in failed.failures.items()}
@@ -590,18 +586,28 @@ def launch(
         _echo_stderr(log_dir, nproc, first)
         shutil.rmtree(log_dir, ignore_errors=True)
         return LaunchResult(ok=True)
+    return _failed(log_dir, nproc, exits, stopped, command, first, ended=stop_watch.ended)
+
+
+def _failed(log_dir: str, nproc: int, exits: dict[int, int], stopped: list[str], command: str, first: int,
+            ended: bool) -> LaunchResult:
+    """The result of a launch whose workers failed: ``stopped``, the launcher's phase lines
+    (``_deadline.StopWatch``), first, as they name the rank at fault; then the workers' own."""
     said = (line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))
-    faults = _distinct([*stopped, *said])  # the launcher's phase lines first: they name the rank at fault
-    report = _failure_report(log_dir, nproc, exits, faults, command, first, ended=stop_watch.ended)
+    faults = _distinct([*stopped, *said])
+    report = _failure_report(log_dir, nproc, exits, faults, command, first, ended=ended)
     return LaunchResult(ok=False, report=report, exits=exits, faults=faults)
 
 
-def _say_waiting(nodes: Nodes, command: str) -> None:
-    """Say, on this node, that it waits for the others and for how long (no worker starts before they meet)."""
+def _join_nodes(nodes: Nodes, command: str) -> None:
+    """Say, on this node, that it waits for the others and for how long (no worker starts before they
+    meet); a node other than 0 then waits for node 0 to listen (``_reach_node_zero``)."""
     others = "node 0" if nodes.rank > 0 else f"the other {nodes.count - 1} node{'s' if nodes.count > 2 else ''}"
     sys.stderr.write(f"{command}: node {nodes.rank} of {nodes.count} waits for {others} at {nodes.endpoint}, "
                      f"at most {nodes.join_timeout:g} s (--join-timeout)\n")
     sys.stderr.flush()
+    if nodes.rank > 0:
+        _reach_node_zero(nodes)
 
 
 def _meeting(nodes: Nodes | None) -> dict:
