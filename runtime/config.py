@@ -18,6 +18,8 @@ import dataclasses
 DEFAULT_STEPS = 5
 DEFAULT_SEED = 0
 DEFAULT_TIMEOUT_S = 60.0
+# How long start-up and group formation may take (``--join-timeout``): workers start at different moments.
+DEFAULT_JOIN_TIMEOUT_S = 300.0
 DEFAULT_BACKEND = "gloo"
 DEFAULT_DTYPE = "fp32"
 # The built-in LLaMA-style decoder (``runtime.model.LLAMA``).
@@ -50,6 +52,7 @@ class RunConfig:
         dtype: ``--dtype``: the compute precision's name (``runtime.precision.PRECISIONS``).
         clip_grad_norm: ``--clip-grad-norm``: the gradients' largest global norm, or None.
         inject: ``--inject KIND:RANK:INDEX``: a test-only fault, unparsed, or None.
+        join_timeout: ``--join-timeout``: the deadline of start-up and group formation, seconds.
         program: ``--program``: the compiled program's JSON file to run instead of compiling
             TARGET, or None (always None for ``pipec run``, which writes that file itself).
     """
@@ -72,6 +75,7 @@ class RunConfig:
     clip_grad_norm: float | None = None
     inject: str | None = None
     program: str | None = None
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT_S
 
     @classmethod
     def from_args(cls, args) -> RunConfig:
@@ -108,8 +112,10 @@ class RunConfig:
             clip_grad_norm=given("clip_grad_norm"),
             inject=given("inject"),
             program=given("program"),
+            join_timeout=given("join_timeout", DEFAULT_JOIN_TIMEOUT_S),
         )
 
 
-__all__ = ["DEFAULT_BACKEND", "DEFAULT_DTYPE", "DEFAULT_MODEL", "DEFAULT_SEED", "DEFAULT_STEPS", "DEFAULT_TIMEOUT_S",
+__all__ = ["DEFAULT_BACKEND", "DEFAULT_DTYPE", "DEFAULT_JOIN_TIMEOUT_S", "DEFAULT_MODEL", "DEFAULT_SEED", "DEFAULT_STEPS",
+           "DEFAULT_TIMEOUT_S",
            "RunConfig"]

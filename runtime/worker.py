@@ -43,15 +43,15 @@ from typing import Iterator, NamedTuple, Sequence
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
 from pipec.compiler.ir import groups_refusal
 from pipec.errors import PipecError, RuntimeFault, UsageError, printable
-from pipec.runtime import report
-from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_STEPS,
-                                  DEFAULT_TIMEOUT_S, RunConfig)
+from pipec.runtime import phases, report
+from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_SEED,
+                                  DEFAULT_STEPS, DEFAULT_TIMEOUT_S, RunConfig)
 
 # How long joining the group may take. Workers start at different moments
 # (importing torch, compiling the schedule, on other nodes), which has nothing
 # to do with --timeout, the deadline of a training step's waits: the group's own
-# timeout is this, or --timeout when that is longer.
-JOIN_ALLOWANCE_S = 300.0
+# timeout is --join-timeout (this by default), or --timeout when that is longer.
+JOIN_ALLOWANCE_S = DEFAULT_JOIN_TIMEOUT_S
 # Test-only faults planted with --inject KIND:RANK:INDEX: hang, stop (SIGSTOP), kill or exit at
 # instruction INDEX of RANK, or start RANK late by INDEX seconds.
 _INJECT_OPS = {"hang": "INJECT_HANG", "stop": "INJECT_STOP", "kill": "INJECT_KILL", "exit": "INJECT_EXIT"}
@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--program", metavar="FILE",
                         help="run this compiled program (JSON, as `pipec compile --format json` writes it) instead of "
                              "compiling TARGET; TARGET, -D and --costs then only name, in the trace, what it was compiled from")
+    parser.add_argument("--join-timeout", dest="join_timeout", type=seconds_arg, default=DEFAULT_JOIN_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help=f"deadline of start-up and group formation: ranks start at different moments, on other "
+                             f"machines (default {DEFAULT_JOIN_TIMEOUT_S:g})")
     return parser
 
 
@@ -148,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the worker; returns its exit status (a fault ends the process itself)."""
     config = parse_run_config(argv)
     die_with_launcher()
+    # every phase from here on is under a deadline; `pipec run` reads the phase file, if it asked for one
+    phases.start_watch(_announced_rank(), config.timeout, config.join_timeout, os.environ.get(phases.PHASE_DIR_ENV))
     try:
         rank, world, local_rank = launch_environment()
         report.start(rank)
@@ -160,21 +166,31 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(error.render() + "\n")
         return 1
     signal.signal(signal.SIGTERM, lambda *_: die(f"rank {rank}: stopped by the launcher (another worker failed)"))
+    phases.announce(phases.GROUP_FORMATION, deadline=config.join_timeout)
     if plan.inject and plan.inject.kind == _LATE and plan.inject.rank == rank:
         time.sleep(plan.inject.index)
     with fatal_errors(rank):
-        device = join_group(config.backend, rank, world, local_rank, config.timeout, gpu=index)
+        device = join_group(config.backend, rank, world, local_rank, config.timeout, gpu=index,
+                            join_timeout=config.join_timeout)
         report.emit("join", device=str(device))
         from pipec.runtime.agreement import check_same_training  # every node must train the same thing
 
+        phases.announce(phases.FIRST_EXCHANGE)
         check_same_training(plan, world, refusal)  # the same program on every rank, and rank 0 proved it
         train(plan, rank, world, device)
         # The run's cyclic garbage (autograd graphs, communication works that
         # hold the group) is freed now, while the group and the interpreter are
         # alive, not by whatever collection happens to come later.
         gc.collect()
+        phases.announce(phases.GROUP_EXIT)
         leave_group()
     return 0
+
+
+def _announced_rank() -> int:
+    """The rank the phase watch names before ``launch_environment`` has checked it (0 alone or unreadable)."""
+    text = os.environ.get("RANK", "0")
+    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 @contextlib.contextmanager
@@ -286,8 +302,14 @@ def make_plan(config: RunConfig, world: int) -> Plan:
         raise UsageError(f"--steps must be at least 1, got {config.steps}")
     if not config.timeout > 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {config.timeout}")
-    config, checkpoint = resolve_checkpoint(config)
+    # importing torch and compiling take what they take on a loaded machine: part of joining, not --timeout's
+    phases.announce(phases.START_UP, deadline=config.join_timeout)
+    import torch  # noqa: F401
+
     program = load_program(config.program) if config.program else compile_program(config)
+    if config.resume:
+        phases.announce(phases.CHECKPOINT_LOAD)
+    config, checkpoint = resolve_checkpoint(config)
     refusal = groups_refusal(program, "its runtime")
     if refusal is not None:
         raise UsageError(f"{config.target}: {refusal}")
@@ -296,6 +318,7 @@ def make_plan(config: RunConfig, world: int) -> Plan:
             f"{config.target} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
             f"start {program.num_ranks} workers (torchrun --nproc-per-node {program.num_ranks}), or change -D P=..."
         )
+    phases.announce(phases.MODEL_BUILD)  # importing the user's module, and under torchrun trying chunk 0
     spec = run_model_spec(config.model, config.partition, program)
     model_config = override_config(spec.config, config.config_overrides)
     precision = run_precision(config)
@@ -613,13 +636,15 @@ def _device(backend: str, index: int):
     return torch.device("cpu")
 
 
-def join_group(backend: str, rank: int, world: int, local_rank: int, timeout: float, *, gpu: int | None = None):
+def join_group(backend: str, rank: int, world: int, local_rank: int, timeout: float, *, gpu: int | None = None,
+               join_timeout: float = JOIN_ALLOWANCE_S):
     """Pick this rank's device and join the default process group; returns the device.
 
     Args:
         gpu: the GPU of this node to run on (``device_index()`` of the
             program's map); None: ``local_rank``. Ignored by gloo: on the CPU
             the device map changes nothing.
+        join_timeout: ``--join-timeout``: how long group formation may wait for the other ranks.
     """
     import torch.distributed as dist
 
@@ -628,7 +653,7 @@ def join_group(backend: str, rank: int, world: int, local_rank: int, timeout: fl
     # deadline of their own (the barriers, the closing gathers); the waits of a
     # step, the loss reduce included, have --timeout. NCCL's watchdog gets a
     # margin so that those deadlines speak first.
-    group_timeout = timedelta(seconds=max(timeout, JOIN_ALLOWANCE_S) + (30 if backend == "nccl" else 0))
+    group_timeout = timedelta(seconds=max(timeout, join_timeout) + (30 if backend == "nccl" else 0))
     extra = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=group_timeout, **extra)
     return device
@@ -662,11 +687,14 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
     family = runtime_family(program)
     if family.train is not None:  # the family's own loop (a sequence ring: the whole model on every rank)
+        phases.announce(phases.TRAINING, deadline=None)  # each of its waits has its own deadline
         return family.train(plan, rank, world, device)
+    phases.announce(phases.MODEL_BUILD)
     stages = stage_modules(program, rank,
                            lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, run.seed).to(device))
     checkpoint = plan.checkpoint
     if checkpoint is not None:  # before the context: weight passing cuts its shards from the modules
+        phases.announce(phases.CHECKPOINT_LOAD)
         load_modules(stages.values(), checkpoint.model, run.resume)
     synchronize = torch.cuda.synchronize if (run.trace and device.type == "cuda") else None
     context = make_context(
@@ -689,6 +717,7 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     if rank == 0:
         _print_staleness_note(program)
     report.built(stages)
+    phases.announce(phases.step_phase(first))  # the barrier has no deadline of its own
     dist.barrier()
     t0 = time.perf_counter()
     clock = report.StepClock(rank, run.steps, device,
@@ -697,6 +726,7 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     losses = []
     for iteration in range(first, run.steps + 1):
         context.iteration = iteration
+        phases.announce(phases.step_phase(iteration), deadline=None)  # each wait of a step has --timeout
         batch = data.batch(iteration - 1)
         loss, events = run_step(program, rank, stages, batch, context)
         if run.trace:
@@ -713,6 +743,7 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         if saves_after(run, iteration):
             _save_checkpoint(plan, context, stages, data.state_after(iteration), rank, world, iteration)
     if run.trace:
+        phases.announce(phases.TRACE)
         write_trace(run, context, recorded, t0, world)
     return losses
 
@@ -734,6 +765,7 @@ def _save_checkpoint(plan: Plan, context, stages, data_state: dict, rank: int, w
     position ``data_state`` (``BatchSource.state_after``)."""
     from pipec.runtime import checkpoint
 
+    phases.announce(phases.CHECKPOINT_SAVE)
     gathered = _gather(checkpoint.rank_part(context, stages), rank, world)
     if rank == 0:
         model, optimizer = checkpoint.merged_parts(context, gathered)

@@ -196,7 +196,10 @@ def test_a_node_that_never_joins_ends_the_run_within_the_join_timeout(capsys, mo
         assert main(["run", "1f1b", "-D", "P=2", "--steps", "1", *flags, "--join-timeout", "1"]) == 1
         seconds = time.monotonic() - start
         err = capsys.readouterr().err
-        assert re.fullmatch(rf"pipec run: {said}.*\n", err), err
+        # each node says first that it waits for the others, and for how long (issue 24, item 1)
+        waits = (r"pipec run: node [01] of 2 waits for (node 0|the other 1 node) at 127\.0\.0\.1:\d+, "
+                 r"at most 1 s \(--join-timeout\)")
+        assert re.fullmatch(rf"{waits}\npipec run: {said}.*\n", err), err
         assert seconds < 30, f"{seconds:.1f} s: {err}"
 
 

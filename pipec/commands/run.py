@@ -50,11 +50,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pipec.commands import run_report
+from pipec.commands._deadline import StopWatch
 from pipec.compiler.defines import parse_defines
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
 from pipec.errors import UsageError, printable
 from pipec.runtime.agreement import MISMATCH_PREFIX
-from pipec.runtime.config import DEFAULT_MODEL, DEFAULT_SEED, RunConfig
+from pipec.runtime.config import DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_TIMEOUT_S, RunConfig
+from pipec.runtime.phases import PHASE_DIR_ENV
 from pipec.runtime.worker import JOIN_ALLOWANCE_S
 
 # How often the launcher's agent looks at its workers, in seconds: the delay
@@ -71,7 +73,9 @@ _CONTINUE_EVERY_S = 0.1
 FOLLOW_INTERVAL_S = 0.05
 # A worker's fault message: "rank R, step S (INSTR): ..." (runtime.worker's RuntimeFault), or the line
 # every worker prints when the ranks were not started for the same training (runtime.agreement.check_same_training).
-FAULT_LINE = re.compile(rf"rank \d+, step \d+ \(.+\): .*|{re.escape(MISMATCH_PREFIX)}.*")
+# Or a phase overrun: "rank R (host H), phase X: waited T s (...)" (runtime.phases.phase_line).
+FAULT_LINE = re.compile(rf"rank \d+, step \d+ \(.+\): .*|rank \d+ \(host .*\), phase .+: waited .*|"
+                        rf"{re.escape(MISMATCH_PREFIX)}.*")
 # Stderr lines shown for a failed worker that printed no fault message.
 TAIL_LINES = 20
 # The compiled program's file in the run folder, passed to the workers as --program.
@@ -90,6 +94,7 @@ _PASS_THROUGH = (
     ("--clip-grad-norm", "clip_grad_norm"),
     ("--save-every", "save_every"),
     ("--inject", "inject"),
+    ("--join-timeout", "join_timeout"),
 )
 # Repeatable worker options: (option, dest holding a list).
 _REPEATED = (("-D", "defines"), ("--config", "config"))
@@ -139,7 +144,8 @@ def run(args) -> int:
     nodes = nodes_of(args)
     report = run_report.RunReport.from_args(args, nodes)
     program, nproc = check_before_launch(args, report)
-    result = launch_program(program, worker_arguments(args), nproc, nodes=nodes, reporter=report)
+    result = launch_program(program, worker_arguments(args), nproc, nodes=nodes, reporter=report,
+                            timeout=args.timeout)
     if result.ok:
         return 0
     sys.stderr.write(result.report)
@@ -213,7 +219,26 @@ def check_launch(args, program) -> int:
         _check_outputs(args)
     if nodes is not None:
         _check_endpoint(nodes)
-    _check_resume(config)
+    _checks_under_deadline(config, program)
+    return nproc
+
+
+def _checks_under_deadline(config: RunConfig, program) -> None:
+    """The checks that run a user's code or read a checkpoint (which may hang), each phase within its deadline
+    (``runtime.phases.announce``), so that a module whose import hangs is named, not waited for."""
+    import torch  # noqa: F401 - loading torch is start-up on a loaded machine, not the model's build
+
+    from pipec.runtime import phases
+
+    with phases.launcher_checks(config.timeout):
+        phases.announce(phases.CHECKPOINT_LOAD)
+        _check_resume(config)
+        phases.announce(phases.MODEL_BUILD)
+        _check_model_fits(config, program)
+
+
+def _check_model_fits(config: RunConfig, program) -> None:
+    """The update options, the family's refusals and the model spec against ``program``."""
     from pipec.runtime.stash import check_update_options
 
     check_update_options(config, program)
@@ -221,9 +246,8 @@ def check_launch(args, program) -> int:
 
     refusal = runtime_family(program).refuse_run(config)
     if refusal is not None:
-        raise UsageError(f"{args.target}: {refusal}")
+        raise UsageError(f"{config.target}: {refusal}")
     _check_model(config, program)
-    return nproc
 
 
 def _workers_per_node(nproc: int | None, ranks: int, count: int, target: str) -> int:
@@ -511,6 +535,7 @@ def launch(
     command: str = "pipec run",
     nodes: Nodes | None = None,
     reporter: run_report.RunReport | None = None,
+    timeout: float | None = None,
 ) -> LaunchResult:
     """Run ``python PYTHON_ARGS`` on ``nproc`` local workers through torch's elastic launcher.
 
@@ -529,6 +554,7 @@ def launch(
         nodes: this launcher's node of a run over several machines; None: one machine.
             Output lines and the report name the workers by their global rank.
         reporter: shows phases, steps, stdout and stderr live (``run_report``; ``on_line``, ``echo`` unused).
+        timeout: ``--timeout`` (None: its default): a worker stopped that long ends the run (``_deadline``).
     Returns:
         a ``LaunchResult``; every worker has exited when it returns.
     """
@@ -540,19 +566,19 @@ def launch(
 
     log_dir = run_dir or tempfile.mkdtemp(prefix="pipec-run-")
     first = nodes.rank * nproc if nodes else 0
-    config = _launch_config(log_dir, nproc, nodes)
     if reporter is not None:
         reporter.launching(nproc, first, nodes.endpoint if nodes else None)
         env = {**(env or {}), **reporter.worker_environment()}
     followers = _followers(log_dir, nproc, first, on_line, echo, reporter)
+    stop_watch = StopWatch(log_dir, nproc, first, DEFAULT_TIMEOUT_S if timeout is None else timeout).start()
     exits, launched = {}, False
-    with _worker_environment(env), _quiet_launcher_logs(), _prompt_shutdown():
+    with _worker_environment({**(env or {}), PHASE_DIR_ENV: log_dir}), _quiet_launcher_logs(), _prompt_shutdown():
         for follower in followers:
             follower.start()
         try:
-            if nodes is not None and nodes.rank > 0:
-                _reach_node_zero(nodes)
-            elastic_launch(config, sys.executable)(*python_args)
+            if nodes is not None:
+                _join_nodes(nodes, command)
+            elastic_launch(_launch_config(log_dir, nproc, nodes), sys.executable)(*python_args)
             launched = True
         except ChildFailedError as failed:
             exits = {rank: failure.exitcode for rank, failure in failed.failures.items()}
@@ -569,6 +595,7 @@ def launch(
             shutil.rmtree(log_dir, ignore_errors=True)
             return LaunchResult(ok=False, report=_rendezvous_failure(error, nodes, command))
         finally:
+            stopped = stop_watch.stop()
             for follower in followers:
                 follower.stop()
             if reporter is not None:
@@ -576,8 +603,16 @@ def launch(
     if not exits:
         _after_success(log_dir, nproc, first, reporter)
         return LaunchResult(ok=True)
-    faults = _distinct(line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))
-    report = _failure_report(log_dir, nproc, exits, faults, command, first)
+    return _failed(log_dir, nproc, exits, stopped, command, first, ended=stop_watch.ended)
+
+
+def _failed(log_dir: str, nproc: int, exits: dict[int, int], stopped: list[str], command: str, first: int,
+            ended: bool) -> LaunchResult:
+    """The result of a launch whose workers failed: ``stopped``, the launcher's phase lines
+    (``_deadline.StopWatch``), first, as they name the rank at fault; then the workers' own."""
+    said = (line for local in range(nproc) for line in _fault_lines(_read_stderr(log_dir, local)))
+    faults = _distinct([*stopped, *said])
+    report = _failure_report(log_dir, nproc, exits, faults, command, first, ended=ended)
     return LaunchResult(ok=False, report=report, exits=exits, faults=faults)
 
 
@@ -608,6 +643,17 @@ def _after_success(log_dir: str, nproc: int, first: int, reporter: run_report.Ru
         _echo_stderr(log_dir, nproc, first)
     if reporter is None or not reporter.keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _join_nodes(nodes: Nodes, command: str) -> None:
+    """Say, on this node, that it waits for the others and for how long (no worker starts before they
+    meet); a node other than 0 then waits for node 0 to listen (``_reach_node_zero``)."""
+    others = "node 0" if nodes.rank > 0 else f"the other {nodes.count - 1} node{'s' if nodes.count > 2 else ''}"
+    sys.stderr.write(f"{command}: node {nodes.rank} of {nodes.count} waits for {others} at {nodes.endpoint}, "
+                     f"at most {nodes.join_timeout:g} s (--join-timeout)\n")
+    sys.stderr.flush()
+    if nodes.rank > 0:
+        _reach_node_zero(nodes)
 
 
 def _meeting(nodes: Nodes | None) -> dict:
@@ -679,15 +725,18 @@ def _rendezvous_failure(error: Exception, nodes: Nodes | None, command: str) -> 
 
 
 def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: list[str],
-                    command: str = "pipec run", first: int = 0) -> str:
+                    command: str = "pipec run", first: int = 0, ended: bool = False) -> str:
     """The failure text: fault messages, then how each failed worker ended (``exits``: by global rank; this
-    node's workers are ranks ``first`` ..), then where the logs are."""
+    node's workers are ranks ``first`` ..), then where the logs are. ``ended``: the launcher killed them
+    itself, a stopped worker past its deadline (``_deadline.StopWatch``)."""
     lines = [f"{command}: the run failed"] + [printable(fault) for fault in faults]
     for rank in sorted(exits):
         code = exits[rank]
         stderr = _read_stderr(log_dir, rank - first)
         if code < 0:
-            lines.append(f"rank {rank}: {_signal_name(-code)}")
+            ended_here = ended and code == -signal.SIGKILL
+            lines.append(f"rank {rank}: stopped by the launcher, which ended the run at the deadline (SIGKILL)"
+                         if ended_here else f"rank {rank}: {_signal_name(-code)}")
             continue
         lines.append(f"rank {rank}: exited with status {code}")
         if not _fault_lines(stderr):
