@@ -659,8 +659,11 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     family = runtime_family(program)
     if family.train is not None:  # the family's own loop (a sequence ring: the whole model on every rank)
         return family.train(plan, rank, world, device)
-    stages = stage_modules(program, rank,
-                           lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, run.seed).to(device))
+    from pipec.runtime.model import call_spec_function
+
+    stages = stage_modules(program, rank, lambda chunk: call_spec_function(
+        run.model, f"build_chunk(config, {chunk}, {program.num_chunks}, seed)", spec.build_chunk, config, chunk,
+        program.num_chunks, run.seed).to(device))
     checkpoint = plan.checkpoint
     if checkpoint is not None:  # before the context: weight passing cuts its shards from the modules
         load_modules(stages.values(), checkpoint.model, run.resume)
