@@ -14,6 +14,7 @@ command: ``pipec check`` must not pay for importing torch.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 DEFAULT_STEPS = 5
 DEFAULT_SEED = 0
@@ -111,5 +112,32 @@ class RunConfig:
         )
 
 
+def output_clash(config: RunConfig) -> str | None:
+    """Why the run's outputs cannot be written as given, or None: ``--save`` and ``--trace`` naming the same
+    file (the trace would replace the saved model), or either naming one of the run's inputs (the
+    program, the checkpoint resumed from, the cost or partition file, the target): a run must not
+    destroy what it reads. Paths are compared as the files they name (links and ``..`` resolved).
+    """
+    def real(path: str) -> str:
+        return os.path.realpath(path)
+
+    outputs = [(f"--{option}", path) for option, path in (("save", config.save), ("trace", config.trace)) if path]
+    if config.save:
+        outputs.append(("--save's training state", config.save + ".resume"))
+    inputs = [(f"--{option}", path) for option, path in (("program", config.program), ("costs", config.costs),
+                                                          ("partition", config.partition), ("resume", config.resume))
+              if path]
+    if config.resume:
+        inputs.append(("--resume's training state", config.resume + ".resume"))
+    if os.path.isfile(config.target):
+        inputs.append(("the target", config.target))
+    for index, (option, path) in enumerate(outputs):
+        for other, other_path in outputs[index + 1:] + inputs:
+            if real(path) == real(other_path):
+                return (f"{option} {path} is also {other}'s file: the run would overwrite it; give "
+                        f"{option} a file of its own")
+    return None
+
+
 __all__ = ["DEFAULT_BACKEND", "DEFAULT_DTYPE", "DEFAULT_MODEL", "DEFAULT_SEED", "DEFAULT_STEPS", "DEFAULT_TIMEOUT_S",
-           "RunConfig"]
+           "RunConfig", "output_clash"]

@@ -44,7 +44,7 @@ from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_
 from pipec.compiler.ir import groups_refusal
 from pipec.errors import PipecError, RuntimeFault, UsageError, printable
 from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_STEPS,
-                                  DEFAULT_TIMEOUT_S, RunConfig)
+                                  DEFAULT_TIMEOUT_S, RunConfig, output_clash)
 
 # How long joining the group may take. Workers start at different moments
 # (importing torch, compiling the schedule, on other nodes), which has nothing
@@ -339,10 +339,14 @@ def resolve_checkpoint(config: RunConfig) -> tuple[RunConfig, object]:
     Returns:
         (``config`` with its seed settled, an int; the ``checkpoint.Checkpoint`` to go on from, or None).
     Raises:
-        UsageError: ``--save-every`` without ``--save``; ``check_resumable``'s and ``read_checkpoint``'s.
+        UsageError: ``--save-every`` without ``--save``; outputs that overwrite each other or an input
+            (``config.output_clash``); ``check_resumable``'s and ``read_checkpoint``'s.
     """
     if config.save_every and not config.save:
         raise UsageError("--save-every K saves to the --save file: pass --save FILE too")
+    clash = output_clash(config)
+    if clash is not None:
+        raise UsageError(clash)
     if not config.resume:
         return dataclasses.replace(config, seed=DEFAULT_SEED if config.seed is None else config.seed), None
     from pipec.runtime.checkpoint import check_resumable, read_checkpoint
