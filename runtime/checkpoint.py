@@ -82,14 +82,49 @@ def write_checkpoint(path: str, model: dict, optimizer: dict, *, step: int, seed
     Raises:
         UsageError: a file cannot be written (the atomic writer's message).
     """
-    from pipec.compiler.atomic_write import atomic_writer
-
     record = {"format": FORMAT, "version": VERSION, "step": step, "seed": seed, "data": dict(data),
               "model": model, "optimizer": optimizer, "meta": dict(meta)}
-    with atomic_writer(resume_file(path), binary=True, what="the checkpoint") as out:
-        torch.save(record, out)
-    with atomic_writer(path, binary=True, what="the saved model") as out:  # the old file stays whole until then
-        torch.save(model, out)
+    save_atomically(record, resume_file(path), "the checkpoint")
+    save_atomically(model, path, "the saved model")  # the old file stays whole until then
+
+
+def save_atomically(value: Any, path: str, what: str) -> None:
+    """``torch.save(value)`` to ``path`` through the atomic writer.
+
+    torch.save turns a failed write (a full disk) into a RuntimeError of its own that does not say why;
+    the stream records the OSError underneath, which is raised instead, so that the atomic writer names
+    the file and the reason and leaves the previous file whole.
+
+    Raises:
+        UsageError: ``cannot write WHAT 'PATH': REASON``.
+    """
+    from pipec.compiler.atomic_write import atomic_writer
+
+    with atomic_writer(path, binary=True, what=what) as out:
+        stream = _RecordingStream(out)
+        try:
+            torch.save(value, stream)
+        except RuntimeError:
+            if stream.error is None:
+                raise
+            raise stream.error from None
+
+
+class _RecordingStream:
+    """A binary stream that keeps the OSError its write raised (``save_atomically``)."""
+
+    def __init__(self, stream):
+        self.stream, self.error = stream, None
+
+    def write(self, data) -> int:
+        try:
+            return self.stream.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def named_optimizer_state(optimizer: torch.optim.Optimizer | None, names: dict[int, str]) -> dict:
@@ -331,5 +366,5 @@ def check_resumable(checkpoint: Checkpoint, steps: int, seed: int | None, source
 __all__ = [
     "Checkpoint", "FORMAT", "SUFFIX", "VERSION", "check_resumable", "checkpoint_path", "load_modules",
     "load_optimizer_state", "merged_parts", "named_optimizer_state", "parameter_names", "rank_part",
-    "read_checkpoint", "restore_optimizer", "resume_file", "write_checkpoint",
+    "read_checkpoint", "restore_optimizer", "resume_file", "save_atomically", "write_checkpoint",
 ]

@@ -25,6 +25,8 @@ DEFAULT_DTYPE = "fp32"
 DEFAULT_MODEL = "pipec.runtime.model:LLAMA"
 # ``pipec profile``'s measured passes per layer when not told (``runtime.profile``).
 DEFAULT_REPEATS = 20
+# `pipec profile`: the longest one layer's forward or backward (or the whole model's pass) may take, seconds.
+DEFAULT_PROFILE_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,5 +141,5 @@ def output_clash(config: RunConfig) -> str | None:
     return None
 
 
-__all__ = ["DEFAULT_BACKEND", "DEFAULT_DTYPE", "DEFAULT_MODEL", "DEFAULT_SEED", "DEFAULT_STEPS", "DEFAULT_TIMEOUT_S",
+__all__ = ["DEFAULT_BACKEND", "DEFAULT_PROFILE_TIMEOUT_S", "DEFAULT_DTYPE", "DEFAULT_MODEL", "DEFAULT_SEED", "DEFAULT_STEPS", "DEFAULT_TIMEOUT_S",
            "RunConfig", "output_clash"]
