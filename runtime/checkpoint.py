@@ -100,14 +100,14 @@ def save_atomically(value: Any, path: str, what: str) -> None:
     """
     from pipec.compiler.atomic_write import atomic_writer
 
-    with atomic_writer(path, binary=True, what=what) as out:
-        stream = _RecordingStream(out)
+    with atomic_writer(path, binary=True, what=what) as stream:
+        out = _RecordingStream(stream)
         try:
-            torch.save(value, stream)
+            torch.save(value, out)
         except RuntimeError:
-            if stream.error is None:
+            if out.error is None:
                 raise
-            raise stream.error from None
+            raise out.error from None
 
 
 class _RecordingStream:
