@@ -85,10 +85,6 @@ def _loss_not_a_tensor(logits, targets):
     return "a string, not a loss"
 
 
-def _loss_not_a_scalar(logits, targets):
-    return logits.sum(-1)
-
-
 def _optimizer_raises(params):
     raise TypeError("optimizer factory exploded on purpose")
 
@@ -104,7 +100,6 @@ def _optimizer_not_one(params):
 
 LOSS_RAISES = replace(model.LLAMA, loss_fn=_loss_raises)
 LOSS_NOT_A_TENSOR = replace(model.LLAMA, loss_fn=_loss_not_a_tensor)
-LOSS_NOT_A_SCALAR = replace(model.LLAMA, loss_fn=_loss_not_a_scalar)
 OPTIMIZER_RAISES = replace(model.LLAMA, make_optimizer=_optimizer_raises)
 OPTIMIZER_NONE = replace(model.LLAMA, make_optimizer=_optimizer_none)
 OPTIMIZER_NOT_ONE = replace(model.LLAMA, make_optimizer=_optimizer_not_one)
