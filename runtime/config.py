@@ -114,11 +114,19 @@ class RunConfig:
         )
 
 
+# A checkpoint saved over the one resumed from (`--resume F --save F`, docs/runtime.md) is allowed: the
+# checkpoint is read whole (memory-mapped) before the run, and each file is replaced by a rename, which
+# leaves the mapped old file intact until the new one is complete.
+_IN_PLACE = {("--save", "--resume"), ("--save's training state", "--resume's training state"),
+             ("--save's training state", "--resume")}
+
+
 def output_clash(config: RunConfig) -> str | None:
     """Why the run's outputs cannot be written as given, or None: ``--save`` and ``--trace`` naming the same
     file (the trace would replace the saved model), or either naming one of the run's inputs (the
     program, the checkpoint resumed from, the cost or partition file, the target): a run must not
-    destroy what it reads. Paths are compared as the files they name (links and ``..`` resolved).
+    destroy what it reads; only a checkpoint saved in place of the one resumed from (``_IN_PLACE``) is
+    allowed. Paths are compared as the files they name (links and ``..`` resolved).
     """
     def real(path: str) -> str:
         return os.path.realpath(path)
@@ -135,7 +143,7 @@ def output_clash(config: RunConfig) -> str | None:
         inputs.append(("the target", config.target))
     for index, (option, path) in enumerate(outputs):
         for other, other_path in outputs[index + 1:] + inputs:
-            if real(path) == real(other_path):
+            if real(path) == real(other_path) and (option, other) not in _IN_PLACE:
                 return (f"{option} {path} is also {other}'s file: the run would overwrite it; give "
                         f"{option} a file of its own")
     return None

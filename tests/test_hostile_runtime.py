@@ -245,6 +245,17 @@ def test_outputs_naming_each_other_or_an_input_are_refused_up_front(options, wor
     assert (tmp_path / "old.pt.resume").read_bytes() == before
 
 
+def test_a_checkpoint_saved_in_place_of_the_one_resumed_is_still_allowed(tmp_path, capsys, monkeypatch):
+    from pipec.commands import run as run_command
+
+    launched = []
+    monkeypatch.setattr(run_command, "launch", lambda *args, **kwargs: launched.append(args) or
+                        run_command.LaunchResult(ok=True))
+    path = _checkpoint(tmp_path / "ckpt.pt", step=1)
+    assert main(["run", *GPIPE_2, "--steps", "3", "--resume", path, "--save", path]) == 0, capsys.readouterr().err
+    assert launched
+
+
 def test_a_worker_under_torchrun_refuses_the_same_clash():
     from pipec.runtime.worker import make_plan, parse_run_config
 
