@@ -82,14 +82,49 @@ def write_checkpoint(path: str, model: dict, optimizer: dict, *, step: int, seed
     Raises:
         UsageError: a file cannot be written (the atomic writer's message).
     """
-    from pipec.compiler.atomic_write import atomic_writer
-
     record = {"format": FORMAT, "version": VERSION, "step": step, "seed": seed, "data": dict(data),
               "model": model, "optimizer": optimizer, "meta": dict(meta)}
-    with atomic_writer(resume_file(path), binary=True, what="the checkpoint") as out:
-        torch.save(record, out)
-    with atomic_writer(path, binary=True, what="the saved model") as out:  # the old file stays whole until then
-        torch.save(model, out)
+    save_atomically(record, resume_file(path), "the checkpoint")
+    save_atomically(model, path, "the saved model")  # the old file stays whole until then
+
+
+def save_atomically(value: Any, path: str, what: str) -> None:
+    """``torch.save(value)`` to ``path`` through the atomic writer.
+
+    torch.save turns a failed write (a full disk) into a RuntimeError of its own that does not say why;
+    the stream records the OSError underneath, which is raised instead, so that the atomic writer names
+    the file and the reason and leaves the previous file whole.
+
+    Raises:
+        UsageError: ``cannot write WHAT 'PATH': REASON``.
+    """
+    from pipec.compiler.atomic_write import atomic_writer
+
+    with atomic_writer(path, binary=True, what=what) as stream:
+        out = _RecordingStream(stream)
+        try:
+            torch.save(value, out)
+        except RuntimeError:
+            if out.error is None:
+                raise
+            raise out.error from None
+
+
+class _RecordingStream:
+    """A binary stream that keeps the OSError its write raised (``save_atomically``)."""
+
+    def __init__(self, stream):
+        self.stream, self.error = stream, None
+
+    def write(self, data) -> int:
+        try:
+            return self.stream.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def named_optimizer_state(optimizer: torch.optim.Optimizer | None, names: dict[int, str]) -> dict:
@@ -133,12 +168,44 @@ def read_checkpoint(path: str) -> Checkpoint:
                          "both F and F.resume)")
     source = path if path.endswith(SUFFIX) else resume_file(path)
     regular_file_size(source, CHECKPOINT)
+    _check_record_size(source)
     try:
         record = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a broken or foreign file fails in torch's own ways
         raise UsageError(f"--resume: {source} is not a pipec checkpoint ({type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''})") from None
     return _checked(record, source)
+
+
+# The most bytes of a checkpoint's pickled structure (names, numbers, containers: the tensors' data are
+# kept apart in the file) and the most records (tensors' storages) it may hold. A real checkpoint's
+# structure is some hundred bytes per tensor; one far past these (millions of optimizer entries, a huge
+# list of numbers) would take minutes and gigabytes to unpickle, so it is refused before any of it is read.
+STRUCTURE_LIMIT = 256 * 1024 * 1024
+RECORD_LIMIT = 1_000_000
+
+
+def _check_record_size(source: str) -> None:
+    """Refuse, from the zip directory alone (nothing unpickled), a checkpoint whose structure is past
+    ``STRUCTURE_LIMIT`` bytes or that holds more than ``RECORD_LIMIT`` records.
+
+    Raises:
+        UsageError: naming the file and the limit; a file that is no zip archive is left to ``torch.load``.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(source) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # torch.load says what it is not
+    structure = sum(entry.file_size for entry in entries if entry.filename.endswith(".pkl"))
+    if structure > STRUCTURE_LIMIT:
+        raise UsageError(f"--resume: {source} is not a usable pipec checkpoint: its structure (optimizer state, "
+                         f"names) is {structure} bytes, past the limit of {STRUCTURE_LIMIT} bytes; refused unread")
+    if len(entries) > RECORD_LIMIT:
+        raise UsageError(f"--resume: {source} is not a usable pipec checkpoint: it holds {len(entries)} records, "
+                         f"past the limit of {RECORD_LIMIT}; refused unread")
 
 
 def _checked(record: Any, source: str) -> Checkpoint:
@@ -161,10 +228,33 @@ def _checked(record: Any, source: str) -> Checkpoint:
             isinstance(k, str) and isinstance(v, dict) and all(isinstance(key, str) for key in v)
             for k, v in optimizer.items()):
         raise fail("its optimizer state is not keyed by parameter names")
+    problem = _optimizer_problem(optimizer, model)
+    if problem is not None:
+        raise fail(problem)
     data, meta = record.get("data"), record.get("meta", {})
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise fail("its data position is not a record")
+    if data.get("steps") != step:  # state_after(step) is saved with the step: another count skews the data
+        raise fail(f"its data position is at step {data.get('steps')!r} and its model after step {step}: "
+                   "resuming would train on other batches than the run it continues")
     return Checkpoint(step, seed, data, model, optimizer, meta if isinstance(meta, dict) else {})
+
+
+def _optimizer_problem(optimizer: dict, model: dict) -> str | None:
+    """What is wrong with a checkpoint's named optimizer state, or None: every entry must name a tensor of
+    the model and hold only tensors (no more values than that tensor) and plain numbers.
+    """
+    for name, entry in optimizer.items():
+        if name not in model:
+            return f"its optimizer state names '{name}', which is no tensor of its model"
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() > max(1, model[name].numel()):
+                    return (f"its optimizer state '{key}' of '{name}' has {value.numel()} values, the tensor "
+                            f"{model[name].numel()}")
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                return f"its optimizer state '{key}' of '{name}' is a {type(value).__name__}, not a tensor or number"
+    return None
 
 
 # ------------------------------------------------------------------ restoring
@@ -276,5 +366,5 @@ def check_resumable(checkpoint: Checkpoint, steps: int, seed: int | None, source
 __all__ = [
     "Checkpoint", "FORMAT", "SUFFIX", "VERSION", "check_resumable", "checkpoint_path", "load_modules",
     "load_optimizer_state", "merged_parts", "named_optimizer_state", "parameter_names", "rank_part",
-    "read_checkpoint", "restore_optimizer", "resume_file", "write_checkpoint",
+    "read_checkpoint", "restore_optimizer", "resume_file", "save_atomically", "write_checkpoint",
 ]

@@ -14,6 +14,7 @@ command: ``pipec check`` must not pay for importing torch.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 DEFAULT_STEPS = 5
 DEFAULT_SEED = 0
@@ -26,6 +27,8 @@ DEFAULT_DTYPE = "fp32"
 DEFAULT_MODEL = "pipec.runtime.model:LLAMA"
 # ``pipec profile``'s measured passes per layer when not told (``runtime.profile``).
 DEFAULT_REPEATS = 20
+# `pipec profile`: the longest one layer's forward or backward (or the whole model's pass) may take, seconds.
+DEFAULT_PROFILE_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,40 @@ class RunConfig:
         )
 
 
-__all__ = ["DEFAULT_BACKEND", "DEFAULT_DTYPE", "DEFAULT_JOIN_TIMEOUT_S", "DEFAULT_MODEL", "DEFAULT_SEED", "DEFAULT_STEPS",
-           "DEFAULT_TIMEOUT_S",
-           "RunConfig"]
+# A checkpoint saved over the one resumed from (`--resume F --save F`, docs/runtime.md) is allowed: the
+# checkpoint is read whole (memory-mapped) before the run, and each file is replaced by a rename, which
+# leaves the mapped old file intact until the new one is complete.
+_IN_PLACE = {("--save", "--resume"), ("--save's training state", "--resume's training state"),
+             ("--save's training state", "--resume")}
+
+
+def output_clash(config: RunConfig) -> str | None:
+    """Why the run's outputs cannot be written as given, or None: ``--save`` and ``--trace`` naming the same
+    file (the trace would replace the saved model), or either naming one of the run's inputs (the
+    program, the checkpoint resumed from, the cost or partition file, the target): a run must not
+    destroy what it reads; only a checkpoint saved in place of the one resumed from (``_IN_PLACE``) is
+    allowed. Paths are compared as the files they name (links and ``..`` resolved).
+    """
+    def real(path: str) -> str:
+        return os.path.realpath(path)
+
+    outputs = [(f"--{option}", path) for option, path in (("save", config.save), ("trace", config.trace)) if path]
+    if config.save:
+        outputs.append(("--save's training state", config.save + ".resume"))
+    inputs = [(f"--{option}", path) for option, path in (("program", config.program), ("costs", config.costs),
+                                                          ("partition", config.partition), ("resume", config.resume))
+              if path]
+    if config.resume:
+        inputs.append(("--resume's training state", config.resume + ".resume"))
+    if os.path.isfile(config.target):
+        inputs.append(("the target", config.target))
+    for index, (option, path) in enumerate(outputs):
+        for other, other_path in outputs[index + 1:] + inputs:
+            if real(path) == real(other_path) and (option, other) not in _IN_PLACE:
+                return (f"{option} {path} is also {other}'s file: the run would overwrite it; give "
+                        f"{option} a file of its own")
+    return None
+
+
+__all__ = ["DEFAULT_BACKEND", "DEFAULT_DTYPE", "DEFAULT_JOIN_TIMEOUT_S", "DEFAULT_MODEL", "DEFAULT_PROFILE_TIMEOUT_S",
+           "DEFAULT_SEED", "DEFAULT_STEPS", "DEFAULT_TIMEOUT_S", "RunConfig", "output_clash"]

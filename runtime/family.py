@@ -28,6 +28,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program
+from pipec.errors import PipecError, RuntimeFault
+from pipec.runtime.user_code import failure_words, is_interrupt
 
 # The modules that register a family, imported on the first lookup.
 FAMILY_MODULES = ("pipec.runtime.interpreter", "pipec.runtime.weights", "pipec.runtime.sequence",
@@ -141,12 +143,24 @@ def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handle
         start, stop: the range.
         record: called with (index, start, end, waited) per instruction, perf_counter seconds; None: nothing kept.
         synchronize: called after every instruction when the trace must show device time, else None.
+    Raises:
+        RuntimeFault: a handler's own; or, for anything else an instruction raised (the model's forward,
+            loss or backward fails, ``sys.exit`` included), one naming the rank, the instruction and the
+            failure's innermost frame. A bare KeyboardInterrupt (Ctrl-C) propagates as it is.
     """
     for index in range(start, stop):
         action = row[index]
         begin = perf_counter()
         before = state.waited
-        handlers[action[1]](state, action, index)
+        try:
+            handlers[action[1]](state, action, index)
+        except PipecError:
+            raise
+        except BaseException as error:  # the model's forward, loss or backward ran inside: name where it failed
+            if is_interrupt(error):
+                raise
+            raise RuntimeFault(f"the instruction failed: {failure_words(error)}", state.rank, index,
+                               action.text()) from error
         if synchronize is not None:
             synchronize()
         if record is not None:

@@ -49,6 +49,7 @@ from pipec.runtime.family import (RuntimeFamily, load_families, refusal_outside,
                                   runtime_family)
 from pipec.runtime.stash import WeightStash
 from pipec.runtime.flat import bind_flat_grads
+from pipec.runtime.model import spec_optimizer
 from pipec.runtime.precision import FP32, Precision
 
 # Kinds of a hand-off tensor (``ops.MESSAGE_KIND_CODE``): the low bits of its key.
@@ -199,7 +200,7 @@ def make_context(
     wires = _rank_wires(program, family, activation_shape, layouts, dtype, device, precision)
     return RankContext(
         program=program, rank=rank, row=row, stages=stages, loss_fn=loss_fn,
-        optimizer=make_optimizer(trained.parameters) if trained.parameters else None,
+        optimizer=spec_optimizer("", make_optimizer, trained.parameters) if trained.parameters else None,
         flat_grads=trained.flat_grads,
         stage_params={stage: _trainable(module) for stage, module in stages.items()},
         replicas=trained.replicas, wires=wires, device=device, precision=precision, timeout=timeout,

@@ -40,6 +40,7 @@ from torch import nn
 from pipec.errors import UsageError
 from pipec.runtime import config as run_config
 from pipec.runtime.layered import LayeredChunks, LayeredModel
+from pipec.runtime.user_code import failure_words, is_interrupt
 
 if TYPE_CHECKING:  # for annotations only: payload and precision are imported where they are used
     from pipec.runtime.payload import Layout
@@ -751,13 +752,15 @@ def _import_spec_module(module_name: str, text: str):
         sys.path.insert(0, here)
     try:
         return importlib.import_module(module_name)
-    except Exception as error:  # a user's module may fail in any way while importing
+    except BaseException as error:  # a user's module may fail in any way while importing, sys.exit(0) too
+        if is_interrupt(error):
+            raise
         hint = ""
         if isinstance(error, ModuleNotFoundError) and error.name == module_name.split(".")[0]:
             hint = (f" (looked in the current directory, {here}, and the installed packages: run pipec from the "
                     f"folder holding {error.name}.py, or add that folder to PYTHONPATH)")
-        raise UsageError(f"--model {text}: cannot import module {module_name!r}: {type(error).__name__}: "
-                         f"{error}{hint}") from error
+        raise UsageError(f"--model {text}: cannot import module {module_name!r}: {failure_words(error)}"
+                         f"{hint}") from None
 
 
 def call_spec_function(name: str, what: str, function: Callable, *arguments: Any) -> Any:
@@ -778,8 +781,24 @@ def call_spec_function(name: str, what: str, function: Callable, *arguments: Any
         return function(*arguments)
     except UsageError as error:
         raise UsageError(f"{spec_label(name)}: {error}") from None
-    except Exception as error:  # a user's function may fail in any way
-        raise UsageError(f"{spec_label(name)}: {what} failed: {type(error).__name__}: {error}") from None
+    except BaseException as error:  # a user's function may fail in any way, sys.exit(0) and BaseException too
+        if is_interrupt(error):
+            raise
+        raise UsageError(f"{spec_label(name)}: {what} failed: {failure_words(error)}") from None
+
+
+def spec_optimizer(name: str, make_optimizer: Callable, parameters: list) -> torch.optim.Optimizer:
+    """The spec's ``make_optimizer(parameters)``, checked to be an optimizer.
+
+    Raises:
+        UsageError: ``model spec NAME: ...``: the factory failed (``call_spec_function``), returned
+            something other than a ``torch.optim.Optimizer`` (None included: the run would train nothing).
+    """
+    optimizer = call_spec_function(name, "make_optimizer(parameters)", make_optimizer, parameters)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"{spec_label(name)}: make_optimizer(parameters) returned {type(optimizer).__name__}, "
+                         "not a torch.optim.Optimizer")
+    return optimizer
 
 
 def spec_label(name: str) -> str:
@@ -820,7 +839,7 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
         (empty for one chunk); None when ``passes_activations`` is False.
     Raises:
         UsageError: ``model spec NAME: ...`` naming the function at fault: a
-            ``build_chunk`` or data source that fails (its own UsageError's
+            ``build_chunk``, ``make_optimizer`` (or one that gives no optimizer) or data source that fails (its own UsageError's
             words kept, so a missing data file is named), data of the wrong
             form, a forward that fails, an output that is no payload, or one
             that does not fit the declaration.
@@ -832,6 +851,9 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
     precision = precision or FP32
     chunk = call_spec_function(name, f"build_chunk(config, 0, {num_chunks}, seed)", spec.build_chunk,
                                config, 0, num_chunks, seed)
+    trained = [p for p in chunk.parameters() if p.requires_grad]
+    if trained:  # a factory that fails or gives no optimizer is refused here, not on every rank later
+        spec_optimizer(name, spec.make_optimizer, trained)
     first = frozenset({0})
     inputs, _ = BatchSource(spec, config, seed, num_microbatches, (first, first), name=name).batch(0)
     if num_chunks < 2 and passes_activations:

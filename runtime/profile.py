@@ -29,7 +29,11 @@ and the data move to the GPU and every timing is bracketed by ``torch.cuda.synch
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Callable, NamedTuple
@@ -41,7 +45,7 @@ from pipec.compiler.costs import LAYER_KEYS
 from pipec.compiler.spread import Spread
 from pipec.errors import UsageError
 from pipec.runtime import payload
-from pipec.runtime.config import DEFAULT_REPEATS
+from pipec.runtime.config import DEFAULT_PROFILE_TIMEOUT_S, DEFAULT_REPEATS
 from pipec.runtime.data import BatchSource
 from pipec.runtime.layered import build_layers
 from pipec.runtime.model import ModelSpec, call_spec_function, spec_label
@@ -122,7 +126,7 @@ def model_layers(spec: ModelSpec, config: Any, seed: int, name: str = "") -> lis
 
 
 def profile_layers(spec: ModelSpec, config: Any, seed: int, *, repeats: int = DEFAULT_REPEATS,
-                   warmup: int = WARMUP, name: str = "") -> Profile:
+                   warmup: int = WARMUP, name: str = "", timeout: float = DEFAULT_PROFILE_TIMEOUT_S) -> Profile:
     """Measure every layer of ``spec`` and the whole chain (see the module docstring).
 
     Args:
@@ -132,6 +136,8 @@ def profile_layers(spec: ModelSpec, config: Any, seed: int, *, repeats: int = DE
         repeats: measured passes, at least 1.
         warmup: unmeasured passes before them.
         name: how messages name the spec.
+        timeout: the longest one call (a layer's forward or backward, the whole pass) may take, seconds;
+            past it the process ends (``_Deadline``): a layer that hangs ends the profile naming it.
     Returns:
         the ``Profile``.
     Raises:
@@ -145,6 +151,7 @@ def profile_layers(spec: ModelSpec, config: Any, seed: int, *, repeats: int = DE
     modules = [module.to(device) for _, module in named]
     inputs, targets = BatchSource(spec, config, seed, 1, device=device, name=name).batch(0)
     chain = _Chain(modules, [layer_name for layer_name, _ in named], inputs[0], targets[0], spec.loss_fn, name, device)
+    chain.deadline.seconds = timeout
     forwards: list[list[float]] = [[] for _ in modules]
     backwards: list[list[float]] = [[] for _ in modules]
     wholes: list[float] = []
@@ -190,6 +197,7 @@ class _Chain:
         self.loss_fn, self.spec_name = loss_fn, spec_name
         self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.activation_bytes: list[int] = []
+        self.deadline = _Deadline(DEFAULT_PROFILE_TIMEOUT_S, spec_label(spec_name))
 
     def clock(self) -> float:
         """Now, once the device has done what it was given."""
@@ -200,11 +208,13 @@ class _Chain:
         """Layer ``index``'s forward on ``value``, and the last layer's loss after it (as the runtime's last
         stage computes it in its forward): (output, what a backward starts from). Failures are named."""
         what = f"layer {index} ({self.names[index]})"
-        output = call_spec_function(self.spec_name, f"{what}'s forward", payload.call, self.modules[index], value)
+        with self.deadline.watching(f"{what}'s forward"):
+            output = call_spec_function(self.spec_name, f"{what}'s forward", payload.call, self.modules[index], value)
         if index < len(self.modules) - 1:
             return output, output
-        return output, call_spec_function(self.spec_name, f"loss_fn({what}'s output, targets)", self.loss_fn,
-                                          output, self.targets)
+        with self.deadline.watching(f"loss_fn({what}'s output, targets)"):
+            return output, call_spec_function(self.spec_name, f"loss_fn({what}'s output, targets)", self.loss_fn,
+                                              output, self.targets)
 
     def layout(self, index: int, output: Any) -> payload.Layout | None:
         """The layout of layer ``index``'s output; None for the last layer's when it is no payload (it goes
@@ -217,8 +227,9 @@ class _Chain:
             raise UsageError(f"{spec_label(self.spec_name)}: {error}") from None
 
     def backward(self, index: int, roots: list, grads: list | None) -> None:
-        call_spec_function(self.spec_name, f"layer {index} ({self.names[index]})'s backward",
-                           torch.autograd.backward, roots, grads)
+        what = f"layer {index} ({self.names[index]})'s backward"
+        with self.deadline.watching(what):
+            call_spec_function(self.spec_name, what, torch.autograd.backward, roots, grads)
 
     def drop_gradients(self) -> None:
         for module in self.modules:
@@ -263,6 +274,46 @@ class _Chain:
             _, value = self.forward(index, value)
         self.backward(len(self.modules) - 1, [value], None)
         return self.clock() - start
+
+
+class _Deadline:
+    """Ends the process when one watched call runs past ``seconds``, naming it.
+
+    A thread, not a signal: a layer stuck in native code (a kernel, a lock) never returns to Python to
+    act on one. The profile writes nothing before it ends, so ending it at once loses nothing; the
+    message is what ``pipec profile`` prints for any error, and the status is 1.
+    """
+
+    def __init__(self, seconds: float, label: str):
+        self.seconds, self.label = seconds, label
+        self.current: tuple[str, float] | None = None
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    @contextmanager
+    def watching(self, what: str):
+        with self.lock:
+            self.current = (what, time.monotonic() + self.seconds)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._watch, name="pipec-profile-deadline", daemon=True)
+                self.thread.start()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.current = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(0.1, self.seconds / 4))
+            with self.lock:
+                current = self.current
+            if current is not None and time.monotonic() > current[1]:
+                sys.stdout.flush()
+                sys.stderr.write(f"{self.label}: {current[0]} did not return within {self.seconds:g} s "
+                                 "(pipec profile --timeout): nothing was written\n")
+                sys.stderr.flush()
+                os._exit(1)
 
 
 def _nbytes(value: Any) -> int:

@@ -39,7 +39,7 @@ from pipec.runtime import comm, report, worker
 from pipec.runtime import model as builtin
 from pipec.runtime.data import BatchSource, data_needs
 from pipec.runtime.family import RuntimeFamily, register
-from pipec.runtime.model import RingModel, call_spec_function, spec_label
+from pipec.runtime.model import RingModel, call_spec_function, spec_label, spec_optimizer
 from pipec.runtime.rings import HANDLERS, PART_POSTERS, RingAttention, RingContext, chunk_length
 
 
@@ -160,7 +160,7 @@ def train_ring(plan, rank: int, world: int, device) -> list[float]:
     first, resumed = 1, plan.checkpoint
     if resumed is not None:
         checkpoints.load_modules([model], resumed.model, run.resume)
-    optimizer = spec.make_optimizer(model.parameters())
+    optimizer = spec_optimizer(run.model, spec.make_optimizer, list(model.parameters()))
     names = checkpoints.parameter_names([model])
     if resumed is not None:
         checkpoints.load_optimizer_state(optimizer, names, resumed.optimizer)

@@ -239,7 +239,7 @@ def train_tensor(plan, rank: int, world: int, device) -> list[float]:
 
 def _save(path: str, params: list[dict], rank: int, world: int) -> None:
     """Gather every rank's slices and write the whole model's state_dict on rank 0 (atomically)."""
-    from pipec.compiler.atomic_write import atomic_writer
+    from pipec.runtime.checkpoint import save_atomically
 
     model = {}
     for layer, weights in enumerate(params):
@@ -248,8 +248,7 @@ def _save(path: str, params: list[dict], rank: int, world: int) -> None:
             dist.all_gather(pieces, tensor.detach().contiguous())
             model[f"layers.{layer}.{name}"] = torch.cat(pieces, dim=1 if name == "w2" else 0)
     if rank == 0:
-        with atomic_writer(path, binary=True, what="the saved model") as out:
-            torch.save(model, out)
+        save_atomically(model, path, "the saved model")
         print(f"saved: {path}", flush=True)
 
 

@@ -45,7 +45,7 @@ from pipec.compiler.ir import groups_refusal
 from pipec.errors import PipecError, RuntimeFault, UsageError, printable
 from pipec.runtime import phases, report
 from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_SEED,
-                                  DEFAULT_STEPS, DEFAULT_TIMEOUT_S, RunConfig)
+                                  DEFAULT_STEPS, DEFAULT_TIMEOUT_S, RunConfig, output_clash)
 
 # How long joining the group may take. Workers start at different moments
 # (importing torch, compiling the schedule, on other nodes), which has nothing
@@ -366,10 +366,14 @@ def resolve_checkpoint(config: RunConfig) -> tuple[RunConfig, object]:
     Returns:
         (``config`` with its seed settled, an int; the ``checkpoint.Checkpoint`` to go on from, or None).
     Raises:
-        UsageError: ``--save-every`` without ``--save``; ``check_resumable``'s and ``read_checkpoint``'s.
+        UsageError: ``--save-every`` without ``--save``; outputs that overwrite each other or an input
+            (``config.output_clash``); ``check_resumable``'s and ``read_checkpoint``'s.
     """
     if config.save_every and not config.save:
         raise UsageError("--save-every K saves to the --save file: pass --save FILE too")
+    clash = output_clash(config)
+    if clash is not None:
+        raise UsageError(clash)
     if not config.resume:
         return dataclasses.replace(config, seed=DEFAULT_SEED if config.seed is None else config.seed), None
     from pipec.runtime.checkpoint import check_resumable, read_checkpoint
@@ -689,9 +693,12 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     if family.train is not None:  # the family's own loop (a sequence ring: the whole model on every rank)
         phases.announce(phases.TRAINING, deadline=None)  # each of its waits has its own deadline
         return family.train(plan, rank, world, device)
+    from pipec.runtime.model import call_spec_function
+
     phases.announce(phases.MODEL_BUILD)
-    stages = stage_modules(program, rank,
-                           lambda chunk: spec.build_chunk(config, chunk, program.num_chunks, run.seed).to(device))
+    stages = stage_modules(program, rank, lambda chunk: call_spec_function(
+        run.model, f"build_chunk(config, {chunk}, {program.num_chunks}, seed)", spec.build_chunk, config, chunk,
+        program.num_chunks, run.seed).to(device))
     checkpoint = plan.checkpoint
     if checkpoint is not None:  # before the context: weight passing cuts its shards from the modules
         phases.announce(phases.CHECKPOINT_LOAD)

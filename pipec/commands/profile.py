@@ -13,8 +13,8 @@ from pipec.commands._common import dump_json, human_bytes, write_output
 
 
 def register(sub) -> None:
-    from pipec.compiler.guarded_read import positive_count_arg
-    from pipec.runtime.config import DEFAULT_REPEATS  # not runtime.profile, which loads torch
+    from pipec.compiler.guarded_read import positive_count_arg, seconds_arg
+    from pipec.runtime.config import DEFAULT_PROFILE_TIMEOUT_S, DEFAULT_REPEATS  # not runtime.profile: torch
     from pipec.runtime.worker import add_model_arguments
 
     parser = sub.add_parser(
@@ -28,6 +28,9 @@ def register(sub) -> None:
                         help="write the cost file here (default: only print the table)")
     parser.add_argument("--repeats", type=positive_count_arg, default=DEFAULT_REPEATS, metavar="N",
                         help=f"measured passes each median is over (default {DEFAULT_REPEATS}, after a warm-up)")
+    parser.add_argument("--timeout", type=seconds_arg, default=DEFAULT_PROFILE_TIMEOUT_S, metavar="SECONDS",
+                        help="the longest one layer's forward or backward may take; past it the profile stops "
+                             f"naming the layer (default {DEFAULT_PROFILE_TIMEOUT_S:g})")
     parser.set_defaults(func=run)
 
 
@@ -42,7 +45,7 @@ def run(args) -> int:
     spec = load_model_spec(args.model)
     config = override_config(spec.config, args.config)
     load = load_average()  # before measuring: this process's own work is not the machine's load
-    measured = profile_layers(spec, config, DEFAULT_SEED, repeats=args.repeats, name=args.model)
+    measured = profile_layers(spec, config, DEFAULT_SEED, repeats=args.repeats, name=args.model, timeout=args.timeout)
     data = measured.cost_data()
     costs_from_json(data, "the measured layers")  # what pipec writes, pipec reads: a bad layer name fails here
     if args.output:
