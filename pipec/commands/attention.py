@@ -33,7 +33,7 @@ import tempfile
 from pipec.compiler.family import families_of
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
 from pipec.compiler.ops import SEQUENCE_RING
-from pipec.errors import PipecError, UsageError
+from pipec.errors import PipecError, UsageError, printable_name
 from pipec.runtime.ring_check import (ANSWER_PREFIX, DTYPES, FIELDS, JOBS_FILE, AttentionJob, job_inputs,
                                       jobs_to_json, reference)
 
@@ -215,7 +215,7 @@ def describe(result: dict) -> str:
     pieces = f"{info['pieces']} piece{'s' if info['pieces'] > 1 else ''}"
     rings = f"{len(info['rings'])} ring{'s' if len(info['rings']) > 1 else ''}"
     lines = [
-        f"{info['name'] or 'ring program'}: {info['ranks']} ranks, {info['chunks']} chunks (holders "
+        f"{printable_name(info['name']) or 'ring program'}: {info['ranks']} ranks, {info['chunks']} chunks (holders "
         f"{' '.join(map(str, info['holders']))}) of {pieces}, {rings}, "
         f"{'causal' if info['causal'] else 'full attention'}, kv {info['kv']}, dkv {info['dkv']}, {info['transfer']}",
         f"inputs: seq {result['seq']}, batch {result['batch']}, heads {result['heads']}, "

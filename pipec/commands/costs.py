@@ -13,6 +13,7 @@ does not.
 from __future__ import annotations
 
 from pipec.commands._common import describe_params, dump_json, read_json, target_of_run, write_output
+from pipec.errors import printable_name
 
 
 def register(sub) -> None:
@@ -53,7 +54,7 @@ def run(args) -> int:
     ops = [op for op in COMPUTE_OPS if any(op in times for times in per_chunk.values())]
     steps = measured.steps
     lines = [
-        f"{program.name} ({describe_params(program.params)}), steps {steps[0]}..{steps[-1]} of {args.trace}: "
+        f"{printable_name(program.name)} ({describe_params(program.params)}), steps {steps[0]}..{steps[-1]} of {args.trace}: "
         f"median compute time per task, {UNIT}",
         "  chunk " + "".join(f"{op:>9}     " for op in ops),
     ]

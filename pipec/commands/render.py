@@ -27,7 +27,7 @@ import sys
 from pipec.commands._common import load_costs, read_json, target_of_run, write_output
 from pipec.compiler.guarded_read import count_arg, looks_like_program, positive_count_arg, read_program
 from pipec.compiler.trace_events import recorded
-from pipec.errors import UsageError
+from pipec.errors import UsageError, printable_name
 
 
 def register(sub) -> None:
@@ -73,7 +73,7 @@ def run(args) -> int:
         program, cycle = _program_for_graph(target, defines, costs, args.budget)
         write_graph(program, args.output, cycle=cycle)
         if cycle:
-            sys.stderr.write(f"note: {program.name} fails the deadlock check; its wait-for cycle is drawn in red "
+            sys.stderr.write(f"note: {printable_name(program.name)} fails the deadlock check; its wait-for cycle is drawn in red "
                              f"({len(cycle)} rank(s))\n")
     else:
         from pipec.compiler.render import timeline_from_trace

@@ -11,6 +11,7 @@ from pipec.commands._common import (
     number_text,
     write_output,
 )
+from pipec.errors import printable_name
 
 
 def register(sub) -> None:
@@ -45,7 +46,7 @@ def run(args) -> int:
         write_output(dump_json(out, "the simulation's JSON"), None)
         return 0
     lines = [
-        f"{compiled.spec.name} ({describe_params(compiled.program.params)}): makespan {number_text(result.makespan)}, "
+        f"{printable_name(compiled.spec.name)} ({describe_params(compiled.program.params)}): makespan {number_text(result.makespan)}, "
         f"bubble ratio {result.bubble_text()}"
     ]
     # a split backward: some op leaves a weight gradient waiting (I), counted in peak_waiting_w
