@@ -46,6 +46,13 @@ MAX_STEP_CELLS = MAX_TASKS
 # the holder of each is evaluated: 2 x 1,000^2 = MAX_TASKS, the most chunks a
 # full mask fits.
 MAX_CHUNKS = 1_000
+# A sequence ring's attention blocks (a query chunk against a KV piece), which its compile, check and
+# simulation cost grows with: measured on a loaded 2-core machine (pipec simulate --json, CPU seconds),
+# zigzag_ring at P=250 (125,250 blocks) took 26 s and 1.0 GB, 0.21 ms a block; tasp at P=40 (126,360 blocks
+# on 39 rings) 15.8 s and 0.4 GB, 0.13 ms a block. zigzag_ring at P=500 (500,500 blocks) and tasp at P=79
+# (979,758) ran past 200 s. 300,000 blocks keep a program to about 60 s, half of the 120 s issue 24 allows.
+MAX_RING_BLOCKS = 300_000
+RING_LIMIT_TEXT = "about 60 s of CPU to compile and simulate"
 # Ranks: a program has per-rank lists and per-pair tables (P^2 entries, about
 # 160 MB at P = 4096, compiled in under 2 s).
 MAX_RANKS = 4096

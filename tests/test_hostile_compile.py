@@ -222,3 +222,16 @@ def test_a_bad_size_table_is_a_pipec_error():
         with pytest.raises(CostFileError, match="not a non-negative number"):
             check_sizes({"activation": bad})
     check_sizes({"activation": 0, "weight": 2.5})
+
+
+# ----------------------------------------------------------------- large programs (issue 24, item 4)
+
+
+@pytest.mark.parametrize("argv, blocks", [(["zigzag_ring", "-D", "P=500"], "500,500"), (["tasp", "-D", "P=79"], "979,758")])
+def test_a_sequence_ring_past_the_block_limit_is_refused_up_front(capsys, argv, blocks):
+    from pipec.dsl.limits import MAX_RING_BLOCKS
+
+    status, out, err = cli(capsys, "simulate", *argv, "--json")
+    assert status == 1 and out == ""
+    assert f"has {blocks} attention blocks; pipec's limit for a sequence ring is {MAX_RING_BLOCKS:,} blocks" in err
+    assert err.splitlines()[0].startswith("schedules/") or ".pipe:" in err.splitlines()[0]  # located
