@@ -39,6 +39,14 @@ BYTES_PER_TASK_TEXT = "about 1.3 KiB each to compile and simulate"
 # Weight passing walks every step of every rank (idle or not: a ring steps on
 # all of them), so its step grid, ranks x steps, has the task grid's bound.
 MAX_STEP_CELLS = MAX_TASKS
+# ... but the weight-passing prover (compiler/checks/symbolic.py) grows faster than its cells (issue 24, item 4:
+# quadratic in N), so an order's step cells have a lower bound, checked as the order is evaluated, before the
+# program is built or proved. Measured on a loaded 2-core machine (pipec simulate --json, CPU seconds):
+# weipipe at P=100, N=200 took 14 s and 0.5 GB; at P=200, N=400 past 100 s; at P=350 and P=700 (and tawpipe
+# at P=700) it ran out of memory past 5 GB; weipipe at P=120 (about 35,000 cells) took 22 s and fsdp at
+# P=200 (60,200 cells) ran past 60 s: 60,000 cells keep a program near a minute.
+MAX_PASSING_STEP_CELLS = 60_000
+PASSING_LIMIT_TEXT = "the weight-passing proof grows faster than its steps: about a minute of CPU at the limit"
 # Sequence rings: the compiler runs a forward and a backward task for each
 # visible block (a query chunk against a KV piece): chunks x chunks x pieces
 # blocks under a full mask, C (C + 1) / 2 x pieces under a causal one. That
