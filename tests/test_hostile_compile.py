@@ -235,3 +235,18 @@ def test_a_sequence_ring_past_the_block_limit_is_refused_up_front(capsys, argv, 
     assert status == 1 and out == ""
     assert f"has {blocks} attention blocks; pipec's limit for a sequence ring is {MAX_RING_BLOCKS:,} blocks" in err
     assert err.splitlines()[0].startswith("schedules/") or ".pipe:" in err.splitlines()[0]  # located
+
+
+@pytest.mark.parametrize("argv", [["weipipe", "-D", "P=700"], ["tawpipe", "-D", "P=700"], ["fsdp", "-D", "P=4096"],
+                                  ["fsdp", "-D", "P=200"]])
+def test_a_large_weight_passing_program_is_refused_naming_the_limit(capsys, argv):
+    from pipec.dsl.limits import MAX_PASSING_STEP_CELLS, MAX_TASKS
+
+    status, out, err = cli(capsys, "simulate", *argv, "--json")
+    assert status == 1 and out == "" and ".pipe:" in err.splitlines()[0]
+    assert f"limit of {MAX_PASSING_STEP_CELLS:,}" in err or f"limit is {MAX_TASKS:,} tasks" in err
+
+
+def test_weight_passing_within_the_limit_still_compiles():
+    program = compile_target("weipipe", {"P": "16", "N": "256"}).program
+    assert program.num_ranks == 16 and program.instruction_count() > 0
