@@ -170,7 +170,8 @@ def _check_size(job: AttentionJob) -> None:
     for what, elements in sizes:
         if elements > MAX_ATTENTION_ELEMENTS:
             raise UsageError(f"the run's {what} would hold {elements:,} elements; pipec attention's limit is "
-                             f"{MAX_ATTENTION_ELEMENTS:,} ({MAX_ATTENTION_TEXT}): a smaller size checks the same program")
+                             f"{MAX_ATTENTION_ELEMENTS:,} ({MAX_ATTENTION_TEXT}): a smaller size checks the same "
+                             "program")
 
 
 def _dtype_name(dtype) -> str:

@@ -56,7 +56,8 @@ def run(args) -> int:
     ops = [op for op in COMPUTE_OPS if any(op in times for times in per_chunk.values())]
     steps = measured.steps
     lines = [
-        f"{printable_name(program.name)} ({describe_params(program.params)}), steps {steps[0]}..{steps[-1]} of {args.trace}: "
+        f"{printable_name(program.name)} ({describe_params(program.params)}), steps {steps[0]}..{steps[-1]} "
+        f"of {args.trace}: "
         f"median compute time per task, {UNIT}",
         "  chunk " + "".join(f"{op:>9}     " for op in ops),
     ]

@@ -75,7 +75,8 @@ def run(args) -> int:
             program, cycle = _program_for_graph(target, defines, costs, args.budget)
         write_graph(program, args.output, cycle=cycle)
         if cycle:
-            sys.stderr.write(f"note: {printable_name(program.name)} fails the deadlock check; its wait-for cycle is drawn in red "
+            sys.stderr.write(f"note: {printable_name(program.name)} fails the deadlock check; its wait-for cycle "
+                             "is drawn in red "
                              f"({len(cycle)} rank(s))\n")
     else:
         from pipec.compiler.render import timeline_from_trace

@@ -46,7 +46,8 @@ def run(args) -> int:
         write_output(dump_json(out, "the simulation's JSON"), None)
         return 0
     lines = [
-        f"{printable_name(compiled.spec.name)} ({describe_params(compiled.program.params)}): makespan {number_text(result.makespan)}, "
+        f"{printable_name(compiled.spec.name)} ({describe_params(compiled.program.params)}): "
+        f"makespan {number_text(result.makespan)}, "
         f"bubble ratio {result.bubble_text()}"
     ]
     # a split backward: some op leaves a weight gradient waiting (I), counted in peak_waiting_w
