@@ -1,9 +1,10 @@
 """Large programs: time and peak memory per million instructions, for one schedule of each family.
 
 Issue 24 asks that checking and simulating stay linear in instructions up to
-the language's limits. For one schedule of each family (activation passing:
-``zb_h1``; asynchronous: ``pipedream``; weight passing: ``weipipe``; sequence
-rings: ``zigzag_ring``) at a size that takes a few seconds, this runs, each in
+the language's limits. For schedules of each family (activation passing:
+``zb_h1``; asynchronous: ``pipedream``; weight passing: ``weipipe``,
+``tawpipe``, ``fsdp``; sequence rings: ``zigzag_ring``, ``tasp``; tensor
+parallel: ``megatron_mlp``) at a size that takes a few seconds, this runs, each in
 a fresh process so that one run's memory does not hide another's,
 
 * ``check``: ``pipec check`` (parse, evaluate, order, communication, every check), and
@@ -14,7 +15,9 @@ and prints the instructions, the CPU seconds and the peak resident memory the
 command added to the process (``resource.getrusage``'s maxrss, less its value
 after a run at the default size, which made pipec's imports), in all and per
 million instructions. Linear work keeps the per-million figures flat as
-``--scale`` grows.
+``--scale`` grows. Where it does not (the weight-passing prover, sequence rings
+at hundreds of ranks) a limit in ``dsl/limits.py`` refuses the program up front
+(``MAX_PASSING_STEP_CELLS``, ``MAX_RING_BLOCKS``); a case past it prints the refusal.
 
 Usage: python benchmarks/large_programs.py [--scale 1.0] [--only pipedream,...]
 """
@@ -33,12 +36,21 @@ import time
 CASES = [
     ("zb_h1", {"P": 16, "N": 4000}),
     ("pipedream", {"P": 16, "N": 4000}),
-    ("weipipe", {"P": 16, "N": 2048}),
+    ("weipipe", {"P": 16, "N": 1024}),
+    ("tawpipe", {"P": 16, "N": 512}),
+    ("fsdp", {"P": 16, "N": 256}),
     ("zigzag_ring", {"P": 128}),
+    ("tasp", {"P": 24}),
+    ("megatron_mlp", {"P": 8, "L": 64, "N": 64}),
 ]
+# each case's family, as the table names it
+FAMILY = {"zb_h1": "activation", "pipedream": "activation (async)", "weipipe": "weight passing",
+          "tawpipe": "weight passing", "fsdp": "weight passing", "zigzag_ring": "rings", "tasp": "rings",
+          "megatron_mlp": "tensor parallel"}
 # the parameter --scale multiplies, and what it stays a multiple of (WeiPipe: N % P == 0; a sequence
 # ring grows with its ranks, quadratically in instructions)
-_SCALED = {"zb_h1": ("N", 1), "pipedream": ("N", 1), "weipipe": ("N", 16), "zigzag_ring": ("P", 2)}
+_SCALED = {"zb_h1": ("N", 1), "pipedream": ("N", 1), "weipipe": ("N", 16), "tawpipe": ("N", 16), "fsdp": ("N", 16),
+           "zigzag_ring": ("P", 2), "tasp": ("P", 1), "megatron_mlp": ("N", 1)}
 
 
 def _maxrss_bytes() -> int:
@@ -74,17 +86,21 @@ def measure(command: str, name: str, params: dict[str, int]) -> dict:
     """``measure_one`` in a fresh Python process (its own peak memory)."""
     child = subprocess.run([sys.executable, __file__, "--child", json.dumps([command, name, params])],
                            capture_output=True, text=True, check=False)
-    if child.returncode != 0:
-        raise SystemExit(f"{command} {name} failed:\n{child.stderr}")
+    if child.returncode != 0:  # a size past a limit: the refusal's last line, in place of the figures
+        lines = child.stderr.strip().splitlines() or ["failed"]
+        return {"command": command, "schedule": name, "params": params, "refused": lines[-1][:160]}
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def row(result: dict) -> str:
+    if "refused" in result:
+        return f"{result['command']:<9} {result['schedule']:<12} refused: {result['refused']}"
     millions = result["instructions"] / 1e6
     params = ", ".join(f"{k}={v}" for k, v in result["params"].items())
     mib = result["peak_added_bytes"] / 2**20
-    return (f"{result['command']:<9} {result['schedule']:<12} {params:<14} {result['instructions']:>11,} "
-            f"{result['cpu_s']:>7.2f} {mib:>8.0f} {result['cpu_s'] / millions:>9.2f} {mib / millions:>10.0f}")
+    return (f"{result['command']:<9} {result['schedule']:<12} {params:<22} {result['instructions']:>11,} "
+            f"{result['cpu_s']:>7.2f} {mib:>8.0f} {result['cpu_s'] / millions:>9.2f} {mib / millions:>10.0f}  "
+            f"{FAMILY[result['schedule']]}")
 
 
 def main() -> None:
@@ -98,8 +114,8 @@ def main() -> None:
         print(json.dumps(measure_one(command, name, params)))
         return
     only = set(filter(None, args.only.split(",")))
-    print(f"{'command':<9} {'schedule':<12} {'params':<14} {'instructions':>11} {'cpu s':>7} {'peak MiB':>8} "
-          f"{'s/M instr':>9} {'MiB/M instr':>10}")
+    print(f"{'command':<9} {'schedule':<12} {'params':<22} {'instructions':>11} {'cpu s':>7} {'peak MiB':>8} "
+          f"{'s/M instr':>9} {'MiB/M instr':>10}  family")
     for name, params in CASES:
         if only and name not in only:
             continue

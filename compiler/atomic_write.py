@@ -12,7 +12,16 @@ a hidden ``.NAME.XXXX.partial`` that the next write does not mistake for
 anything).
 
 A target that is a symbolic link is replaced by the new file, not followed:
-the rename swaps the directory entry.
+the rename swaps the directory entry. An existing target that is neither a
+regular file nor a link (a FIFO, a device node such as ``/dev/null``, a
+socket) is refused before anything is written: the rename would replace the
+node with a regular file, and writing through it would block on a FIFO with
+no reader or lose the output in a device, neither of which ``-o`` promises
+(standard output is ``-o -``, or no ``-o``).
+
+The temporary name fits the folder's longest name (``NAME_MAX``, 255 bytes
+on Linux): the target's name is cut in it as far as needed, so any legal
+name can be written.
 
 No other module opens a file for writing (``tests/test_atomic_write.py``
 checks it over the source tree).
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from typing import IO
@@ -50,9 +60,10 @@ def atomic_writer(path: str, *, binary: bool = False, what: str = "") -> Iterato
     """
     folder = os.path.dirname(os.path.abspath(path))
     name = f"{what} '{path}'" if what else f"'{path}'"
+    _refuse_special(path, name)
     partial = None
     try:
-        handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=PARTIAL_SUFFIX)
+        handle, partial = tempfile.mkstemp(dir=folder, prefix=_partial_prefix(path, folder), suffix=PARTIAL_SUFFIX)
         with os.fdopen(handle, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8", "newline": ""})) as out:
             yield out
             out.flush()
@@ -91,13 +102,48 @@ def check_writable(path: str, what: str = "") -> None:
         raise UsageError(f"cannot write {name}: it is a folder")
     if not os.path.isdir(folder):
         raise UsageError(f"cannot write {name}: the folder '{folder}' does not exist")
+    _refuse_special(path, name)
     try:
-        handle, probe = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=PARTIAL_SUFFIX)
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=_partial_prefix(path, folder), suffix=PARTIAL_SUFFIX)
     except OSError as error:
         raise UsageError(f"cannot write {name}: {error.strerror or error}") from None
     os.close(handle)
     with contextlib.suppress(OSError):
         os.unlink(probe)
+
+
+# mkstemp's random part of a temporary name, in characters.
+_RANDOM_CHARS = 8
+# A folder's longest name where the system does not say (POSIX's NAME_MAX on Linux and macOS).
+_DEFAULT_NAME_MAX = 255
+# What an existing target may be other than a regular file or a link, as messages name it.
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+            (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def _refuse_special(path: str, name: str) -> None:
+    """Refuse an existing ``path`` that is no regular file or link (see the module docstring)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (OSError, ValueError):
+        return  # no such file yet (or a name the system refuses: the write itself says so)
+    for is_kind, kind in _SPECIAL:
+        if is_kind(mode):
+            raise UsageError(f"cannot write {name}: it is {kind}, not a regular file; pipec writes only regular "
+                             "files (give another path, or no -o for standard output)")
+
+
+def _partial_prefix(path: str, folder: str) -> str:
+    """``.NAME.`` for the temporary file of ``path``, NAME cut so the whole temporary name
+    (prefix, mkstemp's random part, ``PARTIAL_SUFFIX``) fits the folder's ``NAME_MAX`` bytes."""
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        name_max = _DEFAULT_NAME_MAX
+    room = max(0, min(name_max, _DEFAULT_NAME_MAX) - 2 - _RANDOM_CHARS - len(PARTIAL_SUFFIX))
+    encoded = os.fsencode(os.path.basename(path))[:room]
+    # a cut inside a multi-byte character leaves its lead bytes, which surrogateescape keeps as they are
+    return f".{os.fsdecode(encoded)}."
 
 
 def _keep_mode(path: str, partial: str) -> None:

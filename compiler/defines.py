@@ -9,7 +9,7 @@ command, the compiler only when a command compiles.
 from __future__ import annotations
 
 from pipec.compiler.guarded_read import is_plain_int, quote
-from pipec.errors import UsageError
+from pipec.errors import UsageError, printable_name
 
 
 def parse_defines(items: list[str]) -> dict[str, str]:
@@ -49,7 +49,8 @@ def value_text(value) -> str:
 
 def params_text(params: dict, separator: str = ", ") -> str:
     """Parameters as ``P=4, N=8, remat=false``."""
-    return separator.join(f"{name}={value_text(value)}" for name, value in params.items())
+    # a program file's parameter names are the file's text: escaped (pipec.errors.printable_name)
+    return separator.join(f"{printable_name(name)}={value_text(value)}" for name, value in params.items())
 
 
 # What a bool parameter accepts besides integers (the schedule's _coerce: 1 / 0 are ints here).

@@ -182,15 +182,15 @@ def compile_spec(
         byte_budget: size class -> the most bytes of live values of that
             class per rank, or None; every class it names needs a size in ``costs``.
     Raises:
-        ValueError: a byte budget for a class the cost model gives no size
-            (checked before compiling), or an unknown size class.
+        UsageError: a byte budget for a class the cost model gives no size (checked before compiling).
+        CostFileError: an unknown size class in the budget.
     """
     sizes = costs.sizes if costs is not None else {}
     if byte_budget is not None:
         check_sizes(byte_budget)
         missing = [size_class for size_class in byte_budget if size_class not in sizes]
         if missing:
-            raise ValueError(f"a byte budget for {missing[0]!r} needs its size: the cost model gives none (sizes)")
+            raise UsageError(f"a byte budget for {missing[0]!r} needs its size: the cost model gives none (sizes)")
     compute, program = lower_spec(spec, costs)
     if memory_budget is not None or byte_budget is not None:
         refusal = first_refusal(program, lambda family: family.refuse_memory_budget(spec.name))

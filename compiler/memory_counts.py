@@ -38,6 +38,7 @@ from pipec.compiler import ops
 from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program, RingPlan
 from pipec.compiler.ops import Use
+from pipec.errors import CostFileError
 
 Number = Union[int, float]
 
@@ -225,13 +226,14 @@ def check_sizes(sizes: Mapping[str, Number]) -> None:
     """Reject a size table with an unknown class or a negative size.
 
     Raises:
-        ValueError: naming the bad entry and the known classes.
+        CostFileError: naming the bad entry and the known classes (a size table or a byte budget is
+            the user's, given to the API or read from a file: pipec's own error, never a ValueError).
     """
     for size_class, size in sizes.items():
         if size_class not in ops.SIZE_CLASSES:
-            raise ValueError(f"unknown size class {size_class!r}; expected one of {ops.SIZE_CLASSES}")
-        if size < 0:
-            raise ValueError(f"size class {size_class!r}: {size} bytes per value is negative")
+            raise CostFileError(f"unknown size class {size_class!r}; expected one of {', '.join(ops.SIZE_CLASSES)}")
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size >= 0:
+            raise CostFileError(f"size class {size_class!r}: {size!r} bytes per value is not a non-negative number")
 
 
 def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, Number]]:
@@ -247,7 +249,7 @@ def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, 
     Returns:
         per rank, size class -> peak bytes (0 where nothing of the class lives).
     Raises:
-        ValueError: an unknown size class or a negative size.
+        CostFileError: an unknown size class or a negative size.
     """
     check_sizes(sizes)
     families = families_of(program)

@@ -39,6 +39,14 @@ BYTES_PER_TASK_TEXT = "about 1.3 KiB each to compile and simulate"
 # Weight passing walks every step of every rank (idle or not: a ring steps on
 # all of them), so its step grid, ranks x steps, has the task grid's bound.
 MAX_STEP_CELLS = MAX_TASKS
+# ... but the weight-passing prover (compiler/checks/symbolic.py) grows faster than its cells (issue 24, item 4:
+# quadratic in N), so an order's step cells have a lower bound, checked as the order is evaluated, before the
+# program is built or proved. Measured on a loaded 2-core machine (pipec simulate --json, CPU seconds):
+# weipipe at P=100, N=200 took 14 s and 0.5 GB; at P=200, N=400 past 100 s; at P=350 and P=700 (and tawpipe
+# at P=700) it ran out of memory past 5 GB; weipipe at P=120 (about 35,000 cells) took 22 s and fsdp at
+# P=200 (60,200 cells) ran past 60 s: 60,000 cells keep a program near a minute.
+MAX_PASSING_STEP_CELLS = 60_000
+PASSING_LIMIT_TEXT = "the weight-passing proof grows faster than its steps: about a minute of CPU at the limit"
 # Sequence rings: the compiler runs a forward and a backward task for each
 # visible block (a query chunk against a KV piece): chunks x chunks x pieces
 # blocks under a full mask, C (C + 1) / 2 x pieces under a causal one. That
@@ -46,6 +54,13 @@ MAX_STEP_CELLS = MAX_TASKS
 # the holder of each is evaluated: 2 x 1,000^2 = MAX_TASKS, the most chunks a
 # full mask fits.
 MAX_CHUNKS = 1_000
+# A sequence ring's attention blocks (a query chunk against a KV piece), which its compile, check and
+# simulation cost grows with: measured on a loaded 2-core machine (pipec simulate --json, CPU seconds),
+# zigzag_ring at P=250 (125,250 blocks) took 26 s and 1.0 GB, 0.21 ms a block; tasp at P=40 (126,360 blocks
+# on 39 rings) 15.8 s and 0.4 GB, 0.13 ms a block. zigzag_ring at P=500 (500,500 blocks) and tasp at P=79
+# (979,758) ran past 200 s. 300,000 blocks keep a program to about 60 s, half of the 120 s issue 24 allows.
+MAX_RING_BLOCKS = 300_000
+RING_LIMIT_TEXT = "about 60 s of CPU to compile and simulate"
 # Ranks: a program has per-rank lists and per-pair tables (P^2 entries, about
 # 160 MB at P = 4096, compiled in under 2 s).
 MAX_RANKS = 4096

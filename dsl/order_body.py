@@ -22,7 +22,7 @@ from typing import Callable
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import Fn, Resolver
-from pipec.dsl.limits import MAX_OPERATIONS, MAX_STEP_CELLS, MAX_TASKS
+from pipec.dsl.limits import MAX_OPERATIONS, MAX_PASSING_STEP_CELLS, MAX_TASKS, PASSING_LIMIT_TEXT
 from pipec.dsl.families import declared_in
 from pipec.dsl.schedule import Budget, of_pipeline
 from pipec.dsl.spec import ScheduleSpec
@@ -97,11 +97,11 @@ class OrderState:
                 refusal = family.step_refusal(declared, step, ranks)
                 if refusal is not None:
                     raise EvalError(refusal, node.step.span, state.source)
-            if (step + 1) * ranks > MAX_STEP_CELLS:
+            if (step + 1) * ranks > MAX_PASSING_STEP_CELLS:
                 raise EvalError(
                     f"step {step} on {ranks} rank(s) makes {step + 1:,} x {ranks} step cells, more than pipec's "
-                    f"limit of {MAX_STEP_CELLS:,}: weight passing walks every step of every rank",
-                    node.step.span, state.source)
+                    f"limit of {MAX_PASSING_STEP_CELLS:,}: weight passing walks every step of every rank "
+                    f"({PASSING_LIMIT_TEXT})", node.step.span, state.source)
             outer, state.step = state.step, step
             for stmt in body:
                 stmt(env)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable
 from pipec.dsl import ast
 from pipec.dsl.evaluate import BOOL, INT, Fn, Resolver, Scope
 from pipec.dsl.families import Declared, Layout, register
-from pipec.dsl.limits import BYTES_PER_TASK_TEXT, MAX_CHUNKS, MAX_TASKS
+from pipec.dsl.limits import BYTES_PER_TASK_TEXT, MAX_CHUNKS, MAX_RING_BLOCKS, MAX_TASKS, RING_LIMIT_TEXT
 from pipec.dsl.spec import RingSpec
 from pipec.errors import EvalError, Span
 
@@ -365,6 +365,7 @@ def _check_blocks(decls: RingDecls, chunks: int, causal: bool, pieces: int | Non
     per_chunk = ring_count if pieces is None else pieces
     blocks = pairs * per_chunk
     if 2 * blocks <= MAX_TASKS:
+        _check_ring_work(decls, blocks, label, source)  # past the task limit, that limit is the one named
         return
     mask = "pairs of chunks under the causal mask" if causal else "pairs of chunks"
     if pieces is None:
@@ -374,6 +375,14 @@ def _check_blocks(decls: RingDecls, chunks: int, causal: bool, pieces: int | Non
     raise EvalError(f"{label} has {2 * blocks:,} attention tasks, a forward and a backward for each of {blocks:,} "
                     f"blocks ({pairs:,} {mask} x {per_chunk:,} KV pieces{written}); pipec's limit is "
                     f"{MAX_TASKS:,} tasks ({BYTES_PER_TASK_TEXT})", where, source)
+
+
+def _check_ring_work(decls: RingDecls, blocks: int, label: str, source: str) -> None:
+    """Refuse, before anything is built, a ring program whose compile, check and simulation would pass
+    about 120 s of CPU (issue 24, item 4): more blocks than ``MAX_RING_BLOCKS``."""
+    if blocks > MAX_RING_BLOCKS:
+        raise EvalError(f"{label} has {blocks:,} attention blocks; pipec's limit for a sequence ring is "
+                        f"{MAX_RING_BLOCKS:,} blocks ({RING_LIMIT_TEXT})", decls.sequence[0].count.span, source)
 
 
 def _chunks(count: int) -> str:

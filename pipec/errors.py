@@ -37,9 +37,20 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(_escape, text)
 
 
+# A name is one line: it may not carry a newline or a tab either.
+_UNPRINTABLE_IN_NAME = re.compile(_UNPRINTABLE.pattern[:-1] + "\n\t]")
+
+
+def printable_name(text) -> str:
+    """A name read from user data (a program file's name or parameter, an attention file's, a layer's), as
+    every table and line pipec prints shows it: ``printable``, and newlines and tabs escaped too (a name is
+    one line; a raw one could print a fake line of output). The one helper for every printer of such names."""
+    return _UNPRINTABLE_IN_NAME.sub(_escape, str(text))
+
+
 def _escape(match: re.Match) -> str:
     code = ord(match.group(0))
-    return {0x0D: "\\r"}.get(code) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    return {0x0D: "\\r", 0x0A: "\\n", 0x09: "\\t"}.get(code) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
 
 
 class PipecError(Exception):

@@ -17,6 +17,7 @@ from pipec.compiler.checks import check_memory, peak_activations
 from pipec.compiler.checks.memory import peak_waiting_w
 from pipec.compiler.driver import compile_target
 from pipec.compiler.memory_counts import live_counts, peak_bytes, size_class_deltas
+from pipec.errors import CostFileError
 from pipec.compiler.simulate import simulate
 from pipec.errors import BudgetError
 
@@ -77,9 +78,9 @@ def test_simulate_json_has_peak_bytes_only_when_sizes_are_given(one_f_one_b):
 
 
 def test_unknown_size_class_is_rejected(one_f_one_b):
-    with pytest.raises(ValueError, match="unknown size class 'activations'"):
+    with pytest.raises(CostFileError, match="unknown size class 'activations'"):
         simulate(one_f_one_b, sizes={"activations": 1})
-    with pytest.raises(ValueError, match="negative"):
+    with pytest.raises(CostFileError, match="not a non-negative number"):
         peak_bytes(one_f_one_b, {ops.SIZE_ACTIVATION: -1})
 
 

@@ -12,7 +12,7 @@ from pipec.cli import main
 from pipec.compiler.driver import task_kinds
 from pipec.dsl import RingSpec, ast, parse, resolve
 from pipec.dsl import parser as parser_module
-from pipec.dsl.limits import MAX_CHUNKS, MAX_TASKS
+from pipec.dsl.limits import MAX_CHUNKS, MAX_RING_BLOCKS, MAX_TASKS, RING_LIMIT_TEXT
 from pipec.errors import EvalError, ParseError, ResolveError, SourceErrors
 from source_util import error_of, located, messages, spec_of
 
@@ -409,8 +409,14 @@ def test_attention_tasks_are_bounded():
 
 
 def test_the_largest_sequence_fits_the_task_limit():
-    spec = spec_of(base("2 * P", f"{MAX_CHUNKS}").replace("mask causal", "mask full"))
-    assert spec.rings.chunks == MAX_CHUNKS and 2 * MAX_CHUNKS * MAX_CHUNKS <= MAX_TASKS
+    # the most chunks fit the task limit; their blocks under a full mask are past the blocks' limit (issue 24,
+    # item 4: a ring program is refused up front rather than simulated past 120 s), which names itself
+    assert 2 * MAX_CHUNKS * MAX_CHUNKS <= MAX_TASKS
+    error = error_of(EvalError, base("2 * P", f"{MAX_CHUNKS}").replace("mask causal", "mask full"))
+    assert located(error, 2, 19) == (f"s at P=4 has {MAX_CHUNKS ** 2:,} attention blocks; pipec's limit for a "
+                                     f"sequence ring is {MAX_RING_BLOCKS:,} blocks ({RING_LIMIT_TEXT})")
+    chunks = 500  # 500 x 501 / 2 blocks under the causal mask: within it
+    assert spec_of(base("2 * P", f"{chunks}")).rings.chunks == chunks
 
 
 # ------------------------------------------------------------------ hostile

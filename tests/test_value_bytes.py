@@ -13,7 +13,7 @@ from pipec.compiler.checks import check_all
 from pipec.compiler.costs import CostModel, costs_from_json, load_costs
 from pipec.compiler.driver import compile_target
 from pipec.compiler.memory_counts import peak_bytes
-from pipec.errors import BudgetError, CostFileError
+from pipec.errors import BudgetError, CostFileError, UsageError
 
 ACT = 4 * 1024 * 1024  # 4 MiB per activation-sized value
 WEIGHT = 1.2e8
@@ -97,9 +97,9 @@ def test_check_all_and_compile_target_take_a_byte_budget():
         check_all(program, byte_budget={"activation": 4 * ACT - 1}, sizes=costs.sizes)
     with pytest.raises(BudgetError):
         compile_target("1f1b", {"P": "4", "N": "8"}, costs=costs, byte_budget={"activation": 4 * ACT - 1})
-    with pytest.raises(ValueError, match="'weight'"):  # no size for the class: refused before compiling
+    with pytest.raises(UsageError, match="'weight'"):  # no size for the class: refused before compiling
         compile_target("1f1b", {"P": "4", "N": "8"}, costs=costs, byte_budget={"weight": 1})
-    with pytest.raises(ValueError, match="'activation'"):
+    with pytest.raises(UsageError, match="'activation'"):
         compile_target("1f1b", {"P": "4", "N": "8"}, byte_budget={"activation": 1})
 
 

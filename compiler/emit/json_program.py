@@ -31,7 +31,13 @@ from pipec.compiler.ir import NO_PEER, Action, Communicator, Placement, Program,
 # it; these passes build hundreds of thousands of acyclic ones.
 from pipec.compiler.family import all_families, families_of
 from pipec.compiler.gc_pause import paused_gc
+from pipec.dsl.limits import MAX_RANKS, MAX_TASKS
 from pipec.errors import ImportError_
+
+# The most instructions a program file may hold: what the language's largest task grid (MAX_TASKS) compiles
+# to with its sends and receives and frees, about four per task, with room to spare; each costs about 1 KiB
+# to check and simulate, so this bounds the work to some GiB before it starts.
+MAX_PROGRAM_INSTRUCTIONS = 4 * MAX_TASKS
 
 # Action._make skips NamedTuple's keyword handling: about 3x cheaper per instruction.
 _make_action = Action._make
@@ -244,8 +250,9 @@ def program_from_json(data: dict) -> Program:
     for key, value in params.items():
         if type(value) not in (int, bool):
             raise ImportError_(f"parameter {quote(key)} must be an integer or a boolean, got {quote(value)}")
-    num_ranks = _get_int(data, "num_ranks", low=1)
-    num_microbatches = _get_int(data, "num_microbatches", low=0)
+    num_ranks = _get_int(data, "num_ranks", low=1, high=(MAX_RANKS, "ranks"))
+    num_microbatches = _get_int(data, "num_microbatches", low=0, high=(MAX_TASKS, "tasks"))
+    _check_instruction_count(data)
     stages = _read_stages(_get(data, "stages", list), num_ranks)
     pipelines = _read_pipelines(_get(data, "pipelines", list), stages)
     mb_pipeline = _read_int_list(_get(data, "mb_pipeline", list), "mb_pipeline", len(pipelines))
@@ -315,11 +322,28 @@ def _get(data: dict, key: str, kind: type):
     return value
 
 
-def _get_int(data: dict, key: str, low: int) -> int:
+def _get_int(data: dict, key: str, low: int, high: tuple[int, str] | None = None) -> int:
+    """``data[key]``, an integer at least ``low`` and, with ``high`` = (limit, what it bounds), at most the limit,
+    which the message names: refused here, before anything the size makes is built."""
     value = _get(data, key, int)
     if value < low:
         raise ImportError_(f"field \"{key}\" must be at least {low}, got {value}")
+    if high is not None and value > high[0]:
+        raise ImportError_(f"field \"{key}\" is {value:,}, past pipec's limit of {high[0]:,} {high[1]} "
+                           f"(the language's, dsl/limits.py); nothing was read further")
     return value
+
+
+def _check_instruction_count(data: dict) -> None:
+    """The program's instructions (its rows' lengths, parts not counted) within ``MAX_PROGRAM_INSTRUCTIONS``,
+    counted before any is decoded."""
+    rows = data.get("ranks")
+    if not isinstance(rows, list):
+        return  # named where "ranks" is read
+    count = sum(len(row) for row in rows if isinstance(row, list))
+    if count > MAX_PROGRAM_INSTRUCTIONS:
+        raise ImportError_(f"the program has {count:,} instructions, past pipec's limit of "
+                           f"{MAX_PROGRAM_INSTRUCTIONS:,} for a program file; nothing was decoded")
 
 
 def _read_stages(raw: list, num_ranks: int) -> list[StageInfo]:

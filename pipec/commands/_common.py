@@ -12,7 +12,7 @@ from typing import TextIO
 from pipec.compiler.defines import parse_defines  # one definition, shared with the runtime's worker
 from pipec.compiler.guarded_read import count_arg, quote
 from pipec.compiler.trace_events import recorded
-from pipec.errors import NumberLimitError, UsageError
+from pipec.errors import NumberLimitError, SourceError, SourceErrors, UsageError, printable_name
 
 
 def add_target_arguments(parser: argparse.ArgumentParser, costs: bool = True) -> None:
@@ -247,6 +247,32 @@ def target_of_run(args, trace, command: str) -> tuple[str, dict[str, str]]:
     except UsageError as error:
         raise UsageError(f"'{args.trace}' ran {quote(ran)}, which cannot be read now ({error}); give TARGET") from None
     return ran, merged
+
+
+@contextlib.contextmanager
+def named_by_trace(trace_path: str, target: str, taken: bool) -> Iterator[None]:
+    """Compile (or read) a target that the trace ``trace_path`` named, quoting nothing of it.
+
+    A trace is a file a user hands pipec; the target it records may be any file. A source error
+    prints a line of its file with a caret, so a trace naming ``/etc/passwd`` would have pipec
+    print a line of that: an error of the target read here is reported by its location and kind
+    only, with the trace named (``taken`` False: TARGET was given, errors as always).
+
+    Raises:
+        UsageError: ``'TRACE' ran TARGET, which does not compile now (FILE:LINE:COL: a parse error); give TARGET``.
+    """
+    if not taken:
+        yield
+        return
+    try:
+        yield
+    except (SourceError, SourceErrors) as error:
+        first = error.errors[0] if isinstance(error, SourceErrors) else error
+        span = first.span
+        where = f"{printable_name(span.file)}:{span.line}:{span.col}: " if span is not None else ""
+        kind = type(first).__name__.replace("Error", " error").lower()
+        raise UsageError(f"'{trace_path}' ran {quote(target)}, which does not compile now ({where}a {kind}; "
+                         "its text is not shown, as the trace named it); give TARGET") from None
 
 
 def _shipped_target_named(name: str, trace_path: str) -> str:

@@ -33,13 +33,17 @@ import tempfile
 from pipec.compiler.family import families_of
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
 from pipec.compiler.ops import SEQUENCE_RING
-from pipec.errors import PipecError, UsageError
+from pipec.errors import PipecError, UsageError, printable_name
 from pipec.runtime.ring_check import (ANSWER_PREFIX, DTYPES, FIELDS, JOBS_FILE, AttentionJob, job_inputs,
                                       jobs_to_json, reference)
 
 DEFAULT_TIMEOUT_S = 60.0
 # The worker: ``python -m pipec.runtime.ring_check JOBS``.
 WORKER_MODULE = "pipec.runtime.ring_check"
+# The most elements one tensor of a run may hold (inputs, or the reference's scores): 2^27 float64 values
+# are 1 GiB, and a run holds a few such tensors per process; the numbers the check is for show at any size.
+MAX_ATTENTION_ELEMENTS = 2 ** 27
+MAX_ATTENTION_TEXT = "2^27, 1 GiB of float64 per tensor"
 # What the run is called in the launcher's messages and report.
 COMMAND = "pipec attention"
 
@@ -152,8 +156,22 @@ def check_job(job: AttentionJob, nproc: int) -> None:
     for name, value in (("--heads", job.heads), ("--head-dim", job.head_dim), ("--batch", job.batch)):
         if not isinstance(value, int) or value < 1:
             raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+    _check_size(job)
     if _dtype_name(job.dtype) not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {job.dtype!r}")
+
+
+def _check_size(job: AttentionJob) -> None:
+    """Refuse, before any process starts, a run whose tensors pass ``MAX_ATTENTION_ELEMENTS``: the inputs
+    (batch x heads x seq x head dim, each of q, k, v and their gradients) and the one-process reference's
+    attention scores (batch x heads x seq x seq), which are held whole."""
+    sizes = (("inputs (--batch x --heads x --seq x --head-dim)", job.batch * job.heads * job.seq * job.head_dim),
+             ("reference's attention scores (--batch x --heads x --seq x --seq)", job.batch * job.heads * job.seq ** 2))
+    for what, elements in sizes:
+        if elements > MAX_ATTENTION_ELEMENTS:
+            raise UsageError(f"the run's {what} would hold {elements:,} elements; pipec attention's limit is "
+                             f"{MAX_ATTENTION_ELEMENTS:,} ({MAX_ATTENTION_TEXT}): a smaller size checks the same "
+                             "program")
 
 
 def _dtype_name(dtype) -> str:
@@ -215,7 +233,7 @@ def describe(result: dict) -> str:
     pieces = f"{info['pieces']} piece{'s' if info['pieces'] > 1 else ''}"
     rings = f"{len(info['rings'])} ring{'s' if len(info['rings']) > 1 else ''}"
     lines = [
-        f"{info['name'] or 'ring program'}: {info['ranks']} ranks, {info['chunks']} chunks (holders "
+        f"{printable_name(info['name']) or 'ring program'}: {info['ranks']} ranks, {info['chunks']} chunks (holders "
         f"{' '.join(map(str, info['holders']))}) of {pieces}, {rings}, "
         f"{'causal' if info['causal'] else 'full attention'}, kv {info['kv']}, dkv {info['dkv']}, {info['transfer']}",
         f"inputs: seq {result['seq']}, batch {result['batch']}, heads {result['heads']}, "

@@ -12,7 +12,9 @@ does not.
 """
 from __future__ import annotations
 
-from pipec.commands._common import describe_params, dump_json, read_json, target_of_run, write_output
+from pipec.commands._common import (describe_params, dump_json, named_by_trace, read_json, target_of_run,
+                                    write_output)
+from pipec.errors import printable_name
 
 
 def register(sub) -> None:
@@ -43,7 +45,8 @@ def run(args) -> int:
     trace = read_json(args.trace, "trace")
     target, defines = target_of_run(args, trace, "costs")
     ran_with = recorded(trace, "costs")  # the run's order may have depended on it: compile the same program
-    program = compile_target(target, defines, costs=load_costs(ran_with) if ran_with else None).program
+    with named_by_trace(args.trace, target, args.target is None):
+        program = compile_target(target, defines, costs=load_costs(ran_with) if ran_with else None).program
     measured = measure_costs(trace, program, args.trace)
     if not args.output:
         write_output(dump_json(measured.data), None)
@@ -53,7 +56,8 @@ def run(args) -> int:
     ops = [op for op in COMPUTE_OPS if any(op in times for times in per_chunk.values())]
     steps = measured.steps
     lines = [
-        f"{program.name} ({describe_params(program.params)}), steps {steps[0]}..{steps[-1]} of {args.trace}: "
+        f"{printable_name(program.name)} ({describe_params(program.params)}), steps {steps[0]}..{steps[-1]} "
+        f"of {args.trace}: "
         f"median compute time per task, {UNIT}",
         "  chunk " + "".join(f"{op:>9}     " for op in ops) + "  widest spread (max - min) / median",
     ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pipec.commands._common import dump_json, human_bytes, number_text, write_output
 from pipec.compiler.guarded_read import count_arg
-from pipec.errors import UsageError
+from pipec.errors import UsageError, printable_name
 
 
 def register(sub) -> None:
@@ -139,7 +139,8 @@ def _table(part, args) -> str:
              f"  {'stage':>5}  {'layers':<32} {'replicas':>8}  {'ranks':<9} {'time':>9}  memory"]
     for index, stage in enumerate(part.stages):
         last = stage.stop - 1
-        names = part.names[stage.first] if last == stage.first else f"{part.names[stage.first]} .. {part.names[last]}"
+        first, final = printable_name(part.names[stage.first]), printable_name(part.names[last])  # the cost file's
+        names = first if last == stage.first else f"{first} .. {final}"
         span = f"{stage.first}" if last == stage.first else f"{stage.first}..{last}"
         ranks = f"{stage.ranks[0]}" if stage.replicas == 1 else f"{stage.ranks[0]}..{stage.ranks[-1]}"
         slowest = "  <- slowest" if stage.time == part.time_per_microbatch else ""

@@ -10,6 +10,7 @@ writes them as a cost file's ``layers`` (docs/costs.md).
 from __future__ import annotations
 
 from pipec.commands._common import dump_json, human_bytes, write_output
+from pipec.errors import printable_name
 
 
 def register(sub) -> None:
@@ -50,11 +51,12 @@ def run(args) -> int:
     costs_from_json(data, "the measured layers")  # what pipec writes, pipec reads: a bad layer name fails here
     if args.output:
         write_output(dump_json(data), args.output)
-    width = max(len("layer"), *(len(layer.name) for layer in measured.layers))
+    names = [printable_name(layer.name) for layer in measured.layers]  # a user model's module names
+    width = max(len("layer"), *(len(name) for name in names))
     lines = [f"{args.model} on {measured.device}, one microbatch, median of {measured.repeats} passes, {UNIT}:",
              f"  {'layer':<{width}} {'F':>9} {'B':>9}  {'activation':>11} {'parameters':>11}"]
-    for layer in measured.layers:
-        lines.append(f"  {layer.name:<{width}} {layer.F:>9.4f} {layer.B:>9.4f}  {human_bytes(layer.activation):>11} "
+    for index, layer in enumerate(measured.layers):
+        lines.append(f"  {names[index]:<{width}} {layer.F:>9.4f} {layer.B:>9.4f}  {human_bytes(layer.activation):>11} "
                      f"{human_bytes(layer.parameters):>11}")
     lines.append(f"  layers' F + B summed: {measured.layer_sum:.4f} {UNIT}; the whole model's forward and backward: "
                  f"{measured.whole:.4f} {UNIT} (sum / whole {measured.layer_sum / measured.whole:.3f})")

@@ -26,10 +26,11 @@ from __future__ import annotations
 import os
 import sys
 
-from pipec.commands._common import imported_program, is_torch_csv, load_costs, read_json, target_of_run, write_output
+from pipec.commands._common import (imported_program, is_torch_csv, load_costs, named_by_trace, read_json,
+                                    target_of_run, write_output)
 from pipec.compiler.guarded_read import count_arg, looks_like_program, positive_count_arg
 from pipec.compiler.trace_events import recorded
-from pipec.errors import UsageError
+from pipec.errors import UsageError, printable_name
 
 
 def register(sub) -> None:
@@ -72,17 +73,21 @@ def run(args) -> int:
     if priced_by_run:
         args.costs = recorded(trace, "costs")  # compile what ran: its order may have depended on these
     costs = load_costs(args)
+    from_trace = trace is not None and args.target is None
     if form in GRAPH_FORMS:
-        program, cycle = _program_for_graph(target, defines, costs, args.budget)
+        with named_by_trace(args.trace, target, from_trace):
+            program, cycle = _program_for_graph(target, defines, costs, args.budget)
         write_graph(program, args.output, cycle=cycle)
         if cycle:
-            sys.stderr.write(f"note: {program.name} fails the deadlock check; its wait-for cycle is drawn in red "
+            sys.stderr.write(f"note: {printable_name(program.name)} fails the deadlock check; its wait-for cycle "
+                             "is drawn in red "
                              f"({len(cycle)} rank(s))\n")
     else:
         from pipec.compiler.render import timeline_from_trace
         from pipec.compiler.simulate import simulate
 
-        program = _checked_program(target, defines, costs, args.budget)
+        with named_by_trace(args.trace, target, from_trace):
+            program = _checked_program(target, defines, costs, args.budget)
         measured, pricing, unit = None, costs, ""
         if trace is not None:
             measured = timeline_from_trace(trace, program, args.step, name=os.path.basename(args.trace))

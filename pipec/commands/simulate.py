@@ -18,6 +18,7 @@ from pipec.commands._common import (
     number_text,
     write_output,
 )
+from pipec.errors import printable_name
 
 
 def register(sub) -> None:
@@ -55,7 +56,8 @@ def run(args) -> int:
         write_output(dump_json(simulation.to_json(), "the simulation's JSON"), None)
         return 0
     lines = [
-        f"{compiled.name} ({describe_params(program.params) or 'a torch schedule CSV'}): makespan {number_text(result.makespan)}, "
+        f"{printable_name(compiled.name)} ({describe_params(program.params) or 'a torch schedule CSV'}): "
+        f"makespan {number_text(result.makespan)}, "
         f"bubble ratio {result.bubble_text()}"
     ]
     # a split backward: some op leaves a weight gradient waiting (I), counted in peak_waiting_w
