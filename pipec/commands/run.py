@@ -55,9 +55,8 @@ from pipec.compiler.defines import parse_defines
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
 from pipec.errors import UsageError, printable
 from pipec.runtime.agreement import MISMATCH_PREFIX
-from pipec.runtime.config import DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_TIMEOUT_S, RunConfig
+from pipec.runtime.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_TIMEOUT_S, RunConfig
 from pipec.runtime.phases import PHASE_DIR_ENV
-from pipec.runtime.worker import JOIN_ALLOWANCE_S
 
 # How often the launcher's agent looks at its workers, in seconds: the delay
 # between a worker's exit and the others being stopped (and the run's end).
@@ -128,7 +127,7 @@ def register(sub) -> None:
                        help="node 0's address and a free port there: node 0 listens, the others join")
     nodes.add_argument("--join-timeout", dest="join_timeout", type=seconds_arg, default=None, metavar="SECONDS",
                        help=f"how long the nodes wait for each other before the run starts "
-                            f"(default {JOIN_ALLOWANCE_S:g})")
+                            f"(default {DEFAULT_JOIN_TIMEOUT_S:g})")
     run_report.add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -295,7 +294,7 @@ class Nodes:
     rank: int
     host: str
     port: int
-    join_timeout: float = JOIN_ALLOWANCE_S
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT_S
 
     @property
     def endpoint(self) -> str:
@@ -339,7 +338,7 @@ def nodes_of(args) -> Nodes | None:
     if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--rdzv-endpoint {printable(endpoint)!r}: expected HOST:PORT, e.g. 10.0.0.1:29500 "
                          "(a port 1 .. 65535)")
-    return Nodes(count, rank, host, int(port), JOIN_ALLOWANCE_S if join_timeout is None else join_timeout)
+    return Nodes(count, rank, host, int(port), DEFAULT_JOIN_TIMEOUT_S if join_timeout is None else join_timeout)
 
 
 def _check_endpoint(nodes: Nodes) -> None:
