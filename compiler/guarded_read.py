@@ -712,39 +712,33 @@ positive_decimal_arg = _decimal_arg(MAX_DECIMAL, "number", f"a decimal number ab
 def looks_like_program(path: str) -> bool:
     """True when ``path`` is a regular file whose first non-blank character is
     ``{`` or ``[``: a JSON document (a compiled program), never a ``.pipe`` source."""
+    return _first_byte(path) in (b"{", b"[")
+
+
+def _first_byte(path: str) -> bytes | None:
+    """The first non-blank byte of the regular file ``path`` (b"" when it has none), or None when
+    ``path`` is no regular file one can read. Opened without blocking: a FIFO is never waited on."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except (OSError, ValueError):
-        return False
+        return None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
+            return None
         head = os.read(fd, 4096)
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
-    return head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1] in (b"{", b"[")
+    return head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1]
 
 
 def looks_like_torch_csv(path: str) -> bool:
     """True when ``path`` is a regular file named ``*.csv``, or whose first non-blank character is a digit
     or ``(``: a torch.distributed.pipelining schedule CSV (``0F0,0F1,...``), never a ``.pipe`` source
     (which starts with a word or a comment)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except (OSError, ValueError):
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        head = os.read(fd, 4096)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    first = head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1]
-    return path.lower().endswith(".csv") or first.isdigit() or first == b"("
+    first = _first_byte(path)
+    return first is not None and (path.lower().endswith(".csv") or first.isdigit() or first == b"(")
 
 
 def read_program(path: str, error: type[PipecError] = UsageError):
