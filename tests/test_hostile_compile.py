@@ -10,7 +10,6 @@ import stat
 
 import pytest
 
-from pipec.cli import main
 from pipec.compiler.atomic_write import check_writable, write_atomically
 from pipec.compiler.driver import compile_target
 from pipec.compiler.emit import json_program
@@ -18,18 +17,9 @@ from pipec.compiler.emit.json_program import program_from_json, program_to_json
 from pipec.compiler.memory_counts import check_sizes
 from pipec.errors import CostFileError, ImportError_, UsageError, printable_name
 
+from cli_util import cli
+
 ESCAPES = "\x1b[2J\x1b]0;owned\x07\r\nfake: ok\t\u202e\u2066\x7f\x9b"
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """(status, stdout, stderr) of ``pipec ARGV`` in process; argparse's SystemExit counts as a status."""
-    try:
-        status = main(list(argv))
-    except SystemExit as done:
-        status = done.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return status, out, err
 
 
 def raw_controls(text: str) -> list[str]:

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipec.cli import main
 from pipec.commands._common import dump_json
 from pipec.compiler.costs import CostModel, LayerCost, Link, costs_from_json
 from pipec.compiler.driver import compile_target
@@ -21,16 +20,7 @@ from pipec.compiler.emit.json_program import program_from_json, program_to_json
 from pipec.compiler.simulate import simulate
 from pipec.errors import ImportError_, PipecError, UsageError
 
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """(status, stdout, stderr) of ``pipec ARGV`` in process; argparse's SystemExit counts as a status."""
-    try:
-        status = main(list(argv))
-    except SystemExit as done:
-        status = done.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return status, out, err
+from cli_util import cli
 
 
 def strict_json(text: str):
