@@ -264,23 +264,31 @@ def _name_of(source: str) -> str:
 # ---------------------------------------------------------- import, lower, check
 
 
-def prepare_imported(program: Program, had_comms: bool) -> Program:
-    """Make an imported program complete and prove it safe.
+def complete_imported(program: Program, had_comms: bool) -> tuple[Program, str]:
+    """An imported program made complete, unchecked, and the semantics it is proved under.
 
     Args:
         program, had_comms: what ``read_torch_csv`` returned.
     Returns:
-        the program with pipec's communication added when the CSV had none.
-    Raises:
-        ProgramError: a check fails; a compute-only schedule is checked under
-            rendezvous semantics, one with communication under torch's "async"
-            runtime semantics, as written.
+        (the program, with pipec's communication added when the CSV had none; "async" for a CSV with
+        communication, as torch's runtime runs it, else "rendezvous").
     """
-    if had_comms:
-        check_all(program, semantics="async")
-        return program
-    program = insert_communication(program)
-    check_all(program, semantics="rendezvous")
+    return (program, "async") if had_comms else (insert_communication(program), "rendezvous")
+
+
+def prepare_imported(program: Program, had_comms: bool, **check_options) -> Program:
+    """Make an imported program complete (``complete_imported``) and prove it safe.
+
+    Args:
+        program, had_comms: what ``read_torch_csv`` returned.
+        check_options: passed on to ``check_all`` (budgets, sizes).
+    Returns:
+        the completed program.
+    Raises:
+        ProgramError: a check fails.
+    """
+    program, semantics = complete_imported(program, had_comms)
+    check_all(program, semantics=semantics, **check_options)
     return program
 
 

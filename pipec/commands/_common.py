@@ -131,19 +131,26 @@ def imported_program(target: str, defines: dict[str, str]):
 
     Returns:
         (program, the semantics to check it under: "async" for a CSV with communication, as torch's
-        runtime runs it, else "rendezvous"; ``compiler.import_torch.prepare_imported``).
+        runtime runs it, else "rendezvous"; ``compiler.import_torch.complete_imported``).
     Raises:
         UsageError: -D given (a CSV has no parameters), or the file cannot be read.
         ProgramError: the CSV is not a schedule.
     """
     from pipec.compiler.guarded_read import TORCH_CSV, read_text
-    from pipec.compiler.import_torch import read_torch_csv
-    from pipec.compiler.lower_comms import insert_communication
+    from pipec.compiler.import_torch import complete_imported, read_torch_csv
 
     if defines:
         raise UsageError(f"-D sets parameters of a .pipe schedule; the torch schedule CSV '{target}' has none")
-    program, had_comms = read_torch_csv(read_text(target, TORCH_CSV), source=target)
-    return (program, "async") if had_comms else (insert_communication(program), "rendezvous")
+    return complete_imported(*read_torch_csv(read_text(target, TORCH_CSV), source=target))
+
+
+def checked_import(target: str, defines: dict[str, str], **check_options):
+    """``imported_program``'s program, proved safe (``check_all`` with ``check_options``: budgets, sizes)."""
+    from pipec.compiler.checks import check_all
+
+    program, semantics = imported_program(target, defines)
+    check_all(program, semantics=semantics, **check_options)
+    return program
 
 
 def number_text(value) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-from pipec.commands._common import (imported_program, is_torch_csv, load_costs, named_by_trace, read_json,
+from pipec.commands._common import (checked_import, imported_program, is_torch_csv, load_costs, named_by_trace, read_json,
                                     target_of_run, write_output)
 from pipec.compiler.guarded_read import count_arg, looks_like_program, positive_count_arg
 from pipec.compiler.trace_events import recorded
@@ -120,11 +120,7 @@ def _checked_program(target: str, defines: dict[str, str], costs, budget):
     from pipec.api import compile as compile_program
 
     if is_torch_csv(target):  # pipec compile --format torch-csv, or torch's own schedule
-        from pipec.compiler.checks import check_all
-
-        program, semantics = imported_program(target, defines)
-        check_all(program, semantics=semantics, memory_budget=budget)
-        return program
+        return checked_import(target, defines, memory_budget=budget)
     if not _is_program_file(target):
         return compile_program(target, defines, costs=costs, memory_budget=budget).ir
     program = _load_program(target, defines)

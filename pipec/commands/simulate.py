@@ -8,11 +8,11 @@ from __future__ import annotations
 from pipec.commands._common import (
     add_target_arguments,
     byte_budget_from_args,
+    checked_import,
     compile_from_args,
     describe_params,
     describe_peak_bytes,
     dump_json,
-    imported_program,
     is_torch_csv,
     load_costs,
     number_text,
@@ -35,11 +35,10 @@ def _program(args, costs):
         return compile_from_args(args, costs)
     from pipec.api import Program
     from pipec.commands._common import parse_defines
-    from pipec.compiler.checks import check_all
 
-    program, semantics = imported_program(args.target, parse_defines(args.defines))
-    check_all(program, semantics=semantics, memory_budget=args.budget,
-              byte_budget=byte_budget_from_args(args, costs), sizes=costs.sizes if costs is not None else {})
+    program = checked_import(args.target, parse_defines(args.defines), memory_budget=args.budget,
+                             byte_budget=byte_budget_from_args(args, costs),
+                             sizes=costs.sizes if costs is not None else {})
     return Program(program, costs)
 
 
