@@ -145,10 +145,71 @@ class Placement:
         ranks: the members, ascending, two or more (a stage on one rank has no placement).
         communicator: the id of its communicator in ``Program.communicators``, whose
             members are exactly ``ranks`` (purpose ``STAGE_GROUP``).
+        sharded: whether its weights are sharded over the members (FSDP, ZeRO): member i keeps share i
+            of k of them (and of their optimizer state), a GATHER makes them whole until a RESHARD, and
+            its weight gradient is reduce-scattered (REDUCE_GRAD); otherwise every member holds them
+            whole and its gradient is all-reduced (SYNC_GRAD).
     """
 
     ranks: tuple[int, ...]
     communicator: int
+    sharded: bool = False
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A program's rank axes (``mesh pp = P, dp = D``): ranks are the product of their sizes.
+
+    The axes are listed outermost first and a rank's coordinates are its digits in that mixed radix, so
+    the last axis is contiguous (ranks r and r + 1 differ along it) and node boundaries fall on the outer
+    axes: ``mesh pp = 2, dp = 2`` puts ranks 0, 1 at pp 0 and ranks 2, 3 at pp 1.
+
+    Attributes:
+        axes: (name, size) per axis, outermost first; names distinct, sizes at least 1.
+    """
+
+    axes: tuple[tuple[str, int], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def size(self) -> int:
+        """The number of ranks: the product of the axes' sizes."""
+        total = 1
+        for _, size in self.axes:
+            total *= size
+        return total
+
+    def axis_size(self, axis: str) -> int:
+        return dict(self.axes)[axis]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Axis name -> the coordinate of ``rank`` along it."""
+        out = {}
+        for name, size in reversed(self.axes):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in self.names}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        """The rank at ``coords`` (every axis named)."""
+        rank = 0
+        for name, size in self.axes:
+            rank = rank * size + coords[name]
+        return rank
+
+    def members(self, rank: int, axes: Iterable[str]) -> tuple[int, ...]:
+        """The ranks that differ from ``rank`` only along ``axes`` (``rank`` included), ascending."""
+        base, varying = self.coords(rank), tuple(axes)
+        found = [dict(base)]
+        for axis in varying:
+            found = [dict(c, **{axis: i}) for c in found for i in range(self.axis_size(axis))]
+        return tuple(sorted(self.rank_at(c) for c in found))
+
+    def label(self, rank: int) -> str:
+        """``pp 1, dp 0``: where ``rank`` sits on the mesh, for timelines and messages."""
+        return ", ".join(f"{name} {i}" for name, i in self.coords(rank).items())
 
 
 @dataclass(frozen=True)
@@ -418,6 +479,8 @@ class Program:
             training, ``compiler/versions.py``), the most versions of a
             stage's weights it may keep at once: 1 keeps only the newest (no
             stashing), None as many as the order needs (``stash weights``).
+        mesh: the rank axes of a composed program (``compiler/compose.py``), or None for a program of
+            plain ranks; its stages are placed on groups of the mesh.
     """
 
     name: str
@@ -435,6 +498,7 @@ class Program:
     rings: RingPlan | None = None
     weight_versions: int | None = 1
     family_plans: tuple = ()
+    mesh: Mesh | None = None
 
     def __post_init__(self) -> None:
         if not self.communicators:  # each plan's groups, in plan order; a program without one: the replicas'

@@ -256,6 +256,7 @@ AF, AB = "AF", "AB"
 SEND_KV, RECV_KV, SEND_DKV, RECV_DKV = "SEND_KV", "RECV_KV", "SEND_DKV", "RECV_DKV"
 ALLTOALL_KV, ALLTOALL_DKV = "ALLTOALL_KV", "ALLTOALL_DKV"
 GATHER = "GATHER"
+RESHARD, SYNC_GRAD, REDUCE_GRAD = "RESHARD", "SYNC_GRAD", "REDUCE_GRAD"
 TF, TB, ALLREDUCE_TF, ALLREDUCE_TB = "TF", "TB", "ALLREDUCE_TF", "ALLREDUCE_TB"
 
 _AP = ACTIVATION_PASSING
@@ -400,6 +401,18 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
     # s's weights from its members' shards for the compute of (s, m) it sits in.
     OpRule(GATHER, PART_COLLECTIVE, _AP, reads=(Use("shard"),), writes=(Use("weight"),), fields=("stage", "mb"),
            communicator=STAGE_GROUP, doc="all-gather the stage's weights from its group's shards (a sub-step)"),
+    # -- compositions on a mesh (docs/compose.md). A stage on a group whose weights are sharded
+    # (``Placement.sharded``) holds them whole from a GATHER to the RESHARD after it; its weight
+    # gradient is reduce-scattered over the group (REDUCE_GRAD, torch's token), each member keeping
+    # its shard's sum; a replicated stage's gradient is all-reduced (SYNC_GRAD). Both are exchange
+    # parts, posted by an EXCHANGE after the stage's last backward and waited before the optimizer.
+    OpRule(RESHARD, DROP_COPY, _AP, reads=(Use("weight"),), ends=("weight",), fields=("stage",), trace="memory",
+           doc="drop the stage's whole weights a GATHER made, keeping this member's shard"),
+    OpRule(SYNC_GRAD, PART_COLLECTIVE, _AP, reads=(Use("wgrad"),), writes=(Use("wgrad"),), fields=("stage",),
+           communicator=STAGE_GROUP, doc="all-reduce the stage's weight gradient over its group (data parallel)"),
+    OpRule(REDUCE_GRAD, PART_COLLECTIVE, _AP, reads=(Use("wgrad"),), writes=(Use("shard"),), fields=("stage",),
+           communicator=STAGE_GROUP,
+           doc="reduce-scatter the stage's weight gradient over its group, each member keeping its shard's sum"),
     # -- tensor parallelism (Megatron-LM's MLP; docs/ir.md, "Adding a family"). Every rank holds a
     # column slice of each layer's first matrix and a row slice of its second: TF(l, m) makes this
     # rank's partial sum of layer l's output for microbatch m, TB(l, m) its partial of the input's

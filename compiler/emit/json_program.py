@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from pipec.compiler import ops
 from pipec.compiler.guarded_read import INT_LIMIT, quote
 from pipec.compiler.guarded_read import read_int_list as _read_int_list
-from pipec.compiler.ir import NO_PEER, Action, Communicator, Placement, Program, StageInfo, build_program
+from pipec.compiler.ir import NO_PEER, Action, Communicator, Mesh, Placement, Program, StageInfo, build_program
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; these passes build hundreds of thousands of acyclic ones.
 from pipec.compiler.family import all_families, families_of
@@ -38,6 +38,8 @@ from pipec.errors import ImportError_
 # to with its sends and receives and frees, about four per task, with room to spare; each costs about 1 KiB
 # to check and simulate, so this bounds the work to some GiB before it starts.
 MAX_PROGRAM_INSTRUCTIONS = 4 * MAX_TASKS
+# A mesh names at most this many axes (pp, dp, cp and a few more: what any composition uses).
+MAX_MESH_AXES = 8
 
 # Action._make skips NamedTuple's keyword handling: about 3x cheaper per instruction.
 _make_action = Action._make
@@ -157,6 +159,8 @@ def _header_to_json(program: Program) -> dict:
         **{key: value for family in families_of(program) for key, value in family.plan_to_json(program).items()},
         # only under weight stashing: other programs' files stay as they were
         **({} if program.weight_versions == 1 else {"weight_versions": program.weight_versions}),
+        # only in a composed program: its rank axes, outermost first
+        **({} if program.mesh is None else {"mesh": [[name, size] for name, size in program.mesh.axes]}),
     }
 
 
@@ -164,6 +168,8 @@ def _stage_to_json(info: StageInfo) -> dict:
     out = {"id": info.id, "rank": info.rank, "pipeline": info.pipeline, "position": info.position}
     if info.placement is not None:  # only a stage on a group: every other file is as before
         out["placement"] = {"ranks": list(info.placement.ranks), "communicator": info.placement.communicator}
+        if info.placement.sharded:
+            out["placement"]["sharded"] = True
     return out
 
 
@@ -267,6 +273,7 @@ def program_from_json(data: dict) -> Program:
     weight_versions = data.get("weight_versions", 1)
     if weight_versions is not None and (type(weight_versions) is not int or weight_versions < 1):
         raise ImportError_(f"field \"weight_versions\" must be a positive integer or null, got {quote(weight_versions)}")
+    mesh = _read_mesh(data, num_ranks)
     raw_ranks = _get(data, "ranks", list)
     if len(raw_ranks) != num_ranks:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
@@ -280,7 +287,31 @@ def program_from_json(data: dict) -> Program:
             ranks.append(_read_row(row, r, limits, raw_ranks))
     return build_program(name, num_ranks, num_microbatches, stages, pipelines, mb_pipeline, ranks,
                          plans=[plan for _, plan in plans], params=dict(params), devices=devices, source=source,
-                         communicators=communicators, weight_versions=weight_versions)
+                         communicators=communicators, weight_versions=weight_versions, mesh=mesh)
+
+
+def _read_mesh(data: dict, num_ranks: int) -> Mesh | None:
+    """``mesh``: absent or null for a program of plain ranks, else [[axis, size], ...] whose sizes multiply
+    to ``num_ranks``."""
+    raw = data.get("mesh")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_MESH_AXES:
+        raise ImportError_(f"field \"mesh\" must list 1 to {MAX_MESH_AXES} axes as [name, size], got {quote(raw)}")
+    axes = []
+    for i, axis in enumerate(raw):
+        if not (isinstance(axis, list) and len(axis) == 2 and isinstance(axis[0], str)
+                and axis[0].isidentifier() and type(axis[1]) is int and 1 <= axis[1] <= num_ranks):
+            raise ImportError_(f"mesh[{i}] must be [name, size] with a name and a size of 1 to {num_ranks}, "
+                               f"got {quote(axis)}")
+        if any(axis[0] == name for name, _ in axes):
+            raise ImportError_(f"mesh[{i}] names the axis {quote(axis[0])} twice")
+        axes.append((axis[0], axis[1]))
+    mesh = Mesh(tuple(axes))
+    if mesh.size != num_ranks:
+        raise ImportError_(f"field \"mesh\" has {mesh.size} ranks ({' x '.join(str(n) for _, n in axes)}) "
+                           f"for a program of {num_ranks}")
+    return mesh
 
 
 def _check_format(data) -> None:
@@ -384,7 +415,10 @@ def _read_placement(entry: dict, i: int, rank: int, num_ranks: int) -> Placement
     if type(communicator) is not int or communicator < 0:
         raise ImportError_(f"stages[{i}].placement.communicator must be a non-negative integer, "
                            f"got {quote(communicator)}")
-    return Placement(tuple(ranks), communicator)
+    sharded = raw.get("sharded", False)
+    if type(sharded) is not bool:
+        raise ImportError_(f"stages[{i}].placement.sharded must be true or false, got {quote(sharded)}")
+    return Placement(tuple(ranks), communicator, sharded)
 
 
 def _read_pipelines(raw: list, stages: list[StageInfo]) -> list[list[int]]:
