@@ -24,6 +24,7 @@ import csv
 import io
 import os
 import re
+from collections import Counter
 
 from pipec.compiler.checks import check_all
 from pipec.compiler.costs import CostModel
@@ -48,6 +49,10 @@ _KIND = {
     "RESHARD": _SKIP,
     "REDUCE_GRAD": _SKIP,
 }
+# The forwards: every stage runs each microbatch's once (a backward may be B for some microbatches and I, W
+# for others, as torch's ZBV writes it), so their counts say N.
+_FORWARD_OPS = frozenset(op for op, kind in _KIND.items()
+                         if kind is _COMPUTE and ops.Use("act") in ops.RULES[op].writes)
 # torch's action token (schedules.py's _action_regex: F, I, B, W, UNSHARD,
 # RESHARD, REDUCE_GRAD, SEND_F, RECV_F, SEND_B, RECV_B), matched whole.
 # ASCII digits only: Python's \d (and int()) would also take '٣' or '³'.
@@ -180,7 +185,7 @@ class _Reader:
                 "torch's stages form one chain 0..S-1"
             )
         home = [first_seen[s][0] for s in range(num_stages)]
-        num_microbatches = self.max_mb + 1
+        num_microbatches = self._agreed_microbatches()
         for rank, index, column, stage, op, mb in self.messages:
             try:
                 peer = _message_peer(rank, stage, op, mb, home, num_microbatches)
@@ -188,6 +193,36 @@ class _Reader:
                 raise ImportError_(str(bad), rank=rank, step=column, grid=_shown(self.grid)) from None
             self.ranks[rank][index] = _make_action((stage, op, mb, peer, ()))
         return self.ranks, home, num_microbatches, bool(self.messages)
+
+    def _agreed_microbatches(self) -> int:
+        """N: the number of forwards most stages run (each runs every microbatch's once); the largest such
+        count on a tie. A compute past it is a stray on its rank, refused naming that rank's task and
+        what the rank lacks, instead of a larger N that would blame every other rank for a missing task."""
+        counts = Counter((action[0], action[1]) for row in self.ranks for action in row
+                         if action is not None and action[1] in _FORWARD_OPS)
+        tally = Counter(counts.values())
+        if not tally:  # no forward at all: the well-formed check names what is missing
+            return self.max_mb + 1
+        most = max(tally.values())
+        agreed = max(count for count, pairs in tally.items() if pairs == most)
+        if agreed > self.max_mb:
+            return self.max_mb + 1
+        rank, column, stage, op, mb = next(found for found in self._computes_at() if found[4] >= agreed)
+        held = {action[2] for action in self.ranks[rank] if action is not None and action[:2] == (stage, op)}
+        lacking = [f"{stage}{op}{m}" for m in range(agreed) if m not in held]
+        lacks = f"; rank {rank} lacks {', '.join(lacking[:5])}" + (", ..." if len(lacking) > 5 else "") \
+            if lacking else ""
+        raise ImportError_(
+            f"{stage}{op}{mb} is a stray: the stages' forwards agree on {agreed} microbatches "
+            f"(0..{agreed - 1}){lacks}", rank=rank, step=column, grid=_shown(self.grid))
+
+    def _computes_at(self):
+        """Every compute of the grid as (rank, column, stage, op, mb), in row order (the error path reads it)."""
+        for rank, row in enumerate(self.grid):
+            for column, cell in enumerate(row):
+                for stage, op, mb in (_parse_cell(cell) if cell else ()):
+                    if _KIND[op] is _COMPUTE:
+                        yield rank, column, stage, op, mb
 
     def _bound_index(self, what: str, index: int, at: tuple[int, int]) -> None:
         """Refuse a stage or microbatch ``index`` no schedule in this CSV can have (docs/formats.md, "Reading one")."""

@@ -234,10 +234,11 @@ def test_torch_1f1b_order_is_rejected_because_torch_numbers_its_last_rank_wrong(
     runtime = torch_schedules._PipelineScheduleRuntime(mock_stages(pp, 1, pp), nmb)
     runtime.pipeline_order = single.pipeline_order
     runtime._dump_csv(str(path), format="compute_only")
-    program, had_comms = read_torch_csv(path.read_text())
-    assert program.num_microbatches == nmb + 1  # inferred from the bogus F{N}
-    with pytest.raises(WellFormedError, match="missing"):
-        prepare_imported(program, had_comms)
+    with pytest.raises(ImportError_) as caught:  # the other stages' forwards say N: the last rank is named
+        read_torch_csv(path.read_text())
+    assert caught.value.rank == pp - 1
+    assert caught.value.message == (f"{pp - 1}F{nmb} is a stray: the stages' forwards agree on {nmb} microbatches "
+                                    f"(0..{nmb - 1}); rank {pp - 1} lacks {pp - 1}F0")
     # torch agrees
     order = {r: [a for a in acts if a is not None and a.computation_type != torch_schedules.REDUCE_GRAD]
              for r, acts in single.pipeline_order.items()}
@@ -366,6 +367,25 @@ def test_missing_stage_and_empty_csv_are_import_errors():
         read_torch_csv("\n\n")
     with pytest.raises(ImportError_, match="no compute"):
         read_torch_csv("0UNSHARD,0RESHARD\n")
+
+
+def test_a_stray_microbatch_names_its_rank_not_the_others():
+    """N is what the stages' forwards agree on, so one rank's stray index blames that rank (issue 26): rank 0
+    is whole; rank 1 has 1F2 where 1F0 belongs."""
+    with pytest.raises(ImportError_) as caught:
+        read_torch_csv("0F0,0F1,0B0,0B1\n1F1,1B0,1F2,1B1\n")
+    assert (caught.value.rank, caught.value.step) == (1, 2)
+    assert caught.value.message == ("1F2 is a stray: the stages' forwards agree on 2 microbatches (0..1); "
+                                    "rank 1 lacks 1F0")
+    # a stray beside a whole set: nothing lacking, the stray named alone
+    with pytest.raises(ImportError_) as caught:
+        read_torch_csv("0F0,0F1,0B0,0B1\n1F0,1F1,1F2,1B0,1B1\n2F0,2F1,2B0,2B1\n")
+    assert caught.value.message == "1F2 is a stray: the stages' forwards agree on 2 microbatches (0..1)"
+    # a rank short of its last microbatch: N from the majority, the missing task named by the checks
+    program, had_comms = read_torch_csv("0F0,0F1,0B0,0B1\n1F0,1B0\n2F0,2F1,2B0,2B1\n")
+    assert program.num_microbatches == 2
+    with pytest.raises(WellFormedError, match="1F1"):
+        prepare_imported(program, had_comms)
 
 
 def test_an_incomplete_schedule_fails_the_checks(tmp_path):
