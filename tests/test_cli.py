@@ -83,9 +83,9 @@ def test_source_error_exits_one_with_location_and_caret(capsys, tmp_path):
 
 
 def test_require_violated_exits_one(capsys):
-    status, _, err = run(capsys, "check", "interleaved_1f1b", "-D", "P=4", "-D", "N=6")
+    status, _, err = run(capsys, "check", "interleaved_1f1b", "-D", "P=4", "-D", "N=6", "-D", "G=0")
     assert status == 1
-    assert "requirement failed: Megatron's interleaved order needs N to be a multiple of P" in err
+    assert "requirement failed: a microbatch group holds at least one microbatch" in err
     assert "schedules/interleaved_1f1b.pipe:" in err.splitlines()[0]
 
 

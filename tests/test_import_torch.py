@@ -20,6 +20,7 @@ from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E
 from torch.distributed.pipelining.stage import PipelineStage  # noqa: E402
 
 from pipec.cli import main  # noqa: E402
+from pipec.compiler.driver import compile_target  # noqa: E402
 from pipec.compiler.emit import program_from_json, program_to_json, write_torch_csv  # noqa: E402
 from pipec.compiler.import_torch import import_and_check, prepare_imported, read_torch_csv  # noqa: E402
 from pipec.compiler.ir import COMPUTE_OPS  # noqa: E402
@@ -112,6 +113,19 @@ def _torch_compute_rows(text: str) -> list[list[str]]:
         leaves = [leaf for a in actions if a is not None for leaf in (a.sub_actions or (a,))]
         rows.append([str(leaf) for leaf in leaves if leaf.computation_type.value in COMPUTE_OPS])
     return rows
+
+
+@pytest.mark.parametrize("pp,nmb,v", [(4, 6, 2), (4, 10, 2), (3, 5, 2), (4, 3, 2), (2, 4, 3), (4, 8, 2), (2, 6, 2)])
+def test_interleaved_1f1b_with_torchs_group_size_is_torchs_order(pp, nmb, v, tmp_path):
+    """torch's ScheduleInterleaved1F1B runs Megatron's order with a microbatch group of N / max(1, N // P)
+    (its microbatches per round), N % P != 0 included; pipec's interleaved_1f1b with that G is the same order,
+    compute for compute, and proved (issue 26, item 3)."""
+    group = nmb // max(1, nmb // pp)
+    schedule = torch_runtime_schedule(torch_schedules.ScheduleInterleaved1F1B, pp, nmb, local_stages=v)
+    theirs = _torch_compute_rows(torch_csv(schedule, tmp_path, "compute_only"))
+    ours = compile_target("interleaved_1f1b", {"P": pp, "N": nmb, "v": v, "G": group}).program
+    assert [[a.text() for a in row if a.op in COMPUTE_OPS] for row in ours.ranks] == theirs
+    assert compile_target("interleaved_1f1b", {"P": pp, "N": nmb, "v": v}).program.params["G"] == group  # the default
 
 
 @pytest.mark.parametrize("case", TORCH_MULTI_CASES, ids=[_case_id(c) for c in TORCH_MULTI_CASES])
