@@ -161,17 +161,7 @@ class ResolvedSchedule:
         env = self.resolver.new_env()
         self.budget.left = MAX_OPERATIONS
         values = self._bind_params(env, defines)
-        for node, slot, fn in self.scalar_steps:
-            if isinstance(node, ast.Require):
-                if not fn(env):
-                    raise RequireError(
-                        f"requirement failed: {node.message} ({_text_of(self.source, node.cond.span)}"
-                        f" is false for {_format_values(values)})",
-                        node.span,
-                        self.source,
-                    )
-            else:
-                env[slot] = fn(env)
+        self._run_scalar_steps(env, values)
 
         laying_out = next((family for family in declared_families() if family.lays_out(self)), None)
         if laying_out is not None:  # a sequence ring: its declarations lay it out
@@ -224,6 +214,20 @@ class ResolvedSchedule:
             spec.order_span = self.greedy.span
             spec.policy = self._policy(env, spec)
         return spec
+
+    def _run_scalar_steps(self, env: list, values: dict) -> None:
+        """Run the ``require``s and ``let``s in text order (``values``: the parameters, for messages)."""
+        for node, slot, fn in self.scalar_steps:
+            if isinstance(node, ast.Require):
+                if not fn(env):
+                    raise RequireError(
+                        f"requirement failed: {node.message} ({_text_of(self.source, node.cond.span)}"
+                        f" is false for {_format_values(values)})",
+                        node.span,
+                        self.source,
+                    )
+            else:
+                env[slot] = fn(env)
 
     def _evaluate_laid_out(self, env: list, values: dict, family: Declared) -> ScheduleSpec:
         """A schedule its family's declarations lay out (a sequence ring: its ``RingSpec``, one stage per
@@ -302,13 +306,7 @@ class ResolvedSchedule:
                 raise UsageError(
                     f"schedule '{self.name}' needs a value for {param.name} ({param.type}): pass -D {param.name}=VALUE"
                 )
-            minimum = _PARAM_MINIMUM[param.type]
-            message = None
-            if minimum is not None and value < minimum:
-                message = f"{param.name} ({param.type}) must be at least {minimum}, got {value}"
-            elif param.type == "ranks" and value > MAX_RANKS:
-                message = (f"{param.name} (ranks) is {value:,}; pipec's limit is {MAX_RANKS:,} ranks (a program "
-                           f"keeps per-rank lists and per-pair tables: P^2 entries)")
+            message = _out_of_range(param, value)
             if message is not None:
                 if param.name in defines:
                     raise UsageError(f"schedule '{self.name}': {message}")
@@ -316,6 +314,27 @@ class ResolvedSchedule:
             env[slot] = value
             values[param.name] = value
         return values
+
+    def argument_refusal(self, name: str, value: int | bool) -> str | None:
+        """Why ``evaluate`` would refuse ``name = value`` (a composition's arguments, checked where written).
+
+        Returns:
+            the message (no such parameter, a value of the wrong type or out of its type's range), or None.
+        """
+        param = next((param for param, _, _ in self.params if param.name == name), None)
+        if param is None:
+            listing = ", ".join(f"{p.name}: {p.type}" for p, _, _ in self.params) or "none"
+            return f"schedule '{self.node.name}' has no parameter {name}; its parameters are {listing}"
+        try:
+            _coerce(param, value, self.node.name)
+        except UsageError as error:
+            return str(error)
+        message = _out_of_range(param, value)
+        return None if message is None else f"schedule '{self.node.name}': {message}"
+
+    def missing_arguments(self, given) -> list[ast.Param]:
+        """The parameters without a default that ``given`` (names) leaves without a value."""
+        return [param for param, _, default in self.params if default is None and param.name not in given]
 
     def _positive(self, value: int, what: str, node: ast.Node) -> int:
         if value < 1:
@@ -544,6 +563,17 @@ def _coerce(param: ast.Param, raw, schedule: str) -> int | bool:
     if value is None or not check_int(value):
         raise UsageError(f"schedule '{schedule}': {param.name} exceeds pipec's integer limit {INT_LIMIT_TEXT}")
     return value
+
+
+def _out_of_range(param: ast.Param, value: int | bool) -> str | None:
+    """Why ``value`` is outside the range of ``param``'s type, or None."""
+    minimum = _PARAM_MINIMUM[param.type]
+    if minimum is not None and value < minimum:
+        return f"{param.name} ({param.type}) must be at least {minimum}, got {value}"
+    if param.type == "ranks" and value > MAX_RANKS:
+        return (f"{param.name} (ranks) is {value:,}; pipec's limit is {MAX_RANKS:,} ranks (a program "
+                f"keeps per-rank lists and per-pair tables: P^2 entries)")
+    return None
 
 
 def of_pipeline(p: int, pipelines: int) -> str:
