@@ -21,7 +21,7 @@ from pipec.compiler.compose import DataParallel, place_on_mesh
 from pipec.compiler.costs import CostModel
 from pipec.compiler.driver import compile_spec, load_target, shipped_schedules, task_kinds
 from pipec.compiler.ir import Mesh, Program
-from pipec.dsl import parse, resolve
+from pipec.dsl import ast, parse, resolve
 from pipec.dsl.composition import PP_AXIS, CompositionSpec, is_composition
 from pipec.dsl.schedule import ResolvedSchedule
 from pipec.errors import EvalError, ResolveError, ScheduleError, UsageError
@@ -52,24 +52,22 @@ def lower_composition(spec: CompositionSpec, costs: CostModel | None = None) -> 
     return compute, program
 
 
-def _target_path(spec: CompositionSpec) -> str:
-    """TARGET as the command line reads a target, but relative to the composing file: a file there, else a
-    shipped schedule's name (never a file of the current folder that happens to bear that name)."""
-    node = spec.pipeline
-    beside = os.path.join(os.path.dirname(spec.path), node.target)
+def _find_target(composing: str, target: str) -> str | None:
+    """``target`` as the command line reads a target, but relative to the file ``composing``: a file there,
+    else a shipped schedule's name (never a file of the current folder that happens to bear that name)."""
+    beside = os.path.join(os.path.dirname(composing), target)
     if os.path.exists(beside):
         return beside
-    shipped = shipped_schedules()
-    if node.target in shipped:
-        return shipped[node.target]
-    raise ResolveError(f"no file '{node.target}' beside {spec.path} and no shipped schedule of that name "
-                       f"(shipped: {', '.join(shipped)})", node.target_span, spec.source)
+    return shipped_schedules().get(target)
 
 
 def _named_schedule(spec: CompositionSpec) -> ResolvedSchedule:
     """The schedule NAME of TARGET, parsed and resolved; a composition is refused (one pipeline is placed)."""
     node = spec.pipeline
-    path = _target_path(spec)
+    path = _find_target(spec.path, node.target)
+    if path is None:
+        raise ResolveError(f"no file '{node.target}' beside {spec.path} and no shipped schedule of that name "
+                           f"(shipped: {', '.join(shipped_schedules())})", node.target_span, spec.source)
     try:
         shown, source, _ = load_target(path)
     except UsageError as error:  # a folder, a compiled program, too large, not UTF-8
@@ -80,11 +78,20 @@ def _named_schedule(spec: CompositionSpec) -> ResolvedSchedule:
         names = ", ".join(each.name for each in module.schedules) or "none"
         raise ResolveError(f"'{shown}' has no schedule '{node.name}' (it has {names})", node.name_span, spec.source)
     if is_composition(schedule):
-        itself = os.path.samefile(path, spec.path) and schedule.name == spec.schedule
-        why = ("composes itself (a cycle)" if itself
-               else "is a composition itself; a composition places a pipeline schedule, one rank per stage")
-        raise ResolveError(f"{node.name} in '{shown}' {why}", node.target_span, spec.source)
+        raise ResolveError(f"{node.name} in '{shown}' {_why_not_composed(spec, path, schedule)}", node.target_span,
+                           spec.source)
     return resolve(schedule, shown, source, task_kinds())
+
+
+def _why_not_composed(spec: CompositionSpec, path: str, schedule: ast.Schedule) -> str:
+    """What to say of a composition named by a composition: a cycle when it is this one, or names it back."""
+    if os.path.samefile(path, spec.path) and schedule.name == spec.schedule:
+        return "composes itself (a cycle)"
+    back = next((decl for decl in schedule.decls if isinstance(decl, ast.ComposedPipeline)), None)
+    target = None if back is None else _find_target(path, back.target)
+    if target is not None and os.path.samefile(target, spec.path) and back.name == spec.schedule:
+        return f"composes {spec.schedule} back (a cycle)"
+    return "is a composition itself; a composition places a pipeline schedule, one rank per stage"
 
 
 def _arguments(spec: CompositionSpec, inner: ResolvedSchedule) -> dict[str, int | bool]:

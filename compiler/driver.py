@@ -30,7 +30,7 @@ from pipec.compiler.liveness import insert_frees
 from pipec.compiler.memory_counts import Number, check_sizes
 from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS, RING_COMPUTE_OPS, RULES, UPDATE_OPS
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
-from pipec.dsl.composition import CompositionSpec, is_composition, resolve_composition
+from pipec.dsl.composition import CompositionSpec
 from pipec.dsl.spec import TaskKinds
 from pipec.errors import UsageError
 
@@ -154,8 +154,7 @@ def resolve_target(target: str) -> ResolvedSchedule:
             raise UsageError(f"'{path}' defines no schedule")
         names = ", ".join(s.name for s in module.schedules)
         raise UsageError(f"'{path}' has no schedule '{name}' (it has {names})")
-    resolving = resolve_composition if is_composition(schedule) else resolve
-    resolved = resolving(schedule, path, source, task_kinds())
+    resolved = resolve(schedule, path, source, task_kinds())  # a composition's too (dsl.composition)
     if name is None and not os.path.exists(target) and target in shipped_schedules():
         resolved.called = target  # a shipped schedule goes by its file's name, as the user typed it
     return resolved

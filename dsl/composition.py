@@ -20,12 +20,12 @@ axis that is not the mesh's, ...), each at its place.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from pipec.dsl import ast
 from pipec.dsl.evaluate import INT, KEY, Fn, Resolver, Scope
 from pipec.dsl.limits import MAX_RANKS
-from pipec.dsl.resolve import bind_params, resolve_scalar
 from pipec.dsl.schedule import ResolvedSchedule, _format_values
 from pipec.dsl.spec import TaskKinds
 from pipec.errors import EvalError, SourceErrors
@@ -36,6 +36,7 @@ PP_AXIS = "pp"
 # The declarations that make a schedule a composition, and the others it may hold beside them.
 _COMPOSING = (ast.Mesh, ast.ComposedPipeline, ast.DataPolicy)
 _ALSO_ALLOWED = (ast.Require, ast.Let)
+_WORD = re.compile(r"[A-Za-z_]\w*")
 _WORDS = {ast.Mesh: "mesh", ast.ComposedPipeline: "pipeline ... from", ast.DataPolicy: "replicate|shard over"}
 
 
@@ -124,17 +125,18 @@ def resolve_composition(schedule: ast.Schedule, path: str, source: str, tasks: T
     resolver = Resolver(path, source)
     out = ResolvedComposition(schedule, path, source, resolver, tasks=tasks)
     scope = Scope()
-    bind_params(out, schedule, scope)
+    out.resolve_params(schedule, scope)
     for decl in schedule.decls:
         if isinstance(decl, _ALSO_ALLOWED):
-            resolve_scalar(out, decl, scope)
+            out.resolve_scalar(decl, scope)
         elif isinstance(decl, _COMPOSING):
             if _first_of_kind(out, decl):
                 _RESOLVERS[type(decl)](out, decl, scope)
         else:
+            word = _WORD.match(source.split("\n")[decl.span.line - 1], decl.span.col - 1)
             resolver.error(f"a composition holds only mesh, pipeline ... from, replicate|shard over, require and "
-                           f"let; this declaration belongs in a pipeline's own schedule (the one `pipeline` names)",
-                           decl.span)
+                           f"let; `{word.group(0) if word else '?'}` belongs in a pipeline's own schedule (the one "
+                           "`pipeline` names)", decl.span)
     _check_complete(out, schedule)
     if resolver.errors:
         if len(resolver.errors) == 1:
@@ -204,11 +206,13 @@ def _check_complete(out: ResolvedComposition, schedule: ast.Schedule) -> None:
     if out.mesh is None or out.policy is None:
         return
     names = [axis.name for axis in out.mesh.axes]
-    if out.policy.axis == PP_AXIS:
-        error(f"the data axis cannot be the pipeline's axis, {PP_AXIS}", out.policy.axis_span)
-    elif out.policy.axis not in names:
-        error(f"{out.policy.axis} is not an axis of the mesh (line {out.mesh.span.line}: {', '.join(names)})",
+    if out.policy.axis == PP_AXIS or out.policy.axis not in names:
+        error(f"the data axis cannot be the pipeline's axis, {PP_AXIS}" if out.policy.axis == PP_AXIS else
+              f"{out.policy.axis} is not an axis of the mesh (line {out.mesh.span.line}: {', '.join(names)})",
               out.policy.axis_span)
+        return  # which axis was meant is unknown: the others are not said to be unused
+    if PP_AXIS not in names:
+        return  # said at the mesh
     for axis in out.mesh.axes:
         if axis.name not in (PP_AXIS, out.policy.axis):
             error(f"axis {axis.name} is used by nothing: a composition runs the pipeline along {PP_AXIS} and "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from pipec.dsl import ast
-from pipec.dsl.evaluate import Fn, Resolver
+from pipec.dsl.evaluate import BOOL, INT, KEY, Fn, Resolver, Scope
 from pipec.dsl.limits import (
     BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, check_int,
 )
@@ -142,6 +142,30 @@ class ResolvedSchedule:
                 default = _text_of(self.source, param.default.span)
             out.append({"name": param.name, "type": param.type, "default": default})
         return out
+
+    # ------------------------------------------------------------ resolution
+
+    def resolve_params(self, schedule: ast.Schedule, scope: Scope) -> None:
+        """Bind ``schedule``'s parameters in ``scope`` (each default sees the parameters before it)."""
+        for param in schedule.params:
+            default = None
+            want = BOOL if param.type == "bool" else INT
+            if param.default is not None:
+                default = self.resolver.expect(param.default, scope, want, f"the default of {param.name}")
+            binding = self.resolver.bind(scope, param.name, want, param.span)
+            self.params.append((param, binding.slot, default))
+
+    def resolve_scalar(self, decl: ast.Let | ast.Require, scope: Scope) -> None:
+        """Compile a ``let`` (bound in ``scope``) or a ``require`` into the steps run before the rest."""
+        if isinstance(decl, ast.Let):
+            fn, type_ = self.resolver.expr(decl.value, scope)
+            if type_ == KEY:
+                self.resolver.error("a `let` holds an integer or a boolean, not a priority key", decl.value.span)
+            binding = self.resolver.bind(scope, decl.name, type_, decl.name_span)
+            self.scalar_steps.append((decl, binding.slot, fn))
+        else:
+            fn = self.resolver.expect(decl.cond, scope, BOOL, "a requirement")
+            self.scalar_steps.append((decl, None, fn))
 
     # ------------------------------------------------------------ evaluation
 
