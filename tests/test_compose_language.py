@@ -9,6 +9,7 @@ programs (the prover branch of issue 23); every other test reads the composed pr
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -423,3 +424,34 @@ def test_with_the_prover_compositions_compile_check_and_print(name, capsys):
     assert status == 0 and json.loads(out.splitlines()[0])["mesh"] == [["pp", 2], ["dp", 2]]
     status, out, _ = cli(capsys, "compile", name, "--format", "text")
     assert status == 0 and out.startswith(f"schedule {name} (") and out.count("\nrank ") == 4
+
+
+# ------------------------------------------------------------------ the page (docs/language.md, section 14)
+
+
+def _section() -> str:
+    doc = (ROOT / "docs" / "language.md").read_text()
+    return doc[doc.index("## 14. Compositions"):]
+
+
+def test_the_documented_composition_is_gpipe_placed_with_zero3_stages(tmp_path):
+    block = re.search(r"```\n(# GPipe with ZeRO-3 stages.*?)```", _section(), re.S).group(1)
+    path = write(tmp_path, "gpipe_zero3.pipe", block)
+    program = composed(path)
+    data = DataParallel("dp", sharded=True, reshard_after_forward=True)
+    assert program == expected("gpipe", Mesh((("pp", 2), ("dp", 2))), data, "gpipe_zero3",
+                               {"P": 2, "D": 2, "N": 4}, program.source, P=2, N=4)
+
+
+def test_the_documented_cycle_is_the_one_pipec_prints(tmp_path, capsys, monkeypatch):
+    shown = re.search(r"```\n\$ pipec check loop\.pipe\n(.*?)```", _section(), re.S).group(1)
+    write(tmp_path, "loop.pipe", """\
+        schedule loop(P: int = 2, D: int = 2) {
+          mesh pp = P, dp = D
+          pipeline loop(P = 2) from "loop.pipe"
+          replicate over dp
+        }
+        """)
+    monkeypatch.chdir(tmp_path)
+    status, _, err = cli(capsys, "check", "loop.pipe")
+    assert status == 1 and err.strip("\n") == shown.strip("\n")
