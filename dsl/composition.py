@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pipec.dsl import ast
 from pipec.dsl.evaluate import INT, KEY, Fn, Resolver, Scope
 from pipec.dsl.limits import MAX_RANKS
-from pipec.dsl.schedule import ResolvedSchedule, _format_values
+from pipec.dsl.schedule import ResolvedSchedule, format_values
 from pipec.dsl.spec import TaskKinds
 from pipec.errors import EvalError, SourceErrors
 
@@ -96,12 +96,12 @@ class ResolvedComposition(ResolvedSchedule):
         for axis, size_fn in zip(self.mesh.axes, self.mesh_sizes):
             size = size_fn(env)
             if size < 1:
-                raise EvalError(f"axis {axis.name} has {size} ranks at {_format_values(values)}; an axis has at "
+                raise EvalError(f"axis {axis.name} has {size} ranks at {format_values(values)}; an axis has at "
                                 "least 1", axis.size.span, self.source)
             sizes.append(size)
         if math.prod(sizes) > MAX_RANKS:
             shown = " x ".join(f"{axis.name} {size:,}" for axis, size in zip(self.mesh.axes, sizes))
-            raise EvalError(f"the mesh has {shown} ranks at {_format_values(values)}: more than pipec's limit of "
+            raise EvalError(f"the mesh has {shown} ranks at {format_values(values)}: more than pipec's limit of "
                             f"{MAX_RANKS:,} ranks", self.mesh.span, self.source)
         return CompositionSpec(
             name=self.name, schedule=self.node.name, path=self.path, source=self.source, params=values,

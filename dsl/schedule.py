@@ -246,7 +246,7 @@ class ResolvedSchedule:
                 if not fn(env):
                     raise RequireError(
                         f"requirement failed: {node.message} ({_text_of(self.source, node.cond.span)}"
-                        f" is false for {_format_values(values)})",
+                        f" is false for {format_values(values)})",
                         node.span,
                         self.source,
                     )
@@ -260,7 +260,7 @@ class ResolvedSchedule:
         ``task_steps``) or none (the compiler derives it)."""
         P = values[self.ranks_param]
         N = values[self.microbatches_param] if self.microbatches_param else 1
-        layout = family.layout(self, env, P, f"{self.name} at {_format_values(values)}")
+        layout = family.layout(self, env, P, f"{self.name} at {format_values(values)}")
         spec = ScheduleSpec(
             name=self.name,
             path=self.path,
@@ -298,7 +298,7 @@ class ResolvedSchedule:
             again = (f", and {' '.join(self.tasks.recomputes)} on each of {recomputed:,} recomputed stages"
                      if recomputed else "")
             raise EvalError(
-                f"{self.name} at {_format_values(values)} has {tasks:,} tasks ({len(kinds)} per stage and "
+                f"{self.name} at {format_values(values)} has {tasks:,} tasks ({len(kinds)} per stage and "
                 f"microbatch: {', '.join(kinds)}{again}; x {S:,} stages x {N:,} microbatches); pipec's limit is "
                 f"{MAX_TASKS:,} tasks ({BYTES_PER_TASK_TEXT})",
                 self.stages.node.span,
@@ -308,7 +308,7 @@ class ResolvedSchedule:
             # the pipelines are `pipelines E`, or one per rank under `home`
             where = self.pipelines.node or self.weight_decls.home[0]
             raise EvalError(
-                f"{self.name} at {_format_values(values)} has {pipelines * S:,} stages in all ({pipelines:,} "
+                f"{self.name} at {format_values(values)} has {pipelines * S:,} stages in all ({pipelines:,} "
                 f"pipelines x {S:,} stages); pipec's limit is {MAX_TASKS:,}",
                 where.span,
                 self.source,
@@ -613,5 +613,6 @@ def _text_of(source: str, span: Span) -> str:
     return "?"
 
 
-def _format_values(values: dict) -> str:
+def format_values(values: dict) -> str:
+    """``values`` as messages show them: ``P=4, N=8, remat=false``."""
     return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())

@@ -421,7 +421,7 @@ def test_with_the_prover_compositions_compile_check_and_print(name, capsys):
     status, out, err = cli(capsys, "check", name)
     assert status == 0 and out.startswith(f"ok: {name} (P=2, D=2, N=4)"), err
     status, out, _ = cli(capsys, "compile", name)
-    assert status == 0 and json.loads(out.splitlines()[0])["mesh"] == [["pp", 2], ["dp", 2]]
+    assert status == 0 and json.loads(out)["mesh"] == [["pp", 2], ["dp", 2]]
     status, out, _ = cli(capsys, "compile", name, "--format", "text")
     assert status == 0 and out.startswith(f"schedule {name} (") and out.count("\nrank ") == 4
 
