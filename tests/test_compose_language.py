@@ -237,6 +237,13 @@ def test_the_new_words_reserve_nothing(tmp_path):
     assert composed(f"{path}:line").num_ranks == 2
 
 
+def test_a_composition_word_after_an_optional_value_starts_a_declaration(tmp_path):
+    # after `rings hamilton` a value may follow: `mesh` there is the declaration, not a name
+    error = error_in(tmp_path, good("  mesh", "  rings hamilton\n  mesh"), ResolveError)
+    assert at(error, "c.pipe", 2, 3).endswith("`rings` belongs in a pipeline's own schedule (the one `pipeline` "
+                                              "names)")
+
+
 # ------------------------------------------------------------------ mistakes, each where it is written
 
 
