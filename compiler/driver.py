@@ -7,7 +7,12 @@ liveness -> checks (on the final program, frees included), and returns a
 compute-only program, final program). Each phase is a pure function of the one
 before; a failure raises the ``PipecError`` of the phase that found it. The
 front end resolves schedules against the rule table's task kinds
-(``task_kinds``), so it knows no task by name.
+(``task_kinds``), so it knows no task by name. A composition (a schedule that
+places another on a mesh, ``pipec.dsl.composition``) evaluates to a
+``CompositionSpec``; lowering it compiles the schedule it names with these
+same phases, checks included, and places the result on the mesh
+(``pipec.compiler.composition``); the placed program is then checked like
+any other.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from pipec.compiler.liveness import insert_frees
 from pipec.compiler.memory_counts import Number, check_sizes
 from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS, RING_COMPUTE_OPS, RULES, UPDATE_OPS
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
+from pipec.dsl.composition import CompositionSpec
 from pipec.dsl.spec import TaskKinds
 from pipec.errors import UsageError
 
@@ -34,12 +40,12 @@ class Compiled:
     """What one compilation produced.
 
     Attributes:
-        spec: the evaluated schedule.
-        compute: the compute-only program (what the schedule ordered).
+        spec: the evaluated schedule (a composition's ``CompositionSpec``).
+        compute: the compute-only program (what the schedule ordered; a composition's, placed on its mesh).
         program: the final program: communication, checks passed, frees.
     """
 
-    spec: ScheduleSpec
+    spec: ScheduleSpec | CompositionSpec
     compute: Program
     program: Program
 
@@ -148,25 +154,32 @@ def resolve_target(target: str) -> ResolvedSchedule:
             raise UsageError(f"'{path}' defines no schedule")
         names = ", ".join(s.name for s in module.schedules)
         raise UsageError(f"'{path}' has no schedule '{name}' (it has {names})")
-    resolved = resolve(schedule, path, source, task_kinds())
+    resolved = resolve(schedule, path, source, task_kinds())  # a composition's too (dsl.composition)
     if name is None and not os.path.exists(target) and target in shipped_schedules():
         resolved.called = target  # a shipped schedule goes by its file's name, as the user typed it
     return resolved
 
 
-def lower_spec(spec: ScheduleSpec, costs: CostModel | None = None) -> tuple[Program, Program]:
+def lower_spec(spec: ScheduleSpec | CompositionSpec, costs: CostModel | None = None) -> tuple[Program, Program]:
     """Order and lower an evaluated schedule, unchecked.
 
     Returns:
         (compute-only program, program with communication). Evaluation already
         proved every task present once, in range and at home; an order whose
         dependencies cannot be met is kept as it is for the checks to name.
+        A composition's pipeline is compiled and checked alone; its placement
+        on the mesh is what is left unchecked.
     """
+    if isinstance(spec, CompositionSpec):
+        # imported here: the composition compiles its pipeline with this module's functions
+        from pipec.compiler.composition import lower_composition
+
+        return lower_composition(spec, costs)
     return family_of_spec(spec).lower(spec, costs)
 
 
 def compile_spec(
-    spec: ScheduleSpec,
+    spec: ScheduleSpec | CompositionSpec,
     *,
     costs: CostModel | None = None,
     memory_budget: int | None = None,
@@ -196,7 +209,8 @@ def compile_spec(
         refusal = first_refusal(program, lambda family: family.refuse_memory_budget(spec.name))
         if refusal is not None:
             raise UsageError(refusal)
-    if all(family.frees_values for family in families_of(program)):
+    # a placed program (a composition's) holds the frees its pipeline was given before it was placed
+    if program.mesh is None and all(family.frees_values for family in families_of(program)):
         program = insert_frees(program)
     check_all(program, semantics="rendezvous", memory_budget=memory_budget, byte_budget=byte_budget, sizes=sizes)
     return Compiled(spec, compute, program)

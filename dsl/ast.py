@@ -340,6 +340,53 @@ class RingMode(Node):
 
 
 @dataclass(frozen=True)
+class MeshAxis(Node):
+    """``NAME = E`` in a ``mesh``: a rank axis and its size."""
+
+    name: str
+    name_span: Span
+    size: Expr
+
+
+@dataclass(frozen=True)
+class Mesh(Node):
+    """``mesh pp = P, dp = D``: the composition's rank axes, outermost first (the last is contiguous)."""
+
+    axes: tuple[MeshAxis, ...]
+
+
+@dataclass(frozen=True)
+class PipelineArg(Node):
+    """``NAME = E`` in a composed pipeline's arguments: a parameter of the schedule it names."""
+
+    name: str
+    name_span: Span
+    value: Expr
+
+
+@dataclass(frozen=True)
+class ComposedPipeline(Node):
+    """``pipeline NAME(ARG = E, ...) from "TARGET"``: the pipeline schedule a composition places on its mesh."""
+
+    name: str
+    name_span: Span
+    args: tuple[PipelineArg, ...]
+    target: str
+    target_span: Span
+
+
+@dataclass(frozen=True)
+class DataPolicy(Node):
+    """``replicate over AXIS`` or ``shard over AXIS [reshard after forward]``: how each stage's group holds
+    its weights (whole on every member, or a shard each) along the data axis."""
+
+    sharded: bool
+    axis: str
+    axis_span: Span
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
 class ExplicitOrder(Node):
     rank_var: str
     rank_span: Span
@@ -401,7 +448,7 @@ Decl = (
     Require | Let | FuncDef | Stages | Pipelines | Route | Place | DeviceMap | Backward | Recompute | Stash | ExplicitOrder
     | GreedyOrder
     | SortedOrder | Home | Own | Group | Weights | Gradients | WeightCount | Sequence | Hold | Mask | Rings | Pieces
-    | RingMode | TensorParallel
+    | RingMode | TensorParallel | Mesh | ComposedPipeline | DataPolicy
 )
 
 

@@ -302,6 +302,8 @@ _TERMINAL_TEXT = {
     "KV_ROUTE": "a KV route (again, kept)", "DKV_ROUTE": "a dKV route (behind, direct)",
     "TRANSFER_KIND": "a transfer (p2p, all_to_all)",
 "LESSTHAN": "'<'", "MORETHAN": "'>'",
+    "MESH": "'mesh'", "DATA_POLICY": "replicate or shard", "RESHARD": "'reshard'", "_FROM": "'from'",
+    "_OVER": "'over'", "_AFTER": "'after'", "_FORWARD": "'forward'",
 }
 
 
@@ -553,6 +555,28 @@ class _ToAst(Transformer_NonRecursive):
 
     def transfer(self, meta, children):
         return ast.RingMode(self._span(meta), "transfer", str(children[0]))
+
+    def mesh_axis(self, meta, children):
+        name, size = children
+        return ast.MeshAxis(self._span(meta), str(name), _span_of(self.path, name), size)
+
+    def mesh(self, meta, children):
+        return ast.Mesh(self._span(meta), tuple(c for c in children if isinstance(c, ast.MeshAxis)))
+
+    def pipeline_arg(self, meta, children):
+        name, value = children
+        return ast.PipelineArg(self._span(meta), str(name), _span_of(self.path, name), value)
+
+    def composed(self, meta, children):
+        name, *args, target = children
+        return ast.ComposedPipeline(self._span(meta), str(name), _span_of(self.path, name),
+                                    tuple(a for a in args if a is not None), _unquote(target),
+                                    _span_of(self.path, target))
+
+    def data_policy(self, meta, children):
+        policy, axis, reshard = children
+        return ast.DataPolicy(self._span(meta), str(policy) == "shard", str(axis), _span_of(self.path, axis),
+                              reshard is not None)
 
     def order_explicit(self, meta, children):
         var, body = children

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 from pipec.dsl import ast
+from pipec.dsl.composition import is_composition, resolve_composition
 from pipec.dsl.evaluate import BOOL, INT, KEY, Resolver, Scope
 from pipec.dsl.families import declared_families, family_of, first_word, owner_of
 from pipec.dsl.order_body import assign_statement, branch_statement, loop_statement, OrderState
@@ -45,6 +46,8 @@ def resolve(schedule: ast.Schedule, path: str, source: str, tasks: TaskKinds) ->
     Raises:
         SourceErrors: every resolution error found, at once.
     """
+    if is_composition(schedule):  # a schedule built from another: its own declarations and rules
+        return resolve_composition(schedule, path, source, tasks)
     resolver = Resolver(path, source)
     resolver.functions = {d.name: d for d in schedule.decls if isinstance(d, ast.FuncDef)}
     out = ResolvedSchedule(schedule, path, source, resolver, tasks=tasks)
@@ -134,13 +137,7 @@ def _check_one_order(out: ResolvedSchedule, orders: list) -> None:
 
 def _resolve_params(out: ResolvedSchedule, schedule: ast.Schedule, scope: Scope) -> None:
     resolver = out.resolver
-    for param in schedule.params:
-        default = None
-        want = BOOL if param.type == "bool" else INT
-        if param.default is not None:
-            default = resolver.expect(param.default, scope, want, f"the default of {param.name}")
-        binding = resolver.bind(scope, param.name, want, param.span)
-        out.params.append((param, binding.slot, default))
+    out.resolve_params(schedule, scope)
     for role, attr in (("ranks", "ranks_param"), ("microbatches", "microbatches_param")):
         holders = [p for p in schedule.params if p.type == role]
         if len(holders) == 1:
@@ -157,15 +154,8 @@ def _resolve_decl(out: ResolvedSchedule, decl: ast.Node, scope: Scope) -> None:
     resolver = out.resolver
     if isinstance(decl, ast.FuncDef):
         resolver.define_function(scope, decl)
-    elif isinstance(decl, ast.Let):
-        fn, type_ = resolver.expr(decl.value, scope)
-        if type_ == KEY:
-            resolver.error("a `let` holds an integer or a boolean, not a priority key", decl.value.span)
-        binding = resolver.bind(scope, decl.name, type_, decl.name_span)
-        out.scalar_steps.append((decl, binding.slot, fn))
-    elif isinstance(decl, ast.Require):
-        fn = resolver.expect(decl.cond, scope, BOOL, "a requirement")
-        out.scalar_steps.append((decl, None, fn))
+    elif isinstance(decl, (ast.Let, ast.Require)):
+        out.resolve_scalar(decl, scope)
     elif isinstance(decl, (ast.Stages, ast.Pipelines)):
         single = out.stages if isinstance(decl, ast.Stages) else out.pipelines
         word = "stages" if isinstance(decl, ast.Stages) else "pipelines"

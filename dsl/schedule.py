@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from pipec.dsl import ast
-from pipec.dsl.evaluate import Fn, Resolver
+from pipec.dsl.evaluate import BOOL, INT, KEY, Fn, Resolver, Scope
 from pipec.dsl.limits import (
     BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, check_int,
 )
@@ -143,6 +143,30 @@ class ResolvedSchedule:
             out.append({"name": param.name, "type": param.type, "default": default})
         return out
 
+    # ------------------------------------------------------------ resolution
+
+    def resolve_params(self, schedule: ast.Schedule, scope: Scope) -> None:
+        """Bind ``schedule``'s parameters in ``scope`` (each default sees the parameters before it)."""
+        for param in schedule.params:
+            default = None
+            want = BOOL if param.type == "bool" else INT
+            if param.default is not None:
+                default = self.resolver.expect(param.default, scope, want, f"the default of {param.name}")
+            binding = self.resolver.bind(scope, param.name, want, param.span)
+            self.params.append((param, binding.slot, default))
+
+    def resolve_scalar(self, decl: ast.Let | ast.Require, scope: Scope) -> None:
+        """Compile a ``let`` (bound in ``scope``) or a ``require`` into the steps run before the rest."""
+        if isinstance(decl, ast.Let):
+            fn, type_ = self.resolver.expr(decl.value, scope)
+            if type_ == KEY:
+                self.resolver.error("a `let` holds an integer or a boolean, not a priority key", decl.value.span)
+            binding = self.resolver.bind(scope, decl.name, type_, decl.name_span)
+            self.scalar_steps.append((decl, binding.slot, fn))
+        else:
+            fn = self.resolver.expect(decl.cond, scope, BOOL, "a requirement")
+            self.scalar_steps.append((decl, None, fn))
+
     # ------------------------------------------------------------ evaluation
 
     def evaluate(self, defines: dict[str, str | int | bool] | None = None) -> ScheduleSpec:
@@ -161,17 +185,7 @@ class ResolvedSchedule:
         env = self.resolver.new_env()
         self.budget.left = MAX_OPERATIONS
         values = self._bind_params(env, defines)
-        for node, slot, fn in self.scalar_steps:
-            if isinstance(node, ast.Require):
-                if not fn(env):
-                    raise RequireError(
-                        f"requirement failed: {node.message} ({_text_of(self.source, node.cond.span)}"
-                        f" is false for {_format_values(values)})",
-                        node.span,
-                        self.source,
-                    )
-            else:
-                env[slot] = fn(env)
+        self._run_scalar_steps(env, values)
 
         laying_out = next((family for family in declared_families() if family.lays_out(self)), None)
         if laying_out is not None:  # a sequence ring: its declarations lay it out
@@ -225,6 +239,20 @@ class ResolvedSchedule:
             spec.policy = self._policy(env, spec)
         return spec
 
+    def _run_scalar_steps(self, env: list, values: dict) -> None:
+        """Run the ``require``s and ``let``s in text order (``values``: the parameters, for messages)."""
+        for node, slot, fn in self.scalar_steps:
+            if isinstance(node, ast.Require):
+                if not fn(env):
+                    raise RequireError(
+                        f"requirement failed: {node.message} ({_text_of(self.source, node.cond.span)}"
+                        f" is false for {format_values(values)})",
+                        node.span,
+                        self.source,
+                    )
+            else:
+                env[slot] = fn(env)
+
     def _evaluate_laid_out(self, env: list, values: dict, family: Declared) -> ScheduleSpec:
         """A schedule its family's declarations lay out (a sequence ring: its ``RingSpec``, one stage per
         chunk, a query chunk, on the chunk's holder): one pipeline, one microbatch unless a ``microbatches``
@@ -232,7 +260,7 @@ class ResolvedSchedule:
         ``task_steps``) or none (the compiler derives it)."""
         P = values[self.ranks_param]
         N = values[self.microbatches_param] if self.microbatches_param else 1
-        layout = family.layout(self, env, P, f"{self.name} at {_format_values(values)}")
+        layout = family.layout(self, env, P, f"{self.name} at {format_values(values)}")
         spec = ScheduleSpec(
             name=self.name,
             path=self.path,
@@ -270,7 +298,7 @@ class ResolvedSchedule:
             again = (f", and {' '.join(self.tasks.recomputes)} on each of {recomputed:,} recomputed stages"
                      if recomputed else "")
             raise EvalError(
-                f"{self.name} at {_format_values(values)} has {tasks:,} tasks ({len(kinds)} per stage and "
+                f"{self.name} at {format_values(values)} has {tasks:,} tasks ({len(kinds)} per stage and "
                 f"microbatch: {', '.join(kinds)}{again}; x {S:,} stages x {N:,} microbatches); pipec's limit is "
                 f"{MAX_TASKS:,} tasks ({BYTES_PER_TASK_TEXT})",
                 self.stages.node.span,
@@ -280,7 +308,7 @@ class ResolvedSchedule:
             # the pipelines are `pipelines E`, or one per rank under `home`
             where = self.pipelines.node or self.weight_decls.home[0]
             raise EvalError(
-                f"{self.name} at {_format_values(values)} has {pipelines * S:,} stages in all ({pipelines:,} "
+                f"{self.name} at {format_values(values)} has {pipelines * S:,} stages in all ({pipelines:,} "
                 f"pipelines x {S:,} stages); pipec's limit is {MAX_TASKS:,}",
                 where.span,
                 self.source,
@@ -302,13 +330,7 @@ class ResolvedSchedule:
                 raise UsageError(
                     f"schedule '{self.name}' needs a value for {param.name} ({param.type}): pass -D {param.name}=VALUE"
                 )
-            minimum = _PARAM_MINIMUM[param.type]
-            message = None
-            if minimum is not None and value < minimum:
-                message = f"{param.name} ({param.type}) must be at least {minimum}, got {value}"
-            elif param.type == "ranks" and value > MAX_RANKS:
-                message = (f"{param.name} (ranks) is {value:,}; pipec's limit is {MAX_RANKS:,} ranks (a program "
-                           f"keeps per-rank lists and per-pair tables: P^2 entries)")
+            message = _out_of_range(param, value)
             if message is not None:
                 if param.name in defines:
                     raise UsageError(f"schedule '{self.name}': {message}")
@@ -316,6 +338,27 @@ class ResolvedSchedule:
             env[slot] = value
             values[param.name] = value
         return values
+
+    def argument_refusal(self, name: str, value: int | bool) -> str | None:
+        """Why ``evaluate`` would refuse ``name = value`` (a composition's arguments, checked where written).
+
+        Returns:
+            the message (no such parameter, a value of the wrong type or out of its type's range), or None.
+        """
+        param = next((param for param, _, _ in self.params if param.name == name), None)
+        if param is None:
+            listing = ", ".join(f"{p.name}: {p.type}" for p, _, _ in self.params) or "none"
+            return f"schedule '{self.node.name}' has no parameter {name}; its parameters are {listing}"
+        try:
+            _coerce(param, value, self.node.name)
+        except UsageError as error:
+            return str(error)
+        message = _out_of_range(param, value)
+        return None if message is None else f"schedule '{self.node.name}': {message}"
+
+    def missing_arguments(self, given) -> list[ast.Param]:
+        """The parameters without a default that ``given`` (names) leaves without a value."""
+        return [param for param, _, default in self.params if default is None and param.name not in given]
 
     def _positive(self, value: int, what: str, node: ast.Node) -> int:
         if value < 1:
@@ -546,6 +589,17 @@ def _coerce(param: ast.Param, raw, schedule: str) -> int | bool:
     return value
 
 
+def _out_of_range(param: ast.Param, value: int | bool) -> str | None:
+    """Why ``value`` is outside the range of ``param``'s type, or None."""
+    minimum = _PARAM_MINIMUM[param.type]
+    if minimum is not None and value < minimum:
+        return f"{param.name} ({param.type}) must be at least {minimum}, got {value}"
+    if param.type == "ranks" and value > MAX_RANKS:
+        return (f"{param.name} (ranks) is {value:,}; pipec's limit is {MAX_RANKS:,} ranks (a program "
+                f"keeps per-rank lists and per-pair tables: P^2 entries)")
+    return None
+
+
 def of_pipeline(p: int, pipelines: int) -> str:
     return f" of pipeline {p}" if pipelines > 1 else ""
 
@@ -559,5 +613,6 @@ def _text_of(source: str, span: Span) -> str:
     return "?"
 
 
-def _format_values(values: dict) -> str:
+def format_values(values: dict) -> str:
+    """``values`` as messages show them: ``P=4, N=8, remat=false``."""
     return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())

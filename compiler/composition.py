@@ -1,0 +1,110 @@
+"""Compile a composition: the pipeline schedule it names, compiled and checked alone, placed on its mesh.
+
+Contract: ``lower_composition(spec, costs)`` reads the target of the
+composition's ``pipeline NAME(...) from "TARGET"`` as the command line reads
+a target (a file relative to the composing file, else a shipped schedule's
+name; through the guarded reader), resolves the schedule NAME there, checks
+the arguments against its parameters, evaluates and compiles it with the
+driver (its checks included), and places the result on the mesh with
+``compose.place_on_mesh``. It returns (compute-only, final) programs, both
+placed, named after the composition and carrying its parameters; the final
+program is not yet checked as a composed program (``driver.compile_spec``
+does that). Every mistake of the composition is reported at its place in the
+composing file; the named schedule's own errors at theirs, in its file.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from pipec.compiler.compose import DataParallel, place_on_mesh
+from pipec.compiler.costs import CostModel
+from pipec.compiler.driver import compile_spec, load_target, shipped_schedules, task_kinds
+from pipec.compiler.ir import Mesh, Program
+from pipec.dsl import ast, parse, resolve
+from pipec.dsl.composition import PP_AXIS, CompositionSpec, is_composition
+from pipec.dsl.schedule import ResolvedSchedule
+from pipec.errors import EvalError, ResolveError, ScheduleError, UsageError
+
+
+def lower_composition(spec: CompositionSpec, costs: CostModel | None = None) -> tuple[Program, Program]:
+    """The composition's (compute-only, final) programs, placed on its mesh; see the module docstring.
+
+    Raises:
+        ResolveError: TARGET not found or not readable, no schedule NAME in it, or NAME a composition
+            itself (a cycle when it is this one), at the target or the name.
+        EvalError: an argument the schedule has no parameter for, or a value its parameter refuses.
+        ScheduleError: a parameter left without a value, or a program the mesh cannot take (its pp axis
+            is not the pipeline's ranks, ...), at the ``pipeline`` declaration.
+        SourceError: the named schedule's own errors, in its file; ProgramError: its checks'.
+    """
+    inner = _named_schedule(spec)
+    compiled = compile_spec(inner.evaluate(_arguments(spec, inner)), costs=costs)
+    policy = spec.policy
+    data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward)
+    mesh = Mesh(spec.mesh)
+    try:
+        placed = [place_on_mesh(program, mesh, PP_AXIS, data, name=spec.name)
+                  for program in (compiled.compute, compiled.program)]
+    except UsageError as error:
+        raise ScheduleError(str(error), spec.pipeline.span, spec.source) from None
+    compute, program = (replace(each, params=dict(spec.params), source=spec.path) for each in placed)
+    return compute, program
+
+
+def _find_target(composing: str, target: str) -> str | None:
+    """``target`` as the command line reads a target, but relative to the file ``composing``: a file there,
+    else a shipped schedule's name (never a file of the current folder that happens to bear that name)."""
+    beside = os.path.join(os.path.dirname(composing), target)
+    if os.path.exists(beside):
+        return beside
+    return shipped_schedules().get(target)
+
+
+def _named_schedule(spec: CompositionSpec) -> ResolvedSchedule:
+    """The schedule NAME of TARGET, parsed and resolved; a composition is refused (one pipeline is placed)."""
+    node = spec.pipeline
+    path = _find_target(spec.path, node.target)
+    if path is None:
+        raise ResolveError(f"no file '{node.target}' beside {spec.path} and no shipped schedule of that name "
+                           f"(shipped: {', '.join(shipped_schedules())})", node.target_span, spec.source)
+    try:
+        shown, source, _ = load_target(path)
+    except UsageError as error:  # a folder, a compiled program, too large, not UTF-8
+        raise ResolveError(str(error), node.target_span, spec.source) from None
+    module = parse(source, shown)
+    schedule = module.schedule(node.name)
+    if schedule is None:
+        names = ", ".join(each.name for each in module.schedules) or "none"
+        raise ResolveError(f"'{shown}' has no schedule '{node.name}' (it has {names})", node.name_span, spec.source)
+    if is_composition(schedule):
+        raise ResolveError(f"{node.name} in '{shown}' {_why_not_composed(spec, path, schedule)}", node.target_span,
+                           spec.source)
+    return resolve(schedule, shown, source, task_kinds())
+
+
+def _why_not_composed(spec: CompositionSpec, path: str, schedule: ast.Schedule) -> str:
+    """What to say of a composition named by a composition: a cycle when it is this one, or names it back."""
+    if os.path.samefile(path, spec.path) and schedule.name == spec.schedule:
+        return "composes itself (a cycle)"
+    back = next((decl for decl in schedule.decls if isinstance(decl, ast.ComposedPipeline)), None)
+    target = None if back is None else _find_target(path, back.target)
+    if target is not None and os.path.samefile(target, spec.path) and back.name == spec.schedule:
+        return f"composes {spec.schedule} back (a cycle)"
+    return "is a composition itself; a composition places a pipeline schedule, one rank per stage"
+
+
+def _arguments(spec: CompositionSpec, inner: ResolvedSchedule) -> dict[str, int | bool]:
+    """The composition's arguments, each checked against the named schedule's parameter where it is written."""
+    node = spec.pipeline
+    for arg in node.args:
+        refusal = inner.argument_refusal(arg.name, spec.arguments[arg.name])
+        if refusal is not None:
+            known = any(param.name == arg.name for param, _, _ in inner.params)
+            raise EvalError(refusal, arg.value.span if known else arg.name_span, spec.source)
+    missing = inner.missing_arguments(spec.arguments)
+    if missing:
+        listing = ", ".join(f"{param.name} ({param.type})" for param in missing)
+        raise ScheduleError(f"schedule '{inner.node.name}' needs a value for {listing}: give "
+                            f"`{missing[0].name} = EXPR` here", node.span, spec.source)
+    return dict(spec.arguments)
