@@ -784,7 +784,7 @@ class ActivationPassing(RuntimeFamily):
     def counted_gradients(self, context: RankContext) -> list[torch.Tensor]:
         """The flat gradient buffers this rank counts in the global norm: a replicated chunk's by its
         lowest holder only (``runtime/clipping.py``); on rank groups, ``placed.counted_gradients``."""
-        if context.placed is not None:
+        if context.program.placed_on_groups:
             return placed.counted_gradients(context)
         first_holder: dict[int, int] = {}
         for info in context.program.stages:
@@ -793,7 +793,7 @@ class ActivationPassing(RuntimeFamily):
 
     def all_gradients(self, context: RankContext) -> list[torch.Tensor]:
         """Every flat gradient buffer of this rank (clipping scales every one), and its shards' gradients."""
-        shards = [] if context.placed is None else [s.shard.grad for s in context.placed.sharded.values()]
+        shards = [s.shard.grad for s in context.placed.sharded.values()] if context.program.placed_on_groups else []
         return list(context.flat_grads.values()) + shards
 
     def checkpoint_part(self, context: RankContext, stages: dict) -> dict:
