@@ -45,8 +45,8 @@ from pipec.errors import ProgramError, RuntimeFault
 from pipec.compiler.versions import version_plan
 from pipec.runtime import clipping, comm, payload, placed, split_backward
 from pipec.runtime.checkpoint import load_optimizer_state, named_optimizer_state, parameter_names
-from pipec.runtime.family import (RuntimeFamily, load_families, refusal_outside, register, run_instructions,
-                                  runtime_family)
+from pipec.runtime.family import (RuntimeFamily, families, load_families, refusal_outside, register,
+                                  run_instructions, runtime_family)
 from pipec.runtime.stash import WeightStash
 from pipec.runtime.flat import bind_flat_grads
 from pipec.runtime.model import spec_optimizer
@@ -283,14 +283,22 @@ def _check_handlers(program: Program, rank: int, row: list[Action], family: Runt
             why = refusal_outside(action.op, family) or f"the runtime has no handler for '{action.op}'"
         elif action.parts and action.op != BATCH:
             part = next((part for part in action.parts if part.op not in family.part_posters), None)
-            if part is not None:
-                why = refusal_outside(part.op, family) or f"the runtime cannot run '{part.op}' inside '{action.op}'"
-        if why is None and not program.placed_on_groups and family.handlers is HANDLERS:
+            if part is not None:  # another family's part (SEND_W in an EXCHANGE) says whose it is
+                why = (refusal_outside(part.op, family) or _refusal_of_part(part.op, family)
+                       or f"the runtime cannot run '{part.op}' inside '{action.op}'")
+        if why is None and not program.placed_on_groups:
             used = _GROUP_OPS.intersection((action.op, *(part.op for part in action.parts)))
             if used:
                 why = f"'{min(used)}' belongs to stages placed on rank groups, and this program places none"
         if why is not None:
             raise ProgramError(why, rank, index, program.grid())
+
+
+def _refusal_of_part(op: str, family: RuntimeFamily) -> str | None:
+    """Why ``op``, a part another family posts, cannot run in ``family``'s program (that family's
+    ``refusal_outside``), or None."""
+    return next((why for other in families() if other is not family and op in other.part_posters
+                 for why in [other.refusal_outside(op)] if why is not None), None)
 
 
 def stage_modules(program: Program, rank: int, build: Callable[[int], nn.Module]) -> dict[int, nn.Module]:

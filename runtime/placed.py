@@ -297,11 +297,11 @@ def _cpu(value):
 
 
 def _gathered(context, sharded: ShardedStage, shard: torch.Tensor, what: str) -> torch.Tensor:
-    """Every member's ``shard`` (a tensor as long as a shard) joined in member order; blocking, within the
-    run's timeout."""
+    """Every member's ``shard`` (a tensor as long as a shard) joined in member order, done when this returns
+    (``comm.settle``: on the CPU for gloo and NCCL alike), within the run's timeout."""
     whole = torch.empty(sharded.padded, dtype=shard.dtype, device=shard.device)
     site = comm.Site(context.rank, len(context.row), what, sharded.group.peers, context.iteration)
-    comm.await_blocking(comm.start_all_gather(whole, shard.detach(), sharded.group), context.timeout, site)
+    comm.settle(comm.start_all_gather(whole, shard.detach(), sharded.group), context.timeout, site)
     return whole
 
 

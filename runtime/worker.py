@@ -43,6 +43,7 @@ from typing import Iterator, NamedTuple, Sequence
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
 from pipec.errors import PipecError, RuntimeFault, UsageError, printable
 from pipec.runtime import phases, report
+from pipec.runtime.family import placed_refusal
 from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_SEED,
                                   DEFAULT_STEPS, DEFAULT_TIMEOUT_S, RunConfig, output_clash)
 
@@ -309,8 +310,6 @@ def make_plan(config: RunConfig, world: int) -> Plan:
     if config.resume:
         phases.announce(phases.CHECKPOINT_LOAD)
     config, checkpoint = resolve_checkpoint(config)
-    from pipec.runtime.family import placed_refusal
-
     refusal = placed_refusal(program)
     if refusal is not None:
         raise UsageError(f"{config.target}: {refusal}")
