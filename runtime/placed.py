@@ -106,11 +106,6 @@ class PlacedContext:
     stage_group: dict[int, int]
     sharded: dict[int, ShardedStage] = field(default_factory=dict)
 
-    @property
-    def loss_weight(self) -> float:
-        """What a member's loss is weighed by: its share of the rows, 1/k."""
-        return 1.0 / self.share[1]
-
 
 # ------------------------------------------------------------------ what runs
 
@@ -120,7 +115,7 @@ def make_placed(program: Program, rank: int, chunk_modules: dict[int, nn.Module]
     """Make the groups and cut this rank's shards; collective (every rank, in the same state).
 
     Args:
-        program: a composed program (``runtime_refusal`` is None for it).
+        program: a composed program (``family.placed_refusal`` is None for it).
         rank: this rank.
         chunk_modules: chunk -> this rank's module of it (whole weights, as built or resumed).
         trainable: module -> its trainable parameters.
@@ -158,8 +153,9 @@ def _sharded_stage(stage: int, module: nn.Module, params: list, share: tuple[int
                          f"parameters need one dtype; it has {sorted(str(p.dtype) for p in params)}")
     member, members = share
     size = sum(p.numel() for p in params)
-    piece = max(1, -(-size // members))
-    whole = torch.zeros(piece * members, dtype=params[0].dtype, device=params[0].device)
+    piece = max(1, -(-size // members))  # a stage with no trainable weights still meets its group: one zero each
+    like = params[0] if params else torch.zeros(0)
+    whole = torch.zeros(piece * members, dtype=like.dtype, device=like.device)
     if params:
         whole[:size] = torch.cat([p.detach().reshape(-1) for p in params])
     shard = nn.Parameter(whole[member * piece:(member + 1) * piece].clone())
@@ -189,17 +185,18 @@ def _fault(step, index: int, message: str) -> RuntimeFault:
     return RuntimeFault(message, step.ctx.rank, index, step.ctx.row[index].text())
 
 
-def _sharded(step, part: Action, ex: Exchange) -> ShardedStage:
-    sharded = step.ctx.placed.sharded.get(part.stage)
+def _sharded(step, action: Action, index: int) -> ShardedStage:
+    """The sharded stage ``action`` (at ``index`` of the list) names, or the fault of a stage that is not one."""
+    sharded = step.ctx.placed.sharded.get(action.stage)
     if sharded is None:
-        raise _fault(step, ex.index, f"{part.text()} needs stage {part.stage} sharded on this rank (a program the "
-                                     "checks did not pass?)")
+        raise _fault(step, index, f"{action.text()} needs stage {action.stage} sharded on this rank (a program the "
+                                  "checks did not pass?)")
     return sharded
 
 
 def _gather(step, part: Action, ex: Exchange) -> None:
     """GATHER: all-gather the stage's shards into one new flat vector; the parameters take it on arrival."""
-    sharded = _sharded(step, part, ex)
+    sharded = _sharded(step, part, ex.index)
     whole = torch.empty(sharded.padded, dtype=sharded.shard.dtype, device=sharded.shard.device)
     ex.works += comm.start_all_gather(whole, sharded.shard.detach(), sharded.group)
     ex.peers.update(sharded.group.peers)
@@ -220,7 +217,7 @@ def _sync_grad(step, part: Action, ex: Exchange) -> None:
 def _reduce_grad(step, part: Action, ex: Exchange) -> None:
     """REDUCE_GRAD: reduce-scatter (sum) the stage's whole flat gradient; the shard's gradient takes this
     member's piece on arrival."""
-    sharded = _sharded(step, part, ex)
+    sharded = _sharded(step, part, ex.index)
     flat = step.ctx.flat_grads[step.ctx.program.stages[part.stage].position]
     works, mine = comm.start_reduce_scatter(flat, sharded.member, sharded.group)
     ex.works += works
@@ -252,8 +249,7 @@ def exchange_wait(step, action: Action, index: int) -> None:
 
 def reshard(step, action: Action, index: int) -> None:
     """RESHARD: the stage's module drops its whole weights."""
-    ex = Exchange(-1, index)
-    _sharded(step, action, ex).drop_whole()
+    _sharded(step, action, index).drop_whole()
 
 
 def run_substeps(step, action: Action, index: int) -> None:
