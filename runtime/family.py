@@ -187,9 +187,11 @@ def placed_refusal(program: Program) -> str | None:
     sizes = {len(info.ranks) for info in program.stages}
     if len(sizes) > 1 or any(info.placement is None for info in program.stages):
         return (f"{where}, but its stages sit on groups of different sizes ({', '.join(map(str, sorted(sizes)))}); "
-                "the runtime hands member i of one group to member i of the next, so every stage needs a group of one size")
+                "the runtime hands member i of one group to member i of the next, so every stage needs a group "
+                "of one size")
     if any(a.op == ops.ALLREDUCE_GRAD for row in program.ranks for a in row):
-        return f"{where} and holds a replica all-reduce (ALLREDUCE_GRAD), which the runtime defines for one-rank stages only"
+        return (f"{where} and holds a replica all-reduce (ALLREDUCE_GRAD), which the runtime defines for one-rank "
+                "stages only")
     return None
 
 

@@ -12,16 +12,20 @@ microbatch's. This module is what activation passing adds for such programs:
 * A replicated stage keeps its whole weights; ``SYNC_GRAD`` all-reduces its flat
   gradient over the group (posted by its EXCHANGE, waited at its EXCHANGE_WAIT).
 * A sharded stage keeps shard i of k of its flat weights (padded at the end to a
-  multiple of k), which its optimizer steps. ``GATHER``, a sub-step run before
-  its compute's body, all-gathers the whole flat weights and points the module's
-  parameters at them; ``RESHARD`` points them at nothing again (the module drops
-  the whole copy); ``REDUCE_GRAD`` reduce-scatters the whole flat gradient so that
-  the member keeps the group's sum of its shard, the shard's gradient.
+  multiple of k), which its optimizer steps. Its module's parameters are views
+  of one whole flat vector whose storage exists only between a GATHER and the
+  RESHARD after it: ``GATHER``, a sub-step run before its compute's body, gives
+  the vector its storage back and all-gathers the shards into it; ``RESHARD``
+  frees the storage (``resize_(0)``, as FSDP2 frees an unsharded parameter);
+  ``REDUCE_GRAD`` reduce-scatters the whole flat gradient so that the member
+  keeps the group's sum of its shard, the shard's gradient.
 
-The module's parameters stay the same ``nn.Parameter`` objects throughout: only
-their storage (``.data``) changes, so autograd, the flat gradient buffer their
-``.grad`` views, and split backward (I, W) see one set of parameters. Why not
-torch's FSDP2 (``fully_shard``): docs/runtime.md, "Stages on rank groups".
+The parameters stay the same ``nn.Parameter`` objects, viewing the same storage,
+throughout, so autograd, the flat gradient buffer their ``.grad`` views, and
+split backward (I, W) see one set of parameters; what a forward saved for its
+backward views that storage too, so it is freed at a RESHARD between the two and
+holds the gathered weights again when the backward runs. Why not torch's FSDP2
+(``fully_shard``): docs/runtime.md, "Stages on rank groups".
 """
 from __future__ import annotations
 
@@ -46,14 +50,15 @@ class ShardedStage:
 
     Attributes:
         stage: the stage id.
-        params: the module's trainable parameters: whole views of a gathered flat vector, or empty.
+        params: the module's trainable parameters, views of ``whole``.
         names: their names in the module (``named_parameters``), the whole model's names.
-        shapes: their shapes (the parameters' own are empty while resharded).
+        shapes: their shapes.
         size: the flat vector's length; ``padded``: rounded up to whole shards, ``shard * members``.
         shard: this member's piece of the flat weights, what the optimizer steps (its ``.grad`` bound).
         member, members: this rank's place in the group, and the group's size.
         group: the group's process group.
-        gathered: whether the module's parameters hold the whole weights now.
+        whole: the padded flat weights the parameters view; its storage is freed while resharded.
+        gathered: whether ``whole`` has its storage (and, once its gather is waited, the weights).
     """
 
     stage: int
@@ -66,7 +71,8 @@ class ShardedStage:
     member: int
     members: int
     group: comm.ReplicaGroup
-    gathered: bool = False
+    whole: torch.Tensor
+    gathered: bool = True
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat``'s pieces shaped like the parameters, in order."""
@@ -76,17 +82,16 @@ class ShardedStage:
             offset += shape.numel()
         return out
 
-    def take_whole(self, flat: torch.Tensor) -> None:
-        """Point the parameters at ``flat``'s pieces: the module runs with these weights."""
-        for p, view in zip(self.params, self.views(flat)):
-            p.data = view
-        self.gathered = True
+    def make_room(self) -> torch.Tensor:
+        """``whole`` with its storage back (its contents undefined until a gather fills it)."""
+        if not self.gathered:
+            self.whole.untyped_storage().resize_(self.whole.numel() * self.whole.element_size())
+            self.gathered = True
+        return self.whole
 
     def drop_whole(self) -> None:
-        """Point the parameters at empty storage: the module keeps no whole copy (autograd may still
-        hold what a saved forward needs until its backward)."""
-        for p in self.params:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        """Free ``whole``'s storage: neither the module nor what autograd saved of it keeps a whole copy."""
+        self.whole.untyped_storage().resize_(0)
         self.gathered = False
 
 
@@ -136,14 +141,14 @@ def make_placed(program: Program, rank: int, chunk_modules: dict[int, nn.Module]
             flat_grads[info.position] = bind_flat_grads(params)
             stepped += params
             continue
-        sharded, flat_grads[info.position] = _sharded_stage(info.id, module, params, share,
+        sharded, flat_grads[info.position] = shard_stage(info.id, module, params, share,
                                                             groups[info.placement.communicator])
         placed.sharded[info.id] = sharded
         stepped.append(sharded.shard)
     return placed, flat_grads, stepped
 
 
-def _sharded_stage(stage: int, module: nn.Module, params: list, share: tuple[int, int],
+def shard_stage(stage: int, module: nn.Module, params: list, share: tuple[int, int],
                    group: comm.ReplicaGroup) -> tuple[ShardedStage, torch.Tensor]:
     """This member's shard of the module's flat weights (a new leaf for the optimizer), the whole copy
     dropped, and the stage's whole flat gradient buffer (``sharded_grads``, bound while the parameters
@@ -162,9 +167,10 @@ def _sharded_stage(stage: int, module: nn.Module, params: list, share: tuple[int
     bind_flat_grads([shard])
     names = {id(p): name for name, p in module.named_parameters()}
     sharded = ShardedStage(stage, params, [names[id(p)] for p in params], [p.shape for p in params], size,
-                           piece * members, shard, member, members, group)
+                           piece * members, shard, member, members, group, whole)
     grads = sharded_grads(sharded)
-    sharded.gathered = True
+    for p, view in zip(params, sharded.views(whole)):  # the module's weights live in ``whole`` from now on
+        p.data = view
     sharded.drop_whole()
     return sharded, grads
 
@@ -195,13 +201,12 @@ def _sharded(step, action: Action, index: int) -> ShardedStage:
 
 
 def _gather(step, part: Action, ex: Exchange) -> None:
-    """GATHER: all-gather the stage's shards into one new flat vector; the parameters take it on arrival."""
+    """GATHER: give the stage's whole flat vector its storage back and all-gather the shards into it."""
     sharded = _sharded(step, part, ex.index)
-    whole = torch.empty(sharded.padded, dtype=sharded.shard.dtype, device=sharded.shard.device)
+    whole = sharded.make_room()
     ex.works += comm.start_all_gather(whole, sharded.shard.detach(), sharded.group)
     ex.peers.update(sharded.group.peers)
     ex.keep.append(whole)
-    ex.arrivals.append(lambda: sharded.take_whole(whole))
 
 
 def _sync_grad(step, part: Action, ex: Exchange) -> None:
@@ -292,10 +297,13 @@ def _cpu(value):
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _gathered(context, sharded: ShardedStage, shard: torch.Tensor, what: str) -> torch.Tensor:
-    """Every member's ``shard`` (a tensor as long as a shard) joined in member order, done when this returns
-    (``comm.settle``: on the CPU for gloo and NCCL alike), within the run's timeout."""
-    whole = torch.empty(sharded.padded, dtype=shard.dtype, device=shard.device)
+def _gathered(context, sharded: ShardedStage, shard: torch.Tensor, what: str,
+              whole: torch.Tensor | None = None) -> torch.Tensor:
+    """Every member's ``shard`` (a tensor as long as a shard) joined in member order, into ``whole`` (None: a
+    new tensor), done when this returns (``comm.settle``: on the CPU for gloo and NCCL alike), within the
+    run's timeout."""
+    if whole is None:
+        whole = torch.empty(sharded.padded, dtype=shard.dtype, device=shard.device)
     site = comm.Site(context.rank, len(context.row), what, sharded.group.peers, context.iteration)
     comm.settle(comm.start_all_gather(whole, shard.detach(), sharded.group), context.timeout, site)
     return whole
@@ -305,9 +313,9 @@ def whole_state(context, module: nn.Module, stage: int) -> dict[str, torch.Tenso
     """The sharded stage's module state_dict with its whole weights (CPU): its shards all-gathered;
     collective over the stage's group (every member calls it at the same point)."""
     sharded = context.placed.sharded[stage]
-    whole = _gathered(context, sharded, sharded.shard, f"the checkpoint's gather of stage {stage}'s shards")
     was = sharded.gathered
-    sharded.take_whole(whole)
+    _gathered(context, sharded, sharded.shard, f"the checkpoint's gather of stage {stage}'s shards",
+              sharded.make_room())
     state = {name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()}
     if not was:
         sharded.drop_whole()
@@ -403,7 +411,6 @@ def shard_state(sharded: ShardedStage, saved: dict) -> dict | None:
     return out
 
 
-__all__ = ["HANDLERS", "PART_POSTERS", "PlacedContext", "ShardedStage", "exchange", "exchange_wait", "finish",
-           "checkpoint_part", "counted_gradients", "make_placed", "optimizer_names", "reshard", "run_substeps",
-           "shard_state",
-           "sharded_grads", "whole_optimizer_state", "whole_state", "with_substeps"]
+__all__ = ["HANDLERS", "PART_POSTERS", "PlacedContext", "ShardedStage", "checkpoint_part", "counted_gradients",
+           "exchange", "exchange_wait", "finish", "make_placed", "optimizer_names", "reshard", "run_substeps",
+           "shard_stage", "shard_state", "sharded_grads", "whole_optimizer_state", "whole_state", "with_substeps"]

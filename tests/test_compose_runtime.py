@@ -198,3 +198,38 @@ def test_a_group_op_in_a_plain_program_is_refused_before_the_start():
     with pytest.raises(ProgramError, match="RESHARD' belongs to stages placed on rank groups"):
         make_context(program, 0, {0: build_chunk(config, 0, 2, SEED)}, loss_fn=loss_fn,
                      make_optimizer=make_optimizer, activation_shape=(2, 16, 32))
+
+
+# ------------------------------------------------------------------ a sharded stage's storage, in one process
+
+
+def test_a_reshard_frees_the_whole_weights_and_a_gather_brings_them_back_for_the_backward():
+    """What RESHARD and GATHER do to one member's module (a group of one, the gather played by a copy): the
+    storage of the whole weights, the parameters' and what the forward saved for its backward alike, is
+    freed; filled again, the backward gives one process's gradients."""
+    from pipec.runtime.model import build_chunk
+    from pipec.runtime.placed import shard_stage
+
+    config = ModelConfig(layers=2)
+    reference = build_chunk(config, 0, 2, SEED)
+    module = build_chunk(config, 0, 2, SEED)
+    params = [p for p in module.parameters() if p.requires_grad]
+    sharded, grads = shard_stage(0, module, params, (0, 1), group=None)
+    assert sharded.whole.untyped_storage().nbytes() == 0  # built resharded: only the shard is kept
+    tokens = torch.randint(0, config.vocab, (2, config.seq_len), generator=torch.Generator().manual_seed(SEED))
+
+    def gather():  # what GATHER's all-gather leaves in the whole vector on a group of one: the shard
+        sharded.make_room().copy_(sharded.shard.detach())
+
+    gather()
+    out = module(tokens)
+    sharded.drop_whole()
+    assert sharded.whole.untyped_storage().nbytes() == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)  # the same storage: nothing whole is left
+    gather()
+    out.square().mean().backward()
+    reference(tokens).square().mean().backward()
+    want = torch.cat([p.grad.reshape(-1) for p in reference.parameters() if p.requires_grad])
+    assert torch.equal(grads[:sharded.size], want)
+    assert torch.equal(sharded.whole[:sharded.size], torch.cat([p.detach().reshape(-1) for p in reference.parameters()
+                                                                if p.requires_grad]))
