@@ -161,6 +161,19 @@ def test_the_worker_command_line_checks_and_trains_a_composed_program(tmp_path):
     assert_same_parameters(torch.load(save, weights_only=True), _reference("1f1b-fsdp-keep"), "1f1b FSDP via the CLI")
 
 
+def test_a_member_that_stops_inside_a_gather_is_named_not_waited_for(tmp_path):
+    """Rank 1 exits before its first instruction, ``(0GATHER0)0F0``: rank 0, its group's other member, ends at
+    that sub-step's all-gather with a fault naming the sub-step and rank 1, and no rank hangs."""
+    path = tmp_path / "program.json"
+    with open(path, "w") as out:
+        write_program_json(composed("1f1b", True, True), out)
+    run = launch_batch([["1f1b", "--program", str(path), "--steps", "1", "--timeout", "5", "--inject", "exit:1:0"]],
+                       WORLD, 180.0)
+    assert not run.timed_out and all(code != 0 for code in run.returncodes), run.describe()
+    assert "rank 0, step 0 (0GATHER0, a sub-step of (0GATHER0)0F0): waited" in run.stderr[0], run.describe()
+    assert "for rank 1" in run.stderr[0], run.describe()
+
+
 # ------------------------------------------------------------------ refusals, in one process
 
 
