@@ -24,6 +24,11 @@ microbatches its first stages run forward, the targets of those its last
 stages run forward. ``BatchSource.batch(step)`` leaves every other entry None.
 ``BatchSource``'s docstring says why every rank draws the same rows without
 communicating, and how a checkpoint saves and restores the data position.
+
+A rank of a stage placed on a group of k ranks (``compose.place_on_mesh``) is
+given its ``share`` (i, k): it keeps rows [i*b/k, (i+1)*b/k) of each
+microbatch of b rows, so that the group runs every microbatch whole and one
+process with the same N stays the reference (``rows_share``).
 """
 from __future__ import annotations
 
@@ -120,6 +125,7 @@ class BatchSource:
             one-process reference).
         device: where the tensors go (``.to(device)``); None: where the source made them.
         name: how messages name the spec (``--model``'s text).
+        share: (i, k): keep share i of k of each microbatch's rows (``rows_share``); None: every row.
     Raises:
         UsageError: a dataset source's ``microbatch_rows(config)`` that fails
             or is not a positive int (it is asked at once, on every rank: the
@@ -129,7 +135,7 @@ class BatchSource:
 
     def __init__(self, spec: ModelSpec, config: Any, seed: int, num_microbatches: int,
                  needs: tuple[frozenset[int], frozenset[int]] | None = None, *,
-                 device: torch.device | str | None = None, name: str = ""):
+                 device: torch.device | str | None = None, name: str = "", share: tuple[int, int] | None = None):
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
         every = frozenset(range(num_microbatches))
@@ -140,6 +146,7 @@ class BatchSource:
         self.source = spec.data_source
         self.device = device
         self.name = name
+        self.share = share
         self.rows_per_microbatch = self._microbatch_rows() if self.source == "dataset" else None
         self._origin = (0, 0)  # (step, stream row) the source continues from
         self._stream: _RowStream | None = None  # built at the first read
@@ -177,6 +184,9 @@ class BatchSource:
         except UsageError as error:  # say when: a bad row may lie deep in a long run
             raise UsageError(f"{error} (the batch of training step {step + 1})") from None
         for m, (x, y) in rows.items():
+            if self.share is not None:
+                x, y = (rows_share(t, self.share, f"{label} of microbatch {m} of step {step + 1}", self.name)
+                        for t, label in ((x, "the inputs"), (y, "the targets")))
             if m in self.needs.inputs:
                 inputs[m] = x if self.device is None else x.to(self.device)
             if m in self.needs.targets:
@@ -308,6 +318,23 @@ class BatchSource:
                              f"got {step!r}")
 
 
+def rows_share(tensor: torch.Tensor, share: tuple[int, int], what: str, name: str) -> torch.Tensor:
+    """Share i of k of ``tensor``'s rows: rows [i*b/k, (i+1)*b/k) of its b.
+
+    Raises:
+        UsageError: b does not divide by k (every member must run an equal share, or the group's summed
+            gradient would weigh the members' rows unequally).
+    """
+    member, members = share
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if rows == 0 or rows % members:
+        raise UsageError(f"{spec_label(name)}: {what} has {rows} rows, which do not split into the {members} "
+                         f"equal shares of a stage's group of {members} ranks (give a microbatch a multiple of "
+                         f"{members} rows)")
+    piece = rows // members
+    return tensor[member * piece:(member + 1) * piece]
+
+
 def _pair(value: Any, what: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``value`` as (inputs, targets), two tensors, or a usage error naming ``what`` returned it."""
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
@@ -421,4 +448,4 @@ class _RowStream:
         return value
 
 
-__all__ = ["SAMPLER_DOMAIN", "SHUFFLE_DOMAIN", "BatchSource", "Needs", "batch_microbatches", "data_needs"]
+__all__ = ["SAMPLER_DOMAIN", "SHUFFLE_DOMAIN", "BatchSource", "Needs", "batch_microbatches", "data_needs", "rows_share"]

@@ -85,7 +85,7 @@ class RuntimeFamily:
 _BY_PLAN: dict[type, RuntimeFamily] = {}
 _DEFAULT: list[RuntimeFamily] = []
 # Ops the runtime names as not runnable yet, with why; ``pipec run`` and the worker refuse their programs.
-NOT_RUNNABLE = {ops.GATHER: "a sub-step of a stage placed on a group of ranks (ir.groups_refusal)"}
+NOT_RUNNABLE: dict[str, str] = {}
 _LOADING: list[bool] = []
 
 
@@ -167,5 +167,48 @@ def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handle
             record((index, begin, perf_counter(), state.waited - before))
 
 
-__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "families", "load_families", "refusal_outside",
-           "register", "run_instructions", "runtime_family"]
+# ------------------------------------------------------------ stages on rank groups
+
+
+def placed_refusal(program: Program) -> str | None:
+    """Why the runtime cannot train ``program``'s stages on rank groups, or None (also for a program with none).
+
+    It trains an activation-passing pipeline whose every stage sits on a group of one size k, holding
+    no replica all-reduce: what ``compose.place_on_mesh`` makes (PP x DP, PP x FSDP).
+    """
+    if not program.placed_on_groups:
+        return None
+    placed = next(info for info in program.stages if info.placement is not None)
+    where = (f"{program.name or 'this program'} places stage {placed.id} on the group of ranks "
+             f"{', '.join(map(str, placed.placement.ranks))}")
+    if program.plans:
+        return (f"{where} and is not an activation-passing pipeline; the runtime trains stages on rank groups "
+                "only in activation passing (PP x DP, PP x FSDP) yet")
+    sizes = {len(info.ranks) for info in program.stages}
+    if len(sizes) > 1 or any(info.placement is None for info in program.stages):
+        return (f"{where}, but its stages sit on groups of different sizes ({', '.join(map(str, sorted(sizes)))}); "
+                "the runtime hands member i of one group to member i of the next, so every stage needs a group "
+                "of one size")
+    if any(a.op == ops.ALLREDUCE_GRAD for row in program.ranks for a in row):
+        return (f"{where} and holds a replica all-reduce (ALLREDUCE_GRAD), which the runtime defines for one-rank "
+                "stages only")
+    return None
+
+
+def share_of(program: Program, rank: int) -> tuple[int, int] | None:
+    """(i, k): ``rank`` is member i of its stages' groups of k (the same i for all of them), or None."""
+    if not program.placed_on_groups:
+        return None
+    for info in program.stages:
+        if rank in info.ranks:
+            return info.ranks.index(rank), len(info.ranks)
+    return None
+
+
+def row_shares(program: Program) -> int:
+    """k: how many shares a microbatch's rows are cut into (1 for a program with no stage on a group)."""
+    return max(len(info.ranks) for info in program.stages) if program.placed_on_groups else 1
+
+
+__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "families", "load_families", "placed_refusal",
+           "refusal_outside", "register", "row_shares", "share_of", "run_instructions", "runtime_family"]

@@ -43,10 +43,10 @@ from pipec.compiler.ir import (
 )
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.compiler.versions import version_plan
-from pipec.runtime import clipping, comm, payload, split_backward
+from pipec.runtime import clipping, comm, payload, placed, split_backward
 from pipec.runtime.checkpoint import load_optimizer_state, named_optimizer_state, parameter_names
-from pipec.runtime.family import (RuntimeFamily, load_families, refusal_outside, register, run_instructions,
-                                  runtime_family)
+from pipec.runtime.family import (RuntimeFamily, families, load_families, refusal_outside, register,
+                                  run_instructions, runtime_family)
 from pipec.runtime.stash import WeightStash
 from pipec.runtime.flat import bind_flat_grads
 from pipec.runtime.model import spec_optimizer
@@ -104,6 +104,8 @@ class RankContext:
         stash: for a program with optimizer updates in its order (asynchronous
             training), its weight versions and updates (``runtime/stash.py``);
             None otherwise, when the optimizer steps once after the list.
+        placed: for a program whose stages sit on rank groups (PP x DP, PP x FSDP), this rank's share,
+            groups and shards (``runtime/placed.py``); None otherwise.
     """
 
     program: Program
@@ -132,6 +134,7 @@ class RankContext:
     clip_grad_norm: float | None = None
     grad_norm: float | None = None
     stash: WeightStash | None = None
+    placed: placed.PlacedContext | None = None
 
     def wire_of(self, kind: int, producer: int) -> payload.Wire | None:
         """The wire of the value (kind, producer stage, ·): an activation leaves its producer's chunk, a
@@ -198,16 +201,20 @@ def make_context(
     tables = stage_tables(program)
     wait, blocking = comm.wait_rule(backend)
     wires = _rank_wires(program, family, activation_shape, layouts, dtype, device, precision)
+    handlers = dict(family.handlers)
+    if trained.placed is not None:  # a compute of a stage on a group runs its sub-steps (GATHER) first
+        handlers.update({op: placed.with_substeps(handlers[op]) for op in ops.COMPUTE_OPS if op in handlers})
     return RankContext(
         program=program, rank=rank, row=row, stages=stages, loss_fn=loss_fn,
         optimizer=spec_optimizer("", make_optimizer, trained.parameters) if trained.parameters else None,
         flat_grads=trained.flat_grads,
         stage_params={stage: _trainable(module) for stage, module in stages.items()},
         replicas=trained.replicas, wires=wires, device=device, precision=precision, timeout=timeout,
-        wait=wait, blocking=blocking, handlers=dict(family.handlers), synchronize=synchronize,
+        wait=wait, blocking=blocking, handlers=handlers, synchronize=synchronize,
         prev=tables.prev, next=tables.next,
         producer={op: tables.neighbour(rule.where) for op, rule in PART_RULES.items()}, family=family,
         weights=trained.weights, clip_grad_norm=clip_grad_norm, stash=family.stash(program, stages),
+        placed=trained.placed,
     )
 
 
@@ -219,21 +226,27 @@ class Trained(NamedTuple):
         parameters: the parameters this rank's optimizer steps.
         replicas: the replica subgroups this rank is in (empty under weight passing).
         weights: the extra per-rank state the family keeps (``RankContext.weights``), or None.
+        placed: the rank's stages on groups (``RankContext.placed``), or None.
     """
 
     flat_grads: dict[int, torch.Tensor]
     parameters: list[torch.Tensor]
     replicas: dict[int, comm.ReplicaGroup]
     weights: object = None
+    placed: placed.PlacedContext | None = None
 
 
 def _stage_trained(program: Program, rank: int, stages: dict[int, nn.Module],
                    groups: dict[int, comm.ReplicaGroup] | None) -> Trained:
     """Activation passing's ``Trained``: each chunk's module (replicas share one) gets its flat buffer;
-    collective (the replica subgroups are made here when ``groups`` is None)."""
+    collective (the replica subgroups are made here when ``groups`` is None; a composed program's groups
+    and shards by ``placed.make_placed``)."""
     chunk_modules: dict[int, nn.Module] = {}
     for stage, module in stages.items():
         chunk_modules.setdefault(program.stages[stage].position, module)
+    if program.placed_on_groups:
+        context, flat_grads, parameters = placed.make_placed(program, rank, chunk_modules, _trainable)
+        return Trained(flat_grads, parameters, {}, None, context)
     flat_grads = {chunk: bind_flat_grads(_trainable(module)) for chunk, module in chunk_modules.items()}
     parameters = [p for module in chunk_modules.values() for p in _trainable(module)]
     replicas = groups if groups is not None else comm.replica_groups(program, rank)
@@ -261,12 +274,31 @@ def _wires(program: Program, layouts, device: torch.device, precision: Precision
 
 
 def _check_handlers(program: Program, rank: int, row: list[Action], family: RuntimeFamily) -> None:
-    """Every instruction has a handler in the family's table; an op of another family's says why not
-    (``family.refusal_outside``), any other that the runtime has none."""
+    """Every instruction has a handler in the family's table, and every part of an exchange or a compute a
+    poster; an op of another family's says why not (``family.refusal_outside``), any other that the runtime
+    has none. The ops of stages on rank groups run only in a program that places some."""
     for index, action in enumerate(row):
+        why = None
         if action.op not in family.handlers:
-            why = refusal_outside(action.op, family)
-            raise ProgramError(why or f"the runtime has no handler for '{action.op}'", rank, index, program.grid())
+            why = refusal_outside(action.op, family) or f"the runtime has no handler for '{action.op}'"
+        elif action.parts and action.op != BATCH:
+            part = next((part for part in action.parts if part.op not in family.part_posters), None)
+            if part is not None:  # another family's part (SEND_W in an EXCHANGE) says whose it is
+                why = (refusal_outside(part.op, family) or _refusal_of_part(part.op, family)
+                       or f"the runtime cannot run '{part.op}' inside '{action.op}'")
+        if why is None and not program.placed_on_groups:
+            used = _GROUP_OPS.intersection((action.op, *(part.op for part in action.parts)))
+            if used:
+                why = f"'{min(used)}' belongs to stages placed on rank groups, and this program places none"
+        if why is not None:
+            raise ProgramError(why, rank, index, program.grid())
+
+
+def _refusal_of_part(op: str, family: RuntimeFamily) -> str | None:
+    """Why ``op``, a part another family posts, cannot run in ``family``'s program (that family's
+    ``refusal_outside``), or None."""
+    return next((why for other in families() if other is not family and op in other.part_posters
+                 for why in [other.refusal_outside(op)] if why is not None), None)
 
 
 def stage_modules(program: Program, rank: int, build: Callable[[int], nn.Module]) -> dict[int, nn.Module]:
@@ -282,7 +314,7 @@ def stage_modules(program: Program, rank: int, build: Callable[[int], nn.Module]
     built: dict[int, nn.Module] = {}
     out = {}
     for info in program.stages:
-        if info.rank == rank:
+        if rank in info.ranks:  # every member of a stage's group builds it (a sharded one then cuts its shard)
             if info.position not in built:
                 built[info.position] = build(info.position)
             out[info.id] = built[info.position]
@@ -345,6 +377,7 @@ class _Step:
         loss: sum of this rank's scaled microbatch losses, or None.
         weights: the family's state of this step (weight passing's ``weights.WeightStep``,
             set by its ``start_step``); else None.
+        exchanges: exchange number -> posted and not waited (a composed program's gradient reductions).
     """
 
     ctx: RankContext
@@ -361,6 +394,7 @@ class _Step:
     waited: float = 0.0
     loss: torch.Tensor | None = None
     weights: object = None
+    exchanges: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -433,7 +467,11 @@ def _run_forward(step: _Step, stage: int, mb: int, index: int, value) -> tuple[l
         out = payload.call(module, value)
         if ctx.next[stage] < 0:
             loss = ctx.loss_fn(out, step.targets[mb])
-            return leaves, loss / step.num_microbatches if ctx.stash is None else loss * ctx.stash.loss_scales[mb]
+            if ctx.stash is not None:
+                return leaves, loss * ctx.stash.loss_scales[mb]
+            # a member of a group of k ran 1/k of the rows: its loss weighs 1/k of the microbatch's
+            shares = 1 if ctx.placed is None else ctx.placed.share[1]
+            return leaves, loss / (step.num_microbatches * shares)
     wire = ctx.wire_of(ACT, stage)
     problem = payload.mismatch(wire.layout, out)
     if problem is not None:
@@ -646,7 +684,10 @@ HANDLERS: dict[str, Callable[[_Step, Action, int], None]] = {
     ops.FC: _checkpointed_forward,
     ops.R: _recompute,
     ops.U: _update,
+    **placed.HANDLERS,  # a composed program's: its gradient reductions' exchanges, RESHARD
 }
+# The ops only a program with stages on rank groups holds (``runtime/placed.py``).
+_GROUP_OPS = frozenset((*placed.HANDLERS, *placed.PART_POSTERS)) - {ops.EXCHANGE, ops.EXCHANGE_WAIT}
 
 
 def run_step(
@@ -713,6 +754,8 @@ def _finish(step: _Step, end: int) -> None:
                                              replicas.peers))
     for works, site in step.streamed:  # NCCL: the waits that only ordered the stream
         settle(works, ctx.timeout, site)
+    if ctx.placed is not None:
+        placed.finish(step, end)
     if step.pending:
         _, _, index, _ = next(iter(step.pending.values()))
         raise RuntimeFault("a message was received that no instruction read (a program the checks did not pass?)",
@@ -728,6 +771,7 @@ class ActivationPassing(RuntimeFamily):
 
     name = ops.ACTIVATION_PASSING
     handlers = HANDLERS  # the table itself: a handler added to HANDLERS is the family's (docs/ir.md)
+    part_posters = placed.PART_POSTERS  # a composed program's group collectives, in exchanges or as sub-steps
 
     def trained(self, program: Program, rank: int, stages: dict[int, nn.Module], device: torch.device,
                 groups: dict[int, comm.ReplicaGroup] | None) -> Trained:
@@ -747,18 +791,24 @@ class ActivationPassing(RuntimeFamily):
 
     def counted_gradients(self, context: RankContext) -> list[torch.Tensor]:
         """The flat gradient buffers this rank counts in the global norm: a replicated chunk's by its
-        lowest holder only (``runtime/clipping.py``)."""
+        lowest holder only (``runtime/clipping.py``); on rank groups, ``placed.counted_gradients``."""
+        if context.program.placed_on_groups:
+            return placed.counted_gradients(context)
         first_holder: dict[int, int] = {}
         for info in context.program.stages:
             first_holder[info.position] = min(first_holder.get(info.position, info.rank), info.rank)
         return [flat for chunk, flat in context.flat_grads.items() if first_holder[chunk] == context.rank]
 
     def all_gradients(self, context: RankContext) -> list[torch.Tensor]:
-        """Every flat gradient buffer of this rank (clipping scales every one)."""
-        return list(context.flat_grads.values())
+        """Every flat gradient buffer of this rank (clipping scales every one), and its shards' gradients."""
+        shards = [s.shard.grad for s in context.placed.sharded.values()] if context.program.placed_on_groups else []
+        return list(context.flat_grads.values()) + shards
 
     def checkpoint_part(self, context: RankContext, stages: dict) -> dict:
-        """This rank's part of a checkpoint: its chunks' state_dicts, its optimizer's named state (CPU)."""
+        """This rank's part of a checkpoint: its chunks' state_dicts, its optimizer's named state (CPU); on rank
+        groups ``placed.checkpoint_part`` (collective over each group)."""
+        if context.placed is not None:
+            return placed.checkpoint_part(context, stages)
         model = {}
         for module in {id(m): m for m in stages.values()}.values():
             for name, tensor in module.state_dict().items():
@@ -777,7 +827,11 @@ class ActivationPassing(RuntimeFamily):
         return model, optimizer
 
     def restore_optimizer(self, context: RankContext, stages: dict, saved: dict) -> None:
-        """Give this rank's optimizer the checkpoint's state of the parameters it steps."""
+        """Give this rank's optimizer the checkpoint's state of the parameters (or shards) it steps."""
+        if context.placed is not None:
+            names, saved = placed.optimizer_names(context, stages, saved)
+            load_optimizer_state(context.optimizer, names, saved)
+            return
         load_optimizer_state(context.optimizer, parameter_names(stages.values()), saved)
 
 

@@ -808,7 +808,7 @@ def spec_label(name: str) -> str:
 
 def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatches: int, seed: int,
                     declared: Layout | None, name: str, precision: Precision | None = None,
-                    passes_activations: bool = True) -> list[Layout] | None:
+                    passes_activations: bool = True, shares: int = 1) -> list[Layout] | None:
     """Check, before any worker joins, that the model cuts into ``num_chunks``, that its data source gives the
     first microbatch, and what each chunk hands the next; find that out when the spec does not declare it.
 
@@ -834,6 +834,9 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
         precision: the run's compute precision (None: fp32).
         passes_activations: False under weight passing, where nothing leaves
             its rank: chunk 0 is run and its output checked to be a payload only.
+        shares: k, when the program's stages sit on groups of k ranks: the microbatch's inputs and targets
+            must cut into k equal row shares (``data.rows_share``); the layouts are still the whole
+            microbatch's (``share_layout`` cuts them).
     Returns:
         chunk position c -> the layout of chunk c's output, for c < num_chunks - 1
         (empty for one chunk); None when ``passes_activations`` is False.
@@ -856,6 +859,8 @@ def check_model_cut(spec: ModelSpec, config: Any, num_chunks: int, num_microbatc
         spec_optimizer(name, spec.make_optimizer, trained)
     first = frozenset({0})
     inputs, _ = BatchSource(spec, config, seed, num_microbatches, (first, first), name=name).batch(0)
+    if shares > 1:  # said here, before any worker joins, rather than on every member at its first step
+        BatchSource(spec, config, seed, num_microbatches, (first, first), name=name, share=(0, shares)).batch(0)
     if num_chunks < 2 and passes_activations:
         return []
     value, layouts = inputs[0], []

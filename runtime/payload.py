@@ -86,6 +86,23 @@ def tensor_layout(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> L
     return Layout(TENSOR, (), (Leaf(tuple(int(n) for n in shape), dtype, True),))
 
 
+
+def share_layout(layout: Layout, shares: int, what: str) -> Layout:
+    """``layout`` of a whole microbatch's value as one member of a group of ``shares`` holds it: every leaf's
+    first dimension (the microbatch's rows) cut into ``shares`` equal pieces.
+
+    Raises:
+        UsageError: a leaf with no first dimension that divides by ``shares`` (its rows cannot be shared).
+    """
+    leaves = []
+    for leaf in layout.leaves:
+        if not leaf.shape or leaf.shape[0] % shares:
+            raise UsageError(f"{what} {layout.text()} does not split by rows into the {shares} shares of a "
+                             f"stage's group: every tensor it hands on needs the microbatch's rows first, a "
+                             f"multiple of {shares}")
+        leaves.append(leaf._replace(shape=(leaf.shape[0] // shares, *leaf.shape[1:])))
+    return layout._replace(leaves=tuple(leaves))
+
 # ------------------------------------------------------------- structures
 
 
@@ -346,5 +363,5 @@ def leaf_grads(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 __all__ = [
     "DICT", "TENSOR", "TUPLE", "Layout", "Leaf", "TensorSpec", "Wire", "arguments", "backward_roots", "call",
     "declared_layout", "floating_layout", "input_leaves",
-    "layout_of", "leaf_grads", "leaves_of", "mismatch", "rebuild", "tensor_layout",
+    "layout_of", "leaf_grads", "leaves_of", "mismatch", "rebuild", "share_layout", "tensor_layout",
 ]

@@ -41,9 +41,9 @@ from datetime import timedelta
 from typing import Iterator, NamedTuple, Sequence
 
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, positive_decimal_arg, seconds_arg
-from pipec.compiler.ir import groups_refusal
 from pipec.errors import PipecError, RuntimeFault, UsageError, printable
 from pipec.runtime import phases, report
+from pipec.runtime.family import placed_refusal
 from pipec.runtime.config import (DEFAULT_BACKEND, DEFAULT_DTYPE, DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_SEED,
                                   DEFAULT_STEPS, DEFAULT_TIMEOUT_S, RunConfig, output_clash)
 
@@ -310,7 +310,7 @@ def make_plan(config: RunConfig, world: int) -> Plan:
     if config.resume:
         phases.announce(phases.CHECKPOINT_LOAD)
     config, checkpoint = resolve_checkpoint(config)
-    refusal = groups_refusal(program, "its runtime")
+    refusal = placed_refusal(program)
     if refusal is not None:
         raise UsageError(f"{config.target}: {refusal}")
     if world != program.num_ranks:
@@ -408,13 +408,16 @@ def model_layouts(spec, config, program, seed: int, name: str, precision=None, *
     Returns:
         chunk position c -> the ``payload.Layout`` of chunk c's output; None
         in a family whose activations never leave their rank (weight passing)
-        or that runs no chunks (a sequence ring).
+        or that runs no chunks (a sequence ring). When the stages sit on groups of
+        k ranks, what one member hands on: its share of the rows (``payload.share_layout``).
     Raises:
-        UsageError: ``model spec NAME: ...``, naming the function at fault, or the cut.
+        UsageError: ``model spec NAME: ...``, naming the function at fault, or the cut; rows that do not
+            cut into the groups' shares.
     """
     from pipec.runtime.data import batch_microbatches
-    from pipec.runtime.family import runtime_family
-    from pipec.runtime.model import ModelConfig, check_model_cut, chunk_layers
+    from pipec.runtime.family import row_shares, runtime_family
+    from pipec.runtime.model import ModelConfig, check_model_cut, chunk_layers, spec_label
+    from pipec.runtime.payload import share_layout
 
     family = runtime_family(program)
     family.check_model(spec, config, program, name)
@@ -428,9 +431,14 @@ def model_layouts(spec, config, program, seed: int, name: str, precision=None, *
     passes = family.passes_activations
     declared = _declared_layout(spec, config) if passes else None
     if checked and (declared is not None or not passes):
-        return [declared] * (program.num_chunks - 1) if passes else None
-    return check_model_cut(spec, config, program.num_chunks, batch_microbatches(program), seed, declared, name,
-                           precision, passes)
+        layouts = [declared] * (program.num_chunks - 1) if passes else None
+    else:
+        layouts = check_model_cut(spec, config, program.num_chunks, batch_microbatches(program), seed, declared,
+                                  name, precision, passes, row_shares(program))
+    if layouts and row_shares(program) > 1:
+        layouts = [share_layout(layout, row_shares(program), f"{spec_label(name)}: chunk {c}'s output")
+                   for c, layout in enumerate(layouts)]
+    return layouts
 
 
 def check_plan_model(spec, config, program, seed: int, name: str, precision=None):
@@ -685,7 +693,7 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     from pipec.runtime import comm
     from pipec.runtime.data import BatchSource, data_needs
     from pipec.runtime.checkpoint import load_modules, restore_optimizer
-    from pipec.runtime.family import runtime_family
+    from pipec.runtime.family import runtime_family, share_of
     from pipec.runtime.interpreter import make_context, run_step, stage_modules
 
     program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
@@ -718,7 +726,7 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         first, plan.checkpoint = checkpoint.step + 1, None  # what the modules and optimizer took is theirs now
     # this rank reads only the inputs and targets its first and last stages use
     data = BatchSource(spec, config, run.seed, program.num_microbatches, data_needs(program, rank),
-                       device=device, name=run.model)
+                       device=device, name=run.model, share=share_of(program, rank))
     if checkpoint is not None:
         data.restore(checkpoint.data)
     if rank == 0:

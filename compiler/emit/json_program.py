@@ -64,7 +64,9 @@ _ALLTOALL_OPS = tuple(op for op in ops.RING_PART_OPS if "parts" in ops.RULES[op]
 # The ops a posting instruction may hold: a BATCH sends and receives, an EXCHANGE
 # its parts, an all_to_all the ring's sends and receives; and how messages say so.
 _PARTS_OF = {op: ops.COMM_OPS for op in ops.ops_of(ops.BATCH_OF)}
-_PARTS_OF.update({op: tuple(o for o in ops.EXCHANGE_PART_OPS if o not in ops.SUBSTEP_OPS) for op in ops.EXCHANGE_OPS})
+# (a composed program's exchange posts its stage group's gradient reduction, SYNC_GRAD or REDUCE_GRAD: the
+# group collectives are read only in a program with a stage on a group, ``_limits``)
+_PARTS_OF.update({op: ops.EXCHANGE_PART_OPS for op in ops.EXCHANGE_OPS})
 _PARTS_OF.update({op: _RING_MOVES for op in _ALLTOALL_OPS})
 _PARTS_WORDS = {op: "sends and receives" for op in ops.ops_of(ops.BATCH_OF)}
 _PARTS_WORDS.update({op: "the parts of an exchange (weight passing's or a sequence ring's)" for op in ops.EXCHANGE_OPS})

@@ -192,12 +192,13 @@ def check_launch(args, program) -> int:
             by its ``--partition`` file); over
             several machines a bad ``--node-rank`` or ``--rdzv-endpoint``
             (``nodes_of``, ``_check_endpoint``); a program of several families (proved by
-            ``check_all``, but not yet run: the composition issue), or a stage on a group of ranks.
+            ``check_all``, but not yet run: the composition issue), or stages on rank groups the runtime
+            does not train (``runtime.family.placed_refusal``: only activation passing's PP x DP and PP x FSDP).
     """
     from pipec.compiler.family import families_of
-    from pipec.compiler.ir import groups_refusal
+    from pipec.runtime.family import placed_refusal
 
-    refusal = groups_refusal(program, "its runtime")
+    refusal = placed_refusal(program)
     if refusal is not None:
         raise UsageError(f"{args.target}: {refusal}")
     families = [family.name for family in families_of(program)]
