@@ -26,7 +26,6 @@ import torch
 import pipec.api
 from pipec.compiler import ops
 from pipec.compiler.compose import DataParallel, place_on_mesh
-from pipec.compiler.driver import compile_target
 from pipec.compiler.emit.torch_csv import NEWEST_TORCH, TorchRuntime, installed_torch_runtime, write_torch_csv
 from pipec.compiler.import_torch import prepare_imported, read_torch_csv
 from pipec.compiler.ir import Action, Mesh
@@ -34,34 +33,21 @@ from pipec.errors import UsageError
 from runtime_util import _launch
 
 import torch_runtime_worker as reference_worker
+from torch_fsdp_worker import CASES, DP, NUM_MICROBATCHES, PP, VIA_SCHEDULE_FOR, composed, pipeline
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_fsdp_worker.py")
-# Four processes importing torch, then four CSVs of two steps each: about 10 s alone; a loaded machine is slower.
-DEADLINE_S = 180.0
-PP, DP, NUM_MICROBATCHES = 2, 2, 4
+# Four processes importing torch, then five trainings of two steps each: about 12 s alone; a loaded machine is
+# slower, and a hang is killed here.
+DEADLINE_S = 240.0
 MESH = Mesh((("pp", PP), ("dp", DP)))
-# case -> (schedule, its parameters, reshard after forward)
-CASES = {
-    "1f1b_zero3": ("1f1b", {}, True),
-    "1f1b_kept": ("1f1b", {}, False),
-    "zbv_zero3": ("zbv", {}, True),
-    "interleaved_zero3": ("interleaved_1f1b", {"v": 2}, True),
-}
+# The cases run by torch's _load_csv, and one run through pipec.torch.schedule_for.
+RUNS = [*CASES, "1f1b_zero3" + VIA_SCHEDULE_FOR]
 
 runtime = installed_torch_runtime()
 needs_fsdp_runtime = pytest.mark.skipif(
     runtime is None or not (runtime.reduce_grad and runtime.fsdp_tokens),
     reason="the installed torch's runtime has no REDUCE_GRAD/UNSHARD (torch < 2.10)",
 )
-
-
-def pipeline(case: str):
-    name, params, _ = CASES[case]
-    return compile_target(name, {"P": PP, "N": NUM_MICROBATCHES, **params}).program
-
-
-def composed(case: str, sharded: bool = True):
-    return place_on_mesh(pipeline(case), MESH, "pp", DataParallel("dp", sharded, CASES[case][2]))
 
 
 def rows(text: str) -> list[list[str]]:
@@ -73,21 +59,21 @@ def rows(text: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def torch_runs(tmp_path_factory):
-    """Every case's export run by torch's runtime over FSDP2 in one set of 4 gloo processes."""
+    """Every run's export trained by torch's runtime over FSDP2 in one set of 4 gloo processes."""
     folder = tmp_path_factory.mktemp("torch_fsdp")
-    paths = {case: folder / f"{case}.csv" for case in CASES}
-    for case, path in paths.items():
-        path.write_text(write_torch_csv(composed(case), with_comms=True, for_torch=installed_torch_runtime()))
-    run = _launch([sys.executable, WORKER, str(NUM_MICROBATCHES), str(PP), str(DP), *map(str, paths.values())],
-                  PP * DP, DEADLINE_S, None)
-    assert run.ok, run.describe()
-    return {case: [torch.load(f"{path}.rank{rank}.pt") for rank in range(PP * DP)] for case, path in paths.items()}
+    for run in RUNS:
+        case = run.split("@")[0]
+        (folder / f"{run}.csv").write_text(
+            write_torch_csv(composed(case), with_comms=True, for_torch=installed_torch_runtime()))
+    done = _launch([sys.executable, WORKER, str(folder), *RUNS], PP * DP, DEADLINE_S, None)
+    assert done.ok, done.describe()
+    return {run: [torch.load(folder / f"{run}.csv.rank{rank}.pt") for rank in range(PP * DP)] for run in RUNS}
 
 
 @needs_fsdp_runtime
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", RUNS)
 def test_torch_runtime_trains_the_fsdp_export_like_one_process(case, torch_runs):
-    num_stages = len(pipeline(case).stages)
+    num_stages = len(pipeline(case.split("@")[0]).stages)
     grads, params = reference_worker.reference(num_stages)
     for rank, result in enumerate(torch_runs[case]):
         assert result["pp_rank"] == MESH.coords(rank)["pp"]
@@ -103,15 +89,19 @@ def test_torch_runtime_trains_the_fsdp_export_like_one_process(case, torch_runs)
 
 
 @needs_fsdp_runtime
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", RUNS)
 def test_fsdp_gathers_and_reduces_exactly_where_the_csv_says(case, torch_runs):
-    """FSDP2 all-gathers only at the CSV's UNSHARDs (its own reshard after each forward is off) and reduces
-    each stage's gradient once, at its REDUCE_GRAD. The first step also runs torch's shape inference."""
-    table = rows(write_torch_csv(composed(case), with_comms=True, for_torch=NEWEST_TORCH))
-    for result in torch_runs[case]:
+    """FSDP2 all-gathers only at a sharded stage's UNSHARDs (its own reshard after each forward is off; a
+    replicated stage's UNSHARD gathers nothing) and reduces each stage's gradient once, at its REDUCE_GRAD.
+    The first step also runs torch's shape inference, so the last is counted."""
+    program = composed(case.split("@")[0])
+    table = rows(write_torch_csv(program, with_comms=True, for_torch=NEWEST_TORCH))
+    for rank, result in enumerate(torch_runs[case]):
         row = table[result["pp_rank"]]
+        sharded_unshards = sum(1 for a in program.ranks[rank] for p in a.parts if p.op == ops.GATHER)
         last_step = result["collectives"][-1]
-        assert last_step.get("gather", 0) == sum(cell.endswith("UNSHARD") for cell in row) > 0
+        assert last_step.get("gather", 0) == sharded_unshards
+        assert sharded_unshards == (sum(c.endswith("UNSHARD") for c in row) if CASES[case.split("@")[0]][2] else 0)
         assert last_step.get("reduce", 0) == sum(cell.endswith("REDUCE_GRAD") for cell in row) > 0
 
 
@@ -119,15 +109,19 @@ def test_fsdp_gathers_and_reduces_exactly_where_the_csv_says(case, torch_runs):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_one_row_per_pp_rank_carrying_the_programs_own_fsdp_steps(case):
+def test_one_row_per_pp_rank_carrying_the_programs_own_data_axis_steps(case):
     program = composed(case)
     table = rows(write_torch_csv(program, with_comms=True, for_torch=NEWEST_TORCH))
     assert len(table) == PP
     for pp_rank, row in enumerate(table):
         member_row = program.ranks[MESH.rank_at({"pp": pp_rank, "dp": 0})]
         gathers = [a for a in member_row if a.is_compute and any(p.op == ops.GATHER for p in a.parts)]
-        assert sum(c.endswith("UNSHARD") for c in row) == len(gathers)
-        assert sum(c.endswith("RESHARD") for c in row) == sum(a.op == ops.RESHARD for a in member_row)
+        reductions = [p for a in member_row if a.op == ops.EXCHANGE for p in a.parts]
+        replicated = [p.stage for p in reductions if p.op == ops.SYNC_GRAD]
+        # a sharded stage's unshards are its gathers; a replicated stage is unsharded once and closed once
+        assert sum(c.endswith("UNSHARD") for c in row) == len(gathers) + len(replicated)
+        assert sum(c.endswith("RESHARD") for c in row) == sum(a.op == ops.RESHARD for a in member_row) + len(replicated)
+        assert sum(c.endswith("REDUCE_GRAD") for c in row) == len(reductions) > 0
         for compute in gathers:  # the UNSHARD right before its compute
             token = compute._replace(parts=()).text()
             assert row[row.index(token) - 1] == f"{compute.stage}UNSHARD"
@@ -185,12 +179,6 @@ def test_the_compile_command_writes_a_composed_program():
 # ------------------------------------------------------------------ what torch's format cannot express
 
 
-def test_replicated_stages_are_refused_saying_how_torch_composes_dp():
-    with pytest.raises(UsageError, match=r"replicates stage 0 over its dp group \(SYNC_GRAD, PP x DP\).*"
-                                         r"DDP or replicate\(\) on the dp sub-mesh"):
-        write_torch_csv(composed("1f1b_zero3", sharded=False), with_comms=True, for_torch=NEWEST_TORCH)
-
-
 def test_other_meshes_and_steps_are_refused_by_rank_and_step():
     program = composed("1f1b_zero3")
     three_axes = Mesh((("pp", PP), ("dp", DP), ("cp", 1)))
@@ -219,3 +207,23 @@ def test_a_data_axis_of_one_writes_the_pipeline():
     program = place_on_mesh(pipeline("1f1b_zero3"), Mesh((("pp", PP), ("dp", 1))), "pp", DataParallel("dp", True))
     assert write_torch_csv(program, with_comms=True, for_torch=NEWEST_TORCH) == \
         write_torch_csv(pipeline("1f1b_zero3"), with_comms=True, for_torch=NEWEST_TORCH)
+
+
+class _Stage:
+    """What ``schedule_for`` reads of a ``PipelineStage`` before torch sees it."""
+
+    def __init__(self, index: int, rank: int, group_size: int, submod=None):
+        self.stage_index, self.group_rank, self.group_size, self.num_stages = index, rank, group_size, 2
+        self.submod = submod if submod is not None else torch.nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("stages, message", [
+    ([_Stage(0, 0, group_size=4)], "1f1b runs on 2 pp ranks (its pp process group); the stages' process group has 4"),
+    ([_Stage(0, 1, group_size=2)], "rank 1: 1f1b places stages [1] here; the stages given are [0]"),
+    ([_Stage(1, 1, group_size=2)], "1f1b places its stages on data-parallel groups; stage(s) [1] are not FSDP2 modules"),
+])
+def test_schedule_for_takes_a_composed_programs_pp_group_and_fsdp2_stages(stages, message):
+    import pipec.torch
+
+    with pytest.raises(UsageError, match=re.escape(message)):
+        pipec.torch.schedule_for(pipec.api.Program(composed("1f1b_zero3")), stages)

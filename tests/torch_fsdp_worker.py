@@ -4,20 +4,25 @@ Run as a script by ``tests/test_compose_torch.py`` (through ``runtime_util._laun
 joins a gloo group, builds a ``DeviceMesh`` (pp, dp) laid out as pipec's mesh
 (dp contiguous), and for each CSV builds the stages the CSV's row for this
 rank's pp coordinate names, from a fresh ``tiny_model``, each wrapped in
-``fully_shard`` on the dp sub-mesh. FSDP2's own reshard after each forward is
-off, so that its all-gathers and reshards happen exactly at the CSV's
-``UNSHARD`` and ``RESHARD`` (the program's policy, ZeRO-3 or ZeRO-2-like, is in
-where those tokens are). The runtime loads the CSV with ``_load_csv(path,
+``fully_shard`` on the dp sub-mesh (a sharded case) or in FSDP2's
+``replicate`` (a replicated one, PP x DP: the wrapper torch's pipelining
+stages handle as they handle ``fully_shard``). FSDP2's own reshard after each
+forward is off, so that its all-gathers and reshards happen exactly at the
+CSV's ``UNSHARD`` and ``RESHARD`` (the program's policy, ZeRO-3 or
+ZeRO-2-like, is in where those tokens are). The runtime loads the CSV with ``_load_csv(path,
 format="compute_comms")`` and trains ``STEPS`` SGD steps; member i of the dp
 group feeds rows share i of every microbatch (pipec's placement semantics).
 Each step's whole gradients, the final whole parameters and, per step, the
 all-gathers and reduce-scatters FSDP2 ran are saved to ``CSV.rank<R>.pt``.
+A case named ``CASE@schedule_for`` runs the same program through
+``pipec.torch.schedule_for`` (which makes the schedule from the program) instead.
 
-Usage: torch_fsdp_worker.py N PP DP CSV [CSV ...]   (N: microbatches of the whole step)
+Usage: torch_fsdp_worker.py FOLDER CASE [CASE ...]   (FOLDER/CASE.csv written by the test)
 """
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import sys
 from collections import Counter
@@ -26,6 +31,35 @@ import torch
 from torch import nn
 
 from torch_runtime_worker import LR, batches, tiny_model
+
+PP, DP, NUM_MICROBATCHES = 2, 2, 4
+# case -> (schedule, its parameters, sharded (FSDP) or replicated (DP), reshard after forward)
+CASES = {
+    "1f1b_zero3": ("1f1b", {}, True, True),
+    "1f1b_kept": ("1f1b", {}, True, False),
+    "zbv_zero3": ("zbv", {}, True, True),
+    "interleaved_zero3": ("interleaved_1f1b", {"v": 2}, True, True),
+    "1f1b_dp": ("1f1b", {}, False, False),
+    "zbv_dp": ("zbv", {}, False, False),
+}
+VIA_SCHEDULE_FOR = "@schedule_for"
+
+
+def pipeline(case: str):
+    """The case's pipeline program (one rank per pp coordinate)."""
+    from pipec.compiler.driver import compile_target
+
+    name, params, _, _ = CASES[case]
+    return compile_target(name, {"P": PP, "N": NUM_MICROBATCHES, **params}).program
+
+
+def composed(case: str):
+    """The case's PP x FSDP or PP x DP program on the (pp, dp) mesh."""
+    from pipec.compiler.compose import DataParallel, place_on_mesh
+    from pipec.compiler.ir import Mesh
+
+    mesh = Mesh((("pp", PP), ("dp", DP)))
+    return place_on_mesh(pipeline(case), mesh, "pp", DataParallel("dp", *CASES[case][2:]))
 
 
 def share(batch: torch.Tensor, num_microbatches: int, member: int, members: int) -> torch.Tensor:
@@ -53,43 +87,45 @@ def counted_collectives() -> Counter:
     return counts
 
 
-def main(num_microbatches: int, pp: int, dp: int, paths: list[str]) -> None:
+def main(folder: str, cases: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     counts = counted_collectives()
-    for path in paths:
-        train(path, num_microbatches, mesh, counts)
+    for case in cases:
+        train(f"{folder}/{case}.csv", case, mesh, counts)
         dist.barrier()
     dist.destroy_process_group()
 
 
-def train(path: str, num_microbatches: int, mesh, counts: Counter) -> None:
-    """Train on the CSV with torch's runtime over FSDP2; save what the test compares beside the CSV."""
+def train(path: str, case: str, mesh, counts: Counter) -> None:
+    """Train on the case's CSV with torch's runtime over FSDP2; save what the test compares beside the CSV."""
     import torch.distributed as dist
+    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
+    sharded = CASES[case.split("@")[0]][2]
+    wrap = functools.partial(fully_shard, reshard_after_forward=False) if sharded else replicate
     with open(path) as handle:
         rows = handle.read().splitlines()
     num_stages = len({m[1] for m in re.finditer(r"(\d+)F\d+", ",".join(rows))})
     pp_rank, member, members = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["dp"].size()
     ids = sorted({int(m[1]) for m in re.finditer(r"(\d+)F\d+", rows[pp_rank])})
     model = tiny_model(num_stages)
-    chunks = {s: fully_shard(copy.deepcopy(model[s]), mesh=mesh["dp"], reshard_after_forward=False) for s in ids}
+    chunks = {s: wrap(copy.deepcopy(model[s]), mesh=mesh["dp"]) for s in ids}
     stages = [PipelineStage(chunks[s], s, num_stages, torch.device("cpu"), group=mesh["pp"].get_group())
               for s in ids]
-    schedule = _PipelineScheduleRuntime(stages, n_microbatches=num_microbatches, loss_fn=nn.functional.mse_loss)
-    schedule._load_csv(path, format="compute_comms")
+    schedule = _schedule(path, case, stages)
     optimizer = torch.optim.SGD([p for s in ids for p in chunks[s].parameters()], lr=LR)
     grads, collectives = [], []
     for x, y in batches():
         optimizer.zero_grad()
         counts.clear()
-        schedule.step(share(x, num_microbatches, member, members), target=share(y, num_microbatches, member, members))
+        schedule.step(share(x, NUM_MICROBATCHES, member, members),
+                      target=share(y, NUM_MICROBATCHES, member, members))
         collectives.append(dict(counts))
         grads.append({f"{s}.{name}": p.grad.full_tensor() for s in ids for name, p in chunks[s].named_parameters()})
         optimizer.step()
@@ -98,5 +134,20 @@ def train(path: str, num_microbatches: int, mesh, counts: Counter) -> None:
                f"{path}.rank{dist.get_rank()}.pt")
 
 
+def _schedule(path: str, case: str, stages: list):
+    """torch's runtime loaded with the CSV as torch loads one, or made by pipec.torch.schedule_for."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    if case.endswith(VIA_SCHEDULE_FOR):
+        import pipec.api
+        import pipec.torch
+
+        program = pipec.api.Program(composed(case[:-len(VIA_SCHEDULE_FOR)]))
+        return pipec.torch.schedule_for(program, stages, loss_fn=nn.functional.mse_loss)
+    schedule = _PipelineScheduleRuntime(stages, n_microbatches=NUM_MICROBATCHES, loss_fn=nn.functional.mse_loss)
+    schedule._load_csv(path, format="compute_comms")
+    return schedule
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    main(sys.argv[1], sys.argv[2:])

@@ -1,26 +1,35 @@
-"""A composed program (pipeline stages on fully sharded groups of a mesh) as torch's schedule CSV rows.
+"""A composed program (pipeline stages on data-parallel or fully sharded groups of a mesh) as torch's CSV rows.
 
 torch's ``_PipelineScheduleRuntime`` runs one list per pipeline rank; with
 FSDP2 every member of a stage's data group runs that list on its own rows,
 its pipeline messages going to the member of the neighbouring group with its
-own data coordinate (torch's pp process group of that coordinate), and FSDP
-owns the data axis. So a PP x FSDP program (``compose.place_on_mesh``) is
-written as one row per pp coordinate, read off any member of the group:
+own data coordinate (torch's pp process group of that coordinate), and
+FSDP2's modules own the data axis: ``fully_shard`` for a sharded stage,
+``replicate`` (FSDP2's data parallelism, which torch's pipelining stages
+handle as they handle ``fully_shard``) for a replicated one. So a PP x FSDP
+or PP x DP program (``compose.place_on_mesh``) is written as one row per pp
+coordinate, read off any member of the group:
 
 * a compute holding a ``GATHER`` sub-step is preceded by ``sUNSHARD``
   (torch's runtime posts the all-gather there and waits for it at the
   compute, which is what the sub-step means);
 * a ``RESHARD`` is torch's ``sRESHARD``;
-* an ``EXCHANGE`` holding ``REDUCE_GRAD`` is ``sREDUCE_GRAD`` at its place
-  (FSDP's reduce-scatter of the gradient, then torch's division by N); its
-  ``EXCHANGE_WAIT`` writes nothing: torch's reduction completes in place.
+* an ``EXCHANGE`` holding ``REDUCE_GRAD`` (reduce-scatter) or ``SYNC_GRAD``
+  (all-reduce) is ``sREDUCE_GRAD`` at its place: torch's one token for a
+  stage's gradient reduction over its data group, which the module wrapping
+  the stage carries out, then torch's division by N. Its ``EXCHANGE_WAIT``
+  writes nothing: torch's reduction completes in place;
+* a replicated stage has nothing to gather, but torch's runtime requires an
+  FSDP2 module to be "unsharded" whenever it computes (for ``replicate``, a
+  gather over a shard group of one rank: no communication), so its first
+  compute is preceded by ``sUNSHARD`` and its ``sREDUCE_GRAD`` followed by
+  ``sRESHARD``.
 
 Everything else is written as for a single pipeline (the caller's
 ``cells_of``). What torch's runtime cannot run is refused with the reason:
-a mesh of other than a pipeline axis and one data axis, replicated stages
-(``SYNC_GRAD``, docs/torch.md says how torch composes DP instead), sub-steps
-other than a gather, members of a group that do not run one order, messages
-that cross data coordinates.
+a mesh of other than a pipeline axis and one data axis, sub-steps other than
+a sharded stage's gather, members of a group that do not run one order,
+messages that cross data coordinates.
 """
 from __future__ import annotations
 
@@ -44,8 +53,7 @@ def mesh_axes(program: Program) -> MeshAxes:
     """The pipeline and data axes of a composed program torch's runtime can run over FSDP2.
 
     Raises:
-        UsageError: the mesh has other axes, a stage is not placed along one data axis, or a stage's
-            weights are replicated rather than sharded.
+        UsageError: the mesh has other axes, or a stage is not placed on a whole group of the one data axis.
     """
     name, mesh = program.name or "this program", program.mesh
     if len(mesh.axes) != 2:
@@ -56,14 +64,6 @@ def mesh_axes(program: Program) -> MeshAxes:
         raise UsageError(f"{name} places its stages along different axes ({', '.join(sorted(spans))}); torch's "
                          "schedule CSV has one data axis, FSDP2's, shared by every stage")
     data = spans.pop()
-    replicated = next((info for info in program.stages if not info.placement.sharded), None)
-    if replicated is not None:
-        raise UsageError(
-            f"{name} replicates stage {replicated.id} over its {data} group (SYNC_GRAD, PP x DP); pipec writes "
-            f"torch's CSV of sharded stages only (UNSHARD, RESHARD, REDUCE_GRAD). torch composes DP with its "
-            f"pipeline by wrapping each stage in DDP or replicate() on the {data} sub-mesh and letting its "
-            f"runtime place REDUCE_GRAD itself: export the pipeline program before composition "
-            f"(torch-csv-comms) for that")
     return MeshAxes(next(axis for axis in mesh.names if axis != data), data)
 
 
@@ -73,15 +73,15 @@ def _axis_spanned(mesh: Mesh, ranks: tuple[int, ...], name: str, stage: int) -> 
     varying = [axis for axis in mesh.names if len({c[axis] for c in coords}) > 1]
     if len(varying) != 1 or len(ranks) != mesh.axis_size(varying[0]):
         raise UsageError(f"{name} places stage {stage} on ranks {', '.join(map(str, ranks))}, which is not one "
-                         "whole group of a mesh axis; torch's FSDP2 shards a stage over one sub-mesh")
+                         "whole group of a mesh axis; torch's FSDP2 spans a stage over one sub-mesh")
     return varying[0]
 
 
 def composed_rows(program: Program, with_comms: bool, cells_of: Callable[[Action], list[str] | None]) -> list[list[str]]:
-    """torch's cells, one list per pp coordinate, of a PP x FSDP program.
+    """torch's cells, one list per pp coordinate, of a PP x FSDP or PP x DP program.
 
     Args:
-        program: a program with ``mesh`` set and every stage placed, sharded, on a group of its data axis.
+        program: a program with ``mesh`` set and every stage placed on a group of its data axis.
         with_comms: write messages and the UNSHARD/RESHARD/REDUCE_GRAD steps (torch's "compute_comms");
             otherwise computes only (torch's "compute_only": its lowering then places those steps itself).
         cells_of: how a single-pipeline action is written (torch's tokens, stage ids as positions).
@@ -111,23 +111,27 @@ def _member_cells(program: Program, rank: int, axes: MeshAxes, with_comms: bool,
                   cells_of: Callable[[Action], list[str] | None]) -> list[list[str]]:
     """One member's list in torch's tokens, step by step (see the module's docstring for what each becomes)."""
     position = {stage: pos for pos, stage in enumerate(program.pipelines[0])}
+    sharded = {info.id for info in program.stages if info.placement.sharded}
 
-    def token(action: Action) -> str:  # an FSDP step's token, the stage numbered by its pipeline position
-        return f"{position[action.stage]}{action.op}"
+    def token(stage: int, op: str) -> str:  # a data-axis step's token, the stage numbered by its pipeline position
+        return f"{position[stage]}{op}"
 
+    opened: set[int] = set()  # the replicated stages written as unsharded so far
     steps: list[list[str]] = []
     for step, action in enumerate(program.ranks[rank]):
         where = f"rank {rank}, step {step}: {action.text()}"
         cells: list[str] = []
         if action.is_compute:
-            gathers = _gathers(action, where)
-            if with_comms:
-                cells.extend(token(Action(gather.stage, UNSHARD)) for gather in gathers)
+            gathers = _gathers(action, sharded, where)
+            if action.stage not in sharded and action.stage not in opened:
+                opened.add(action.stage)
+                gathers = (action,)
+            cells.extend(token(gather.stage, UNSHARD) for gather in gathers if with_comms)
             cells.extend(_written(cells_of, action._replace(parts=()), where))
         elif action.op == ops.RESHARD:
-            cells.extend([token(action)] if with_comms else ())
+            cells.extend([token(action.stage, ops.RESHARD)] if with_comms else ())
         elif action.op == ops.EXCHANGE:
-            cells.extend(_reductions(action, where, token) if with_comms else ())
+            cells.extend(_reductions(action, sharded, where, token) if with_comms else ())
         elif action.op != ops.EXCHANGE_WAIT:  # torch's REDUCE_GRAD finishes in place: nothing left to wait for
             _check_peers(program.mesh, rank, action, axes, where)
             cells.extend(_written(cells_of, action, where))
@@ -142,23 +146,29 @@ def _written(cells_of: Callable[[Action], list[str] | None], action: Action, whe
     return cells
 
 
-def _gathers(compute: Action, where: str) -> tuple[Action, ...]:
-    """A compute's sub-steps, which torch's CSV can only write as gathers of the stage's own weights."""
+def _gathers(compute: Action, sharded: set[int], where: str) -> tuple[Action, ...]:
+    """A compute's sub-steps, which torch's CSV can only write as gathers of a sharded stage's own weights."""
     for part in compute.parts:
-        if part.op != ops.GATHER or part.stage != compute.stage:
+        if part.op != ops.GATHER or part.stage != compute.stage or part.stage not in sharded:
             raise UsageError(f"{where}: torch's schedule CSV has no form for a {part.op} inside a compute "
-                             "(only FSDP's unshard of the stage's own weights, UNSHARD)")
+                             "(only FSDP's unshard of a sharded stage's own weights, UNSHARD)")
     return compute.parts
 
 
-def _reductions(exchange: Action, where: str, token: Callable[[Action], str]) -> list[str]:
-    """An exchange's REDUCE_GRAD parts as torch's tokens (a stage's gradient reduction; nothing else has one)."""
+# The gradient reduction each kind of stage makes, all written as torch's REDUCE_GRAD.
+_REDUCTION = {True: ops.REDUCE_GRAD, False: ops.SYNC_GRAD}
+
+
+def _reductions(exchange: Action, sharded: set[int], where: str, token: Callable[[int, str], str]) -> list[str]:
+    """An exchange's gradient reductions as torch's tokens; a replicated stage's closes its unshard."""
     out = []
     for part in exchange.parts:
-        if part.op != ops.REDUCE_GRAD:
-            raise UsageError(f"{where}: torch's schedule CSV has no form for {part.op} "
-                             "(only a sharded stage's REDUCE_GRAD)")
-        out.append(token(part))  # torch's name is pipec's
+        if part.op != _REDUCTION[part.stage in sharded]:
+            raise UsageError(f"{where}: torch's schedule CSV has no form for {part.op} here (only a sharded "
+                             "stage's REDUCE_GRAD and a replicated stage's SYNC_GRAD, both its REDUCE_GRAD)")
+        out.append(token(part.stage, ops.REDUCE_GRAD))
+        if part.stage not in sharded:
+            out.append(token(part.stage, ops.RESHARD))
     return out
 
 
