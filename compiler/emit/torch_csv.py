@@ -4,9 +4,12 @@
 activation-passing program in either of torch's forms: compute only (torch
 lowers it to communication itself) or with pipec's own sends and receives
 (a ``BATCH`` as its parts). What each op becomes is its rule's ``torch``
-field (``ops.py``), so no op is special-cased here. Programs torch's single
-chain of stages cannot express (replicated stages, weight passing, sequence
-rings) raise ``UsageError``.
+field (``ops.py``), so no op is special-cased here. A composed program
+(stages on the data-parallel or fully sharded groups of a mesh) is written
+one row per pp rank with its own UNSHARD, RESHARD and REDUCE_GRAD steps by
+``torch_csv_mesh`` (docs/torch.md, "Composed programs"). Programs torch's
+single chain of stages cannot express (several pipelines, weight passing,
+sequence rings, stages on groups without a mesh) raise ``UsageError``.
 
 The comms form is for the torch that will load it (``TorchRuntime``, found
 by ``installed_torch_runtime``): since 2.10 torch's runtime scales gradients
@@ -106,7 +109,8 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
     """torch's schedule CSV for a single-pipeline program.
 
     Args:
-        program: a program with exactly one pipeline.
+        program: a program with exactly one pipeline (its stages on one rank each, or on the groups of a
+            mesh's data axis: one row per pp rank then).
         with_comms: write sends and receives too (torch's "compute_comms"
             format); otherwise only compute (its "compute_only" format).
         for_torch: the torch runtime the comms form is for: it decides
@@ -118,8 +122,8 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
     Returns:
         the CSV text, one line per rank, ``\\n``-terminated.
     Raises:
-        UsageError: the program passes weights, is a sequence ring, has several pipelines (replicated stages), or
-            an op torch cannot express.
+        UsageError: the program passes weights, is a sequence ring, has several pipelines (replicated stages),
+            a composition torch's runtime cannot run (``torch_csv_mesh``), or an op torch cannot express.
     """
     refusal = first_refusal(program, lambda family: family.refuse_torch_csv(program.name or "this program"))
     composed = program.mesh is not None and program.placed_on_groups
