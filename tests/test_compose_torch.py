@@ -1,17 +1,20 @@
-"""pipec's PP x FSDP program as torch's schedule CSV, run by torch's own runtime over FSDP2, trains exactly.
+"""pipec's PP x FSDP and PP x DP programs as torch's schedule CSV, run by torch's own runtime over FSDP2, train exactly.
 
 ``compose.place_on_mesh`` puts a pipeline schedule on a (pp, dp) mesh with
-sharded stages; ``write_torch_csv`` writes it as one row per pp rank with the
-program's own ``UNSHARD`` (before a compute holding a GATHER), ``RESHARD`` and
-``REDUCE_GRAD`` (``emit/torch_csv_mesh.py``). Four gloo processes
-(``torch_fsdp_worker.py``) wrap each stage in ``fully_shard`` on the dp
-sub-mesh of a ``DeviceMesh`` (pp, dp), load the CSV with torch's
-``_load_csv(format="compute_comms")``, feed member i of each dp group rows
-share i of every microbatch, and train two SGD steps: every gradient and final
-parameter must match one process training the whole batch with the same N to
-1e-5, and FSDP2 must all-gather exactly as often as the CSV says UNSHARD.
-The rest needs no processes: the CSV's shape, torch's parser and pipec's
-importer reading it back, the compile command, and every refusal.
+sharded or replicated stages; ``write_torch_csv`` writes it as one row per pp
+rank with the program's own ``UNSHARD`` (before a compute holding a GATHER),
+``RESHARD`` and ``REDUCE_GRAD`` (``emit/torch_csv_mesh.py``). Four gloo
+processes (``torch_fsdp_worker.py``) wrap each stage in ``fully_shard``
+(sharded) or FSDP2's ``replicate`` (replicated) on the dp sub-mesh of a
+``DeviceMesh`` (pp, dp), load the CSV with torch's
+``_load_csv(format="compute_comms")`` (one case through
+``pipec.torch.schedule_for`` instead), feed member i of each dp group rows
+share i of every microbatch, and train two SGD steps: every gradient and
+final parameter must match one process training the whole batch with the
+same N to 1e-5, and FSDP2 must all-gather exactly as often as the CSV says
+UNSHARD for a sharded stage. The rest needs no processes: the CSV's shape,
+torch's parser and pipec's importer reading it back, the compile command's
+text, and every refusal.
 """
 from __future__ import annotations
 
@@ -212,15 +215,16 @@ def test_a_data_axis_of_one_writes_the_pipeline():
 class _Stage:
     """What ``schedule_for`` reads of a ``PipelineStage`` before torch sees it."""
 
-    def __init__(self, index: int, rank: int, group_size: int, submod=None):
+    def __init__(self, index: int, rank: int, group_size: int):
         self.stage_index, self.group_rank, self.group_size, self.num_stages = index, rank, group_size, 2
-        self.submod = submod if submod is not None else torch.nn.Linear(2, 2)
+        self.submod = torch.nn.Linear(2, 2)  # not an FSDP2 module
 
 
 @pytest.mark.parametrize("stages, message", [
     ([_Stage(0, 0, group_size=4)], "1f1b runs on 2 pp ranks (its pp process group); the stages' process group has 4"),
     ([_Stage(0, 1, group_size=2)], "rank 1: 1f1b places stages [1] here; the stages given are [0]"),
-    ([_Stage(1, 1, group_size=2)], "1f1b places its stages on data-parallel groups; stage(s) [1] are not FSDP2 modules"),
+    ([_Stage(1, 1, group_size=2)],
+     "1f1b places its stages on data-parallel groups; stage(s) [1] are not FSDP2 modules"),
 ])
 def test_schedule_for_takes_a_composed_programs_pp_group_and_fsdp2_stages(stages, message):
     import pipec.torch

@@ -174,11 +174,12 @@ def _cell_writer(program: Program, rules: dict[str, str]):
 
 
 def _write_composed(program: Program, with_comms: bool, for_torch: TorchRuntime | None, cells_of) -> str:
-    """A PP x FSDP program's CSV (``torch_csv_mesh``): one row per pp rank, the program's own UNSHARD,
-    RESHARD and REDUCE_GRAD in it, which a torch without those tokens cannot run."""
+    """A PP x FSDP or PP x DP program's CSV (``torch_csv_mesh``): one row per pp rank, the program's own
+    UNSHARD, RESHARD and REDUCE_GRAD in it, which a torch without those tokens cannot run."""
     if with_comms and for_torch is not None and not (for_torch.reduce_grad and for_torch.fsdp_tokens):
-        raise UsageError(f"torch {for_torch.version}'s runtime has no {REDUCE_GRAD} action; {program.name or 'a'} "
-                         f"composed program's sharded stages reduce their gradients there (torch {_EXACT} runs it)")
+        raise UsageError(f"torch {for_torch.version}'s runtime has no {REDUCE_GRAD} action; "
+                         f"{program.name or 'this composed program'} reduces its stages' gradients over their data "
+                         f"groups there (torch {_EXACT} runs it)")
     return "".join(",".join(cells) + "\n" for cells in composed_rows(program, with_comms, cells_of))
 
 

@@ -77,7 +77,8 @@ def _axis_spanned(mesh: Mesh, ranks: tuple[int, ...], name: str, stage: int) -> 
     return varying[0]
 
 
-def composed_rows(program: Program, with_comms: bool, cells_of: Callable[[Action], list[str] | None]) -> list[list[str]]:
+def composed_rows(program: Program, with_comms: bool,
+                  cells_of: Callable[[Action], list[str] | None]) -> list[list[str]]:
     """torch's cells, one list per pp coordinate, of a PP x FSDP or PP x DP program.
 
     Args:
@@ -122,11 +123,11 @@ def _member_cells(program: Program, rank: int, axes: MeshAxes, with_comms: bool,
         where = f"rank {rank}, step {step}: {action.text()}"
         cells: list[str] = []
         if action.is_compute:
-            gathers = _gathers(action, sharded, where)
-            if action.stage not in sharded and action.stage not in opened:
+            unsharded = [gather.stage for gather in _gathers(action, sharded, where)]
+            if action.stage not in sharded and action.stage not in opened:  # torch's bookkeeping only
                 opened.add(action.stage)
-                gathers = (action,)
-            cells.extend(token(gather.stage, UNSHARD) for gather in gathers if with_comms)
+                unsharded.append(action.stage)
+            cells.extend(token(stage, UNSHARD) for stage in unsharded if with_comms)
             cells.extend(_written(cells_of, action._replace(parts=()), where))
         elif action.op == ops.RESHARD:
             cells.extend([token(action.stage, ops.RESHARD)] if with_comms else ())
@@ -140,6 +141,7 @@ def _member_cells(program: Program, rank: int, axes: MeshAxes, with_comms: bool,
 
 
 def _written(cells_of: Callable[[Action], list[str] | None], action: Action, where: str) -> list[str]:
+    """``action``'s cells as a single pipeline writes them; an op with no torch token is refused."""
     cells = cells_of(action)
     if cells is None:
         raise UsageError(f"{where} has no torch.distributed.pipelining token")
