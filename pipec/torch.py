@@ -56,8 +56,8 @@ def schedule_for(program: Program, stages: Sequence[Any], n_microbatches: int | 
                          f"found {version})")
     csv_text = program.to_torch_csv(comms=comms)  # first: a program torch cannot run is named as such
     count = _microbatches(program, n_microbatches)
-    _check_stages(program, stages)
     actions = _actions(csv_text)
+    _check_stages(program, stages, actions)
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
     schedule = _PipelineScheduleRuntime(list(stages), n_microbatches=count, loss_fn=loss_fn, scale_grads=scale_grads,
@@ -83,10 +83,13 @@ def _microbatches(program: Program, n_microbatches: int | None) -> int:
     return n_microbatches
 
 
-def _check_stages(program: Program, stages: Sequence[Any]) -> None:
-    """``stages`` are this rank's (the ones the program places on it) in a process group of the program's size.
+def _check_stages(program: Program, stages: Sequence[Any], actions: dict[int, list]) -> None:
+    """``stages`` are this rank's (the ones its row of ``actions`` computes) in a process group of one rank per row.
 
     Stage ids are torch's stage indices only for a program whose one pipeline runs its stages in id order.
+    A composed program (PP x FSDP, PP x DP) has one row per pp rank, the group being torch's pp group of one
+    dp coordinate, and its stages must be FSDP2 modules: torch's runtime skips UNSHARD, RESHARD and the
+    gradient reduction of any other module, and would train each dp member on its own rows alone.
     """
     ir = program.ir
     if len(ir.pipelines) == 1 and ir.pipelines[0] != list(range(len(ir.stages))):
@@ -94,17 +97,38 @@ def _check_stages(program: Program, stages: Sequence[Any]) -> None:
                          "to be the s-th (torch's stage_index)")
     if not stages:
         raise UsageError("schedule_for needs this rank's stages (torch.distributed.pipelining.PipelineStage)")
+    composed = ir.mesh is not None and ir.placed_on_groups
     group_size, rank = stages[0].group_size, stages[0].group_rank
-    if group_size != program.num_ranks:
-        raise UsageError(f"{program.name} runs on {program.num_ranks} ranks; the stages' process group has {group_size}")
+    if group_size != len(actions):
+        where = f"{len(actions)} pp ranks (its pp process group)" if composed else f"{len(actions)} ranks"
+        raise UsageError(f"{program.name} runs on {where}; the stages' process group has {group_size}")
     given = sorted(stage.stage_index for stage in stages)
-    wanted = sorted(program.stages_on(rank))
+    wanted = sorted({action.stage_index for action in actions[rank] if action.computation_type == _forward_type()})
     if given != wanted:
         raise UsageError(f"rank {rank}: {program.name} places stages {wanted} here; the stages given are {given}")
     totals = {stage.num_stages for stage in stages}
     if totals != {program.num_stages}:
         raise UsageError(f"{program.name} has {program.num_stages} stages; the stages given say "
                          f"{sorted(totals)} in all")
+    if composed:
+        _check_fully_sharded(program, stages)
+
+
+def _check_fully_sharded(program: Program, stages: Sequence[Any]) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    plain = sorted(stage.stage_index for stage in stages if not isinstance(stage.submod, FSDPModule))
+    if plain:
+        raise UsageError(f"{program.name} places its stages on data-parallel groups; stage(s) {plain} are not "
+                         "FSDP2 modules (fully_shard on the dp sub-mesh with reshard_after_forward=False for a "
+                         "sharded stage, replicate for a replicated one: docs/torch.md)")
+
+
+def _forward_type():
+    """torch's F action type (torch is imported only once a schedule is asked for)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    return _ComputationType.FORWARD
 
 
 def _actions(csv_text: str) -> dict[int, list]:

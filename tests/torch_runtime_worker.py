@@ -22,10 +22,10 @@ from torch import nn
 WIDTH, BATCH, NUM_STAGES, STEPS, LR = 8, 8, 4, 2, 0.1
 
 
-def tiny_model() -> nn.Sequential:
-    """NUM_STAGES chunks of Linear + Tanh, seeded: every process builds the same weights."""
+def tiny_model(num_stages: int = NUM_STAGES) -> nn.Sequential:
+    """``num_stages`` chunks of Linear + Tanh, seeded: every process builds the same weights."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(NUM_STAGES)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(num_stages)])
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -35,9 +35,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]
 
 
-def reference() -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+def reference(num_stages: int = NUM_STAGES) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Each step's gradients and the final parameters of the whole model, trained in one process (mean loss)."""
-    model = tiny_model()
+    model = tiny_model(num_stages)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     grads = []
     for x, y in batches():

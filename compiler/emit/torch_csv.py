@@ -4,9 +4,12 @@
 activation-passing program in either of torch's forms: compute only (torch
 lowers it to communication itself) or with pipec's own sends and receives
 (a ``BATCH`` as its parts). What each op becomes is its rule's ``torch``
-field (``ops.py``), so no op is special-cased here. Programs torch's single
-chain of stages cannot express (replicated stages, weight passing, sequence
-rings) raise ``UsageError``.
+field (``ops.py``), so no op is special-cased here. A composed program
+(stages on the data-parallel or fully sharded groups of a mesh) is written
+one row per pp rank with its own UNSHARD, RESHARD and REDUCE_GRAD steps by
+``torch_csv_mesh`` (docs/torch.md, "Composed programs"). Programs torch's
+single chain of stages cannot express (several pipelines, weight passing,
+sequence rings, stages on groups without a mesh) raise ``UsageError``.
 
 The comms form is for the torch that will load it (``TorchRuntime``, found
 by ``installed_torch_runtime``): since 2.10 torch's runtime scales gradients
@@ -28,6 +31,7 @@ from typing import NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.family import first_refusal
+from pipec.compiler.emit.torch_csv_mesh import composed_rows
 from pipec.compiler.ir import Action, Program, groups_refusal
 from pipec.errors import UsageError
 
@@ -105,7 +109,8 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
     """torch's schedule CSV for a single-pipeline program.
 
     Args:
-        program: a program with exactly one pipeline.
+        program: a program with exactly one pipeline (its stages on one rank each, or on the groups of a
+            mesh's data axis: one row per pp rank then).
         with_comms: write sends and receives too (torch's "compute_comms"
             format); otherwise only compute (its "compute_only" format).
         for_torch: the torch runtime the comms form is for: it decides
@@ -117,11 +122,13 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
     Returns:
         the CSV text, one line per rank, ``\\n``-terminated.
     Raises:
-        UsageError: the program passes weights, is a sequence ring, has several pipelines (replicated stages), or
-            an op torch cannot express.
+        UsageError: the program passes weights, is a sequence ring, has several pipelines (replicated stages),
+            a composition torch's runtime cannot run (``torch_csv_mesh``), or an op torch cannot express.
     """
-    refusal = first_refusal(program, lambda family: family.refuse_torch_csv(program.name or "this program")) \
-        or groups_refusal(program, "torch's schedule CSV (one rank per stage)")
+    refusal = first_refusal(program, lambda family: family.refuse_torch_csv(program.name or "this program"))
+    composed = program.mesh is not None and program.placed_on_groups
+    if refusal is None and not composed:
+        refusal = groups_refusal(program, "torch's schedule CSV (one rank per stage)")
     if refusal is not None:
         raise UsageError(refusal)
     if len(program.pipelines) != 1:
@@ -129,22 +136,19 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
             f"{program.name or 'this program'} has {len(program.pipelines)} pipelines (replicated stages); "
             "torch's schedule CSV has a single chain of stages (stage s+1 follows s), so it cannot be written as one"
         )
-    rules = _WITH_COMMS if with_comms else _COMPUTE_ONLY
-    token = _token_writer(program)
+    cells_of = _cell_writer(program, _WITH_COMMS if with_comms else _COMPUTE_ONLY)
+    if composed:
+        return _write_composed(program, with_comms, for_torch, cells_of)
     position = _positions(program)
+    rules = _WITH_COMMS if with_comms else _COMPUTE_ONLY
     lines = []
     for rank, row in enumerate(program.ranks):
         cells: list[str] = []
         for action in row:
-            rule = rules.get(action.op)
-            if rule == ops.KEEP:
-                if action.op in _TORCH_TOKEN:
-                    action = action._replace(op=_TORCH_TOKEN[action.op])
-                cells.append(token(action))
-            elif rule == ops.EXPAND:
-                cells.extend(token(part) for part in action.parts)
-            elif rule is None:
+            written = cells_of(action)
+            if written is None:
                 raise UsageError(f"rank {rank}: {action.text()} has no torch.distributed.pipelining token")
+            cells.extend(written)
         if with_comms and for_torch is not None:
             if for_torch.reduce_grad:
                 cells = _add_reduce_grad(cells, row, rules, position, program.num_microbatches)
@@ -152,6 +156,31 @@ def write_torch_csv(program: Program, with_comms: bool, for_torch: TorchRuntime 
                 cells = _add_unshard_reshard(cells, row, rules, position)
         lines.append(",".join(cells) + "\n")
     return "".join(lines)
+
+
+def _cell_writer(program: Program, rules: dict[str, str]):
+    """A function Action -> the cells torch's CSV writes for it under ``rules`` (None: the op has no token)."""
+    token = _token_writer(program)
+
+    def cells_of(action: Action) -> list[str] | None:
+        rule = rules.get(action.op)
+        if rule == ops.KEEP:
+            return [token(action._replace(op=_TORCH_TOKEN.get(action.op, action.op)))]
+        if rule == ops.EXPAND:
+            return [token(part) for part in action.parts]
+        return None if rule is None else []
+
+    return cells_of
+
+
+def _write_composed(program: Program, with_comms: bool, for_torch: TorchRuntime | None, cells_of) -> str:
+    """A PP x FSDP or PP x DP program's CSV (``torch_csv_mesh``): one row per pp rank, the program's own
+    UNSHARD, RESHARD and REDUCE_GRAD in it, which a torch without those tokens cannot run."""
+    if with_comms and for_torch is not None and not (for_torch.reduce_grad and for_torch.fsdp_tokens):
+        raise UsageError(f"torch {for_torch.version}'s runtime has no {REDUCE_GRAD} action; "
+                         f"{program.name or 'this composed program'} reduces its stages' gradients over their data "
+                         f"groups there (torch {_EXACT} runs it)")
+    return "".join(",".join(cells) + "\n" for cells in composed_rows(program, with_comms, cells_of))
 
 
 def _positions(program: Program) -> dict[int, int]:
