@@ -9,8 +9,10 @@ and its inputs are there (the rule table's dataflow), messages are posted
 asynchronously (isend/irecv) and matched FIFO per ordered pair, and a
 collective is joined without stalling and waited for where its wait stands.
 ``simulate``'s docstring states these semantics in full; weight passing's and
-sequence rings' exchanges are priced on the network of ``compiler/network.py``
-(docs/weights.md, section 5; docs/rings.md, section 4).
+sequence rings' exchanges, and a composed program's gathers and gradient
+reductions, are priced on the network of ``compiler/network.py``
+(docs/weights.md, section 5; docs/rings.md, section 4; docs/costs.md,
+"Composed programs").
 
 Instructions are dispatched by their rule's category, and every table the
 simulator uses (what each compute waits for, where it publishes its end, what
@@ -282,6 +284,13 @@ def simulate(program: Program, costs: CostModel | None = None, *,
       model chunk without stalling; the all-reduce ends ``costs.allreduce`` after
       the last replica joined. A collective wait (ALLREDUCE_WAIT) stalls the rank
       until it ends. A free (FREE_F) takes no time.
+    * A stage on a group of k ranks (a composed program, ``compose.place_on_mesh``): each member runs the
+      stage's tasks on its share of the rows, taking 1/k of each task's time, and sends 1/k of each
+      value to the member of the neighbouring group with the same share; each member's values are its
+      own (keys per member stage). A compute's sub-steps (GATHER) are collectives of the group that
+      block the member before the compute's body; SYNC_GRAD and REDUCE_GRAD are an exchange's
+      collectives, priced as the all-reduce and reduce-scatter of the stage's weight gradient (docs/costs.md,
+      "Composed programs"); RESHARD takes no time.
 
     Args:
         program: a compute-only program, or one with communication instructions

@@ -61,7 +61,8 @@ class Drawing:
         panels: measured first (when there is one), then the prediction.
         stage_chunk: stage id -> model chunk, for labels and tips.
         show_chunk: whether a rank holds several stages (tips name the chunk; labels are ir.LABEL_SCHEME's).
-        lane_labels: per rank, its lane's label: ``rank 2``, or on a mesh ``rank 2: pp 1, dp 0`` (``emit.text_grid.rank_labels``).
+        lane_labels: per rank, its lane's label: ``rank 2``, or on a mesh ``rank 2: pp 1, dp 0``
+            (``emit.text_grid.rank_labels``).
         layout: ``style.LAYOUT``, its left margin widened to hold the longest lane label (``style.layout_for``).
     """
 
