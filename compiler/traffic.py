@@ -30,7 +30,7 @@ bytes}} with every kind that moved, the same on every run: the report
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.family import Family, families_of, first_answer
@@ -123,24 +123,25 @@ def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[in
     seen_collectives: set[tuple] = set()
     families = families_of(program)
     sharing = [family for family in families if type(family).value_share is not Family.value_share]
-    share = member_share(program)
-    if share != 1:  # every message of a placed program carries its sender's share (the one family that places)
-        sharing = [_MemberShare(share)]
+    count = _Counter(program, sharing, families, member_share(program), add, seen_collectives)
     for rank, row in enumerate(program.ranks):
         for action in row:
             for part in action.parts or (action,):  # a compute's sub-steps (a GATHER) are collectives
-                _count(program, sharing, families, rank, part, add, seen_collectives)
+                _count(count, rank, part)
     return _weighed(whole, pieces, sizes)
 
 
-class _MemberShare:
-    """What a member of a stage on a group sends: its share of each value (``member_share``)."""
+class _Counter(NamedTuple):
+    """What ``_count`` reads: the program, the families that answer value_share (the rest would say None)
+    and all of them, the share of a value a member of a stage's group sends (``member_share``), where
+    bytes go (``add``) and the collectives counted so far."""
 
-    def __init__(self, share: Fraction):
-        self.share = share
-
-    def value_share(self, program: Program, part: Action, kind: str) -> Fraction:
-        return self.share
+    program: Program
+    sharing: list[Family]
+    families: list[Family]
+    member: Fraction | int
+    add: Callable
+    seen: set
 
 
 def _weighed(whole: Mapping[tuple[str, str], int], pieces: Mapping[tuple[str, str], Fraction],
@@ -158,10 +159,9 @@ def _weighed(whole: Mapping[tuple[str, str], int], pieces: Mapping[tuple[str, st
     return moved
 
 
-def _count(program: Program, sharing: list[Family], families: list[Family], rank: int, part: Action, add,
-           seen: set) -> None:
-    """Add what ``part`` on ``rank`` moves; ``sharing``: the families that answer value_share (the rest
-    would say None), ``families``: all of the program's."""
+def _count(count: _Counter, rank: int, part: Action) -> None:
+    """Add what ``part`` on ``rank`` moves."""
+    program, sharing, families, add, seen = count.program, count.sharing, count.families, count.add, count.seen
     op = part.op
     rule = ops.RULES.get(op)
     if rule is None:
@@ -169,10 +169,10 @@ def _count(program: Program, sharing: list[Family], families: list[Family], rank
     if op in _SENDS:
         kind = rule.carries.kind
         share = first_answer(sharing, lambda family: family.value_share(program, part, kind)) if sharing else None
-        add(kind, rank, part.peer, 1 if share is None else share)
+        add(kind, rank, part.peer, count.member if share is None else share)
     elif part.parts:  # an all_to_all of a sequence ring: its sends, each over its own link
         for inner in part.parts:
-            _count(program, sharing, families, rank, inner, add, seen)
+            _count(count, rank, inner)
     elif op in _RING_STEPS:
         giver = first_answer(families, lambda family: family.ring_step_giver(program, rank))
         if part.stage >= 0 and giver is not None:  # this rank takes a slot: it crossed the link from its giver
