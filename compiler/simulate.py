@@ -42,7 +42,7 @@ from pipec.compiler.memory_counts import (
 )
 from pipec.compiler.network import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, Network
 from pipec.compiler.traffic import member_share, node_map, traffic, whole_value_kind
-from pipec.errors import DeadlockError, MatchError, UsageError, WellFormedError
+from pipec.errors import DeadlockError, MatchError, WellFormedError
 
 # A bubble fraction with a larger denominator is shown as a decimal only (float
 # costs give exact but meaningless ones, like 7130774469997077/21935682705033476).
