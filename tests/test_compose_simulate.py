@@ -120,6 +120,13 @@ def test_with_the_data_axis_outermost_the_groups_cross_nodes_and_the_pipeline_do
     result = simulate(composed(DP, dp_outer=True), priced(node_size=2))
     assert result.traffic == {"act": {"intra": 160, "inter": 0}, "grad": {"intra": 160, "inter": 0},
                               "wgrad": {"intra": 0, "inter": 400}}
+    # and the all-reduce runs on the slower link between nodes: 100 bytes per hop at 5 per unit, 20
+    slow = costs_from_json({"links": {"bandwidth": BANDWIDTH, "bytes": {"act": ACT, "grad": ACT}, "node_size": 2,
+                                      "inter_node": {"bandwidth": BANDWIDTH // 2}},
+                            "sizes": {"activation": ACT, "weight": WEIGHT}})
+    timed = simulate(composed(DP, dp_outer=True), slow)
+    assert {slot.end - slot.start for rank in range(4) for slot in comm_slots(timed, rank, ops.SYNC_GRAD)} == {20}
+    assert {slot.end - slot.start for rank in range(4) for slot in comm_slots(timed, rank, ops.RECV_F)} == {2}
 
 
 def test_a_group_of_four_moves_the_ring_volumes():
