@@ -13,8 +13,8 @@ unit costs read as whole milliseconds.
 """
 from __future__ import annotations
 
-from pipec.compiler.ir import COMPUTE_OPS, LABEL_SCHEME, Program
 from pipec.compiler.emit.text_grid import rank_labels
+from pipec.compiler.ir import COMPUTE_OPS, LABEL_SCHEME, Program
 from pipec.compiler.simulate import SimResult
 
 US_PER_UNIT = 1000

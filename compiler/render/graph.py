@@ -89,7 +89,8 @@ def task_graph_dot(program: Program, cycle: Sequence[tuple[int, int, str]] = ())
             if is_compute:  # a stage on a group: each member's task reads its own share (``_share_of``)
                 where[(action.op, action.stage, action.mb, _share_of(program, action.stage, rank))] = node
             # a batch or an exchange as its parts; a compute with sub-steps as its own text
-            text = "\n".join(part.text() for part in action.parts) if action.parts and not is_compute else action.text()
+            shown_parts = action.parts if not is_compute else ()
+            text = "\n".join(part.text() for part in shown_parts) if shown_parts else action.text()
             waits = members.get((rank, step))
             tooltip = f"rank {rank}, step {step}: {action.text()}" + (f"; {waits}" if waits else "")
             fill = style.fill_of(action.op, action.mb) if is_compute else ("#ffffff" if waits is None else style.CYCLE_FILL)

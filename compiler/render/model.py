@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.emit.text_grid import rank_labels
+from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Program
 from pipec.compiler.render import style
 from pipec.compiler.simulate import Number, SimResult, Slot
