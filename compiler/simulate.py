@@ -9,8 +9,10 @@ and its inputs are there (the rule table's dataflow), messages are posted
 asynchronously (isend/irecv) and matched FIFO per ordered pair, and a
 collective is joined without stalling and waited for where its wait stands.
 ``simulate``'s docstring states these semantics in full; weight passing's and
-sequence rings' exchanges are priced on the network of ``compiler/network.py``
-(docs/weights.md, section 5; docs/rings.md, section 4).
+sequence rings' exchanges, and a composed program's gathers and gradient
+reductions, are priced on the network of ``compiler/network.py``
+(docs/weights.md, section 5; docs/rings.md, section 4; docs/costs.md,
+"Composed programs").
 
 Instructions are dispatched by their rule's category, and every table the
 simulator uses (what each compute waits for, where it publishes its end, what
@@ -33,14 +35,14 @@ from pipec.compiler.costs import CostModel
 from pipec.compiler.family import families_of, first_answer
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.guarded_read import checked_total
-from pipec.compiler.ir import Action, Program, groups_refusal
+from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import (
     ACTIVATION_DELTA, Number, check_sizes, peak_bytes, peak_kept_inputs, peak_waiting_w,
     recomputes,
 )
 from pipec.compiler.network import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, Network
-from pipec.compiler.traffic import node_map, traffic
-from pipec.errors import DeadlockError, MatchError, UsageError, WellFormedError
+from pipec.compiler.traffic import member_share, node_map, traffic, whole_value_kind
+from pipec.errors import DeadlockError, MatchError, WellFormedError
 
 # A bubble fraction with a larger denominator is shown as a decimal only (float
 # costs give exact but meaningless ones, like 7130774469997077/21935682705033476).
@@ -238,7 +240,8 @@ _EXCHANGE_PARTS = frozenset(ops.EXCHANGE_PART_OPS)
 _COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "shift", ops.BCAST_W: BROADCAST,
                     ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER,
                     ops.ALLTOALL_KV: "all_to_all", ops.ALLTOALL_DKV: "all_to_all", ops.GATHER: ALL_GATHER,
-                    ops.ALLREDUCE_TF: ALL_REDUCE, ops.ALLREDUCE_TB: ALL_REDUCE}
+                    ops.ALLREDUCE_TF: ALL_REDUCE, ops.ALLREDUCE_TB: ALL_REDUCE,
+                    ops.SYNC_GRAD: ALL_REDUCE, ops.REDUCE_GRAD: REDUCE_SCATTER}
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})  # their ``peer`` is the root
 # An exchange's sends, receives and local copies are priced by their category; a collective part
 # by its own kind of collective (``_COLLECTIVE_KIND``).
@@ -281,6 +284,13 @@ def simulate(program: Program, costs: CostModel | None = None, *,
       model chunk without stalling; the all-reduce ends ``costs.allreduce`` after
       the last replica joined. A collective wait (ALLREDUCE_WAIT) stalls the rank
       until it ends. A free (FREE_F) takes no time.
+    * A stage on a group of k ranks (a composed program, ``compose.place_on_mesh``): each member runs the
+      stage's tasks on its share of the rows, taking 1/k of each task's time, and sends 1/k of each
+      value to the member of the neighbouring group with the same share; each member's values are its
+      own (keys per member stage). A compute's sub-steps (GATHER) are collectives of the group that
+      block the member before the compute's body; SYNC_GRAD and REDUCE_GRAD are an exchange's
+      collectives, priced as the all-reduce and reduce-scatter of the stage's weight gradient (docs/costs.md,
+      "Composed programs"); RESHARD takes no time.
 
     Args:
         program: a compute-only program, or one with communication instructions
@@ -295,15 +305,14 @@ def simulate(program: Program, costs: CostModel | None = None, *,
         MatchError: a RECV matched (FIFO) to a SEND of another tensor.
         DeadlockError: a rank waits for an input that never arrives.
         ValueError: an unknown size class or a negative size.
-        UsageError: a stage placed on a group of ranks (``ir.groups_refusal``).
+        UsageError: stages placed on groups of different sizes (``traffic.member_share``).
         NumberLimitError: a total (the makespan, a rank's busy or idle time, its peak bytes, the links'
             use) that overflowed: a float not finite, an integer past 2^63 (``guarded_read.checked_total``),
             naming the cost file. Costs within the reader's limits never overflow a float; an integer
             total can pass 2^63 on a long program.
     """
-    refusal = groups_refusal(program, "the simulator")
-    if refusal is not None:
-        raise UsageError(refusal)
+    if program.placed_on_groups:
+        _check_members(program)
     if sizes is not None:
         check_sizes(sizes)  # before the run, not after it
     with paused_gc():
@@ -330,9 +339,15 @@ class _Simulation:
         self.num_ranks = len(program.ranks)
         self.num_stages = len(program.stages)
         self.num_mbs = program.num_microbatches
+        # A stage on a group of k ranks: each member runs every task on its share of the rows (1/k of
+        # its time and of its messages' bytes) and makes its own values, so the ``ready`` table's keys
+        # name a member stage, (stage, member), where a plain program's name its stage.
+        self.share = member_share(program)
+        self.member_stages = _member_stages(program)
+        self.placed = program.placed_on_groups
         # key arithmetic needs a non-zero stride even for an empty program
         self.stride = max(self.num_mbs, 1)
-        self.space = self.num_stages * self.stride
+        self.space = len(self.member_stages) * self.stride
         self.devices = program.devices or list(range(self.num_ranks))
         self.has_comms = _has_comms(program)
         self.ready: list = [None] * (_ALLREDUCE * self.space + max(program.num_chunks, 1))
@@ -352,14 +367,19 @@ class _Simulation:
         self.channels: list[list[tuple | None]] = [[None] * self.num_ranks for _ in range(self.num_ranks)]
         self.allreduce_joined: dict[int, list[tuple[Number, int, Action]]] = {}
         self.allreduce_stages: set[tuple[int, int]] = set()  # (rank, chunk) joined
-        self.compute_plan = self._plan_compute()
-        self.comm_plan = self._plan_comms()
-        # what the first pass of posting needs: send op -> per stage the key base
+        # what the first pass of posting needs: send op -> per member stage the key base
         # of the tensor it sends (None: no neighbour); receive op -> None
-        self.sent_tensors = {
+        self.comm_plan = self._plan_comms()
+        sent_tensors = {
             op: [None if message is None else message[1] for message in row] if _COMM_RULES[op][0] else None
             for op, row in self.comm_plan.items()
         }
+        # per rank, the plans indexed by the stages it runs (``_per_rank``)
+        self.compute_plans = self._per_rank(self._plan_compute())
+        self.comm_plans = self._per_rank(self.comm_plan)
+        self.sent_tensors = self._per_rank(sent_tensors)
+        self.substep_pending: dict[int, tuple[int, int, int]] = {}  # rank -> (step, sub-step, key) parked on
+        self.substeps_done = [-1] * self.num_ranks  # per rank, the step whose sub-steps have all ended
         # the rare ops drain does not handle inline:
         # op -> handler(rank, step, action, clock) -> new clock, or None when parked
         self.handlers = {op: getattr(self, method) for op, method in _HANDLERS.items()}
@@ -373,62 +393,90 @@ class _Simulation:
         self.exchanges: dict[tuple[int, int], list[int]] = {}
         # what prices transfers when links or NICs are shared (else each message takes its link's time)
         self.network = Network(costs)
-        self.kind_bytes = [costs.message_bytes_of(kind) for kind in ops.MESSAGE_KINDS]
+        self.kind_bytes = [_plain_share(costs.message_bytes_of(kind), self.share) for kind in ops.MESSAGE_KINDS]
 
     # -- plans -------------------------------------------------------------------
 
     def _plan_compute(self) -> dict[str, list[tuple]]:
-        """op -> per stage (duration, ((input key base, delay), ...), (output key base, ...), activation delta).
+        """op -> per member stage (duration, ((input key base, delay), ...), (output key base, ...),
+        activation delta): a member's duration is its share of the task's.
 
         The key of an input or output for microbatch m is its base + m.
         """
         program, costs, n, space = self.program, self.costs, self.stride, self.space
         neighbours = self._neighbours()
         plan: dict[str, list[tuple]] = {op: [] for op in _COMPUTE_RULES}
-        for stage in program.stages:
-            s = stage.id
+        for m, (stage, _rank) in enumerate(self.member_stages):
+            chunk = program.stages[stage].chunk
             for op, (out_spaces, delta, needs) in _COMPUTE_RULES.items():
-                waits = sum((self._input(s, neighbours[whose][s], kind) for kind, whose in needs), ())
-                outs = tuple(out_space * space + s * n for out_space in out_spaces)
-                plan[op].append((costs.compute(op, stage.chunk), waits, outs, delta))
+                waits = sum((self._input(m, neighbours[whose][m], kind) for kind, whose in needs), ())
+                outs = tuple(out_space * space + m * n for out_space in out_spaces)
+                plan[op].append((_plain_share(costs.compute(op, chunk), self.share), waits, outs, delta))
         return plan
 
     def _plan_comms(self) -> dict[str, list[tuple | None]]:
-        """op -> per stage (is send, tensor key base, arrival key base, kind), or None where
+        """op -> per member stage (is send, tensor key base, arrival key base, kind), or None where
         the stage has no neighbour to exchange with. Keys for microbatch m are base + m."""
         n, space = self.stride, self.space
         neighbours = self._neighbours()
         plan: dict[str, list[tuple | None]] = {}
         for op, (is_send, tensor_space, whose, arrival_space, kind) in _COMM_RULES.items():
             row: list[tuple | None] = []
-            for stage in range(self.num_stages):
-                producer = neighbours[whose][stage]
-                arrival = -1 if arrival_space is None else arrival_space * space + stage * n
+            for member in range(len(self.member_stages)):
+                producer = neighbours[whose][member]
+                arrival = -1 if arrival_space is None else arrival_space * space + member * n
                 row.append(None if producer < 0 else (is_send, tensor_space * space + producer * n, arrival, kind))
             plan[op] = row
         return plan
 
-    def _neighbours(self) -> dict[str, list[int]]:
-        """ops.SELF / PREV / NEXT -> per stage, that stage (-1: none), as the stages' own
-        (pipeline, position) say (``Program.prev_stage`` / ``next_stage``)."""
-        stages, program = range(self.num_stages), self.program
-        return {ops.SELF: list(stages), ops.PREV: list(map(program.prev_stage, stages)),
-                ops.NEXT: list(map(program.next_stage, stages))}
+    def _per_rank(self, plan: dict[str, list | None]) -> list[dict[str, list | None]]:
+        """Per rank, ``plan`` (op -> per member stage) indexed by stage: the rank's own member stage of
+        each stage it is a member of (None where it is none). Every rank of a plain program shares
+        ``plan`` itself, indexed by stage as its member stages are."""
+        if not self.placed:
+            return [plan] * self.num_ranks
+        index = [{rank: m for m, (stage, rank) in enumerate(self.member_stages) if stage == s}
+                 for s in range(self.num_stages)]
+        return [{op: None if row is None else [row[index[s][r]] if r in index[s] else None
+                                               for s in range(self.num_stages)]
+                 for op, row in plan.items()} for r in range(self.num_ranks)]
 
-    def _input(self, stage: int, producer: int, kind: str) -> tuple:
-        """The ((key base, delay),) a task of ``stage`` waits on for the ``kind`` value made by
-        ``producer``'s stage; () when there is no such stage."""
-        program, n, space = self.program, self.stride, self.space
+    def _neighbours(self) -> dict[str, list[int]]:
+        """ops.SELF / PREV / NEXT -> per member stage, that member stage (-1: none): the stage the
+        stages' own (pipeline, position) say (``Program.prev_stage`` / ``next_stage``), the member with
+        the same share (groups of one size hand member i to member i)."""
+        program, members = self.program, self.member_stages
+        first = {}  # stage -> its first member stage
+        for m, (stage, _) in enumerate(members):
+            first.setdefault(stage, m)
+
+        def member_of(other: int, m: int) -> int:
+            return -1 if other < 0 else first[other] + m - first[members[m][0]]
+
+        every = range(len(members))
+        return {ops.SELF: list(every), ops.PREV: [member_of(program.prev_stage(members[m][0]), m) for m in every],
+                ops.NEXT: [member_of(program.next_stage(members[m][0]), m) for m in every]}
+
+    def _input(self, member: int, producer: int, kind: str) -> tuple:
+        """The ((key base, delay),) a task of member stage ``member`` waits on for the ``kind`` value made
+        by member stage ``producer``; () when there is no such stage."""
+        n, space = self.stride, self.space
         if producer < 0:
             return ()
         made = _SPACE_OF_KIND[kind] * space + producer * n
-        source, target = program.rank_of(producer), program.rank_of(stage)
+        source, target = self.member_stages[producer][1], self.member_stages[member][1]
         if source == target:  # a local hand-off, at the producer's end
             return ((made, 0),)
         if self.has_comms:  # only the receive that carries it brings it
-            return ((_ARRIVAL_SPACE[kind] * space + stage * n, 0),)
-        delay = self.costs.transfer(self.devices[source], self.devices[target], kind)
-        return ((made, delay),)
+            return ((_ARRIVAL_SPACE[kind] * space + member * n, 0),)
+        return ((made, self._message_time(source, target, kind)),)
+
+    def _message_time(self, src: int, dst: int, kind: str) -> Number:
+        """The time one message of ``kind`` from rank ``src`` to rank ``dst`` takes: its share of the bytes."""
+        a, b = self.devices[src], self.devices[dst]
+        if self.share == 1 or a == b:
+            return self.costs.transfer(a, b, kind)
+        return self.costs.link_between(a, b).time(self.kind_bytes[ops.MESSAGE_KIND_CODE[kind]])
 
     # -- driver ------------------------------------------------------------------
 
@@ -456,28 +504,23 @@ class _Simulation:
             self.work.extend(waiting)
 
     def drain(self) -> None:
-        """Run ranks off the worklist, each from where it stopped until it parks
-        or finishes, until no rank can move.
-
-        One loop serves every rank: a rank parks and resumes every few
-        instructions, so resuming must cost little. Compute tasks, messages and
-        frees (nearly every instruction) are handled inline; the rare
-        collectives go through ``handlers``.
-        """
+        """Run ranks off the worklist, each from where it stopped until it parks or finishes, until no
+        rank can move. One loop serves every rank: a rank parks and resumes every few instructions, so
+        resuming must cost little. Compute tasks, messages and frees (nearly every instruction) are
+        handled inline; the rare collectives and a compute's sub-steps go through handlers."""
         ready, waiters, work = self.ready, self.waiters, self.work
-        compute_plan, comm_plan, handlers = self.compute_plan, self.comm_plan, self.handlers
+        comm_plan, handlers, substeps_done = self.comm_plan, self.handlers, self.substeps_done
         batch_ops, free_ops = _BATCH_OPS, _FREE_OPS
         channels, ranks, all_slots = self.channels, self.program.ranks, self.slots
         # per rank: what a resume needs that never changes, and its progress
-        fixed = [(row, len(row), channels[r], all_slots[r].append) for r, row in enumerate(ranks)]
+        fixed = [(row, len(row), channels[r], all_slots[r].append, plans)
+                 for r, (row, plans) in enumerate(zip(ranks, self.compute_plans))]
         progress = list(zip(self.pc, self.clock, self.busy, self.live, self.peak))
-        parked_ons = self.parked_on
-        new_tuple = tuple.__new__
-        num_stages, num_mbs = self.num_stages, self.num_mbs
+        parked_ons, new_tuple, num_stages, num_mbs = self.parked_on, tuple.__new__, self.num_stages, self.num_mbs
         post_group = self._poster()
         while work:
             r = work.pop()
-            row, end_of_row, outgoing, slots_append = fixed[r]
+            row, end_of_row, outgoing, slots_append, compute_plan = fixed[r]
             pc, clock, busy, live, peak = progress[r]
             parked_on = -1
             while pc < end_of_row:
@@ -487,6 +530,11 @@ class _Simulation:
                 if plan is not None:
                     if not (0 <= stage < num_stages and 0 <= mb < num_mbs):
                         raise self._error(WellFormedError, f"{action.text()}: stage or microbatch out of range", r, pc)
+                    if parts and substeps_done[r] != pc:  # its sub-steps end before its body starts
+                        ended = self.run_substeps(r, pc, action, clock)
+                        if ended is None:  # parked on one of them
+                            break
+                        clock = ended
                     duration, inputs, outs, delta = plan[stage]
                     start = clock
                     for base, delay in inputs:
@@ -543,7 +591,7 @@ class _Simulation:
         """The function that posts a message instruction's parts (``drain`` calls it for nearly every
         other instruction), with the simulation's tables bound once: a bound method would load them
         from ``self`` on every call, a measurable share of the simulation."""
-        ready, waiters, work, comm_plan = self.ready, self.waiters, self.work, self.comm_plan
+        ready, waiters, work, comm_plans = self.ready, self.waiters, self.work, self.comm_plans
         channels, comm_slots, network = self.channels, self.comm_slots, self.network
         devices, kind_bytes, shared, new_tuple = self.devices, self.kind_bytes, network.shared, tuple.__new__
         num_stages, num_mbs, num_ranks = self.num_stages, self.num_mbs, self.num_ranks
@@ -567,6 +615,7 @@ class _Simulation:
                 clock += post * len(group)
             # Second pass: check each part in full, then post it; a part
             # that finds its counterpart waiting in the channel delivers.
+            comm_plan = comm_plans[r]
             for part in group:
                 p_stage, p_op, p_mb, p_peer, _ = part
                 if not (0 <= p_stage < num_stages and 0 <= p_mb < num_mbs and 0 <= p_peer < num_ranks) or p_peer == r:
@@ -622,7 +671,7 @@ class _Simulation:
             if not group:
                 raise error(WellFormedError, f"{action.text()} posts nothing", r, pc)
             for part in group:
-                bases = sent_tensors.get(part[1], _NOT_A_MESSAGE)
+                bases = sent_tensors[r].get(part[1], _NOT_A_MESSAGE)
                 if bases is None:  # a receive: it never waits
                     continue
                 if bases is _NOT_A_MESSAGE:
@@ -652,8 +701,7 @@ class _Simulation:
     def _channel(self, src: int, dst: int) -> tuple[deque, deque, tuple]:
         """Open the channel from ``src`` to ``dst``: (unmatched sends, unmatched receives,
         transfer time by kind). Channels live in ``self.channels[src][dst]``."""
-        a, b = self.devices[src], self.devices[dst]
-        channel = (deque(), deque(), tuple(self.costs.transfer(a, b, kind) for kind in ops.MESSAGE_KINDS))
+        channel = (deque(), deque(), tuple(self._message_time(src, dst, kind) for kind in ops.MESSAGE_KINDS))
         self.channels[src][dst] = channel
         return channel
 
@@ -720,8 +768,7 @@ class _Simulation:
         return len(self.ready) - 1
 
     def _part_bytes(self, part: Action) -> Number:
-        rule = ops.RULES[part.op]
-        kind = rule.carries.kind if rule.carries else (rule.writes[0].kind if rule.writes else None)
+        kind = whole_value_kind(part.op)
         if kind is None or not self.sizes and not self.costs.sizes:
             return 0
         sizes = self.sizes if self.sizes is not None else self.costs.sizes
@@ -818,6 +865,30 @@ class _Simulation:
                 return None
         return max([clock] + [self.ready[key] for key in keys])
 
+    def run_substeps(self, rank: int, step: int, action: Action, clock: Number) -> Number | None:
+        """The sub-steps of compute ``action`` (a stage on a group: ``(0GATHER0)0F0``), each a collective of
+        the stage's group that blocks the rank: the first joined when the rank reaches the compute, each
+        next one when the one before it has ended. Returns when the last has ended (the compute's body
+        starts then, or when its inputs are there if later), or None when the rank parked on one."""
+        pending = self.substep_pending.pop(rank, None)
+        index, at = 0, clock
+        if pending is not None and pending[0] == step:  # woken: the sub-step it parked on has ended
+            index, at = pending[1] + 1, self.ready[pending[2]]
+        for index in range(index, len(action.parts)):
+            part = action.parts[index]
+            if part.op not in ops.SUBSTEP_OPS or ops.RULES[part.op].category != ops.PART_COLLECTIVE:
+                raise self._error(WellFormedError, f"{part.text()}: the simulator runs a compute's collective "
+                                  "sub-steps only", rank, step)
+            key = self._new_key()
+            self._join_meeting(rank, step, part, key, at)
+            if self.ready[key] is None:
+                self.substep_pending[rank] = (step, index, key)
+                self.park(rank, key)
+                return None
+            at = self.ready[key]
+        self.substeps_done[rank] = step
+        return at
+
     def in_order_compute(self, rank: int, step: int, action: Action, clock: Number) -> Number:
         """A compute whose family proves its dataflow (``ops.IN_ORDER_COMPUTE_OPS``: a ring's AF, AB, tensor
         parallelism's TF, TB), priced by the share of its op's cost its family gives it (a ring's block: the
@@ -866,7 +937,7 @@ class _Simulation:
         for compute, comms in zip(self.slots, self.comm_slots):
             # compute slots are already in start order; sorting is needed only to merge comms in
             lane = sorted(compute + comms, key=itemgetter(0)) if comms else compute
-            if exact_times:  # exact block times (a ring's fractions), reported as plain numbers
+            if exact_times or self.share != 1:  # exact fractions (a ring's blocks, a member's share) as plain numbers
                 lane = [slot._replace(start=_exact(slot.start), end=_exact(slot.end)) for slot in lane]
             timeline.append(lane)
         moved = traffic(self.program, self.sizes or self.costs.sizes, node_map(self.program, self.costs.node_size))
@@ -880,7 +951,8 @@ class _Simulation:
     def _describe_tensor(self, key: int) -> str:
         """Words for a sent tensor's key: ``the gradient of 2B0 (or 2I0)``."""
         space, rest = divmod(key, self.space)
-        stage, mb = divmod(rest, self.stride)
+        member, mb = divmod(rest, self.stride)
+        stage = self.member_stages[member][0] if member < len(self.member_stages) else member
         kind = _MESSAGE_OF_SPACE.get(space)
         if kind is None:
             return f"value {key}"
@@ -894,10 +966,13 @@ class _Simulation:
 
     def _describe_wait(self, key: int) -> str:
         """Words for what a rank parked on ``key`` waits for."""
+        if key >= _ALLREDUCE * self.space + max(self.program.num_chunks, 1):  # a part's or a sub-step's key
+            return "a collective that not every member of its communicator joins"
         if key >= _ALLREDUCE * self.space:
             return f"the gradient all-reduce of chunk {key - _ALLREDUCE * self.space}, which not every replica joins"
         space, rest = divmod(key, self.space)
-        stage, mb = divmod(rest, self.stride)
+        member, mb = divmod(rest, self.stride)
+        stage = self.member_stages[member][0]
         if space < _NUM_PRODUCED:
             return (f"the output of {_tasks_text(self._in_program(_OPS_OF_SPACE[space]), stage, mb)}, which never "
                     "runs before it is needed")
@@ -947,3 +1022,34 @@ def _has_comms(program: Program) -> bool:
     op_of = itemgetter(1)
     return any(not comm_ops.isdisjoint(map(op_of, row)) for row in program.ranks)
 
+
+
+def _member_stages(program: Program) -> list[tuple[int, int]]:
+    """(stage, rank) per member stage, by stage and then member: a stage on one rank is one member stage
+    (its own id, so a plain program's keys are as they always were), a stage on a group of k, k of them."""
+    return [(info.id, rank) for info in program.stages for rank in info.ranks]
+
+
+def _plain_share(value: Number, share: Fraction | int) -> Number:
+    """``share`` of a time or a size: exact (an int when whole, else a Fraction) for an int, a float for a float."""
+    if share == 1:
+        return value
+    if isinstance(value, float):
+        return value * float(share)
+    exact = Fraction(value) * share
+    return int(exact) if exact.denominator == 1 else exact
+
+
+def _check_members(program: Program) -> None:
+    """Raise ``WellFormedError`` at the first compute or message of a placed program on a rank that is not
+    a member of its stage's group (the simulator keys each member's values apart)."""
+    for rank, row in enumerate(program.ranks):
+        for step, action in enumerate(row):
+            for part in (action, *action.parts) if action.op in _BATCH_OPS else (action,):
+                if part.op not in _COMPUTE_RULES and part.op not in _COMM_RULES:
+                    continue
+                if 0 <= part.stage < len(program.stages) and rank not in program.stages[part.stage].ranks:
+                    raise WellFormedError(
+                        f"{part.text()}: rank {rank} runs a task or a message of stage {part.stage}, which is "
+                        f"placed on the ranks {', '.join(map(str, program.stages[part.stage].ranks))}",
+                        rank=rank, step=step, grid=program.grid())

@@ -6,14 +6,20 @@
 * a point-to-point message (a send, or a send inside a batch or an exchange)
   moves one value of its kind over the link from its rank to its peer (a
   sequence ring's KV or dKV bundle: one piece of each chunk of its holder,
-  ``RingPlan.bundle_share``); an all_to_all moves each of its sends so;
+  ``RingPlan.bundle_share``; a member of a stage on a group of k, its share:
+  1/k of the value, ``member_share``); an all_to_all moves each of its sends so;
 * a ring step moves, on each link r -> r + ring_by, the slot the next rank
   takes (nothing where that rank takes nothing);
 * a collective of n ranks runs as a ring over its members in rank order
   (``network.ring_hops``, the hops the simulator prices): a broadcast or a
   reduce moves the value over the n - 1 hops of a chain from (or to) its root,
   an all-gather or a reduce-scatter moves (n - 1) / n of it over each of the n
-  hops, an all-reduce twice that.
+  hops, an all-reduce twice that. A collective moves the whole of one value
+  (``whole_value_kind``): what an all-gather makes (a stage's ``GATHER``: its
+  weights from the members' shards), what a reduce-scatter reduces (a stage's
+  ``REDUCE_GRAD``: its weight gradient), the value an all-reduce sums (a
+  stage's ``SYNC_GRAD``); each collective counted once, on the first member of
+  its communicator.
 
 A link is ``intra`` when its two ranks sit on one node, else ``inter``. The
 value of a kind weighs ``sizes[its size class]`` bytes (0 when the cost file
@@ -24,13 +30,14 @@ bytes}} with every kind that moved, the same on every run: the report
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.family import Family, families_of, first_answer
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, ring_hops
+from pipec.errors import UsageError
 
 INTRA, INTER = "intra", "inter"
 
@@ -46,6 +53,8 @@ _RING_OF = {
     ops.ALLREDUCE_GRAD: (REDUCE_SCATTER, 2),
     ops.ALLREDUCE_TF: (REDUCE_SCATTER, 2),
     ops.ALLREDUCE_TB: (REDUCE_SCATTER, 2),
+    ops.SYNC_GRAD: (REDUCE_SCATTER, 2),
+    ops.REDUCE_GRAD: (REDUCE_SCATTER, 1),
 }
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})
 _RING_STEPS = (ops.SHIFT_F, ops.SHIFT_B, ops.SHIFT_G)
@@ -58,6 +67,34 @@ ops.declare_pass("traffic", _SENDS | set(_RING_STEPS) | set(_RING_OF)
                  | {ops.ALLTOALL_KV, ops.ALLTOALL_DKV},
                  leaves=(ops.COMPUTE, ops.RECV, ops.PART_RECV, ops.COLLECTIVE_WAIT, ops.EXCHANGE_WAIT_OF, ops.FREE,
                          ops.DROP_COPY, ops.PART_LOCAL))
+
+
+def whole_value_kind(op: str) -> str | None:
+    """The value kind whose whole one collective ``op`` moves: what a reduce-scatter reads (a stage's whole
+    weight gradient, of which each member keeps its shard's sum), what every other collective makes (an
+    all-gather: the whole weights from the members' shards); None for an op that moves no value."""
+    rule = ops.RULES[op]
+    if _RING_OF.get(op, (None, 0)) == (REDUCE_SCATTER, 1):
+        return rule.reads[0].kind
+    if rule.carries:
+        return rule.carries.kind
+    return rule.writes[0].kind if rule.writes else None
+
+
+def member_share(program: Program) -> Fraction | int:
+    """The share of each microbatch a rank computes and sends: 1 where every stage is on one rank; 1/k
+    where every stage is on a group of k ranks (member i of k runs rows [i/k, (i+1)/k) of each microbatch).
+
+    Raises:
+        UsageError: stages on groups of different sizes, or some on one rank and some on groups: a
+            message between them would carry pieces of several shares, which pipec does not price yet.
+    """
+    sizes = sorted({len(info.ranks) for info in program.stages})
+    if len(sizes) > 1:
+        raise UsageError(f"{program.name or 'this program'} places its stages on groups of "
+                         f"{' and '.join(map(str, sizes))} ranks; the simulator and the traffic count take "
+                         "stages that all sit on groups of one size")
+    return Fraction(1, sizes[0]) if sizes and sizes[0] > 1 else 1
 
 
 def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[int], int]) -> dict[str, dict[str, Number]]:
@@ -86,11 +123,25 @@ def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[in
     seen_collectives: set[tuple] = set()
     families = families_of(program)
     sharing = [family for family in families if type(family).value_share is not Family.value_share]
+    count = _Counter(program, sharing, families, member_share(program), add, seen_collectives)
     for rank, row in enumerate(program.ranks):
         for action in row:
-            for part in action.parts or (action,):
-                _count(program, sharing, families, rank, part, add, seen_collectives)
+            for part in action.parts or (action,):  # a compute's sub-steps (a GATHER) are collectives
+                _count(count, rank, part)
     return _weighed(whole, pieces, sizes)
+
+
+class _Counter(NamedTuple):
+    """What ``_count`` reads: the program, the families that answer value_share (the rest would say None)
+    and all of them, the share of a value a member of a stage's group sends (``member_share``), where
+    bytes go (``add``) and the collectives counted so far."""
+
+    program: Program
+    sharing: list[Family]
+    families: list[Family]
+    member: Fraction | int
+    add: Callable
+    seen: set
 
 
 def _weighed(whole: Mapping[tuple[str, str], int], pieces: Mapping[tuple[str, str], Fraction],
@@ -108,10 +159,9 @@ def _weighed(whole: Mapping[tuple[str, str], int], pieces: Mapping[tuple[str, st
     return moved
 
 
-def _count(program: Program, sharing: list[Family], families: list[Family], rank: int, part: Action, add,
-           seen: set) -> None:
-    """Add what ``part`` on ``rank`` moves; ``sharing``: the families that answer value_share (the rest
-    would say None), ``families``: all of the program's."""
+def _count(count: _Counter, rank: int, part: Action) -> None:
+    """Add what ``part`` on ``rank`` moves."""
+    program, sharing, families, add, seen = count.program, count.sharing, count.families, count.add, count.seen
     op = part.op
     rule = ops.RULES.get(op)
     if rule is None:
@@ -119,10 +169,10 @@ def _count(program: Program, sharing: list[Family], families: list[Family], rank
     if op in _SENDS:
         kind = rule.carries.kind
         share = first_answer(sharing, lambda family: family.value_share(program, part, kind)) if sharing else None
-        add(kind, rank, part.peer, 1 if share is None else share)
+        add(kind, rank, part.peer, count.member if share is None else share)
     elif part.parts:  # an all_to_all of a sequence ring: its sends, each over its own link
         for inner in part.parts:
-            _count(program, sharing, families, rank, inner, add, seen)
+            _count(count, rank, inner)
     elif op in _RING_STEPS:
         giver = first_answer(families, lambda family: family.ring_step_giver(program, rank))
         if part.stage >= 0 and giver is not None:  # this rank takes a slot: it crossed the link from its giver
@@ -131,14 +181,18 @@ def _count(program: Program, sharing: list[Family], families: list[Family], rank
         communicator = program.communicator_on(part, rank)
         if communicator is None:
             return
-        layer = program.stages[part.stage].position if 0 <= part.stage < len(program.stages) else -1
-        key = (communicator.id, op, layer, part.mb)
-        if key in seen:  # one collective, counted once (every member lists it)
-            return
-        seen.add(key)
+        if rule.communicator == ops.STAGE_GROUP:  # a group lists a collective on every member, each once
+            if rank != communicator.ranks[0]:
+                return
+        else:
+            layer = program.stages[part.stage].position if 0 <= part.stage < len(program.stages) else -1
+            key = (communicator.id, op, layer, part.mb)
+            if key in seen:  # one collective, counted once (every member lists it)
+                return
+            seen.add(key)
         ring, rounds = _RING_OF[op]
         hops, share, _steps = ring_hops(ring, communicator.ranks, part.peer if op in _ROOTED else None)
-        kind = rule.reads[0].kind
+        kind = whole_value_kind(op)
         for src, dst in hops:
             add(kind, src, dst, share * rounds)
 

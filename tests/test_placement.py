@@ -233,16 +233,22 @@ def test_bad_placements_in_a_program_file_are_refused_with_a_located_error(what,
 # ----------------------------------------------- interpretations that refuse
 
 
-def test_the_simulator_the_runtime_and_torchs_csv_refuse_a_stage_on_a_group_by_name():
+def test_the_simulator_refuses_groups_of_different_sizes_by_name():
+    # A group of two hands each member's share to one rank: the simulator prices groups of one size
+    # (tests/test_compose_simulate.py runs those).
+    from pipec.compiler.simulate import simulate
+
+    with pytest.raises(UsageError, match="^placed places its stages on groups of 1 and 2 ranks; the simulator"):
+        simulate(placed())
+
+
+def test_the_runtime_and_torchs_csv_refuse_a_stage_on_a_group_by_name():
     from argparse import Namespace
 
     from pipec.commands.run import check_launch
     from pipec.compiler.emit.torch_csv import write_torch_csv
-    from pipec.compiler.simulate import simulate
 
     said = "placed places stage 0 on the group of ranks 0, 1; pipec proves a program with stages on rank groups, but"
-    with pytest.raises(UsageError, match=f"^{said} the simulator does not run one yet$"):
-        simulate(placed())
     # the runtime trains stages on groups of one size (PP x DP, PP x FSDP: tests/test_compose_runtime.py)
     with pytest.raises(UsageError, match="^placed: placed places stage 0 on the group of ranks 0, 1, but its stages "
                                          r"sit on groups of different sizes \(1, 2\)"):

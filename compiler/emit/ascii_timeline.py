@@ -15,23 +15,26 @@ from pipec.compiler.ir import LABEL_SCHEME
 from pipec.compiler.simulate import SimResult
 
 
-def format_timeline(result: SimResult, max_columns: int = 400) -> str:
-    """Args: result: a simulation; max_columns: lanes longer than this are cut with "...".
+def format_timeline(result: SimResult, max_columns: int = 400, labels: list[str] | None = None) -> str:
+    """Args: result: a simulation; max_columns: lanes longer than this are cut with "..."; labels: per rank,
+    its lane's label (``text_grid.rank_labels(program)`` names a mesh's ranks by coordinate; default
+    ``rank R``).
     Returns: one line per rank, ending with a newline."""
     durations = [s.end - s.start for lane in result.timeline for s in lane if not s.is_comm and s.end > s.start]
     unit = min(durations) if durations else 1
     columns = int(round(result.makespan / unit)) if unit else 0
     shown = min(columns, max_columns)
     lanes = []
-    labels = [[(s.action.text(), s) for s in lane if not s.is_comm] for lane in result.timeline]
-    width = max((len(label) for lane in labels for label, _ in lane), default=2)
-    for lane in labels:
+    texts = [[(s.action.text(), s) for s in lane if not s.is_comm] for lane in result.timeline]
+    width = max((len(label) for lane in texts for label, _ in lane), default=2)
+    for lane in texts:
         cells = ["." * width] * shown
         for label, slot in lane:
             first, last = int(round(slot.start / unit)), int(round(slot.end / unit))
             for column in range(first, min(last, shown)):
                 cells[column] = (label if column == first else "-" * width).ljust(width)
         lanes.append(" ".join(cells) + (" ..." if columns > shown else ""))
-    label_width = len(f"rank {max(len(lanes) - 1, 0)}")
-    rows = [f"{'rank ' + str(r):<{label_width}} | {lane}" for r, lane in enumerate(lanes)]
+    labels = labels or [f"rank {r}" for r in range(len(lanes))]
+    label_width = max((len(label) for label in labels), default=len("rank 0"))
+    rows = [f"{label:<{label_width}} | {lane}" for label, lane in zip(labels, lanes)]
     return "\n".join(rows + [LABEL_SCHEME]) + "\n"

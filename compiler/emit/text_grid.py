@@ -25,7 +25,7 @@ def format_text_grid(program: Program) -> str:
         program: any ``Program``.
     Returns:
         a header line naming the schedule and its parameters, then one line
-        ``rank R | tok tok ...`` per rank; ends with a newline.
+        ``rank R | tok tok ...`` per rank (on a mesh ``rank R: pp P, dp D | ...``); ends with a newline.
     """
     grid = program.grid()
     columns = max((len(row) for row in grid), default=0)
@@ -34,12 +34,22 @@ def format_text_grid(program: Program) -> str:
         for step, text in enumerate(row):
             if len(text) > widths[step]:
                 widths[step] = len(text)
-    label_width = len(f"rank {max(len(grid) - 1, 0)}")
+    labels = rank_labels(program)
+    label_width = max((len(label) for label in labels), default=len("rank 0"))
     lines = [_header(program)]
-    for rank, row in enumerate(grid):
+    for label, row in zip(labels, grid):
         cells = " ".join(text.ljust(widths[step]) for step, text in enumerate(row))
-        lines.append(f"{'rank ' + str(rank):<{label_width}} | {cells}".rstrip())
+        lines.append(f"{label:<{label_width}} | {cells}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+def rank_labels(program: Program) -> list[str]:
+    """Per rank, how grids and timelines name it: ``rank 2``; on a mesh also where it sits
+    (``Mesh.label``: ``rank 2: pp 1, dp 0``), so the lanes of a stage's group (ranks that differ along
+    the data axis only, the last and contiguous one) read as one block."""
+    if program.mesh is None:
+        return [f"rank {rank}" for rank in range(program.num_ranks)]
+    return [f"rank {rank}: {program.mesh.label(rank)}" for rank in range(program.num_ranks)]
 
 
 def _header(program: Program) -> str:

@@ -13,6 +13,7 @@ unit costs read as whole milliseconds.
 """
 from __future__ import annotations
 
+from pipec.compiler.emit.text_grid import rank_labels
 from pipec.compiler.ir import COMPUTE_OPS, LABEL_SCHEME, Program
 from pipec.compiler.simulate import SimResult
 
@@ -31,8 +32,9 @@ def chrome_trace(result: SimResult, program: Program) -> dict:
         params, makespan, bubble_ratio, time_unit}}, ready for ``json.dump``.
     """
     events = []
+    labels = rank_labels(program)
     for rank, lane in enumerate(result.timeline):
-        events += _metadata(rank)
+        events += _metadata(rank, labels[rank])
         # a rank runs its list in order, so its compute slots follow its compute instructions
         indices = iter([index for index, action in enumerate(program.ranks[rank]) if action[1] in COMPUTE_OPS])
         for start, end, action, is_comm in lane:
@@ -61,13 +63,14 @@ def chrome_trace(result: SimResult, program: Program) -> dict:
     }
 
 
-def _metadata(rank: int) -> list[dict]:
-    """Name the rank's process and its two tracks, and keep ranks in order."""
+def _metadata(rank: int, label: str) -> list[dict]:
+    """Name the rank's process (``label``: ``rank 2``, on a mesh ``rank 2: pp 1, dp 0``) and its two
+    tracks, and keep ranks in order."""
     def meta(name: str, tid: int, args: dict) -> dict:
         return {"name": name, "ph": "M", "pid": rank, "tid": tid, "args": args}
 
     return [
-        meta("process_name", _COMPUTE_TRACK, {"name": f"rank {rank}"}),
+        meta("process_name", _COMPUTE_TRACK, {"name": label}),
         meta("process_sort_index", _COMPUTE_TRACK, {"sort_index": rank}),
         meta("thread_name", _COMPUTE_TRACK, {"name": "compute"}),
         meta("thread_name", _COMM_TRACK, {"name": "communication"}),

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipec.compiler import ops
+from pipec.compiler.emit.text_grid import rank_labels
 from pipec.compiler.ir import Program, stage_tables
 from pipec.compiler.render import style
 from pipec.compiler.render._templates import render
@@ -76,6 +77,7 @@ def task_graph_dot(program: Program, cycle: Sequence[tuple[int, int, str]] = ())
     """
     members = {(rank, step): text for rank, step, text in cycle}
     clusters, where = [], {}
+    labels = rank_labels(program)
     for rank, row in enumerate(program.ranks):
         nodes = []
         for step, action in enumerate(row):
@@ -84,14 +86,16 @@ def task_graph_dot(program: Program, cycle: Sequence[tuple[int, int, str]] = ())
                 continue  # memory bookkeeping: no dependency to see
             node = f"r{rank}_{step}"
             is_compute = kind == "compute"
-            if is_compute:
-                where[(action.op, action.stage, action.mb)] = node
-            text = "\n".join(part.text() for part in action.parts) if action.parts else action.text()
+            if is_compute:  # a stage on a group: each member's task reads its own share (``_share_of``)
+                where[(action.op, action.stage, action.mb, _share_of(program, action.stage, rank))] = node
+            # a batch or an exchange as its parts; a compute with sub-steps as its own text
+            shown_parts = action.parts if not is_compute else ()
+            text = "\n".join(part.text() for part in shown_parts) if shown_parts else action.text()
             waits = members.get((rank, step))
             tooltip = f"rank {rank}, step {step}: {action.text()}" + (f"; {waits}" if waits else "")
             fill = style.fill_of(action.op, action.mb) if is_compute else ("#ffffff" if waits is None else style.CYCLE_FILL)
             nodes.append((node, _NODE_STYLES[kind], text, tooltip, fill, waits is not None))
-        clusters.append({"rank": rank, "nodes": nodes})
+        clusters.append({"rank": rank, "label": labels[rank], "nodes": nodes})
     edges = _order_edges(clusters) + _data_edges(program, where) + _wait_edges(cycle)
     heading = f"{program.name} ({format_params(program.params)}): task graph"
     if cycle:
@@ -139,17 +143,24 @@ def _data_edges(program: Program, where: dict) -> list[tuple]:
     neighbour = {side: tables.neighbour(side) for side in (ops.SELF, ops.PREV, ops.NEXT)}
     rank_of = lambda node: node.split("_", 1)[0]  # noqa: E731 - "r3" of "r3_17"
     edges = []
-    for (op, stage, mb), node in where.items():
+    for (op, stage, mb, share), node in where.items():
         for dependency in ops.DEPENDENCIES[op]:
             source_stage = neighbour[dependency.where][stage]
             if source_stage < 0:
                 continue
-            source = next((where[key] for key in ((p, source_stage, mb) for p in dependency.made_by) if key in where),
-                          None)
+            keys = ((p, source_stage, mb, share) for p in dependency.made_by)
+            source = next((where[key] for key in keys if key in where), None)
             if source is not None:
                 kind = "local data" if rank_of(source) == rank_of(node) else "data"
                 edges.append((source, node, kind, "", ""))
     return edges
+
+
+def _share_of(program: Program, stage: int, rank: int) -> int:
+    """Which member of ``stage``'s group ``rank`` is (0 on one rank, or for a rank outside it): member i
+    reads share i of its neighbours' values (groups of one size)."""
+    ranks = program.stages[stage].ranks if 0 <= stage < len(program.stages) else ()
+    return ranks.index(rank) if rank in ranks else 0
 
 
 def _wait_edges(cycle: Sequence[tuple[int, int, str]]) -> list[tuple]:

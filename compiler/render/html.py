@@ -34,8 +34,8 @@ def timeline_html(drawing: Drawing) -> str:
         "comm": style.COMM_FILL,
         "chunk": drawing.stage_chunk,
         "show_chunk": drawing.show_chunk,
-        "layout": style.LAYOUT,
-        "panels": [_panel_data(panel) for panel in drawing.panels],
+        "layout": drawing.layout,
+        "panels": [_panel_data(panel, drawing) for panel in drawing.panels],
         # one time axis for every panel: the longest makespan sets its scale
         "span": max(panel.makespan for panel in drawing.panels),
     }
@@ -54,12 +54,12 @@ def timeline_html(drawing: Drawing) -> str:
     )
 
 
-def _panel_data(panel: Timeline) -> dict:
+def _panel_data(panel: Timeline, drawing: Drawing) -> dict:
     lanes = []
     for rank, lane in enumerate(panel.boxes):
         actions = [slot[2] for slot in lane]
         lanes.append({
-            "label": f"rank {rank}",
+            "label": drawing.label(rank),
             "note": panel.notes[rank],
             "start": [slot[0] for slot in lane],
             "end": [slot[1] for slot in lane],

@@ -11,11 +11,13 @@ prediction and measurement with the same code.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from pipec.compiler.emit.text_grid import rank_labels
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.ir import Program
+from pipec.compiler.render import style
 from pipec.compiler.simulate import Number, SimResult, Slot
 from pipec.compiler.trace_events import compute_events, event_action, event_number, event_step
 from pipec.errors import UsageError
@@ -59,12 +61,21 @@ class Drawing:
         panels: measured first (when there is one), then the prediction.
         stage_chunk: stage id -> model chunk, for labels and tips.
         show_chunk: whether a rank holds several stages (tips name the chunk; labels are ir.LABEL_SCHEME's).
+        lane_labels: per rank, its lane's label: ``rank 2``, or on a mesh ``rank 2: pp 1, dp 0``
+            (``emit.text_grid.rank_labels``).
+        layout: ``style.LAYOUT``, its left margin widened to hold the longest lane label (``style.layout_for``).
     """
 
     heading: str
     panels: list[Timeline]
     stage_chunk: list[int]
     show_chunk: bool
+    lane_labels: list[str] = field(default_factory=list)
+    layout: dict = field(default_factory=lambda: style.LAYOUT)
+
+    def label(self, rank: int) -> str:
+        """The label of ``rank``'s lane."""
+        return self.lane_labels[rank] if rank < len(self.lane_labels) else f"rank {rank}"
 
     def ops_present(self) -> set[str]:
         """The compute ops drawn (for the legend)."""
@@ -93,7 +104,9 @@ def make_drawing(result: SimResult, program: Program, measured: Timeline | None 
                     f"predicted {result.bubble_text()})")
     panels = [measured, predicted] if measured is not None else [predicted]
     stage_chunk = [stage.chunk for stage in program.stages]
-    return Drawing(heading, panels, stage_chunk, len(program.stages) > program.num_ranks)
+    labels = rank_labels(program)
+    return Drawing(heading, panels, stage_chunk, len(program.stages) > program.num_ranks, labels,
+                   style.layout_for(labels))
 
 
 def timeline_from_simulation(result: SimResult, unit: str = "") -> Timeline:

@@ -91,6 +91,15 @@ LAYOUT = {
 }
 
 
+def layout_for(labels: list[str]) -> dict:
+    """``LAYOUT`` itself when every lane label fits its left margin ("rank 12"), else a copy whose left
+    margin holds the longest (a mesh's ``rank 2: pp 1, dp 0``), so plain drawings are what they were."""
+    needed = max((len(label) for label in labels), default=0) * LAYOUT["char_px"] + 12
+    if needed <= LAYOUT["left"]:
+        return LAYOUT
+    return dict(LAYOUT, left=int(needed + 0.999))
+
+
 def label_fits(label: str, width_px: float) -> bool:
     """Returns: whether ``label`` can be written inside a box ``width_px`` wide."""
     return width_px >= len(label) * LAYOUT["char_px"] + 4

@@ -47,7 +47,7 @@ _start = itemgetter(0)
 def timeline_svg(drawing: Drawing) -> str:
     """Args: drawing: the panels to draw (``make_drawing``).
     Returns: the SVG document text."""
-    layout = style.LAYOUT
+    layout = drawing.layout
     span = time_span(drawing)
     plot = plot_width(drawing)
     scale = plot / span if span else 0.0
@@ -161,7 +161,7 @@ def _panel_height(panel: Timeline) -> float:
 
 def _panel_context(panel: Timeline, drawing: Drawing, top: float, plot: float, span: float, merge_px: float) -> dict:
     """What the template needs for one panel: positions preformatted, one tuple per box or run."""
-    layout = style.LAYOUT
+    layout = drawing.layout
     left = layout["left"]
     scale = plot / span if span else 0.0
     step = style.tick_step(span, plot) if span else 1
@@ -173,7 +173,7 @@ def _panel_context(panel: Timeline, drawing: Drawing, top: float, plot: float, s
         boxes, runs = _box_rows(lane, left, scale, merge_px, drawing)
         lanes.append({
             "y": layout["panel_head"] + rank * pitch,
-            "label": f"rank {rank}",
+            "label": drawing.label(rank),
             "note": panel.notes[rank],
             "boxes": boxes,
             "runs": runs,
