@@ -38,6 +38,7 @@ from pipec.compiler import ops
 from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program, RingPlan
 from pipec.compiler.ops import Use
+from pipec.compiler.placed_memory import composed, placed_bytes, placed_classes, placed_peak_bytes
 from pipec.errors import CostFileError
 
 Number = Union[int, float]
@@ -252,6 +253,8 @@ def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, 
         CostFileError: an unknown size class or a negative size.
     """
     check_sizes(sizes)
+    if composed(program):  # members of groups: their shares, and their stages' weights (placed_bytes)
+        return placed_peak_bytes(program, sizes)
     families = families_of(program)
     counted = next((peaks for peaks in (family.peak_bytes(program, sizes) for family in families) if peaks), None)
     if counted is not None:  # a family that counts its memory its own way (a ring: its keys and values)
@@ -266,6 +269,10 @@ def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, 
 
 __all__ = [
     "ACTIVATIONS",
+    "composed",
+    "placed_bytes",
+    "placed_classes",
+    "placed_peak_bytes",
     "ACTIVATION_DELTA",
     "COUNTED_OPS",
     "SIZE_CLASS_DELTAS",
