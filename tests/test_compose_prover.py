@@ -278,4 +278,23 @@ def test_a_replicated_stage_holds_its_whole_weights_and_no_shard():
 def test_plain_programs_count_as_before():
     program = compile_target("1f1b", {"P": 2, "N": 4}).program
     assert peak_bytes(program, {ops.SIZE_ACTIVATION: ACTIVATION, ops.SIZE_WEIGHT: WEIGHT}) == [
-        {ops.SIZE_ACTIVATION: 2 * ACTIVATION, ops.SIZE_WEIGHT: 0}, {ops.SIZE_ACTIVATION: ACTIVATION, ops.SIZE_WEIGHT: 0}]
+        {ops.SIZE_ACTIVATION: 2 * ACTIVATION, ops.SIZE_WEIGHT: 0},
+        {ops.SIZE_ACTIVATION: ACTIVATION, ops.SIZE_WEIGHT: 0}]  # a plain stage's weights are not counted
+
+
+def test_a_groups_ops_on_a_stage_on_one_rank_or_in_a_program_without_groups_are_named():
+    from test_placement import placed
+
+    program = placed()  # stage 1 lives on rank 2 alone
+    error = _raised(with_row(program, 2, lambda row: row + [Action(1, ops.RESHARD)]), WellFormedError)
+    assert error.message == "1RESHARD drops whole weights, but stage 1 lives on rank 2 alone, not on a group of ranks"
+    reduce = [Action(-1, ops.EXCHANGE, 0, -1, (Action(1, ops.SYNC_GRAD),)), Action(-1, ops.EXCHANGE_WAIT, 0)]
+    error = _raised(with_row(program, 2, lambda row: row + reduce), WellFormedError)
+    assert error.message == ("1SYNC_GRAD reduces a weight gradient over its stage's group, but stage 1 lives on rank "
+                             "2 alone, not on a group of ranks")
+    plain = compile_target("1f1b", {"P": 2, "N": 4}).program
+    for extra, op in (([Action(0, ops.RESHARD)], ops.RESHARD), (reduce, ops.SYNC_GRAD)):
+        error = _raised(with_row(plain, 0, lambda row: row + extra), WellFormedError)
+        assert error.message.endswith(f": {op} belongs to a stage placed on a group of ranks, and this program "
+                                      "places none")
+        assert (error.rank, error.step) == (0, len(plain.ranks[0]))

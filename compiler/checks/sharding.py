@@ -57,6 +57,24 @@ def check_sharding(program: Program) -> None:
         member.finish(row)
 
 
+_GROUP_OPS = frozenset(ops.SUBSTEP_OPS + ops.STAGE_EXCHANGE_OPS + ops.RESHARD_OPS)
+
+
+def check_no_group_ops(program: Program) -> None:
+    """A program that places no stage on a group holds none of a group's ops (a gather, a reshard, a
+    gradient reduction over a stage's group): they would meet on, or drop, what no stage has.
+
+    Raises:
+        WellFormedError: at the first such instruction (or the instruction holding it).
+    """
+    for rank, row in enumerate(program.ranks):
+        for step, action in enumerate(row):
+            found = next((a for a in (action,) + action.parts if a.op in _GROUP_OPS), None)
+            if found is not None:
+                raise WellFormedError(f"{action.text()}: {found.op} belongs to a stage placed on a group of ranks, "
+                                      "and this program places none", rank, step, program.grid())
+
+
 def _stage_text(program: Program, stage: int) -> str:
     info = program.stages[stage]
     kind = "sharded" if info.placement.sharded else "replicated"
@@ -85,7 +103,7 @@ class _Member:
                              f"0..{len(stages) - 1})", step)
         if stages[stage].placement is None:
             raise self.error(WellFormedError, f"{action.text()} {what}, but stage {stage} lives on rank "
-                             f"{stages[stage].rank} alone: only a stage placed on a group of ranks has one", step)
+                             f"{stages[stage].rank} alone, not on a group of ranks", step)
         return stage
 
     def visit(self, step: int, action: Action) -> None:
@@ -129,9 +147,9 @@ class _Member:
     def gather(self, step: int, action: Action) -> None:
         stage = action.stage  # the placement checks proved the sub-step names its compute's stage, on a group
         if not self.program.stages[stage].placement.sharded:
-            raise self.error(WellFormedError, f"{action.text()} gathers the weights of {_stage_text(self.program, stage)}"
-                             ": a replicated stage holds them whole on every member, only a sharded one gathers",
-                             step)
+            raise self.error(WellFormedError, f"{action.text()} gathers the weights of "
+                             f"{_stage_text(self.program, stage)}: a replicated stage holds them whole on every "
+                             "member, only a sharded one gathers", step)
         if stage in self.whole:
             raise self.error(WellFormedError, f"{action.text()} gathers stage {stage}'s weights, which are whole "
                              f"here since step {self.whole[stage]}: a second copy would be gathered for nothing "
@@ -185,7 +203,7 @@ class _Member:
             last = self.last_contribution.get(info.id)
             after = (f"after its last gradient contribution here, {row[last].text()} (step {last})"
                      if last is not None else "after its last backward")
+            reduction = f"({info.id}{_REDUCTION_OF[info.placement.sharded]})EXCHANGE"
             raise self.error(WellFormedError, f"rank {self.rank} never reduces the weight gradient of "
                              f"{_stage_text(program, info.id)}: its members would step on different "
-                             f"gradients (a ({info.id}{_REDUCTION_OF[info.placement.sharded]})EXCHANGE belongs {after})",
-                             last, [])
+                             f"gradients (a {reduction} belongs {after})", last)
