@@ -25,6 +25,10 @@ layer, a FILL) to its FREE_W, and a ring slot until the wait of the exchange
 whose ring step passes it on. The weight check enforces the program's bound
 on them with these counts.
 
+A composed program (a mesh, or a stage on a group of ranks) is counted per
+member by ``compiler/placed_memory.py`` instead: its shards, whole weights and
+shares of each counted value; ``peak_bytes`` hands it there.
+
 This module is neutral ground: the memory check (``checks/memory.py``) and the
 simulator both read it, so the simulator imports no check.
 """
