@@ -25,6 +25,9 @@ The ops are the rule table's (``ops.GATHER_OPS``, ``ops.RESHARD_OPS``,
 """
 from __future__ import annotations
 
+import operator
+from itertools import chain
+
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program
 from pipec.errors import ConflictError, MatchError, RouteError, WellFormedError
@@ -57,6 +60,7 @@ def check_sharding(program: Program) -> None:
         member.finish(row)
 
 
+_op_of = operator.itemgetter(1)
 _GROUP_OPS = frozenset(ops.SUBSTEP_OPS + ops.STAGE_EXCHANGE_OPS + ops.RESHARD_OPS)
 
 
@@ -67,6 +71,10 @@ def check_no_group_ops(program: Program) -> None:
     Raises:
         WellFormedError: at the first such instruction (or the instruction holding it).
     """
+    instructions = chain.from_iterable(program.ranks)
+    held = {part.op for action in instructions if action.parts for part in action.parts}
+    if _GROUP_OPS.isdisjoint(held) and _GROUP_OPS.isdisjoint(map(_op_of, chain.from_iterable(program.ranks))):
+        return  # the common case, in one pass of C-level set work over each list
     for rank, row in enumerate(program.ranks):
         for step, action in enumerate(row):
             found = next((a for a in (action,) + action.parts if a.op in _GROUP_OPS), None)
