@@ -10,11 +10,16 @@ member's share:
   its stage; each member runs each of its stage's tasks exactly once (the
   family's task sets, per member); a compute's sub-steps (its ``parts``) are
   sub-step ops of its own stage and microbatch, on a stage on a group, and
-  every member runs a compute with the same sub-steps.
+  every member runs a compute with the same sub-steps; then, per member
+  (``checks/sharding.py``), a sharded stage's weights whole wherever a compute
+  runs on them, and each stage's gradient reduced once after its last
+  contribution and waited.
 * ``PlacedStages``, the activation family's meaning in the one symbolic run
   (``checks/symbolic.py``): its messages are inlined exchanges (rendezvous,
   a batch atomic), its sub-steps blocking meetings of the group's
-  communicator in list order; a message goes between the members whose shares
+  communicator in list order, its gradient reductions (SYNC_GRAD, REDUCE_GRAD)
+  meetings of the same communicator posted by an EXCHANGE and completed at its
+  wait, counted with the sub-steps; a message goes between the members whose shares
   meet (``Program.share_peers``); a compute reads only shares this rank made
   or received before it, a send ships only what this rank made.
 

@@ -40,6 +40,9 @@ _ON_WEIGHTS = frozenset(ops.WEIGHT_PASS)  # the computes that run on their stage
 _CONTRIBUTORS = frozenset(ops.GRADIENT_CONTRIBUTORS)
 # Which reduction each kind of stage takes, for messages.
 _REDUCTION_OF = {True: ops.SHARDED_REDUCTION_OPS[0], False: ops.REPLICATED_REDUCTION_OPS[0]}
+# Every op of a stage's group, which a program that places no stage on one may not hold.
+_GROUP_OPS = frozenset(ops.SUBSTEP_OPS + ops.STAGE_EXCHANGE_OPS + ops.RESHARD_OPS)
+_op_of = operator.itemgetter(1)
 
 
 def check_sharding(program: Program) -> None:
@@ -60,10 +63,6 @@ def check_sharding(program: Program) -> None:
         member.finish(row)
 
 
-_op_of = operator.itemgetter(1)
-_GROUP_OPS = frozenset(ops.SUBSTEP_OPS + ops.STAGE_EXCHANGE_OPS + ops.RESHARD_OPS)
-
-
 def check_no_group_ops(program: Program) -> None:
     """A program that places no stage on a group holds none of a group's ops (a gather, a reshard, a
     gradient reduction over a stage's group): they would meet on, or drop, what no stage has.
@@ -71,10 +70,11 @@ def check_no_group_ops(program: Program) -> None:
     Raises:
         WellFormedError: at the first such instruction (or the instruction holding it).
     """
-    instructions = chain.from_iterable(program.ranks)
-    held = {part.op for action in instructions if action.parts for part in action.parts}
+    # The common case is settled by set work over the instructions' ops (a twentieth of check_all on a large
+    # pipeline); only a program holding such an op is walked again to locate it.
+    held = {part.op for action in chain.from_iterable(program.ranks) if action.parts for part in action.parts}
     if _GROUP_OPS.isdisjoint(held) and _GROUP_OPS.isdisjoint(map(_op_of, chain.from_iterable(program.ranks))):
-        return  # the common case, in one pass of C-level set work over each list
+        return
     for rank, row in enumerate(program.ranks):
         for step, action in enumerate(row):
             found = next((a for a in (action,) + action.parts if a.op in _GROUP_OPS), None)
@@ -195,12 +195,14 @@ class _Member:
 
     def finish(self, row: list[Action]) -> None:
         program = self.program
-        for stage, gathered in self.whole.items():
+        if self.whole:
+            stage, gathered = next(iter(self.whole.items()))
             raise self.error(WellFormedError, f"stage {stage}'s whole weights, gathered at step {gathered}, are "
                              f"still held when rank {self.rank}'s list ends: the optimizer steps on the shards, "
                              f"so the whole copy would be stale (a {ops.RESHARD_OPS[0]} after the stage's last "
                              "compute drops it)", gathered)
-        for number, stages in self.unwaited.items():
+        if self.unwaited:
+            number, stages = next(iter(self.unwaited.items()))
             step, exchange = self.reduced[stages[0]]
             raise self.error(MatchError, f"{exchange.text()} reduces stage {stages[0]}'s weight gradient, but rank "
                              f"{self.rank} never waits for it ({ops.EXCHANGE_WAIT}{number}) before its list ends: "
