@@ -25,6 +25,10 @@ layer, a FILL) to its FREE_W, and a ring slot until the wait of the exchange
 whose ring step passes it on. The weight check enforces the program's bound
 on them with these counts.
 
+A composed program (a mesh, or a stage on a group of ranks) is counted per
+member by ``compiler/placed_memory.py`` instead: its shards, whole weights and
+shares of each counted value; ``peak_bytes`` hands it there.
+
 This module is neutral ground: the memory check (``checks/memory.py``) and the
 simulator both read it, so the simulator imports no check.
 """
@@ -38,6 +42,7 @@ from pipec.compiler import ops
 from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program, RingPlan
 from pipec.compiler.ops import Use
+from pipec.compiler.placed_memory import composed, placed_bytes, placed_classes, placed_peak_bytes
 from pipec.errors import CostFileError
 
 Number = Union[int, float]
@@ -252,6 +257,8 @@ def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, 
         CostFileError: an unknown size class or a negative size.
     """
     check_sizes(sizes)
+    if composed(program):  # members of groups: their shares, and their stages' weights (placed_bytes)
+        return placed_peak_bytes(program, sizes)
     families = families_of(program)
     counted = next((peaks for peaks in (family.peak_bytes(program, sizes) for family in families) if peaks), None)
     if counted is not None:  # a family that counts its memory its own way (a ring: its keys and values)
@@ -266,6 +273,10 @@ def peak_bytes(program: Program, sizes: Mapping[str, Number]) -> list[dict[str, 
 
 __all__ = [
     "ACTIVATIONS",
+    "composed",
+    "placed_bytes",
+    "placed_classes",
+    "placed_peak_bytes",
     "ACTIVATION_DELTA",
     "COUNTED_OPS",
     "SIZE_CLASS_DELTAS",

@@ -499,8 +499,6 @@ RING_PART_OPS: tuple[str, ...] = tuple(op for op in EXCHANGE_PART_OPS if RULES[o
 # blocks, tensor parallelism's slices), not the stage-to-stage rules of ``DEPENDENCIES``: their inputs are
 # on the rank once the exchanges before them in its list were waited, so the simulator runs them in order.
 IN_ORDER_COMPUTE_OPS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if RULES[op].family != ACTIVATION_PASSING)
-# Placements: the parts a compute of a stage on a group may hold (its sub-steps, on the group's communicator).
-SUBSTEP_OPS: tuple[str, ...] = tuple(op for op in EXCHANGE_PART_OPS if RULES[op].communicator == STAGE_GROUP)
 # The compute ops that run on a layer's weights (a borrowed copy under weight
 # passing), each with the pass whose copy it reads: the ops that make the
 # activation run forward, the others backward (a ring keeps one slot per pass).
@@ -582,6 +580,28 @@ def _dependencies(op: str) -> tuple[Dependency, ...]:
 
 # compute op -> its dataflow inputs, in rule order
 DEPENDENCIES: dict[str, tuple[Dependency, ...]] = {op: _dependencies(op) for op in COMPUTE_OPS}
+
+# Placements: the exchange parts that meet on the group a stage is placed on (``STAGE_GROUP``), in two
+# kinds told apart by their dataflow. A *sub-step* reads only what no compute makes (the members' shards)
+# and makes what its compute reads (GATHER: the whole weights), so it runs inside that compute, its
+# ``parts``. A *group exchange part* reads what the stage's computes made (SYNC_GRAD, REDUCE_GRAD: the weight
+# gradient), so it stands after them, in an EXCHANGE posted after the stage's last gradient contribution
+# and waited before the list ends. Both meet on the one communicator of the group, counted together.
+_STAGE_GROUP_PARTS = tuple(op for op in EXCHANGE_PART_OPS if RULES[op].communicator == STAGE_GROUP)
+SUBSTEP_OPS: tuple[str, ...] = tuple(op for op in _STAGE_GROUP_PARTS
+                                     if not any(producers(use.kind) for use in RULES[op].reads))
+STAGE_EXCHANGE_OPS: tuple[str, ...] = tuple(op for op in _STAGE_GROUP_PARTS if op not in SUBSTEP_OPS)
+# A sharded stage (``ir.Placement.sharded``): the sub-steps that make its weights whole from the shards
+# (GATHER), the activation family's drops of that whole copy (RESHARD), and its gradient reductions that
+# leave each member its shard's sum (REDUCE_GRAD); the other group exchange parts reduce a replicated
+# stage's whole gradient (SYNC_GRAD).
+GATHER_OPS: tuple[str, ...] = tuple(op for op in SUBSTEP_OPS
+                                    if Use("shard") in RULES[op].reads and Use("weight") in RULES[op].writes)
+RESHARD_OPS: tuple[str, ...] = tuple(op for op in DROP_COPY_OPS if RULES[op].family == ACTIVATION_PASSING
+                                     and "weight" in RULES[op].ends)
+SHARDED_REDUCTION_OPS: tuple[str, ...] = tuple(op for op in STAGE_EXCHANGE_OPS if Use("shard") in RULES[op].writes)
+REPLICATED_REDUCTION_OPS: tuple[str, ...] = tuple(op for op in STAGE_EXCHANGE_OPS
+                                                  if op not in SHARDED_REDUCTION_OPS)
 
 
 def consumers(kind: str, where: str) -> tuple[str, ...]:

@@ -1,8 +1,9 @@
 """Stages placed on groups of ranks, and sub-steps of a compute on the group's communicator (docs/ir.md, placements).
 
-The program of these tests: stage 0 on ranks {0, 1}, each member gathering the
-stage's weights from the group's shards (a ``GATHER`` sub-step) inside every
-forward and backward; stage 1 on rank 2 alone. Each member hands its share of
+The program of these tests: stage 0 sharded on ranks {0, 1}, each member gathering
+the stage's weights from the group's shards (a ``GATHER`` sub-step) inside every
+forward and backward and dropping them after it (``RESHARD``), then
+reduce-scattering the stage's gradient (``REDUCE_GRAD``); stage 1 on rank 2 alone. Each member hands its share of
 an activation to rank 2, which hands each member its share of the gradient.
 It is proved by ``check_all`` (the placement checks and the one symbolic run);
 each planted hazard is named with its own message, at its rank and step.
@@ -24,7 +25,7 @@ from pipec.compiler.emit.json_program import write_program_json
 from pipec.compiler.ir import Action, Communicator, Placement, Program, StageInfo, batch
 from pipec.errors import ConflictError, DeadlockError, ImportError_, MatchError, UsageError, WellFormedError
 
-GROUP = Placement((0, 1), 0)
+GROUP = Placement((0, 1), 0, sharded=True)
 
 
 def _compute(op: str, stage: int, mb: int, substep: bool = True) -> Action:
@@ -32,8 +33,11 @@ def _compute(op: str, stage: int, mb: int, substep: bool = True) -> Action:
 
 
 def placed() -> Program:
-    member = [_compute("F", 0, 0), Action(0, "SEND_F", 0, 2), _compute("F", 0, 1), Action(0, "SEND_F", 1, 2),
-              Action(0, "RECV_B", 0, 2), _compute("B", 0, 0), Action(0, "RECV_B", 1, 2), _compute("B", 0, 1)]
+    reshard = Action(0, ops.RESHARD)
+    member = [_compute("F", 0, 0), reshard, Action(0, "SEND_F", 0, 2), _compute("F", 0, 1), reshard,
+              Action(0, "SEND_F", 1, 2), Action(0, "RECV_B", 0, 2), _compute("B", 0, 0), reshard,
+              Action(0, "RECV_B", 1, 2), _compute("B", 0, 1), Action(-1, ops.EXCHANGE, 0, -1, (Action(0, ops.REDUCE_GRAD),)),
+              reshard, Action(-1, ops.EXCHANGE_WAIT, 0)]
     last = [batch([Action(1, "RECV_F", 0, 0), Action(1, "RECV_F", 0, 1)]), Action(1, "F", 0),
             batch([Action(1, "RECV_F", 1, 0), Action(1, "RECV_F", 1, 1)]), Action(1, "F", 1),
             Action(1, "B", 0), batch([Action(1, "SEND_B", 0, 0), Action(1, "SEND_B", 0, 1)]),
@@ -58,14 +62,14 @@ def _through_json(program: Program) -> dict:
 def test_a_stage_on_a_group_with_a_sub_step_before_its_forward_is_proved():
     program = placed()
     assert program.placed_on_groups
-    assert program.grid()[0][:2] == ["(0GATHER0)0F0", "0SEND_F0"]
+    assert program.grid()[0][:3] == ["(0GATHER0)0F0", "0RESHARD", "0SEND_F0"]
     check_all(program)
 
 
 def test_the_program_file_carries_the_group_and_the_sub_steps_and_reads_back_proved():
     program = placed()
     data = _through_json(program)
-    assert data["stages"][0]["placement"] == {"ranks": [0, 1], "communicator": 0}
+    assert data["stages"][0]["placement"] == {"ranks": [0, 1], "communicator": 0, "sharded": True}
     assert "placement" not in data["stages"][1]  # one rank: as every file before
     assert data["ranks"][0][0] == {"op": "F", "text": "(0GATHER0)0F0", "stage": 0, "mb": 0, "parts": [
         {"op": "GATHER", "text": "0GATHER0", "stage": 0, "mb": 0}]}
@@ -124,7 +128,7 @@ def test_a_member_that_skips_the_sub_step_is_named():
 
 def test_members_meeting_the_groups_collectives_out_of_order_are_named():
     # rank 1 runs microbatch 1 first: its first gather on the group is another than rank 0's
-    swapped = with_row(placed(), 1, lambda row: row[2:4] + row[0:2] + row[4:])
+    swapped = with_row(placed(), 1, lambda row: row[3:6] + row[0:3] + row[6:])
     with pytest.raises(MatchError) as caught:
         check_all(swapped)
     assert caught.value.message == (
@@ -150,34 +154,34 @@ def test_a_p2p_to_a_group_addressed_wrongly_is_named():
     assert caught.value.message == ("1SEND_B0 sends rank 2's share of the gradient of 1B0 to rank 0 a second time: "
                                     "every member of stage 0 (on ranks 0, 1) takes its own share, from rank 2")
     # a member sending its share to its own group instead of the next stage's
-    inward = with_row(placed(), 1, lambda row: [row[0], Action(0, "SEND_F", 0, 0)] + row[2:])
+    inward = with_row(placed(), 1, lambda row: row[:2] + [Action(0, "SEND_F", 0, 0)] + row[3:])
     with pytest.raises(MatchError) as caught:
         check_all(inward)
     assert caught.value.message == ("0SEND_F0 sends rank 1's share of the activation of 0F0 to rank 0, but stage 1 "
                                     "(on rank 2) takes that share on rank 2")
-    assert (caught.value.rank, caught.value.step) == (1, 1)
+    assert (caught.value.rank, caught.value.step) == (1, 2)
 
 
 def test_a_share_read_before_it_arrives_is_named():
-    early = with_row(placed(), 1, lambda row: row[:4] + [row[5], row[4]] + row[6:])
+    early = with_row(placed(), 1, lambda row: row[:6] + [row[7], row[6]] + row[8:])
     with pytest.raises(ConflictError) as caught:
         check_all(early)
     assert caught.value.message == ("(0GATHER0)0B0 reads rank 2's share of the gradient of 1B0, which this rank has "
                                     "not received before it")
-    assert (caught.value.rank, caught.value.step) == (1, 4)
+    assert (caught.value.rank, caught.value.step) == (1, 6)
 
 
 def test_a_gather_waiting_on_a_member_that_waits_on_the_next_stage_is_a_deadlock_naming_the_cycle():
     # rank 1 waits for its gradient before its second forward; rank 2 sends it only after that forward's
     # activation, which rank 0 makes only after the gather rank 1 has not joined
-    held = with_row(placed(), 1, lambda row: [row[0], row[1], row[4], row[2], row[3], row[5], row[6], row[7]])
+    held = with_row(placed(), 1, lambda row: row[:3] + [row[6]] + row[3:6] + row[7:])
     with pytest.raises(DeadlockError) as caught:
         check_all(held)
     assert caught.value.message == (
-        "deadlock: rank 0 (step 2) waits in (0GATHER1)0F1 for rank 1 to join 0GATHER1; rank 1 (step 2) waits in "
+        "deadlock: rank 0 (step 3) waits in (0GATHER1)0F1 for rank 1 to join 0GATHER1; rank 1 (step 3) waits in "
         "0RECV_B0 for 0RECV_B0 to meet rank 2; rank 2 (step 2) waits in (1RECV_F1;1RECV_F1)BATCH for 1RECV_F1 to "
         "meet ranks 0, 1")
-    assert (caught.value.rank, caught.value.step, caught.value.marks) == (0, 2, [(1, 2), (2, 2)])
+    assert (caught.value.rank, caught.value.step, caught.value.marks) == (0, 3, [(1, 3), (2, 2)])
 
 
 def test_sub_steps_and_tasks_are_held_to_their_stage_and_member():
@@ -190,7 +194,7 @@ def test_sub_steps_and_tasks_are_held_to_their_stage_and_member():
         (0, lambda row: [Action(0, "F", 0, -1, (Action(0, ops.GATHER, 1),))] + row[1:],
          "(0GATHER1)0F0 holds 0GATHER1, which names another compute: a sub-step names the stage and microbatch "
          "of the compute it runs in"),
-        (1, lambda row: row[:7], "task 0B1 is missing (or 0I1 and 0W1) on rank 1 (ranks 0, 1 run stage 0)"),
+        (1, lambda row: row[:10], "task 0B1 is missing (or 0I1 and 0W1) on rank 1 (ranks 0, 1 run stage 0)"),
         (2, lambda row: row + [Action(0, "F", 0)], "0F0 runs on rank 2, but stage 0 lives on ranks 0, 1"),
         (0, lambda row: row + [row[0]], "(0GATHER0)0F0 appears twice on rank 0 (first at step 0)"),
     )

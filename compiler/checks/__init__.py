@@ -19,8 +19,11 @@
   proved by this run alone.
 * ``check_placed`` (``checks/placement.py``): a program with stages on rank
   groups is proved per member instead of by the single-home checks above
-  (groups real, each member's tasks once, sub-steps alike), its messages and
-  sub-steps by the one symbolic run.
+  (groups real, each member's tasks once, sub-steps alike; ``checks/sharding.py``:
+  a sharded stage's weights whole wherever a compute runs on them, every
+  member's gradient reduced once after its last contribution and waited), its
+  messages, sub-steps and reductions by the one symbolic run; a program with
+  no stage on a group holds none of a group's ops.
 * ``version_plan`` (optimizer updates in the order): every backward on the
   weights its forward ran on, every weight gradient applied
   (``compiler/versions.py``).
@@ -40,6 +43,7 @@ from pipec.compiler.checks.deadlock import ASYNC, RENDEZVOUS, SEMANTICS, check_d
 from pipec.compiler.checks.matching import MessageLog, check_matching, describe_tensor, scan_messages
 from pipec.compiler.checks.memory import check_memory, peak_activations
 from pipec.compiler.checks.placement import check_placed
+from pipec.compiler.checks.sharding import check_no_group_ops
 from pipec.compiler.checks.rings import RingReport, check_rings
 from pipec.compiler.checks.symbolic import prove_exchanges, proves_exchanges
 from pipec.compiler.checks import tensor_parallel  # noqa: F401  (registers the family's semantics)
@@ -85,14 +89,16 @@ def check_all(
     stage_checks = all(family.stage_checks for family in families_of(program))
     if program.placed_on_groups:  # each member's share, by the placement checks and the symbolic run
         check_placed(program)
-    elif stage_checks:
-        tables = stage_tables(program)
-        tasks = locate_tasks(program, tables)
-        check_well_formed(program, tasks=tasks, tables=tables)
-        log = scan_messages(program, tables)
-        check_matching(program, log=log, tables=tables)
-        check_conflict(program, tasks=tasks, log=log, tables=tables)
-        check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
+    else:
+        check_no_group_ops(program)
+        if stage_checks:
+            tables = stage_tables(program)
+            tasks = locate_tasks(program, tables)
+            check_well_formed(program, tasks=tasks, tables=tables)
+            log = scan_messages(program, tables)
+            check_matching(program, log=log, tables=tables)
+            check_conflict(program, tasks=tasks, log=log, tables=tables)
+            check_deadlock(program, semantics, log=log, tasks=tasks, tables=tables)
     if proves_exchanges(program):  # one symbolic run for every family's exchanges
         prove_exchanges(program)
     if stage_checks:

@@ -35,6 +35,7 @@ from pipec.compiler.memory_counts import (
     peak_kept_inputs,
     peak_waiting_w,
 )
+from pipec.compiler.placed_memory import composed, first_over, placed_classes, placed_peak_bytes
 from pipec.errors import BudgetError
 
 ops.declare_pass("memory", COUNTED_OPS)
@@ -84,9 +85,13 @@ def _check_count_budget(program: Program, budget: int) -> None:
 def _check_byte_budget(program: Program, byte_budget: Mapping[str, Number], sizes: Mapping[str, Number]) -> None:
     """Raise at the first rank, and its first step, where a class's live bytes exceed its budget."""
     check_sizes(byte_budget)
-    missing = [size_class for size_class in byte_budget if size_class not in sizes]
+    known = placed_classes(program, sizes) if composed(program) else tuple(sizes)
+    missing = [size_class for size_class in byte_budget if size_class not in known]
     if missing:
         raise ValueError(f"a byte budget for {missing} needs the bytes of one value of each (sizes)")
+    if composed(program):
+        _check_placed_budget(program, byte_budget, sizes)
+        return
     sizes = {size_class: sizes[size_class] for size_class in byte_budget}
     for rank, peaks in enumerate(peak_bytes(program, sizes)):
         over = [size_class for size_class, peak in peaks.items() if peak > byte_budget[size_class]]
@@ -100,6 +105,23 @@ def _check_byte_budget(program: Program, byte_budget: Mapping[str, Number], size
         raise BudgetError(
             f"{live * size} bytes of {size_class}-sized values alive here ({live} of {size} bytes), over the "
             f"{size_class} budget of {limit} bytes; this rank's peak is {peaks[size_class]} bytes",
+            rank, step, program.grid())
+
+
+def _check_placed_budget(program: Program, byte_budget: Mapping[str, Number], sizes: Mapping[str, Number]) -> None:
+    """A composed program's budget, per member (``compiler/placed_memory.py``): its shards, whole weights and
+    shares of activations; raise at the first rank and its first step where a class goes above it."""
+    for rank, peaks in enumerate(placed_peak_bytes(program, sizes)):
+        found = [(where, size_class) for size_class in byte_budget
+                 if (where := first_over(program, rank, size_class, sizes, byte_budget[size_class])) is not None]
+        if not found:
+            continue
+        (step, live), size_class = min(found)
+        held = ("this member's shards and whole weights" if size_class in (ops.SIZE_WEIGHT, ops.SIZE_SHARD)
+                else "this member's shares of the values")
+        raise BudgetError(
+            f"{live} bytes of {size_class}-sized values alive here ({held}), over the {size_class} budget of "
+            f"{byte_budget[size_class]} bytes; this rank's peak is {peaks[size_class]} bytes",
             rank, step, program.grid())
 
 

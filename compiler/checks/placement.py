@@ -10,11 +10,16 @@ member's share:
   its stage; each member runs each of its stage's tasks exactly once (the
   family's task sets, per member); a compute's sub-steps (its ``parts``) are
   sub-step ops of its own stage and microbatch, on a stage on a group, and
-  every member runs a compute with the same sub-steps.
+  every member runs a compute with the same sub-steps; then, per member
+  (``checks/sharding.py``), a sharded stage's weights whole wherever a compute
+  runs on them, and each stage's gradient reduced once after its last
+  contribution and waited.
 * ``PlacedStages``, the activation family's meaning in the one symbolic run
   (``checks/symbolic.py``): its messages are inlined exchanges (rendezvous,
   a batch atomic), its sub-steps blocking meetings of the group's
-  communicator in list order; a message goes between the members whose shares
+  communicator in list order, its gradient reductions (SYNC_GRAD, REDUCE_GRAD)
+  meetings of the same communicator posted by an EXCHANGE and completed at its
+  wait, counted with the sub-steps; a message goes between the members whose shares
   meet (``Program.share_peers``); a compute reads only shares this rank made
   or received before it, a send ships only what this rank made.
 
@@ -23,12 +28,15 @@ Errors name the rank and step, as the single-home checks do.
 from __future__ import annotations
 
 from pipec.compiler import ops
+from pipec.compiler.checks.sharding import check_sharding
 from pipec.compiler.checks.symbolic import Part, RankState, Semantics, register_semantics
 from pipec.compiler.checks.wellformed import task_problem
 from pipec.compiler.ir import Action, Program, stage_tables
 from pipec.errors import ConflictError, MatchError, WellFormedError
 
 _SUBSTEPS = frozenset(ops.SUBSTEP_OPS)
+# What meets on a stage's group: sub-steps inside computes, and the gradient reductions that stand in EXCHANGEs.
+_GROUP_PARTS = _SUBSTEPS | frozenset(ops.STAGE_EXCHANGE_OPS)
 _TASK_SETS = ops.FAMILY_TASKS[ops.ACTIVATION_PASSING]
 # The replica all-reduce meets on replicas' ranks, which a placement does not define yet.
 _NOT_YET = (ops.COLLECTIVE, ops.COLLECTIVE_WAIT)
@@ -49,6 +57,7 @@ def check_placed(program: Program) -> None:
     tasks = _locate(program)
     _check_complete(program, tasks)
     _check_substeps_agree(program, tasks)
+    check_sharding(program)
 
 
 def _error(program: Program, message: str, rank: int | None, step: int | None, marks=()) -> WellFormedError:
@@ -191,8 +200,8 @@ class PlacedStages(Semantics):
     """Activation passing on stages placed on rank groups: its messages, sub-steps and dataflow in the one run."""
 
     family = ops.ACTIVATION_PASSING
-    part_ops = frozenset(ops.SEND_OPS + ops.RECV_OPS + ops.SUBSTEP_OPS)
-    blocking = _SUBSTEPS
+    part_ops = frozenset(ops.SEND_OPS + ops.RECV_OPS) | _GROUP_PARTS
+    blocking = _SUBSTEPS  # a sub-step holds its compute; a reduction is posted, and waited by its EXCHANGE_WAIT
 
     @classmethod
     def applies(cls, program: Program) -> bool:
@@ -225,7 +234,7 @@ class PlacedStages(Semantics):
 
     def post(self, state: RankState, part: Part) -> None:
         action = part.action
-        if action.op in _SUBSTEPS:
+        if action.op in _GROUP_PARTS:  # its place proved by check_sharding, its order by the meeting
             return
         if not (0 <= action.stage < len(self.program.stages) and 0 <= action.mb < self.program.num_microbatches):
             raise self.error(MatchError, f"{action.text()}: there is no stage {action.stage} or microbatch "
@@ -265,7 +274,7 @@ class PlacedStages(Semantics):
         self.sent[rank].add(((kind, producer, mb), action.peer))
 
     def arrive(self, state: RankState, part: Part) -> None:
-        if part.action.op in _SUBSTEPS or ops.PART_RULES[part.action.op].is_send:
+        if part.action.op in _GROUP_PARTS or ops.PART_RULES[part.action.op].is_send:
             return
         got = (self.value(part.action), part.action.peer)
         if got in self.arrived[state.rank]:
