@@ -237,8 +237,8 @@ def test_pp2_x_fsdp2_peak_bytes_per_rank_are_the_hand_count(mode):
     assert peak_bytes(program, sizes) == expected
     check_all(program, byte_budget={c: expected[0][c] for c in expected[0]}, sizes=sizes)
     cases = {ops.SIZE_ACTIVATION: (2, "this member's shares of the values"),  # the second forward's share
-             ops.SIZE_WEIGHT: (0, "this member's shards and whole weights"),  # (0GATHER0)0F0
-             ops.SIZE_SHARD: (0, "this member's shards and whole weights")}
+             ops.SIZE_WEIGHT: (0, "the whole weights of the stages this member holds now"),  # (0GATHER0)0F0
+             ops.SIZE_SHARD: (0, "this member's shards")}
     for size_class, (step, held) in cases.items():
         with pytest.raises(BudgetError) as caught:
             check_all(program, byte_budget={size_class: expected[0][size_class] - 1}, sizes=sizes)

@@ -465,7 +465,7 @@ def _one_stage_step(module):
     wire = payload.Wire(payload.tensor_layout((4, 8)), torch.device("cpu"))
     ctx = SimpleNamespace(prev=[-1, 0], next=[1, -1], stages={1: module}, device=torch.device("cpu"),
                           loss_fn=lambda out, target: ((out - target) ** 2).sum(), rank=0, row=[],
-                          precision=FP32, wire_of=lambda kind, producer: wire, stash=None)
+                          precision=FP32, wire_of=lambda kind, producer: wire, stash=None, placed=None)
     step = interpreter._Step(ctx, [None], [torch.ones(4, 8)], 1)
     step.produced[step.key(interpreter.ACT, 0, 0)] = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     return interpreter, step

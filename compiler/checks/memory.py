@@ -117,8 +117,8 @@ def _check_placed_budget(program: Program, byte_budget: Mapping[str, Number], si
         if not found:
             continue
         (step, live), size_class = min(found)
-        held = ("this member's shards and whole weights" if size_class in (ops.SIZE_WEIGHT, ops.SIZE_SHARD)
-                else "this member's shares of the values")
+        held = {ops.SIZE_WEIGHT: "the whole weights of the stages this member holds now",
+                ops.SIZE_SHARD: "this member's shards"}.get(size_class, "this member's shares of the values")
         raise BudgetError(
             f"{live} bytes of {size_class}-sized values alive here ({held}), over the {size_class} budget of "
             f"{byte_budget[size_class]} bytes; this rank's peak is {peaks[size_class]} bytes",

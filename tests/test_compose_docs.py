@@ -1,0 +1,86 @@
+"""docs/compose.md, section 7, runs as written: a composition no shipped file or other test holds.
+
+The page's ```pipe block (interleaved 1F1B with ZeRO-2 stages) and ```json
+cost file are written to an empty folder; each ``$ pipec ...`` line of its
+```console block runs there through the installed command line and prints
+exactly the lines the page shows after it; ``pipec run`` (which the page
+shows without its output) trains on 4 gloo processes and its saved
+parameters are those of one process with the same N, seed and steps. The
+page's traffic table and memory figures for the shipped compositions are
+checked against the simulator here too.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from pipec.compiler.driver import compile_target
+from pipec.compiler.memory_counts import peak_bytes
+from pipec.compiler.simulate import simulate
+from pipec.compiler.costs import costs_from_json
+from test_docs_api import DEADLINE_S, blocks
+
+SIZES = {"activation": 1000, "weight": 4000}
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    """The console block's ``$`` lines, each with the output lines the page shows after it."""
+    (console,) = blocks("compose.md", "console")
+    commands: list[tuple[str, list[str]]] = []
+    for line in console.splitlines():
+        if line.startswith("$ "):
+            commands.append((line[2:], []))
+        else:
+            commands[-1][1].append(line)
+    return commands
+
+
+def _pipec(line: str, cwd) -> subprocess.CompletedProcess:
+    argv = shlex.split(line)
+    assert argv[0] == "pipec", line
+    return subprocess.run([sys.executable, "-m", "pipec", *argv[1:]], cwd=cwd, capture_output=True, text=True,
+                          timeout=DEADLINE_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_pages_own_composition_checks_simulates_and_trains_as_shown(tmp_path):
+    torch = pytest.importorskip("torch")
+    from pipec.runtime.config import DEFAULT_SEED
+    from pipec.runtime.model import ModelConfig
+    from pipec.runtime.reference import reference_run
+    from runtime_util import assert_same_parameters
+
+    (tmp_path / "interleaved_zero2.pipe").write_text(blocks("compose.md", "pipe")[0])
+    (tmp_path / "costs.json").write_text(blocks("compose.md", "json")[0])
+    commands = _commands()
+    assert [line.split()[1] for line, _ in commands] == ["check", "simulate", "run"]
+    for line, shown in commands:
+        done = _pipec(line, tmp_path)
+        assert done.returncode == 0, f"{line}: {done.stderr}"
+        if shown:
+            assert done.stdout.splitlines() == shown, line
+    saved = torch.load(tmp_path / "zero2.pt")
+    want = reference_run(ModelConfig(), 3, 4, DEFAULT_SEED).state_dict
+    assert_same_parameters(saved, want, "docs/compose.md's interleaved_zero2")
+
+
+def test_the_pages_traffic_table_and_memory_figures_are_the_simulators():
+    costs = costs_from_json({"sizes": SIZES})
+    want = {"1f1b_dp": {"act": 4000, "grad": 4000, "wgrad": 16000},
+            "1f1b_zero2": {"act": 4000, "grad": 4000, "wgrad": 8000, "weight": 8000},
+            "1f1b_fsdp": {"act": 4000, "grad": 4000, "wgrad": 8000, "weight": 16000}}
+    for name, volumes in want.items():
+        program = compile_target(name, {}).program
+        traffic = simulate(program, costs).traffic
+        assert {kind: sum(links.values()) for kind, links in traffic.items()} == volumes, name
+    # 1f1b_fsdp's rank 0: two half activations, one stage's whole weights, its shard
+    assert peak_bytes(compile_target("1f1b_fsdp", {}).program, SIZES)[0] == {
+        "activation": 1000, "weight": 4000, "shard": 2000}
+    # under unit costs, half the plain pipeline's makespan with the same bubble
+    plain, composed = simulate(compile_target("1f1b", {"P": 2, "N": 4}).program), simulate(
+        compile_target("1f1b_dp", {}).program)
+    assert (plain.makespan, composed.makespan) == (15, 7.5)
+    assert plain.bubble_ratio == pytest.approx(composed.bubble_ratio) == 0.2
