@@ -6,7 +6,7 @@ a target (a file relative to the composing file, else a shipped schedule's
 name; through the guarded reader), resolves the schedule NAME there, checks
 the arguments against its parameters, evaluates and compiles it with the
 driver (its checks included), and places the result on the mesh with
-``compose.place_on_mesh``. It returns (compute-only, final) programs, both
+``mesh_placement.place_on_mesh``. It returns (compute-only, final) programs, both
 placed, named after the composition and carrying its parameters; the final
 program is not yet checked as a composed program (``driver.compile_spec``
 does that). Every mistake of the composition is reported at its place in the
@@ -17,13 +17,14 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from pipec.compiler.compose import DataParallel, place_on_mesh
+from pipec.compiler.mesh_placement import DataParallel, place_on_mesh
 from pipec.compiler.costs import CostModel
 from pipec.compiler.driver import compile_spec, load_target, shipped_schedules, task_kinds
 from pipec.compiler.ir import Mesh, Program
 from pipec.dsl import ast, parse, resolve
 from pipec.dsl.composition import PP_AXIS, CompositionSpec, is_composition
-from pipec.dsl.schedule import ResolvedSchedule
+from pipec.dsl.limits import MAX_TASKS
+from pipec.dsl.schedule import ResolvedSchedule, format_values
 from pipec.errors import EvalError, ResolveError, ScheduleError, UsageError
 
 
@@ -43,13 +44,24 @@ def lower_composition(spec: CompositionSpec, costs: CostModel | None = None) -> 
     policy = spec.policy
     data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward)
     mesh = Mesh(spec.mesh)
-    try:
-        placed = [place_on_mesh(program, mesh, PP_AXIS, data, name=spec.name)
-                  for program in (compiled.compute, compiled.program)]
+    _check_task_limit(spec, compiled.compute, mesh.size // compiled.program.num_ranks)
+    try:  # the program first: it holds the family plans that say why a pipeline cannot be placed
+        program, compute = [place_on_mesh(each, mesh, PP_AXIS, data, name=spec.name)
+                            for each in (compiled.program, compiled.compute)]
     except UsageError as error:
         raise ScheduleError(str(error), spec.pipeline.span, spec.source) from None
-    compute, program = (replace(each, params=dict(spec.params), source=spec.path) for each in placed)
-    return compute, program
+    return tuple(replace(each, params=dict(spec.params), source=spec.path) for each in (compute, program))
+
+
+def _check_task_limit(spec: CompositionSpec, compute: Program, copies: int) -> None:
+    """Refuse, at the ``pipeline`` declaration, a composition whose placed program would hold more than
+    ``MAX_TASKS`` tasks: every member of a data group runs its pp rank's tasks, so placing multiplies
+    them by the data axis's size (the named schedule alone was held to the limit)."""
+    tasks = sum(1 for row in compute.ranks for action in row if action.is_compute)
+    if tasks * copies > MAX_TASKS:
+        raise EvalError(f"{spec.name} at {format_values(spec.params)} has {tasks * copies:,} tasks ({tasks:,} of "
+                        f"the pipeline x {copies:,} ranks of each data group); pipec's limit is {MAX_TASKS:,}",
+                        spec.pipeline.span, spec.source)
 
 
 def _find_target(composing: str, target: str) -> str | None:

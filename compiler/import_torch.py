@@ -51,8 +51,7 @@ _KIND = {
 }
 # The forwards: every stage runs each microbatch's once (a backward may be B for some microbatches and I, W
 # for others, as torch's ZBV writes it), so their counts say N.
-_FORWARD_OPS = frozenset(op for op, kind in _KIND.items()
-                         if kind is _COMPUTE and ops.Use("act") in ops.RULES[op].writes)
+_FORWARD_OPS = frozenset(op for op in ops.FORWARD_COMPUTE_OPS if _KIND.get(op) is _COMPUTE)
 # torch's action token (schedules.py's _action_regex: F, I, B, W, UNSHARD,
 # RESHARD, REDUCE_GRAD, SEND_F, RECV_F, SEND_B, RECV_B), matched whole.
 # ASCII digits only: Python's \d (and int()) would also take '٣' or '³'.
@@ -195,16 +194,19 @@ class _Reader:
         return self.ranks, home, num_microbatches, bool(self.messages)
 
     def _agreed_microbatches(self) -> int:
-        """N: the number of forwards most stages run (each runs every microbatch's once); the largest such
-        count on a tie. A compute past it is a stray on its rank, refused naming that rank's task and
-        what the rank lacks, instead of a larger N that would blame every other rank for a missing task."""
+        """N: the number of forwards most stages run (each runs every microbatch's once); on a tie, the count
+        that more stages run as exactly microbatches 0..count-1, then the larger. A compute past it is a
+        stray on its rank, refused naming that rank's task and what the rank lacks, instead of a larger N
+        that would blame every other rank for a missing task."""
         counts = Counter((action[0], action[1]) for row in self.ranks for action in row
                          if action is not None and action[1] in _FORWARD_OPS)
         tally = Counter(counts.values())
         if not tally:  # no forward at all: the well-formed check names what is missing
             return self.max_mb + 1
         most = max(tally.values())
-        agreed = max(count for count, pairs in tally.items() if pairs == most)
+        tied = [count for count, pairs in tally.items() if pairs == most]
+        agreed = max(tied, key=lambda count: (self._whole_pairs(counts, count), count)) if len(tied) > 1 \
+            else tied[0]
         if agreed > self.max_mb:
             return self.max_mb + 1
         rank, column, stage, op, mb = next(found for found in self._computes_at() if found[4] >= agreed)
@@ -213,8 +215,17 @@ class _Reader:
         lacks = f"; rank {rank} lacks {', '.join(lacking[:5])}" + (", ..." if len(lacking) > 5 else "") \
             if lacking else ""
         raise ImportError_(
-            f"{stage}{op}{mb} is a stray: the stages' forwards agree on {agreed} microbatches "
-            f"(0..{agreed - 1}){lacks}", rank=rank, step=column, grid=_shown(self.grid))
+            f"{stage}{op}{mb} is a stray: the stages' forwards say N = {agreed} (microbatches "
+            f"0..{agreed - 1}){lacks}", rank=rank, step=column, grid=_shown(self.grid))
+
+    def _whole_pairs(self, counts: Counter, count: int) -> int:
+        """How many (stage, forward op) pairs run exactly microbatches 0..count-1 (a tie's witness)."""
+        held: dict[tuple[int, str], set[int]] = {}
+        for row in self.ranks:
+            for action in row:
+                if action is not None and counts.get((action[0], action[1])) == count:
+                    held.setdefault((action[0], action[1]), set()).add(action[2])
+        return sum(1 for mbs in held.values() if mbs == set(range(count)))
 
     def _computes_at(self):
         """Every compute of the grid as (rank, column, stage, op, mb), in row order (the error path reads it)."""

@@ -479,7 +479,7 @@ class Program:
             training, ``compiler/versions.py``), the most versions of a
             stage's weights it may keep at once: 1 keeps only the newest (no
             stashing), None as many as the order needs (``stash weights``).
-        mesh: the rank axes of a composed program (``compiler/compose.py``), or None for a program of
+        mesh: the rank axes of a composed program (``compiler/mesh_placement.py``), or None for a program of
             plain ranks; its stages are placed on groups of the mesh.
     """
 
@@ -589,6 +589,13 @@ class Program:
 
     def instruction_count(self) -> int:
         return sum(len(row) for row in self.ranks)
+
+
+def resize_hint(program: Program) -> str:
+    """How a user changes ``program``'s number of ranks, for messages: its mesh's axes, or ``-D P=...``."""
+    if program.mesh is None:
+        return "-D P=..."
+    return "the sizes of its mesh (" + " x ".join(f"{name} {size}" for name, size in program.mesh.axes) + ")"
 
 
 def groups_refusal(program: Program, interpretation: str) -> str | None:

@@ -503,8 +503,10 @@ IN_ORDER_COMPUTE_OPS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if RULES[
 # passing), each with the pass whose copy it reads: the ops that make the
 # activation run forward, the others backward (a ring keeps one slot per pass).
 FORWARD, BACKWARD = "forward", "backward"
+# The forwards: the computes that make a stage's activation (F, and FC on a recomputed stage).
+FORWARD_COMPUTE_OPS: tuple[str, ...] = tuple(op for op in COMPUTE_OPS if Use("act") in RULES[op].writes)
 WEIGHT_PASS: dict[str, str] = {
-    op: FORWARD if Use("act") in RULES[op].writes else BACKWARD
+    op: FORWARD if op in FORWARD_COMPUTE_OPS else BACKWARD
     for op in COMPUTE_OPS if Use("weight") in RULES[op].reads}
 # The compute ops whose weight gradient is a contribution to the layer's
 # gradient (B, W): weight passing folds each into a partial bound for the owner.

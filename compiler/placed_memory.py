@@ -1,4 +1,4 @@
-"""Memory in bytes of a composed program (stages on rank groups, ``compiler/compose.py``), per member.
+"""Memory in bytes of a composed program (stages on rank groups, ``compiler/mesh_placement.py``), per member.
 
 A member of a stage's group holds, in bytes per size class (docs/costs.md's
 ``sizes``; one ``weight`` value is one stage's whole weights):

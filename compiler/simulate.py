@@ -284,7 +284,7 @@ def simulate(program: Program, costs: CostModel | None = None, *,
       model chunk without stalling; the all-reduce ends ``costs.allreduce`` after
       the last replica joined. A collective wait (ALLREDUCE_WAIT) stalls the rank
       until it ends. A free (FREE_F) takes no time.
-    * A stage on a group of k ranks (a composed program, ``compose.place_on_mesh``): each member runs the
+    * A stage on a group of k ranks (a composed program, ``mesh_placement.place_on_mesh``): each member runs the
       stage's tasks on its share of the rows, taking 1/k of each task's time, and sends 1/k of each
       value to the member of the neighbouring group with the same share; each member's values are its
       own (keys per member stage). A compute's sub-steps (GATHER) are collectives of the group that

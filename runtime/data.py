@@ -25,7 +25,7 @@ stages run forward. ``BatchSource.batch(step)`` leaves every other entry None.
 ``BatchSource``'s docstring says why every rank draws the same rows without
 communicating, and how a checkpoint saves and restores the data position.
 
-A rank of a stage placed on a group of k ranks (``compose.place_on_mesh``) is
+A rank of a stage placed on a group of k ranks (``mesh_placement.place_on_mesh``) is
 given its ``share`` (i, k): it keeps rows [i*b/k, (i+1)*b/k) of each
 microbatch of b rows, so that the group runs every microbatch whole and one
 process with the same N stays the reference (``rows_share``).
@@ -330,7 +330,8 @@ def rows_share(tensor: torch.Tensor, share: tuple[int, int], what: str, name: st
     if rows == 0 or rows % members:
         raise UsageError(f"{spec_label(name)}: {what} has {rows} rows, which do not split into the {members} "
                          f"equal shares of a stage's group of {members} ranks (give a microbatch a multiple of "
-                         f"{members} rows)")
+                         f"{members} rows: --config microbatch_size=... where the model's config has it, as the "
+                         "built-in model's does)")
     piece = rows // members
     return tensor[member * piece:(member + 1) * piece]
 

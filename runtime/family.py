@@ -174,7 +174,7 @@ def placed_refusal(program: Program) -> str | None:
     """Why the runtime cannot train ``program``'s stages on rank groups, or None (also for a program with none).
 
     It trains an activation-passing pipeline whose every stage sits on a group of one size k, holding
-    no replica all-reduce: what ``compose.place_on_mesh`` makes (PP x DP, PP x FSDP).
+    no replica all-reduce: what ``mesh_placement.place_on_mesh`` makes (PP x DP, PP x FSDP).
     """
     if not program.placed_on_groups:
         return None

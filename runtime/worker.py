@@ -314,9 +314,12 @@ def make_plan(config: RunConfig, world: int) -> Plan:
     if refusal is not None:
         raise UsageError(f"{config.target}: {refusal}")
     if world != program.num_ranks:
+        from pipec.compiler.ir import resize_hint
+
         raise UsageError(
             f"{config.target} was compiled for {program.num_ranks} ranks, but WORLD_SIZE is {world}: "
-            f"start {program.num_ranks} workers (torchrun --nproc-per-node {program.num_ranks}), or change -D P=..."
+            f"start {program.num_ranks} workers (torchrun --nproc-per-node {program.num_ranks}), or change "
+            f"{resize_hint(program)}"
         )
     phases.announce(phases.MODEL_BUILD)  # importing the user's module, and under torchrun trying chunk 0
     spec = run_model_spec(config.model, config.partition, program)

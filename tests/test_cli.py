@@ -85,7 +85,7 @@ def test_source_error_exits_one_with_location_and_caret(capsys, tmp_path):
 def test_require_violated_exits_one(capsys):
     status, _, err = run(capsys, "check", "interleaved_1f1b", "-D", "P=4", "-D", "N=6", "-D", "G=0")
     assert status == 1
-    assert "requirement failed: a microbatch group holds at least one microbatch" in err
+    assert "requirement failed: a microbatch group holds at least min(P, N) microbatches" in err
     assert "schedules/interleaved_1f1b.pipe:" in err.splitlines()[0]
 
 

@@ -1,5 +1,5 @@
 """Compositions in the language: `mesh`, `pipeline NAME(...) from "TARGET"`, `replicate over` and `shard over
-[reshard after forward]`, compiled by the driver into ``compose.place_on_mesh`` of the named schedule, and every
+[reshard after forward]`, compiled by the driver into ``mesh_placement.place_on_mesh`` of the named schedule, and every
 mistake reported where it is written.
 
 Only ``test_with_the_prover_compositions_compile_check_and_print`` needs ``check_all`` to accept composed
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cli_util import cli
-from pipec.compiler.compose import DataParallel, place_on_mesh
+from pipec.compiler.mesh_placement import DataParallel, place_on_mesh
 from pipec.compiler.driver import compile_target, lower_spec, resolve_target
 from pipec.compiler.ir import Mesh
 from pipec.dsl import ast
@@ -462,3 +462,21 @@ def test_the_documented_cycle_is_the_one_pipec_prints(tmp_path, capsys, monkeypa
     monkeypatch.chdir(tmp_path)
     status, _, err = cli(capsys, "check", "loop.pipe")
     assert status == 1 and err.strip("\n") == shown.strip("\n")
+
+
+def test_the_zero3_composition_of_1f1b_is_the_hand_written_program():
+    """One composition written out by hand, independently of ``place_on_mesh`` (the tests above compare with
+    it): 1F1B at P = 2, N = 2 on pp 2 x dp 2, resharded after forward."""
+    program = composed("1f1b_fsdp", N=2)
+    first = ("(0GATHER0)0F0 0SEND_F0 0F1 0RESHARD (0SEND_F1;0RECV_B0)BATCH (0GATHER0)0B0 0FREE_F0 0RECV_B1 0B1 "
+             "(0REDUCE_GRAD)EXCHANGE0 0RESHARD 0FREE_F1 EXCHANGE_WAIT0")
+    last = ("1RECV_F0 (1GATHER0)1F0 1B0 1FREE_F0 (1SEND_B0;1RECV_F1)BATCH 1F1 1RESHARD (1GATHER1)1B1 "
+            "(1REDUCE_GRAD)EXCHANGE0 1RESHARD 1FREE_F1 1SEND_B1 EXCHANGE_WAIT0")
+    assert [" ".join(row) for row in program.grid()] == [first, first, last, last]
+    # each member talks to the member of the other group with its own dp coordinate: 0 <-> 2, 1 <-> 3
+    peers = [{part.peer for action in row for part in action.comms()} for row in program.ranks]
+    assert peers == [{2}, {3}, {0}, {1}]
+    assert [(info.placement.ranks, info.placement.sharded) for info in program.stages] == [((0, 1), True),
+                                                                                         ((2, 3), True)]
+    assert [c.ranks for c in program.communicators] == [(0, 1), (2, 3)]
+    assert program.mesh.axes == (("pp", 2), ("dp", 2))

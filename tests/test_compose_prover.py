@@ -1,6 +1,6 @@
 """The prover on composed programs: pipelines on a pp x dp mesh, data parallel and fully sharded (docs/ir.md).
 
-``compose.place_on_mesh`` turns a compiled pipeline into the composed program
+``mesh_placement.place_on_mesh`` turns a compiled pipeline into the composed program
 (every stage on its dp group, a GATHER sub-step where a sharded stage's weights
 must be made whole, RESHARD after, each stage's gradient all-reduced or
 reduce-scattered in an EXCHANGE after its last contribution). ``check_all``
@@ -17,7 +17,7 @@ import pytest
 
 from pipec.compiler import ops
 from pipec.compiler.checks import check_all
-from pipec.compiler.compose import DataParallel, place_on_mesh
+from pipec.compiler.mesh_placement import DataParallel, place_on_mesh
 from pipec.compiler.driver import compile_target
 from pipec.compiler.ir import Action, Mesh, Program
 from pipec.compiler.memory_counts import peak_bytes

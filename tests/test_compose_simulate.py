@@ -1,6 +1,6 @@
 """The simulator, the traffic count and the drawings of composed programs (a pipeline on a pp x dp mesh).
 
-Programs are built with ``compose.place_on_mesh`` from a compiled pipeline. Member i of a stage's group
+Programs are built with ``mesh_placement.place_on_mesh`` from a compiled pipeline. Member i of a stage's group
 of k runs every task on 1/k of the microbatch's rows, so it takes 1/k of the task's time and sends 1/k
 of each activation; its group meets in the stage's GATHER (an all-gather of the weights, a sub-step that
 blocks before the compute's body), SYNC_GRAD (an all-reduce of the weight gradient) and REDUCE_GRAD (a
@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 
 from pipec.compiler import ops
-from pipec.compiler.compose import DataParallel, place_on_mesh
+from pipec.compiler.mesh_placement import DataParallel, place_on_mesh
 from pipec.compiler.costs import costs_from_json
 from pipec.compiler.driver import compile_target
 from pipec.compiler.emit import format_timeline

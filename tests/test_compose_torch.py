@@ -1,6 +1,6 @@
 """pipec's PP x FSDP and PP x DP programs as torch's schedule CSV, run by torch's own runtime over FSDP2, train exactly.
 
-``compose.place_on_mesh`` puts a pipeline schedule on a (pp, dp) mesh with
+``mesh_placement.place_on_mesh`` puts a pipeline schedule on a (pp, dp) mesh with
 sharded or replicated stages; ``write_torch_csv`` writes it as one row per pp
 rank with the program's own ``UNSHARD`` (before a compute holding a GATHER),
 ``RESHARD`` and ``REDUCE_GRAD`` (``emit/torch_csv_mesh.py``). Four gloo
@@ -28,7 +28,7 @@ import torch
 
 import pipec.api
 from pipec.compiler import ops
-from pipec.compiler.compose import DataParallel, place_on_mesh
+from pipec.compiler.mesh_placement import DataParallel, place_on_mesh
 from pipec.compiler.emit.torch_csv import NEWEST_TORCH, TorchRuntime, installed_torch_runtime, write_torch_csv
 from pipec.compiler.import_torch import prepare_imported, read_torch_csv
 from pipec.compiler.ir import Action, Mesh

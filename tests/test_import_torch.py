@@ -251,8 +251,8 @@ def test_torch_1f1b_order_is_rejected_because_torch_numbers_its_last_rank_wrong(
     with pytest.raises(ImportError_) as caught:  # the other stages' forwards say N: the last rank is named
         read_torch_csv(path.read_text())
     assert caught.value.rank == pp - 1
-    assert caught.value.message == (f"{pp - 1}F{nmb} is a stray: the stages' forwards agree on {nmb} microbatches "
-                                    f"(0..{nmb - 1}); rank {pp - 1} lacks {pp - 1}F0")
+    assert caught.value.message == (f"{pp - 1}F{nmb} is a stray: the stages' forwards say N = {nmb} (microbatches "
+                                    f"0..{nmb - 1}); rank {pp - 1} lacks {pp - 1}F0")
     # torch agrees
     order = {r: [a for a in acts if a is not None and a.computation_type != torch_schedules.REDUCE_GRAD]
              for r, acts in single.pipeline_order.items()}
@@ -389,12 +389,17 @@ def test_a_stray_microbatch_names_its_rank_not_the_others():
     with pytest.raises(ImportError_) as caught:
         read_torch_csv("0F0,0F1,0B0,0B1\n1F1,1B0,1F2,1B1\n")
     assert (caught.value.rank, caught.value.step) == (1, 2)
-    assert caught.value.message == ("1F2 is a stray: the stages' forwards agree on 2 microbatches (0..1); "
+    assert caught.value.message == ("1F2 is a stray: the stages' forwards say N = 2 (microbatches 0..1); "
                                     "rank 1 lacks 1F0")
     # a stray beside a whole set: nothing lacking, the stray named alone
     with pytest.raises(ImportError_) as caught:
         read_torch_csv("0F0,0F1,0B0,0B1\n1F0,1F1,1F2,1B0,1B1\n2F0,2F1,2B0,2B1\n")
-    assert caught.value.message == "1F2 is a stray: the stages' forwards agree on 2 microbatches (0..1)"
+    assert caught.value.message == "1F2 is a stray: the stages' forwards say N = 2 (microbatches 0..1)"
+    # a tie (one stage runs 2 forwards, the other 3): the count a stage runs as exactly 0..N-1 wins
+    with pytest.raises(ImportError_) as caught:
+        read_torch_csv("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1,1F7\n")
+    assert (caught.value.rank, caught.value.step) == (1, 4)
+    assert caught.value.message == "1F7 is a stray: the stages' forwards say N = 2 (microbatches 0..1)"
     # a rank short of its last microbatch: N from the majority, the missing task named by the checks
     program, had_comms = read_torch_csv("0F0,0F1,0B0,0B1\n1F0,1B0\n2F0,2F1,2B0,2B1\n")
     assert program.num_microbatches == 2

@@ -55,7 +55,7 @@ def pipeline(case: str):
 
 def composed(case: str):
     """The case's PP x FSDP or PP x DP program on the (pp, dp) mesh."""
-    from pipec.compiler.compose import DataParallel, place_on_mesh
+    from pipec.compiler.mesh_placement import DataParallel, place_on_mesh
     from pipec.compiler.ir import Mesh
 
     mesh = Mesh((("pp", PP), ("dp", DP)))

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.family import first_refusal
-from pipec.compiler.emit.torch_csv_mesh import composed_rows
+from pipec.compiler.emit.torch_csv_mesh import UNSHARD, composed_rows
 from pipec.compiler.ir import Action, Program, groups_refusal
 from pipec.errors import UsageError
 
@@ -80,7 +80,7 @@ class TorchRuntime(NamedTuple):
 
 # The newest torch pyproject accepts; what is written when no torch is at hand.
 NEWEST_TORCH = TorchRuntime("2.13")
-REDUCE_GRAD, UNSHARD, RESHARD = "REDUCE_GRAD", "UNSHARD", "RESHARD"
+REDUCE_GRAD, RESHARD = "REDUCE_GRAD", "RESHARD"
 
 
 def installed_torch_runtime() -> TorchRuntime | None:

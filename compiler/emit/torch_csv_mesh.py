@@ -7,7 +7,7 @@ own data coordinate (torch's pp process group of that coordinate), and
 FSDP2's modules own the data axis: ``fully_shard`` for a sharded stage,
 ``replicate`` (FSDP2's data parallelism, which torch's pipelining stages
 handle as they handle ``fully_shard``) for a replicated one. So a PP x FSDP
-or PP x DP program (``compose.place_on_mesh``) is written as one row per pp
+or PP x DP program (``mesh_placement.place_on_mesh``) is written as one row per pp
 coordinate, read off any member of the group:
 
 * a compute holding a ``GATHER`` sub-step is preceded by ``sUNSHARD``
@@ -39,6 +39,7 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Mesh, Program
 from pipec.errors import UsageError
 
+# torch's token of FSDP's all-gather of a stage's weights (pipec's GATHER sub-step has no token of torch's).
 UNSHARD = "UNSHARD"
 
 

@@ -196,6 +196,7 @@ def check_launch(args, program) -> int:
             does not train (``runtime.family.placed_refusal``: only activation passing's PP x DP and PP x FSDP).
     """
     from pipec.compiler.family import families_of
+    from pipec.compiler.ir import resize_hint
     from pipec.runtime.family import placed_refusal
 
     refusal = placed_refusal(program)
@@ -207,7 +208,8 @@ def check_launch(args, program) -> int:
                          "program but its runtime trains one family at a time")
     nodes = nodes_of(args)
     config = RunConfig.from_args(args)  # the runtime's checks read this, as the workers' do theirs
-    nproc = _workers_per_node(args.nproc, program.num_ranks, nodes.count if nodes else 1, args.target)
+    nproc = _workers_per_node(args.nproc, program.num_ranks, nodes.count if nodes else 1, args.target,
+                              resize_hint(program))
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if args.timeout is not None and not args.timeout > 0:
@@ -250,7 +252,7 @@ def _check_model_fits(config: RunConfig, program) -> None:
     _check_model(config, program)
 
 
-def _workers_per_node(nproc: int | None, ranks: int, count: int, target: str) -> int:
+def _workers_per_node(nproc: int | None, ranks: int, count: int, target: str, resize: str = "-D P=...") -> int:
     """The workers this machine starts: ``--nproc``, or the program's ranks divided among the machines.
 
     Args:
@@ -258,6 +260,7 @@ def _workers_per_node(nproc: int | None, ranks: int, count: int, target: str) ->
         ranks: the program's ranks; one worker runs one rank.
         count: the machines (``--nnodes``), each starting the same number of workers.
         target: the target, for the message.
+        resize: how the user changes the program's ranks (``ir.resize_hint``), for the message.
     Raises:
         UsageError: the machines' workers together are not the program's ranks.
     """
@@ -265,12 +268,12 @@ def _workers_per_node(nproc: int | None, ranks: int, count: int, target: str) ->
         return ranks // count
     if nproc is None:
         raise UsageError(f"{target} was compiled for {ranks} ranks, which do not divide among --nnodes {count} "
-                         f"machines (each starts the same number of workers): change --nnodes, or -D P=...")
+                         f"machines (each starts the same number of workers): change --nnodes, or {resize}")
     if nproc * count != ranks:
         on = f" on each of {count} machines starts {nproc * count} workers" if count > 1 else ""
         fits = f"pass --nproc {ranks // count}" if ranks % count == 0 else "change --nnodes"
         raise UsageError(f"--nproc {nproc}{on}, but {target} was compiled for {ranks} ranks: "
-                         f"one worker runs one rank ({fits}, or change -D P=...)")
+                         f"one worker runs one rank ({fits}, or change {resize})")
     return nproc
 
 

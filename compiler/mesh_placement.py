@@ -34,7 +34,7 @@ from pipec.errors import UsageError
 
 # The computes that make a stage's activation (a forward, run again or not by a recompute): after the last
 # of them a stage that reshards after forward drops its whole weights.
-_FORWARDS = frozenset(op for op in ops.COMPUTE_OPS if ops.Use("act") in ops.RULES[op].writes)
+_FORWARDS = frozenset(ops.FORWARD_COMPUTE_OPS)
 _GRADIENT_CONTRIBUTORS = frozenset(ops.GRADIENT_CONTRIBUTORS)
 
 
