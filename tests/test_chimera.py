@@ -1,5 +1,5 @@
 """Chimera (schedules/chimera.pipe): its basic unit at N = P, the direct concatenation of units at
-N = kP and forward doubling (-D double=true), against the figures its comment states (unit costs
+N = kP, forward doubling (-D double=true) and the order of Chimera's own generator (-D reference=true), against the figures its comment states (unit costs
 F = 1, B = 2, communication free) and against 1F1B under per-chunk costs F = 2, B = 4."""
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ def test_the_requires_name_the_constraint():
 def test_the_documented_keys_are_the_schedules():
     doc, pipe = (ROOT / "docs" / "language.md").read_text(), (ROOT / "schedules" / "chimera.pipe").read_text()
     for line in ("key F(s, m) = s + 2 * t(m)", "key B(s, m) = 2 * P - 2 - s + 2 * t(m)",
-                 "def j(m) = m / P * (P / 2) + m % (P / 2)", "def t(m) = double ? j(m) / 2 : j(m)"):
+                 "def j(m) = m / P * (P / 2) + m % (P / 2)",
+                 "def t(m) = double ? j(m) / 2 : j(m) + (reference ? m / P * (P / 2) : 0)"):
         assert line in doc and line in pipe
 
 
@@ -151,3 +152,57 @@ def test_forward_doubling_trains_like_one_process(tmp_path):
                           "--seed", str(seed), "--save", str(save), "--timeout", "60"], P, 180.0)
     assert run.ok, run.describe()
     assert_same_parameters(torch.load(save), reference_run(ModelConfig(), steps, N, seed).state_dict, "chimera double")
+
+
+# Rank 0's order at P = 4, N = 8 as Chimera's generator (chimera_pipeline_rank.py of the SC'21
+# repository, AutoGeneratePipelineRank) emits it, written down from its output: the down pipeline's
+# stage 0 is pipec's stage 0, the up pipeline's stage 3 is pipec's stage 7.
+GENERATOR_RANK0_4_8 = "0F0 0F1 7F2 7B2 7F3 7B3 0B0 0F4 0B1 0F5 7F6 7B6 7F7 7B7 0B4 0B5".split()
+
+
+@pytest.mark.parametrize("P,N,makespan,default_makespan", [(4, 8, 30, 29), (8, 16, 66, 63)])
+def test_the_reference_order_is_longer_and_holds_fewer_activations(P, N, makespan, default_makespan):
+    compiled, result = run("chimera", P=P, N=N, reference=True)
+    assert result.makespan == makespan and run("chimera", P=P, N=N)[1].makespan == default_makespan
+    # the basic unit's peaks ([3, 4, 4, 3] at P = 4), where the default order holds P on every rank
+    peaks = [P // 2 + 1 + min(r, P - 1 - r) for r in range(P)]
+    assert [r.peak_activations for r in result.ranks] == peaks == peak_activations(compiled.program)
+    assert [r.peak_activations for r in run("chimera", P=P, N=N)[1].ranks] == [P] * P
+
+
+def test_the_reference_order_is_the_generators():
+    reference = [str(a) for a in compile_target("chimera", {"P": 4, "N": 8, "reference": True}).compute.ranks[0]]
+    default = [str(a) for a in compile_target("chimera", {"P": 4, "N": 8}).compute.ranks[0]]
+    assert reference == GENERATOR_RANK0_4_8
+    assert default != reference and "0F4" in default[:default.index("0B0")]  # the default starts the next unit earlier
+
+
+@pytest.mark.parametrize("P", EVEN_P)
+@pytest.mark.parametrize("k", (1, 2, 3, 4))
+def test_the_reference_order_starts_each_unit_as_the_previous_one_drains(P, k):
+    """Measured: every join of two units costs P - 2 slots of makespan (the default's first join
+    (P-2)/2 and the later ones nothing), and no rank holds more than in the basic unit."""
+    N = k * P
+    compiled, result = run("chimera", P=P, N=N, reference=True)
+    assert result.makespan == 3 * N + (k + 1) * (P - 2)
+    assert all(r.busy == 3 * N for r in result.ranks)
+    assert [r.peak_activations for r in result.ranks] == [P // 2 + 1 + min(r, P - 1 - r) for r in range(P)]
+    row = [str(a) for a in compiled.compute.ranks[0]]
+    for u in range(1, k):  # on rank 0 the backward of a unit's first microbatch, then the next unit's first forward
+        assert row[row.index(f"0B{(u - 1) * P}") + 1] == f"0F{u * P}"
+    if k == 1:
+        assert [[str(a) for a in r] for r in compiled.compute.ranks] == \
+            [[str(a) for a in r] for r in compile_target("chimera", {"P": P, "N": N}).compute.ranks]
+
+
+def test_the_reference_order_has_no_forward_doubling():
+    with pytest.raises(PipecError, match="no forward doubling"):
+        compile_target("chimera", {"P": 4, "N": 8, "double": True, "reference": True})
+
+
+def test_the_reference_order_trains_like_one_process(tmp_path):
+    save, P, N, steps, seed = tmp_path / "model.pt", 4, 8, 2, 7
+    run = launch_workers(["chimera", "-D", f"P={P}", "-D", f"N={N}", "-D", "reference=true", "--steps", str(steps),
+                          "--seed", str(seed), "--save", str(save), "--timeout", "60"], P, 180.0)
+    assert run.ok, run.describe()
+    assert_same_parameters(torch.load(save), reference_run(ModelConfig(), steps, N, seed).state_dict, "chimera reference")
