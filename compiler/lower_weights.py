@@ -49,6 +49,7 @@ from pipec.compiler.ops import (
     WEIGHT_PASS,
 )
 from pipec.compiler.routes import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Hop, Leg
+from pipec.compiler.weight_hazards import separate_transfers
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import ScheduleError
 
@@ -458,6 +459,10 @@ def _assemble(compute: Program, steps: list[list[int]], legs: list[_Leg], frees:
     for rank, step, action in frees:
         dropped[(rank, step)].append(action)
     ranks = []
+
+    def layer_of(action: Action) -> int:
+        return compute.stages[action.stage].position if action.stage >= 0 else -1
+
     for r, row in enumerate(compute.ranks):
         by_step: dict[int, list[Action]] = defaultdict(list)
         for action, t in zip(row, steps[r]):
@@ -482,7 +487,8 @@ def _assemble(compute: Program, steps: list[list[int]], legs: list[_Leg], frees:
             out.extend(by_step.get(b, ()))
             out.extend(dropped.get((r, b), ()))
         out.extend(Action(-1, EXCHANGE_WAIT, n) for _, n in open_ahead)
-        ranks.append(out)
+        # with K >= 2 a drop or an add placed by steps can race a transfer still open: move them apart
+        ranks.append(separate_transfers(out, r, layer_of, plan.owners))
     return ranks
 
 
