@@ -11,7 +11,9 @@ on every rank, at each step boundary b (before the computes of step b): the
 wait of the ahead exchange posted K boundaries earlier (K = the prefetch
 distance), the ahead lane's ``EXCHANGE`` (legs due K boundaries later), and the
 due lane's ``EXCHANGE`` and its ``EXCHANGE_WAIT`` (legs needed before step b);
-the waits still open follow the last step. An exchange's number
+the waits still open follow the last step; then ``weight_hazards`` moves a
+drop after the sends from its copy and a gradient wait before the next add to
+its partial (K >= 2 leaves both open across steps). An exchange's number
 (``Action.mb``) is ``2 * boundary + lane``, the same on every rank. Every leg
 comes from the plan's weight and gradient routes; docs/weights.md, sections 2
 and 3, says where each leg goes. Route mistakes in the order (a group running

@@ -7,6 +7,7 @@ drop the staging rank's copy of a layer under a broadcast taken from it
 (P in 4, 8; G in 2, 4; K in 1..3), ``fsdp`` (P = 4, L in 2, 4, two
 microbatches per rank, K in 1..2L+1) and a direct route written for the test:
 
+* ``-D K=k`` sets the shipped schedules' ``prefetch``;
 * the compiled program passes its own check (``compile_spec`` runs every
   check and raises on the first violation);
 * the simulated makespan never grows as K grows, under two cost files in
@@ -70,11 +71,16 @@ def with_prefetch(spec, prefetch: int):
 
 
 def tawpipe(P: int, G: int, prefetch: int):
-    return with_prefetch(resolve_target("tawpipe").evaluate({"P": P, "G": G}), prefetch)
+    """The shipped schedule with ``-D K=prefetch`` (its ``prefetch K``)."""
+    spec = resolve_target("tawpipe").evaluate({"P": P, "G": G, "K": prefetch})
+    assert spec.weights.prefetch == prefetch
+    return spec
 
 
 def fsdp(L: int, prefetch: int):
-    return with_prefetch(resolve_target("fsdp").evaluate({"P": 4, "L": L, "N": 8}), prefetch)
+    spec = resolve_target("fsdp").evaluate({"P": 4, "L": L, "N": 8, "K": prefetch})
+    assert spec.weights.prefetch == prefetch
+    return spec
 
 
 @pytest.fixture(scope="module")
