@@ -105,8 +105,8 @@ class _Rank:
                 self.arriving[number].append(("W", layer, part.mb))
 
     def send_weights(self, layer: int, number: int) -> None:
-        if self.owners[layer] == self.rank:
-            return  # from the master
+        if self.owners is None or self.owners[layer] == self.rank:
+            return  # from the master (no owners: every rank sends from its shard)
         key = next((k for k in self.copies if k[1] == layer), None)
         if key is not None:
             self.sending[key].add(number)
@@ -131,7 +131,7 @@ def separate_transfers(row: list[Action], rank: int, layer_of, owners) -> list[A
         row: the rank's assembled list (exchanges, waits, computes, drops).
         rank: its rank.
         layer_of: Action -> the layer its stage runs.
-        owners: layer -> the rank that owns it (and sends it from its master).
+        owners: layer -> the rank that owns it (and sends it from its master); None under all_gather.
     Returns:
         the rewritten list.
     """
