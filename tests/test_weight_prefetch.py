@@ -13,8 +13,8 @@ microbatches per rank, K in 1..2L+1) and a direct route written for the test:
 * the simulated makespan never grows as K grows, under two cost files in
   which a layer's weights take longer to move than a step's compute (what is
   measured: ``simulate(program, costs).makespan``, K = 0 .. the largest);
-* one gloo launch of 4 ranks trains ``tawpipe`` with K = 2 and ``fsdp`` with
-  K = 2L for 2 steps to within the tolerance of one process;
+* one gloo launch of 4 ranks trains ``tawpipe`` with K = 2 and 3 and ``fsdp``
+  with K = 2L and 3L (L = 2) for 2 steps to within the tolerance of one process;
 * the pass that moves the drops and waits (``weight_hazards``) keeps a drop
   behind the wait of a send from its copy and moves a gradient wait forward.
 """
@@ -154,7 +154,9 @@ def test_a_gradient_add_waits_for_the_send_of_its_partial():
 
 # ------------------------------------------------------------------ trains exactly
 
-RUNS = {"tawpipe-prefetch2": tawpipe(4, 2, 2), "fsdp-L2-prefetch4": fsdp(2, 4)}
+# K = 2 and 3 for tawpipe; K = 2L and 3L for fsdp (two microbatches a rank: the gradient waits matter)
+RUNS = {"tawpipe-prefetch2": tawpipe(4, 2, 2), "tawpipe-prefetch3": tawpipe(4, 2, 3),
+        "fsdp-L2-prefetch4": fsdp(2, 4), "fsdp-L2-prefetch6": fsdp(2, 6)}
 
 
 @pytest.fixture(scope="module")
