@@ -32,6 +32,7 @@ from pipec.compiler.ir import Action
 from pipec.compiler.ops import B, BCAST_W, EXCHANGE, EXCHANGE_WAIT, FREE_W, SEND_G
 from pipec.compiler.simulate import simulate
 from pipec.compiler.weight_hazards import separate_transfers
+from pipec.errors import ScheduleError
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
 from runtime_util import assert_same_parameters, launch_batch
@@ -125,7 +126,7 @@ def test_direct_route_checks_and_gets_no_slower_with_prefetch(direct_target):
 def test_the_ring_still_refuses_prefetch_beyond_one():
     """A ring slot moves one rank a step: K = 2 is outside the grid, refused with a reason, not miscompiled."""
     spec = with_prefetch(resolve_target("weipipe").evaluate({"P": 4}), 2)
-    with pytest.raises(Exception, match=r"prefetch 0 or 1"):
+    with pytest.raises(ScheduleError, match=r"prefetch 0 or 1"):
         compile_spec(spec)
 
 
