@@ -11,7 +11,9 @@ on every rank, at each step boundary b (before the computes of step b): the
 wait of the ahead exchange posted K boundaries earlier (K = the prefetch
 distance), the ahead lane's ``EXCHANGE`` (legs due K boundaries later), and the
 due lane's ``EXCHANGE`` and its ``EXCHANGE_WAIT`` (legs needed before step b);
-the waits still open follow the last step. An exchange's number
+the waits still open follow the last step; then ``weight_hazards`` moves a
+drop after the sends from its copy and a gradient wait before the next add to
+its partial (K >= 2 leaves both open across steps). An exchange's number
 (``Action.mb``) is ``2 * boundary + lane``, the same on every rank. Every leg
 comes from the plan's weight and gradient routes; docs/weights.md, sections 2
 and 3, says where each leg goes. Route mistakes in the order (a group running
@@ -49,6 +51,7 @@ from pipec.compiler.ops import (
     WEIGHT_PASS,
 )
 from pipec.compiler.routes import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, Hop, Leg
+from pipec.compiler.weight_hazards import separate_transfers
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import ScheduleError
 
@@ -458,6 +461,10 @@ def _assemble(compute: Program, steps: list[list[int]], legs: list[_Leg], frees:
     for rank, step, action in frees:
         dropped[(rank, step)].append(action)
     ranks = []
+
+    def layer_of(action: Action) -> int:
+        return compute.stages[action.stage].position if action.stage >= 0 else -1
+
     for r, row in enumerate(compute.ranks):
         by_step: dict[int, list[Action]] = defaultdict(list)
         for action, t in zip(row, steps[r]):
@@ -482,7 +489,8 @@ def _assemble(compute: Program, steps: list[list[int]], legs: list[_Leg], frees:
             out.extend(by_step.get(b, ()))
             out.extend(dropped.get((r, b), ()))
         out.extend(Action(-1, EXCHANGE_WAIT, n) for _, n in open_ahead)
-        ranks.append(out)
+        # with K >= 2 a drop or an add placed by steps can race a transfer still open: move them apart
+        ranks.append(separate_transfers(out, r, layer_of, plan.owners))
     return ranks
 
 
