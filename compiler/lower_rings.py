@@ -40,10 +40,10 @@ def ring_plan(spec: RingSpec, num_ranks: int) -> RingPlan:
     """
     note = ""
     if spec.rings == "shift":
-        by = spec.ring_args[0] % num_ranks
-        if gcd(by, num_ranks) != 1:
-            raise UsageError(f"rings shift {spec.ring_args[0]} does not visit every one of {num_ranks} ranks")
-        cycles = (tuple(i * by % num_ranks for i in range(num_ranks)),)
+        cycles = tuple(_shift_ring(by, num_ranks) for by in spec.ring_args)
+        if not cycles or len({cycle[1:2] for cycle in cycles}) != len(cycles):
+            raise UsageError(f"rings shift {', '.join(map(str, spec.ring_args))}: one or more distinct offsets "
+                             f"modulo {num_ranks}, each a ring")
     elif spec.rings == "hamilton":
         found = hamiltonian_rings(num_ranks)
         cycles, note = found.cycles, found.note
@@ -60,6 +60,13 @@ def ring_plan(spec: RingSpec, num_ranks: int) -> RingPlan:
     pieces = spec.pieces if spec.pieces is not None else len(cycles)
     return RingPlan(spec.chunks, tuple(spec.holders), pieces, tuple(tuple(c) for c in cycles), spec.causal,
                     spec.kv, spec.dkv, spec.transfer, note)
+
+
+def _shift_ring(by: int, num_ranks: int) -> tuple[int, ...]:
+    """The ring r -> r + by from rank 0, which must visit every rank."""
+    if gcd(by % num_ranks, num_ranks) != 1:
+        raise UsageError(f"rings shift {by} does not visit every one of {num_ranks} ranks")
+    return tuple(i * by % num_ranks for i in range(num_ranks))
 
 
 def ring_program(plan: RingPlan, ranks: list[list[Action]], name: str = "", params: dict | None = None,

@@ -161,10 +161,10 @@ class RingSpec:
         chunks: how many equal chunks the sequence is cut into (``sequence chunks E``).
         holders: chunk -> the rank holding it (``hold chunk c on rank E``).
         causal: the causal mask (``mask causal [when E]``), else full (``mask full``).
-        rings: which rings carry KV: ``shift`` (one ring r -> r + by),
+        rings: which rings carry KV: ``shift`` (a ring r -> r + by per offset),
             ``hamilton`` (the arc-disjoint Hamiltonian rings of every rank) or
             ``rails`` (rail rings of ``nodes`` x ``per_node`` ranks).
-        ring_args: ``shift``: (by,); ``hamilton``: (); ``rails``: (nodes, per_node).
+        ring_args: ``shift``: the offsets (by, ...); ``hamilton``: (); ``rails``: (nodes, per_node).
         pieces: KV pieces per chunk (``pieces E``), or None for one per ring.
         kv: ``again`` or ``kept`` (``kv ROUTE``; again when absent).
         dkv: ``behind`` or ``direct`` (``dkv ROUTE``; behind when absent).

@@ -9,11 +9,14 @@ from dataclasses import replace
 
 import pytest
 
+from pipec.commands.attention import attention_check
 from pipec.compiler import ops
 from pipec.compiler.checks import check_weights
 from pipec.compiler.driver import compile_target
 from pipec.compiler.ir import Action, Program
-from pipec.errors import RouteError
+from pipec.compiler.simulate import simulate
+from pipec.errors import EvalError, RouteError
+from source_util import error_of, located
 
 
 def _with_rows(program: Program, rows: dict[int, list[Action]]) -> Program:
@@ -53,3 +56,54 @@ def test_a_group_reducing_a_layer_again_after_its_sum_left_is_named_at_the_reduc
         f"rank 1, step {len(program.ranks[1])}: 7REDUCE_G5 reduces layer 3's gradient again after its sum left "
         "this rank: this rank, which does not own the layer, is left with a partial that is never sent on (the "
         "runtime faults at its end)")
+
+
+# ------------------------------------------------------------------ several shift rings
+
+BIDIRECTIONAL = """\
+schedule s(P: ranks = 4) {
+  sequence chunks 2 * P
+  hold chunk c on rank c % P
+  mask causal
+  rings shift 1, -1
+}
+"""
+
+
+def _bidirectional(tmp_path, P: int):
+    path = tmp_path / "bidirectional.pipe"
+    path.write_text(BIDIRECTIONAL)
+    return compile_target(str(path), {"P": P}).program  # compile_target runs every check
+
+
+@pytest.mark.parametrize("P", [3, 4, 5])
+def test_two_opposite_shift_rings_compile_check_and_simulate(tmp_path, P):
+    program = _bidirectional(tmp_path, P)
+    rings = program.rings
+    assert rings.rings == (tuple(range(P)), tuple((-i) % P for i in range(P)))
+    assert rings.pieces == 2  # one piece per ring by default
+    for rank, row in enumerate(program.ranks):  # KV leaves every rank both ways
+        peers = {p.peer for a in row if a.op == ops.EXCHANGE for p in a.parts if p.op == "SEND_KV"}
+        assert peers == {(rank + 1) % P, (rank - 1) % P}
+    result = simulate(program)
+    assert len(result.ranks) == P and result.makespan == max(r.busy + r.idle for r in result.ranks) > 0
+
+
+def test_two_offsets_of_one_ring_are_refused_at_the_second():
+    error = error_of(EvalError, BIDIRECTIONAL.replace("shift 1, -1", "shift 1, 5"))
+    assert located(error, 5, 18) == "the ring offsets 1 and 5 make the same ring on 4 ranks (r -> r + 1): write each ring once"
+
+
+def test_an_offset_sharing_a_factor_with_the_ranks_is_refused_where_written():
+    error = error_of(EvalError, BIDIRECTIONAL.replace("shift 1, -1", "shift 1, 2"))
+    assert located(error, 5, 18) == ("the ring offset 2 shares the factor 2 with the 4 ranks: the ring r -> r + 2 "
+                                     "would visit only 2 of them; pick an offset coprime with 4")
+
+
+def test_two_opposite_shift_rings_reproduce_one_process_on_four_ranks(tmp_path):
+    program = _bidirectional(tmp_path, 4)
+    result = attention_check(program, 4, seq=program.rings.chunks * program.rings.pieces * 3, heads=2, head_dim=4,
+                             batch=2, timeout=60.0)
+    for field in ("out", "dq", "dk", "dv"):
+        assert result[field] <= 1e-12, f"{field} differs by {result[field]:.3g}"
+        assert result["scale"][field] > 0.1  # the comparison is not of zeros
