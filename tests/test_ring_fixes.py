@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from pipec.commands.attention import attention_check
+from pipec.commands.attention import AttentionJob, attention_checks
 from pipec.compiler import ops
 from pipec.compiler.checks import check_weights
+from pipec.compiler.checks.rings import check_rings
 from pipec.compiler.driver import compile_target
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.simulate import simulate
@@ -100,10 +101,48 @@ def test_an_offset_sharing_a_factor_with_the_ranks_is_refused_where_written():
                                      "would visit only 2 of them; pick an offset coprime with 4")
 
 
-def test_two_opposite_shift_rings_reproduce_one_process_on_four_ranks(tmp_path):
-    program = _bidirectional(tmp_path, 4)
-    result = attention_check(program, 4, seq=program.rings.chunks * program.rings.pieces * 3, heads=2, head_dim=4,
-                             batch=2, timeout=60.0)
-    for field in ("out", "dq", "dk", "dv"):
-        assert result[field] <= 1e-12, f"{field} differs by {result[field]:.3g}"
-        assert result["scale"][field] > 0.1  # the comparison is not of zeros
+# ------------------------------------------------------------------ an exchange listing its receive first
+
+
+def _receives_first(program: Program) -> Program:
+    """Every exchange's parts reversed: the receive of each ring step listed before its send."""
+    return replace(program, ranks=[[a._replace(parts=tuple(reversed(a.parts))) if a.op == ops.EXCHANGE else a
+                                    for a in row] for row in program.ranks])
+
+
+def test_an_exchange_listing_its_receive_before_its_send_is_accepted():
+    """zigzag: an exchange sends the bundle its receive replaces; one wait completes both, in either order."""
+    program = compile_target("zigzag_ring", {"P": 4}).program
+    row = program.ranks[0]
+    assert any(a.op == ops.EXCHANGE and [p.op for p in a.parts] == ["SEND_KV", "RECV_KV"]
+               and a.parts[0].mb == a.parts[1].mb for a in row)  # one buffer: sent, then replaced
+    report = check_rings(_receives_first(program))
+    assert report == check_rings(program)
+
+
+def test_a_send_of_another_exchange_still_running_is_still_a_stale_buffer():
+    """Rank 0's second ring step split in two: its receive, waited first, replaces the bundle still being sent."""
+    program = compile_target("zigzag_ring", {"P": 3}).program
+    row = list(program.ranks[0])
+    index = next(i for i, a in enumerate(row) if a.op == ops.EXCHANGE and a.mb == 1)
+    send, recv = row[index].parts
+    assert (send.op, recv.op, send.mb, recv.mb) == ("SEND_KV", "RECV_KV", 0, 0)
+    wait = row.index(Action(-1, ops.EXCHANGE_WAIT, 1))
+    row[wait:wait + 1] = [Action(-1, ops.EXCHANGE_WAIT, 99), row[wait]]
+    row[index:index + 1] = [row[index]._replace(parts=(send,)), Action(-1, ops.EXCHANGE, 99, parts=(recv,))]
+    with pytest.raises(RouteError) as caught:
+        check_rings(_with_rows(program, {0: row}))
+    assert str(caught.value).splitlines()[0] == (
+        f"rank 0, step {wait + 1}: rank 1's KV bundle of piece 0 arrives into the buffer of rank 2's KV bundle of "
+        "piece 0 while that one is still being sent: a stale buffer reused")
+
+
+def test_on_four_ranks_two_opposite_rings_and_receives_listed_first_reproduce_one_process(tmp_path):
+    programs = {"bidirectional": _bidirectional(tmp_path, 4),
+                "zigzag, receives first": _receives_first(compile_target("zigzag_ring", {"P": 4}).program)}
+    jobs = [AttentionJob(program, program.rings.chunks * program.rings.pieces * 3, heads=2, head_dim=4, batch=2,
+                         dtype="float64", seed=seed) for seed, program in enumerate(programs.values())]
+    for name, result in zip(programs, attention_checks(jobs, 4, 60.0, deadline_s=300.0)):
+        for field in ("out", "dq", "dk", "dv"):
+            assert result[field] <= 1e-12, f"{name}: {field} differs by {result[field]:.3g}"
+            assert result["scale"][field] > 0.1  # the comparison is not of zeros

@@ -66,6 +66,7 @@ class _Holdings:
         self.received: dict[int, tuple[int, int] | None] = {p: None for p in range(pieces)}  # again: per piece
         self.kept: set[tuple[int, int]] = set()
         self.sending: Counter = Counter()      # bundle -> KV sends in flight
+        self.sending_in: Counter = Counter()   # (bundle, exchange) -> those of them posted in that exchange
         self.partials: dict[tuple[int, int], Counter] = {}
         self.incoming: Counter = Counter()     # bundle -> dKV receives posted, not waited
 
@@ -125,6 +126,7 @@ class RingSemantics(Semantics):
                 raise self.error(RouteError, f"{action.text()} sends {_bundle_text(bundle)}, which this rank does "
                                  "not hold now", state.rank, state.pc)
             h.sending[bundle] += 1
+            h.sending_in[(bundle, part.exchange)] += 1
         elif action.op == ops.SEND_DKV:
             if h.incoming[bundle]:
                 raise self.error(RouteError, f"{action.text()} sends this rank's partial of {_bundle_text(bundle)} "
@@ -143,13 +145,19 @@ class RingSemantics(Semantics):
         bundle = (action.stage, action.mb)
         if action.op == ops.SEND_KV:
             h.sending[bundle] -= 1
+            h.sending_in[(bundle, part.exchange)] -= 1
         elif action.op == ops.RECV_KV:
-            self.deliver(state, bundle)
+            self.deliver(state, bundle, part.exchange)
         elif action.op == ops.RECV_DKV:
             h.incoming[bundle] -= 1
             h.partials.setdefault(bundle, Counter()).update(part.content or Counter())
 
-    def deliver(self, state: RankState, bundle: tuple[int, int]) -> None:
+    def deliver(self, state: RankState, bundle: tuple[int, int], exchange: int) -> None:
+        """A received bundle takes its piece's buffer (``kv again``): no send of the old one may still run.
+
+        A send posted in the receive's own exchange has completed with it
+        (one wait completes every part), whichever part the exchange lists first.
+        """
         if bundle[0] == state.rank:
             return
         h = self.held[state.rank]
@@ -157,7 +165,7 @@ class RingSemantics(Semantics):
             h.kept.add(bundle)
         else:
             old = h.received[bundle[1]]
-            if old is not None and h.sending[old]:
+            if old is not None and h.sending[old] - h.sending_in[(old, exchange)]:
                 raise self.error(RouteError, f"{_bundle_text(bundle)} arrives into the buffer of "
                                  f"{_bundle_text(old)} while that one is still being sent: a stale buffer "
                                  "reused", state.rank, state.pc)
