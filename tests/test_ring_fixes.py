@@ -16,7 +16,7 @@ from pipec.compiler.checks.rings import check_rings
 from pipec.compiler.driver import compile_target
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.simulate import simulate
-from pipec.errors import EvalError, RouteError
+from pipec.errors import EvalError, MatchError, RouteError
 from source_util import error_of, located
 
 
@@ -146,3 +146,23 @@ def test_on_four_ranks_two_opposite_rings_and_receives_listed_first_reproduce_on
         for field in ("out", "dq", "dk", "dv"):
             assert result[field] <= 1e-12, f"{name}: {field} differs by {result[field]:.3g}"
             assert result["scale"][field] > 0.1  # the comparison is not of zeros
+
+
+# ------------------------------------------------------------------ mixed batching
+
+
+def test_one_rank_moving_an_all_to_all_exchange_to_point_to_point_is_a_matching_error_naming_both_ranks():
+    program = compile_target("tasp", {"P": 3}).program
+    row = list(program.ranks[1])
+    index = next(i for i, a in enumerate(row) if a.op == ops.EXCHANGE)
+    (alltoall,) = row[index].parts
+    assert alltoall.op == "ALLTOALL_KV"
+    row[index] = row[index]._replace(parts=alltoall.parts)  # the same messages, point to point
+    with pytest.raises(MatchError) as caught:
+        check_rings(_with_rows(program, {1: row}))
+    error = caught.value
+    assert (error.rank, error.step, error.marks) == (1, index, [(0, 0)])
+    assert str(error).splitlines()[0] == (
+        f"rank 1, step {index}: 1SEND_KV0 on rank 1 is a point-to-point message, but rank 0 moves its side, "
+        "1RECV_KV0, inside (1RECV_KV0;0SEND_KV0;0RECV_KV1;2SEND_KV1)ALLTOALL_KV0 (step 0): both sides of a message "
+        "must move it alike")

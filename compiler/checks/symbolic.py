@@ -228,7 +228,7 @@ class SymbolicRun:
                     moved = True
         stuck = [state for state in self.ranks if state.pc < len(self.program.ranks[state.rank])]
         if stuck:
-            raise self.deadlock(stuck)
+            raise self.mixed_batching() or self.deadlock(stuck)
         self.finish()
         return {s.family: s.report() for s in self.semantics}
 
@@ -463,6 +463,42 @@ class SymbolicRun:
                                  f"{dst if part.rank == src else src} posts no counterpart", part.rank, part.step)
         for semantics in self.semantics:
             semantics.finish()
+
+    def mixed_batching(self) -> MatchError | None:
+        """A message one side posts point to point and the other inside a collective (an all_to_all).
+
+        Neither side ever completes, so the run stops as a deadlock would; its
+        cause is a matching one, named here at the point-to-point side with the
+        other side's collective marked.
+        """
+        for state in self.ranks:
+            for _, parts in state.open.values():
+                for part in parts:
+                    if part.done or part.inside is not None or part.meeting is not None:
+                        continue
+                    other = self.inner_counterpart(part)
+                    if other is not None:
+                        return self.error(
+                            MatchError, f"{part.action.text()} on rank {part.rank} is a point-to-point message, but "
+                            f"rank {other.rank} moves its side, {other.action.text()}, inside "
+                            f"{other.inside.action.text()} (step {other.step}): both sides of a message must move "
+                            "it alike", part.rank, part.step, [(other.rank, other.step)])
+        return None
+
+    def inner_counterpart(self, part: Part) -> Part | None:
+        """The pending part inside a peer's collective that would take (or give) ``part``'s message, if any."""
+        rule = ops.RULES[part.action.op]
+        if rule.category not in (ops.PART_SEND, ops.PART_RECV):
+            return None
+        peer, is_send = part.action.peer, rule.category == ops.PART_SEND
+        if not 0 <= peer < len(self.ranks):
+            return None
+        for _, parts in self.ranks[peer].open.values():
+            for other in parts:
+                if other.inside is not None and not other.done and other.action.peer == part.rank \
+                        and (ops.RULES[other.action.op].category == ops.PART_SEND) != is_send:
+                    return other
+        return None
 
     def deadlock(self, stuck: list[RankState]) -> DeadlockError:
         by_rank = {s.rank: s for s in stuck}
