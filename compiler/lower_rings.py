@@ -26,7 +26,7 @@ from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, RingPlan, StageInfo, build_program
 from pipec.compiler.rings import hamiltonian_rings, rail_rings
 from pipec.dsl.spec import RingSpec, ScheduleSpec
-from pipec.errors import UsageError
+from pipec.errors import EvalError, UsageError
 
 # The ring family's lowering emits its own ops and interprets none: no pass to declare (``ops.declare_pass``).
 
@@ -84,7 +84,12 @@ def ring_program(plan: RingPlan, ranks: list[list[Action]], name: str = "", para
 
 def lower_rings(spec: ScheduleSpec) -> Program:
     """The program of an evaluated ring schedule (module docstring): its written order's, or the derived one."""
-    plan = ring_plan(spec.rings, spec.num_ranks)
+    try:
+        plan = ring_plan(spec.rings, spec.num_ranks)
+    except UsageError as error:  # rings the search refuses: a value error of the written `rings`
+        if spec.rings.rings_span is None:
+            raise
+        raise EvalError(str(error), spec.rings.rings_span, spec.source) from None
     written = None if spec.order is None else written_steps(plan, spec.order, spec.task_steps)
     return lower_plan(plan, spec.name, spec.params, spec.path, written)
 

@@ -291,9 +291,12 @@ def ring_spec(decls: RingDecls, env: list, P: int, resolver: Resolver, budget: "
             raise EvalError(f"`pieces` must be at least 1, got {pieces}", pieces_node.value.span, source)
     _check_blocks(decls, chunks, causal, pieces, ring_count, label, source)
     modes = {what: mode.mode for what, mode in decls.modes.items()}
+    rings_node = decls.rings[0]
+    rings_span = _cover(rings_node.values[0].span, rings_node.values[-1].span) if rings_node.values \
+        else rings_node.span
     return RingSpec(chunks=chunks, holders=holders, causal=causal, rings=kind, ring_args=ring_args, pieces=pieces,
                     kv=modes.get("kv", DEFAULT_MODES["kv"]), dkv=modes.get("dkv", DEFAULT_MODES["dkv"]),
-                    transfer=modes.get("transfer", DEFAULT_MODES["transfer"]))
+                    transfer=modes.get("transfer", DEFAULT_MODES["transfer"]), rings_span=rings_span)
 
 
 def _holders(decls: RingDecls, env: list, chunks: int, P: int, resolver: Resolver,

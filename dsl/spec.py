@@ -169,6 +169,9 @@ class RingSpec:
         kv: ``again`` or ``kept`` (``kv ROUTE``; again when absent).
         dkv: ``behind`` or ``direct`` (``dkv ROUTE``; behind when absent).
         transfer: ``p2p`` or ``all_to_all`` (``transfer KIND``; p2p when absent).
+        rings_span: where ``rings``' values are written (None when built
+            by hand): the compiler's ring search, which may refuse a shape
+            the front end cannot judge (rails of 3 nodes x 2), reports there.
     """
 
     chunks: int
@@ -180,6 +183,7 @@ class RingSpec:
     kv: str = "again"
     dkv: str = "behind"
     transfer: str = "p2p"
+    rings_span: Span | None = field(default=None, compare=False)
 
 
 @dataclass

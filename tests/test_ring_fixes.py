@@ -17,6 +17,7 @@ from pipec.compiler.driver import compile_target
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.simulate import simulate
 from pipec.errors import EvalError, MatchError, RouteError
+from cli_util import cli
 from source_util import error_of, located
 
 
@@ -166,3 +167,16 @@ def test_one_rank_moving_an_all_to_all_exchange_to_point_to_point_is_a_matching_
         f"rank 1, step {index}: 1SEND_KV0 on rank 1 is a point-to-point message, but rank 0 moves its side, "
         "1RECV_KV0, inside (1RECV_KV0;0SEND_KV0;0RECV_KV1;2SEND_KV1)ALLTOALL_KV0 (step 0): both sides of a message "
         "must move it alike")
+
+
+# ------------------------------------------------------------------ where errors point
+
+
+def test_a_rail_shape_with_no_rings_is_a_value_error_at_the_written_rails(capsys):
+    status, out, err = cli(capsys, "check", "tasp:tasp_rails", "-D", "M=3", "-D", "K=2")
+    assert status == 1 and out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith("schedules/tasp.pipe:33:15: 3 nodes x 2 devices: no such rings exist: ")
+    assert lines[0].endswith("after an odd number (3) of nodes it cannot close")
+    assert lines[1:] == ["      rings rails M, K", "                  ^~~~"]
+    assert "Traceback" not in err
