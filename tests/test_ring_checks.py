@@ -99,9 +99,9 @@ def test_a_skipped_block_is_named():
     with pytest.raises(CoverageError) as caught:
         check_rings(bad)
     kv, piece = program.rings.unblock(skipped.mb)
-    # its backward is the first to miss it
-    assert f"runs backward before the forward of block (query chunk {skipped.stage}, kv chunk {kv}, piece {piece})" \
-        in caught.value.message
+    # its chunk's first backward is the first to miss it, and names it as never computed
+    assert f"the block (query chunk {skipped.stage}, kv chunk {kv}, piece {piece}) is never computed forward (1 " \
+        f"visible block of chunk {skipped.stage} missing)" in caught.value.message
     assert caught.value.rank == 1
 
 

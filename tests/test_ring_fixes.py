@@ -16,7 +16,7 @@ from pipec.compiler.checks.rings import check_rings
 from pipec.compiler.driver import compile_target
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.simulate import simulate
-from pipec.errors import EvalError, MatchError, RouteError
+from pipec.errors import CoverageError, EvalError, MatchError, RouteError
 from cli_util import cli
 from source_util import error_of, located
 
@@ -180,3 +180,29 @@ def test_a_rail_shape_with_no_rings_is_a_value_error_at_the_written_rails(capsys
     assert lines[0].endswith("after an odd number (3) of nodes it cannot close")
     assert lines[1:] == ["      rings rails M, K", "                  ^~~~"]
     assert "Traceback" not in err
+
+
+def test_a_skipped_forward_block_is_named_never_computed_at_its_chunks_first_backward():
+    program = compile_target("zigzag_ring", {"P": 3}).program
+    skipped = next(a for a in program.ranks[1] if a.op == ops.AF)
+    row = [a for a in program.ranks[1] if a != skipped]
+    first_backward = next(i for i, a in enumerate(row) if a.op == ops.AB and a.stage == skipped.stage)
+    with pytest.raises(CoverageError) as caught:
+        check_rings(_with_rows(program, {1: row}))
+    kv, piece = program.rings.unblock(skipped.mb)
+    backward = row[first_backward]
+    assert (caught.value.rank, caught.value.step) == (1, first_backward)
+    assert caught.value.message == (
+        f"{backward.text()}: the block (query chunk {skipped.stage}, kv chunk {kv}, piece {piece}) is never computed "
+        f"forward (1 visible block of chunk {skipped.stage} missing), and the block (query chunk {backward.stage}, "
+        f"kv chunk {program.rings.unblock(backward.mb)[0]}, piece 0) needs its queries' global output and "
+        "log-sum-exp")
+
+
+def test_a_forward_block_moved_after_its_chunks_backward_is_still_an_order_error():
+    program = compile_target("zigzag_ring", {"P": 3}).program
+    moved = next(a for a in program.ranks[1] if a.op == ops.AF)
+    row = [a for a in program.ranks[1] if a != moved] + [moved]
+    with pytest.raises(CoverageError, match=r"runs backward before the forward of block \(query chunk "
+                                            rf"{moved.stage}, "):
+        check_rings(_with_rows(program, {1: row}))

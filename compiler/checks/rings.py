@@ -223,11 +223,28 @@ class RingSemantics(Semantics):
                              state.rank, state.pc)
         missing = sorted(self.expected[q] - self.forward[q])
         if missing:
-            raise self.error(CoverageError, f"{action.text()}: the {what} runs backward before the forward of "
-                             f"{block_text(plan, q, missing[0])}: a backward block needs its queries' global output "
-                             "and log-sum-exp", state.rank, state.pc)
+            self.forward_missing(state, action, what, missing)
         self.backward[q].add(action.mb)
         self.held[state.rank].partials.setdefault(bundle, Counter())[(q, kv, piece)] += 1
+
+    def forward_missing(self, state: RankState, action: Action, what: str, missing: list[int]) -> None:
+        """A backward block of a chunk some of whose forward blocks have not run.
+
+        Every block of a chunk runs on its holder, so a forward block not later
+        in this rank's list is never computed: named as such, not as an order
+        the user could fix by moving it.
+        """
+        plan, q = self.plan, action.stage
+        later = set(self.program.ranks[state.rank][state.pc + 1:])
+        never = [block for block in missing if Action(q, ops.AF, block) not in later]
+        if never:
+            count = f"{len(never)} visible block{'s' if len(never) > 1 else ''} of chunk {q}"
+            raise self.error(CoverageError, f"{action.text()}: the {block_text(plan, q, never[0])} is never computed "
+                             f"forward ({count} missing), and the {what} needs its queries' global output and "
+                             "log-sum-exp", state.rank, state.pc)
+        raise self.error(CoverageError, f"{action.text()}: the {what} runs backward before the forward of "
+                         f"{block_text(plan, q, missing[0])}: a backward block needs its queries' global output "
+                         "and log-sum-exp", state.rank, state.pc)
 
     # -- the end -----------------------------------------------------------------
 
