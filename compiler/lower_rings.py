@@ -20,6 +20,7 @@ all_to_all`` moves.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from math import gcd
 
 from pipec.compiler import ops
@@ -132,7 +133,9 @@ def lower_plan(plan: RingPlan, name: str = "", params: dict | None = None, sourc
     exchanges are the derived order's, at the same places. Whether each block finds its KV, and whether
     every visible block is computed once each way, is the check's to say.
     """
-    rows = [_Lowering(plan, rank, None if written is None else written[rank]).run() for rank in range(plan.num_ranks)]
+    lowerings = [_Lowering(plan, rank, None if written is None else written[rank]) for rank in range(plan.num_ranks)]
+    rows = [lowering.run() for lowering in lowerings]
+    plan = replace(plan, steps=tuple(tuple(lowering.steps) for lowering in lowerings))
     return ring_program(plan, rows, name, params, source)
 
 
@@ -143,6 +146,7 @@ class _Lowering:
         self.plan, self.rank = plan, rank
         self.n = plan.num_ranks
         self.row: list[Action] = []
+        self.steps: list[int] = []  # the ring step of each instruction of ``row``
         self.exchanges = 0
         self.written = written  # the blocks of each of the 2n steps, or None: derived
 
@@ -194,12 +198,17 @@ class _Lowering:
             parts.append(Action(self.holder_at(piece, step + 1), recv, piece, self.plan.prev_on(piece, self.rank)))
         return parts
 
+    def at_step(self, step: int) -> None:
+        """The instructions appended since the last call belong to ring step ``step``."""
+        self.steps += [step] * (len(self.row) - len(self.steps))
+
     def run(self) -> list[Action]:
         last = self.n - 1
         for step in range(self.n):  # forward
             moving = self.exchange(self.shift(step, ops.SEND_KV, ops.RECV_KV), "kv") if step < last else None
             self.row += self.blocks(step, ops.AF)
             self.wait(moving)
+            self.at_step(step)
         partials = None
         for step in range(self.n):  # backward
             moving = None
@@ -210,9 +219,11 @@ class _Lowering:
             if self.plan.dkv == "behind":
                 self.wait(partials)  # step's incoming partial folded before this rank's leaves
                 partials = self.exchange(self.shift(step, ops.SEND_DKV, ops.RECV_DKV), "dkv")
+            self.at_step(self.n + step)
         if self.plan.dkv == "direct":
             partials = self.exchange(self.direct_partials(), "dkv")
         self.wait(partials)
+        self.at_step(2 * self.n - 1)
         return self.row
 
     def direct_partials(self) -> list[Action]:

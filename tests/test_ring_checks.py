@@ -235,8 +235,8 @@ def test_a_cycle_of_waits_is_a_deadlock_naming_both_ranks():
                      Action(-1, ops.EXCHANGE_WAIT, 1)])
     with pytest.raises(DeadlockError) as caught:
         check_rings(ring_program(plan, rows, "cycle"))
-    assert "rank 0 (step 1) waits in EXCHANGE_WAIT0" in caught.value.message
-    assert "rank 1 (step 1) waits in EXCHANGE_WAIT0" in caught.value.message
+    assert "rank 0 (instruction 1) waits in EXCHANGE_WAIT0" in caught.value.message
+    assert "rank 1 (instruction 1) waits in EXCHANGE_WAIT0" in caught.value.message
 
 
 def test_the_kth_all_to_all_must_be_the_same_on_every_rank():

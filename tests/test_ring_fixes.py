@@ -19,6 +19,7 @@ from pipec.compiler.simulate import simulate
 from pipec.errors import CoverageError, EvalError, MatchError, RouteError
 from cli_util import cli
 from source_util import error_of, located
+from test_ring_order import ZIGZAG as ZIGZAG_WRITTEN
 
 
 def _with_rows(program: Program, rows: dict[int, list[Action]]) -> Program:
@@ -134,7 +135,7 @@ def test_a_send_of_another_exchange_still_running_is_still_a_stale_buffer():
     with pytest.raises(RouteError) as caught:
         check_rings(_with_rows(program, {0: row}))
     assert str(caught.value).splitlines()[0] == (
-        f"rank 0, step {wait + 1}: rank 1's KV bundle of piece 0 arrives into the buffer of rank 2's KV bundle of "
+        f"rank 0, instruction {wait + 1}: rank 1's KV bundle of piece 0 arrives into the buffer of rank 2's KV bundle of "
         "piece 0 while that one is still being sent: a stale buffer reused")
 
 
@@ -162,11 +163,11 @@ def test_one_rank_moving_an_all_to_all_exchange_to_point_to_point_is_a_matching_
     with pytest.raises(MatchError) as caught:
         check_rings(_with_rows(program, {1: row}))
     error = caught.value
-    assert (error.rank, error.step, error.marks) == (1, index, [(0, 0)])
+    assert (error.rank, error.step, error.marks) == (1, index, [(2, 0)])
     assert str(error).splitlines()[0] == (
-        f"rank 1, step {index}: 1SEND_KV0 on rank 1 is a point-to-point message, but rank 0 moves its side, "
-        "1RECV_KV0, inside (1RECV_KV0;0SEND_KV0;0RECV_KV1;2SEND_KV1)ALLTOALL_KV0 (step 0): both sides of a message "
-        "must move it alike")
+        f"rank 1, instruction {index} (at step 0): 1SEND_KV0 on rank 1 is a point-to-point message, but rank 2 "
+        "moves its side, 1RECV_KV0, inside (2SEND_KV0;1RECV_KV0;2SEND_KV1;0RECV_KV1)ALLTOALL_KV0 (instruction 0): "
+        "both sides of a message must move it alike")
 
 
 # ------------------------------------------------------------------ where errors point
@@ -206,3 +207,37 @@ def test_a_forward_block_moved_after_its_chunks_backward_is_still_an_order_error
     with pytest.raises(CoverageError, match=r"runs backward before the forward of block \(query chunk "
                                             rf"{moved.stage}, "):
         check_rings(_with_rows(program, {1: row}))
+
+
+def test_a_ring_error_names_the_instruction_and_beside_it_the_written_step(tmp_path):
+    """The documented zigzag order with KV taken from the wrong side: 3AF0 is written `at step 1` (rank 3 takes
+    kv chunk 0 at t with (3 + t) % 4 == 0), a later instruction of rank 3's list."""
+    text = ZIGZAG_WRITTEN.replace("let h = (r - t) % P", "let h = (r + t) % P")
+    path = tmp_path / "written.pipe"
+    path.write_text(text)
+    with pytest.raises(RouteError) as caught:
+        compile_target(str(path), {"P": 4})
+    error = caught.value
+    assert (error.rank, error.written_step) == (3, 1) and error.step > 1
+    assert error.grid[3][error.step] == "3AF0"
+    assert str(error).splitlines()[0] == (
+        f"rank 3, instruction {error.step} (at step 1): 3AF0: the block (query chunk 3, kv chunk 0, piece 0) needs "
+        "rank 0's KV bundle of piece 0, which this rank does not hold now")
+
+
+def test_ring_steps_are_recorded_for_every_instruction_of_the_lowered_lists():
+    program = compile_target("zigzag_ring", {"P": 3}).program
+    steps = program.rings.steps
+    for rank, row in enumerate(program.ranks):
+        assert len(steps[rank]) == len(row) and list(steps[rank]) == sorted(steps[rank])
+        assert {steps[rank][i] for i, a in enumerate(row) if a.op == ops.AF} == {0, 1, 2}
+        assert {steps[rank][i] for i, a in enumerate(row) if a.op == ops.AB} == {3, 4, 5}
+
+
+def test_other_families_keep_step_for_the_instruction_index():
+    program = compile_target("fsdp", {"P": 2}).program
+    row = [a for a in program.ranks[1]]
+    row.insert(3, Action(-1, ops.EXCHANGE_WAIT, 999))
+    with pytest.raises(MatchError) as caught:
+        check_weights(_with_rows(program, {1: row}))
+    assert str(caught.value).startswith("rank 1, step 3: EXCHANGE_WAIT999 waits for exchange 999")

@@ -205,12 +205,18 @@ class SymbolicRun:
         self.ranks = [RankState(r) for r in range(program.num_ranks)]
         self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
         self.meetings: dict[tuple[int, int], Meeting] = {}
+        # A sequence ring's schedule writes steps (`at step`) of its own: there the list index is an "instruction".
+        self.index_word = "step" if program.rings is None else "instruction"
 
     def error(self, cls, message: str, rank: int, step: int, marks=()):
-        """A ``cls`` (a ``ProgramError``) at (rank, step), with the program's grid."""
+        """A ``cls`` (a ``ProgramError``) at (rank, step), with the program's grid (and a ring's step)."""
         if self.grid is None:
             self.grid = self.program.grid()
-        return cls(message, rank, step, self.grid, marks)
+        error = cls(message, rank, step, self.grid, marks)
+        error.index_word = self.index_word
+        if self.program.rings is not None and 0 <= rank < len(self.program.ranks):
+            error.written_step = self.program.rings.step_of(rank, step, len(self.program.ranks[rank]))
+        return error
 
     def end_of(self, rank: int) -> int:
         return max(len(self.program.ranks[rank]) - 1, 0)
@@ -364,7 +370,7 @@ class SymbolicRun:
         if value_send != value_recv:
             raise self.error(
                 MatchError, f"{recv.action.text()} from rank {send.rank} gets {send.action.text()} (rank "
-                f"{send.rank}, step {send.step}): messages are matched in order per pair of ranks, and these "
+                f"{send.rank}, {self.index_word} {send.step}): messages are matched in order per pair of ranks, and these "
                 f"carry different values ({semantics.value_text(value_send)} against "
                 f"{semantics.value_text(value_recv)})", recv.rank, recv.step, [(send.rank, send.step)])
         send.peer_part, recv.peer_part = recv, send
@@ -388,7 +394,7 @@ class SymbolicRun:
             if other_signature != signature:
                 raise self.error(
                     MatchError, f"the {_ordinal(k + 1)} collective on {communicator_text(communicator)} is "
-                    f"{action.text()} here but {other_part.action.text()} on rank {other} (step "
+                    f"{action.text()} here but {other_part.action.text()} on rank {other} ({self.index_word} "
                     f"{other_part.step}): every member must meet its collectives in the same order",
                     state.rank, part.step, [(other, other_part.step)])
             break
@@ -481,7 +487,7 @@ class SymbolicRun:
                         return self.error(
                             MatchError, f"{part.action.text()} on rank {part.rank} is a point-to-point message, but "
                             f"rank {other.rank} moves its side, {other.action.text()}, inside "
-                            f"{other.inside.action.text()} (step {other.step}): both sides of a message must move "
+                            f"{other.inside.action.text()} ({self.index_word} {other.step}): both sides of a message must move "
                             "it alike", part.rank, part.step, [(other.rank, other.step)])
         return None
 
@@ -510,12 +516,12 @@ class SymbolicRun:
             action = self.program.ranks[state.rank][state.pc]
             part, others = state.waiting_on or (None, [])
             if part is None:
-                lines.append(f"rank {state.rank} (step {state.pc}) is stuck at {action.text()}")
+                lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) is stuck at {action.text()}")
             elif part.meeting is not None:
-                lines.append(f"rank {state.rank} (step {state.pc}) waits in {action.text()} for "
+                lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) waits in {action.text()} for "
                              f"{_ranks_text(others)} to join {part.action.text()}")
             else:
-                lines.append(f"rank {state.rank} (step {state.pc}) waits in {action.text()} for "
+                lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) waits in {action.text()} for "
                              f"{part.action.text()} to meet {_ranks_text(others)}")
             marks.append((state.rank, state.pc))
             state = next((by_rank[r] for r in others if r in by_rank), None)
