@@ -14,8 +14,9 @@ output and log-sum-exp; ``CoverageError``), route consistency and buffer slots
 (a block finds its bundle, no buffer replaced while its send runs: the public
 code's silent corruption; ``RouteError``) and reduction completeness (every
 contribution home exactly once; ``RouteError``). docs/rings.md, section 3,
-lists every hazard; each error names the rank, the instruction (step) and the
-block or bundle.
+lists every hazard; each error names the rank, the instruction (its index in
+the rank's list, with its ring step beside it where the lowering recorded it)
+and the block or bundle.
 """
 from __future__ import annotations
 
