@@ -94,7 +94,8 @@ def test_two_opposite_shift_rings_compile_check_and_simulate(tmp_path, P):
 
 def test_two_offsets_of_one_ring_are_refused_at_the_second():
     error = error_of(EvalError, BIDIRECTIONAL.replace("shift 1, -1", "shift 1, 5"))
-    assert located(error, 5, 18) == "the ring offsets 1 and 5 make the same ring on 4 ranks (r -> r + 1): write each ring once"
+    assert located(error, 5, 18) == ("the ring offsets 1 and 5 make the same ring on 4 ranks (r -> r + 1): write "
+                                     "each ring once")
 
 
 def test_an_offset_sharing_a_factor_with_the_ranks_is_refused_where_written():
@@ -135,8 +136,8 @@ def test_a_send_of_another_exchange_still_running_is_still_a_stale_buffer():
     with pytest.raises(RouteError) as caught:
         check_rings(_with_rows(program, {0: row}))
     assert str(caught.value).splitlines()[0] == (
-        f"rank 0, instruction {wait + 1}: rank 1's KV bundle of piece 0 arrives into the buffer of rank 2's KV bundle of "
-        "piece 0 while that one is still being sent: a stale buffer reused")
+        f"rank 0, instruction {wait + 1}: rank 1's KV bundle of piece 0 arrives into the buffer of rank 2's KV "
+        "bundle of piece 0 while that one is still being sent: a stale buffer reused")
 
 
 def test_on_four_ranks_two_opposite_rings_and_receives_listed_first_reproduce_one_process(tmp_path):

@@ -370,8 +370,8 @@ class SymbolicRun:
         if value_send != value_recv:
             raise self.error(
                 MatchError, f"{recv.action.text()} from rank {send.rank} gets {send.action.text()} (rank "
-                f"{send.rank}, {self.index_word} {send.step}): messages are matched in order per pair of ranks, and these "
-                f"carry different values ({semantics.value_text(value_send)} against "
+                f"{send.rank}, {self.index_word} {send.step}): messages are matched in order per pair of ranks, "
+                f"and these carry different values ({semantics.value_text(value_send)} against "
                 f"{semantics.value_text(value_recv)})", recv.rank, recv.step, [(send.rank, send.step)])
         send.peer_part, recv.peer_part = recv, send
         semantics.matched(send, recv)
@@ -487,8 +487,8 @@ class SymbolicRun:
                         return self.error(
                             MatchError, f"{part.action.text()} on rank {part.rank} is a point-to-point message, but "
                             f"rank {other.rank} moves its side, {other.action.text()}, inside "
-                            f"{other.inside.action.text()} ({self.index_word} {other.step}): both sides of a message must move "
-                            "it alike", part.rank, part.step, [(other.rank, other.step)])
+                            f"{other.inside.action.text()} ({self.index_word} {other.step}): both sides of a "
+                            "message must move it alike", part.rank, part.step, [(other.rank, other.step)])
         return None
 
     def inner_counterpart(self, part: Part) -> Part | None:

@@ -426,7 +426,6 @@ class WeightSemantics(Semantics):
                 raise self.error(RouteError, f"layer {layer}'s weight gradient at {where} {problem}: every "
                                  "microbatch's contribution must be folded in exactly once", at, self.run.end_of(at))
 
-
     def left_partial(self, rank: int, layer: int) -> None:
         """A partial on a rank that does not own its layer: the runtime faults on it even when it sums nothing."""
         held, reduce = +self.held[rank].accumulated[layer], self.held[rank].summed_at.get(layer)
