@@ -1,7 +1,17 @@
-"""Issue 26, item 6: programs the checks and the runtime judged differently, and the ring errors' wording.
+"""Issue 26, item 6 (its sequence-ring and weight-check points): the checks agree with the runtime, and say where.
 
-Each test plants one program the runtime runs exactly (or faults on) and
-asserts the check's verdict, with its exact message where one is expected.
+* a TawPipe group reducing a layer again after its sum left (the runtime
+  faults): named at the reduce;
+* `rings shift 1, -1`: two rings, compiled, checked, simulated, and run on 4
+  gloo ranks within 1e-12 of one process in float64;
+* an exchange listing its receive before its send (the runtime runs it):
+  accepted, and run on 4 ranks; a send of another exchange still running is
+  still a stale buffer;
+* one rank moving an all_to_all exchange to point to point: a matching error
+  naming both ranks, not a deadlock;
+* errors' places: rails the ring search refuses at `file:line:col`, a ring
+  error's instruction with its written `at step` beside it, a skipped forward
+  block named never computed.
 """
 from __future__ import annotations
 
