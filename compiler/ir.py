@@ -378,6 +378,10 @@ class RingPlan:
             ``direct`` (every rank sends its partial of each bundle straight home).
         transfer: ``p2p`` or ``all_to_all`` (see ``TRANSFERS``).
         note: what the compiler wants a user to know about the rings (n = 4, 6).
+        steps: per rank, the ring step (0..2n-1: ``at step``) each instruction
+            belongs to, as lowered; None for a plan read or built by hand.
+            Errors name it beside the instruction's index; not part of the
+            plan's identity or its JSON.
     """
 
     chunks: int
@@ -389,10 +393,19 @@ class RingPlan:
     dkv: str = "behind"
     transfer: str = "p2p"
     note: str = ""
+    steps: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_ranks(self) -> int:
         return len(self.rings[0])
+
+    def step_of(self, rank: int, index: int, row_length: int) -> int | None:
+        """The ring step of instruction ``index`` of ``rank``'s list, when known for a list of that length."""
+        steps = self.steps
+        if steps is None or not 0 <= rank < len(steps) or len(steps[rank]) != row_length \
+                or not 0 <= index < row_length:
+            return None
+        return steps[rank][index]
 
     def communicators(self, num_ranks: int) -> list[Communicator]:
         """One communicator of every rank: an all_to_all exchange meets on it."""

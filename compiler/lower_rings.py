@@ -20,13 +20,14 @@ all_to_all`` moves.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from math import gcd
 
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, RingPlan, StageInfo, build_program
 from pipec.compiler.rings import hamiltonian_rings, rail_rings
 from pipec.dsl.spec import RingSpec, ScheduleSpec
-from pipec.errors import UsageError
+from pipec.errors import EvalError, UsageError
 
 # The ring family's lowering emits its own ops and interprets none: no pass to declare (``ops.declare_pass``).
 
@@ -40,10 +41,10 @@ def ring_plan(spec: RingSpec, num_ranks: int) -> RingPlan:
     """
     note = ""
     if spec.rings == "shift":
-        by = spec.ring_args[0] % num_ranks
-        if gcd(by, num_ranks) != 1:
-            raise UsageError(f"rings shift {spec.ring_args[0]} does not visit every one of {num_ranks} ranks")
-        cycles = (tuple(i * by % num_ranks for i in range(num_ranks)),)
+        cycles = tuple(_shift_ring(by, num_ranks) for by in spec.ring_args)
+        if not cycles or len({cycle[1:2] for cycle in cycles}) != len(cycles):
+            raise UsageError(f"rings shift {', '.join(map(str, spec.ring_args))}: one or more distinct offsets "
+                             f"modulo {num_ranks}, each a ring")
     elif spec.rings == "hamilton":
         found = hamiltonian_rings(num_ranks)
         cycles, note = found.cycles, found.note
@@ -62,6 +63,13 @@ def ring_plan(spec: RingSpec, num_ranks: int) -> RingPlan:
                     spec.kv, spec.dkv, spec.transfer, note)
 
 
+def _shift_ring(by: int, num_ranks: int) -> tuple[int, ...]:
+    """The ring r -> r + by from rank 0, which must visit every rank."""
+    if gcd(by % num_ranks, num_ranks) != 1:
+        raise UsageError(f"rings shift {by} does not visit every one of {num_ranks} ranks")
+    return tuple(i * by % num_ranks for i in range(num_ranks))
+
+
 def ring_program(plan: RingPlan, ranks: list[list[Action]], name: str = "", params: dict | None = None,
                  source: str = "") -> Program:
     """A ``Program`` of the ring family around per-rank instruction lists.
@@ -77,7 +85,12 @@ def ring_program(plan: RingPlan, ranks: list[list[Action]], name: str = "", para
 
 def lower_rings(spec: ScheduleSpec) -> Program:
     """The program of an evaluated ring schedule (module docstring): its written order's, or the derived one."""
-    plan = ring_plan(spec.rings, spec.num_ranks)
+    try:
+        plan = ring_plan(spec.rings, spec.num_ranks)
+    except UsageError as error:  # rings the search refuses: a value error of the written `rings`
+        if spec.rings.rings_span is None:
+            raise
+        raise EvalError(str(error), spec.rings.rings_span, spec.source) from None
     written = None if spec.order is None else written_steps(plan, spec.order, spec.task_steps)
     return lower_plan(plan, spec.name, spec.params, spec.path, written)
 
@@ -120,7 +133,9 @@ def lower_plan(plan: RingPlan, name: str = "", params: dict | None = None, sourc
     exchanges are the derived order's, at the same places. Whether each block finds its KV, and whether
     every visible block is computed once each way, is the check's to say.
     """
-    rows = [_Lowering(plan, rank, None if written is None else written[rank]).run() for rank in range(plan.num_ranks)]
+    lowerings = [_Lowering(plan, rank, None if written is None else written[rank]) for rank in range(plan.num_ranks)]
+    rows = [lowering.run() for lowering in lowerings]
+    plan = replace(plan, steps=tuple(tuple(lowering.steps) for lowering in lowerings))
     return ring_program(plan, rows, name, params, source)
 
 
@@ -131,6 +146,7 @@ class _Lowering:
         self.plan, self.rank = plan, rank
         self.n = plan.num_ranks
         self.row: list[Action] = []
+        self.steps: list[int] = []  # the ring step of each instruction of ``row``
         self.exchanges = 0
         self.written = written  # the blocks of each of the 2n steps, or None: derived
 
@@ -182,12 +198,17 @@ class _Lowering:
             parts.append(Action(self.holder_at(piece, step + 1), recv, piece, self.plan.prev_on(piece, self.rank)))
         return parts
 
+    def at_step(self, step: int) -> None:
+        """The instructions appended since the last call belong to ring step ``step``."""
+        self.steps += [step] * (len(self.row) - len(self.steps))
+
     def run(self) -> list[Action]:
         last = self.n - 1
         for step in range(self.n):  # forward
             moving = self.exchange(self.shift(step, ops.SEND_KV, ops.RECV_KV), "kv") if step < last else None
             self.row += self.blocks(step, ops.AF)
             self.wait(moving)
+            self.at_step(step)
         partials = None
         for step in range(self.n):  # backward
             moving = None
@@ -198,9 +219,11 @@ class _Lowering:
             if self.plan.dkv == "behind":
                 self.wait(partials)  # step's incoming partial folded before this rank's leaves
                 partials = self.exchange(self.shift(step, ops.SEND_DKV, ops.RECV_DKV), "dkv")
+            self.at_step(self.n + step)
         if self.plan.dkv == "direct":
             partials = self.exchange(self.direct_partials(), "dkv")
         self.wait(partials)
+        self.at_step(2 * self.n - 1)
         return self.row
 
     def direct_partials(self) -> list[Action]:

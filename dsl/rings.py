@@ -15,7 +15,7 @@ and the written order if any. The declarations:
 
 * ``sequence chunks E``: makes the schedule a sequence ring;
 * ``hold chunk c on rank E``, ``mask full`` / ``mask causal [when E]``;
-* ``rings shift E``, ``rings hamilton``, ``rings rails E, E``;
+* ``rings shift E, ...`` (one ring per offset), ``rings hamilton``, ``rings rails E, E``;
 * ``pieces E``, ``kv again|kept``, ``dkv behind|direct``, ``transfer p2p|all_to_all``.
 
 Contract: ``resolve_ring_decl`` compiles one declaration; ``check_ring_rules``
@@ -62,7 +62,7 @@ _RING_VALUES = {
     "shift": ("a ring offset",), "hamilton": (), "rails": ("a number of nodes", "a number of ranks per node"),
 }
 _RING_ARITY = {
-    "shift": "`rings shift` takes one value, the ring's offset: `rings shift EXPR`",
+    "shift": "`rings shift` takes one or more values, one ring's offset each: `rings shift EXPR, ...`",
     "hamilton": "`rings hamilton` takes no value: its rings are the arc-disjoint Hamiltonian rings of the ranks",
     "rails": "`rings rails` takes two values, the nodes and the ranks per node: `rings rails EXPR, EXPR`",
 }
@@ -130,6 +130,8 @@ def resolve_ring_decl(resolver: Resolver, decls: RingDecls, decl: ast.Node, scop
         decls.mask = (decl, when)
     elif isinstance(decl, ast.Rings):
         wanted = _RING_VALUES[decl.kind]
+        if decl.kind == "shift" and decl.values:  # any number of offsets, a ring each
+            wanted = wanted * len(decl.values)
         if len(decl.values) != len(wanted):
             extra = decl.values[len(wanted)] if len(decl.values) > len(wanted) else decl
             resolver.error(_RING_ARITY[decl.kind], extra.span)
@@ -197,8 +199,8 @@ def check_ring_rules(resolver: Resolver, decls: RingDecls, schedule: ast.Schedul
 def _check_written_order(resolver: Resolver, decls: RingDecls, schedule: ast.Schedule) -> None:
     """A written order names blocks by piece: their number is needed before the compiler finds the rings.
 
-    ``rings shift`` is one ring, so one piece per chunk unless ``pieces``
-    says otherwise; under ``hamilton`` and ``rails`` the default is one piece
+    ``rings shift`` makes one ring per written offset, so one piece per
+    offset unless ``pieces`` says otherwise; under ``hamilton`` and ``rails`` the default is one piece
     per ring, a count the compiler's ring search decides (hamilton finds fewer
     than P - 1 rings on 4 and 6 ranks), so ``pieces`` must be written.
     """
@@ -238,8 +240,10 @@ def resolve_ring_task(schedule: "ResolvedSchedule", stmt: ast.Task, scope: Scope
 
 
 def written_pieces(spec: RingSpec) -> int:
-    """The pieces a written order's blocks are numbered with: ``pieces``, else one (``rings shift``: one ring)."""
-    return 1 if spec.pieces is None else spec.pieces
+    """The pieces a written order's blocks are numbered with: ``pieces``, else one per ring of ``rings shift``."""
+    if spec.pieces is not None:
+        return spec.pieces
+    return len(spec.ring_args) if spec.rings == "shift" else 1
 
 
 # ------------------------------------------------------------------ evaluation
@@ -287,9 +291,12 @@ def ring_spec(decls: RingDecls, env: list, P: int, resolver: Resolver, budget: "
             raise EvalError(f"`pieces` must be at least 1, got {pieces}", pieces_node.value.span, source)
     _check_blocks(decls, chunks, causal, pieces, ring_count, label, source)
     modes = {what: mode.mode for what, mode in decls.modes.items()}
+    rings_node = decls.rings[0]
+    rings_span = _cover(rings_node.values[0].span, rings_node.values[-1].span) if rings_node.values \
+        else rings_node.span
     return RingSpec(chunks=chunks, holders=holders, causal=causal, rings=kind, ring_args=ring_args, pieces=pieces,
                     kv=modes.get("kv", DEFAULT_MODES["kv"]), dkv=modes.get("dkv", DEFAULT_MODES["dkv"]),
-                    transfer=modes.get("transfer", DEFAULT_MODES["transfer"]))
+                    transfer=modes.get("transfer", DEFAULT_MODES["transfer"]), rings_span=rings_span)
 
 
 def _holders(decls: RingDecls, env: list, chunks: int, P: int, resolver: Resolver,
@@ -327,16 +334,8 @@ def _rings(decls: RingDecls, env: list, P: int, source: str) -> tuple[str, tuple
     node, fns = decls.rings
     values = tuple(fn(env) for fn in fns)
     if node.kind == "shift":
-        by = values[0]
-        if P > 1 and by % P == 0:
-            raise EvalError(f"the ring offset is {by}, a multiple of the {P} ranks: every rank would pass its KV to "
-                            "itself", node.values[0].span, source)
-        common = gcd(by % P, P)
-        if common != 1:
-            raise EvalError(f"the ring offset {by} shares the factor {common} with the {P} ranks: the ring "
-                            f"r -> r + {by} would visit only {P // common} of them; pick an offset coprime with {P}",
-                            node.values[0].span, source)
-        return "shift", values, 1
+        _check_shifts(node, values, P, source)
+        return "shift", values, len(values)
     if node.kind == "rails":
         for value, expr, what in zip(values, node.values, ("node", "rank per node")):
             if value < 1:
@@ -350,6 +349,29 @@ def _rings(decls: RingDecls, env: list, P: int, source: str) -> tuple[str, tuple
         raise EvalError("`rings hamilton` needs at least 2 ranks (its rings run over the links between them), "
                         f"not {P}", node.span, source)
     return "hamilton", (), P - 1  # the most arc-disjoint Hamiltonian rings of P ranks
+
+
+def _check_shifts(node: ast.Rings, offsets: tuple[int, ...], P: int, source: str) -> None:
+    """Each offset makes a ring r -> r + by through every rank, and no two make the same ring.
+
+    Raises:
+        EvalError: at the offset that is a multiple of P, shares a factor with
+            P, or equals (modulo P) an earlier one.
+    """
+    seen: dict[int, int] = {}
+    for by, expr in zip(offsets, node.values):
+        if P > 1 and by % P == 0:
+            raise EvalError(f"the ring offset is {by}, a multiple of the {P} ranks: every rank would pass its KV to "
+                            "itself", expr.span, source)
+        common = gcd(by % P, P)
+        if common != 1:
+            raise EvalError(f"the ring offset {by} shares the factor {common} with the {P} ranks: the ring "
+                            f"r -> r + {by} would visit only {P // common} of them; pick an offset coprime with {P}",
+                            expr.span, source)
+        if by % P in seen:
+            raise EvalError(f"the ring offsets {seen[by % P]} and {by} make the same ring on {P} ranks (r -> r + "
+                            f"{by % P}): write each ring once", expr.span, source)
+        seen[by % P] = by
 
 
 def _check_blocks(decls: RingDecls, chunks: int, causal: bool, pieces: int | None, ring_count: int, label: str,

@@ -161,14 +161,17 @@ class RingSpec:
         chunks: how many equal chunks the sequence is cut into (``sequence chunks E``).
         holders: chunk -> the rank holding it (``hold chunk c on rank E``).
         causal: the causal mask (``mask causal [when E]``), else full (``mask full``).
-        rings: which rings carry KV: ``shift`` (one ring r -> r + by),
+        rings: which rings carry KV: ``shift`` (a ring r -> r + by per offset),
             ``hamilton`` (the arc-disjoint Hamiltonian rings of every rank) or
             ``rails`` (rail rings of ``nodes`` x ``per_node`` ranks).
-        ring_args: ``shift``: (by,); ``hamilton``: (); ``rails``: (nodes, per_node).
+        ring_args: ``shift``: the offsets (by, ...); ``hamilton``: (); ``rails``: (nodes, per_node).
         pieces: KV pieces per chunk (``pieces E``), or None for one per ring.
         kv: ``again`` or ``kept`` (``kv ROUTE``; again when absent).
         dkv: ``behind`` or ``direct`` (``dkv ROUTE``; behind when absent).
         transfer: ``p2p`` or ``all_to_all`` (``transfer KIND``; p2p when absent).
+        rings_span: where ``rings``' values are written (None when built
+            by hand): the compiler's ring search, which may refuse a shape
+            the front end cannot judge (rails of 3 nodes x 2), reports there.
     """
 
     chunks: int
@@ -180,6 +183,7 @@ class RingSpec:
     kv: str = "again"
     dkv: str = "behind"
     transfer: str = "p2p"
+    rings_span: Span | None = field(default=None, compare=False)
 
 
 @dataclass

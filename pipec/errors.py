@@ -198,11 +198,16 @@ class ProgramError(PipecError):
         self.grid = grid
         # Extra cells to mark (a deadlock cycle marks every member).
         self.marks = list(marks)
+        # What ``step`` is called in the head: a family whose schedules write steps of their own (a
+        # sequence ring's ``at step``) calls the list index "instruction" and names its written step beside.
+        self.index_word = "step"
+        self.written_step: int | None = None
 
     def render(self) -> str:
         head = printable(self.message)
         if self.rank is not None and self.step is not None:
-            head = f"rank {self.rank}, step {self.step}: {head}"
+            written = "" if self.written_step is None else f" (at step {self.written_step})"
+            head = f"rank {self.rank}, {self.index_word} {self.step}{written}: {head}"
         elif self.rank is not None:
             head = f"rank {self.rank}: {head}"
         if self.grid is None or self.rank is None or self.step is None:

@@ -72,8 +72,8 @@ def test_a_wait_of_one_family_holding_a_collective_of_the_other_is_a_deadlock():
     with pytest.raises(DeadlockError) as caught:
         prove_exchanges(mixed(ring_first_on=(1,)))
     message = caught.value.message
-    assert "rank 0 (step 0) waits in (0ALLGATHER_W0)EXCHANGE1 for rank 1 to join 0ALLGATHER_W0" in message
-    assert f"rank 1 (step 2) waits in EXCHANGE_WAIT{RING_EXCHANGES} for 1SEND_KV0 to meet rank 0" in message
+    assert "rank 0 (instruction 0) waits in (0ALLGATHER_W0)EXCHANGE1 for rank 1 to join 0ALLGATHER_W0" in message
+    assert f"rank 1 (instruction 2) waits in EXCHANGE_WAIT{RING_EXCHANGES} for 1SEND_KV0 to meet rank 0" in message
 
 
 def test_messages_of_one_pair_swapped_on_one_side_are_named():
@@ -85,9 +85,10 @@ def test_messages_of_one_pair_swapped_on_one_side_are_named():
         row[i] = first._replace(parts=(second.parts[0], first.parts[1]))
         row[j] = second._replace(parts=(first.parts[0], second.parts[1]))
         return row
-    with pytest.raises(MatchError, match=r"0RECV_DKV0 from rank 0 gets 1SEND_DKV0 \(rank 0, step \d+\): messages are "
-                       r"matched in order per pair of ranks, and these carry different values \(dKV partial of rank "
-                       r"1's KV bundle of piece 0 against dKV partial of rank 0's KV bundle of piece 0\)") as caught:
+    with pytest.raises(MatchError, match=r"0RECV_DKV0 from rank 0 gets 1SEND_DKV0 \(rank 0, instruction \d+\): "
+                       r"messages are matched in order per pair of ranks, and these carry different values "
+                       r"\(dKV partial of rank 1's KV bundle of piece 0 against dKV partial of rank 0's KV bundle of "
+                       r"piece 0\)") as caught:
         prove_exchanges(with_row(mixed(), 0, swap))
     assert caught.value.rank == 1  # named where the wrong message arrives
 
@@ -98,7 +99,8 @@ def test_collectives_of_one_communicator_in_another_order_on_one_rank_are_named(
         row[i], row[j] = row[i]._replace(parts=row[j].parts), row[j]._replace(parts=row[i].parts)
         return row
     with pytest.raises(MatchError, match=r"the 2nd collective on communicator 0 .* is \S+ here but \S+ on rank \d "
-                                         r"\(step 2\): every member must meet its collectives in the same order") \
+                                         r"\(instruction 2\): every member must meet its collectives in the same "
+                                         r"order") \
             as caught:
         prove_exchanges(with_row(mixed(), 1, swap))
     assert "1ALLGATHER_W1" in caught.value.message and "2ALLGATHER_W3" in caught.value.message

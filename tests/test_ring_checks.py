@@ -99,9 +99,9 @@ def test_a_skipped_block_is_named():
     with pytest.raises(CoverageError) as caught:
         check_rings(bad)
     kv, piece = program.rings.unblock(skipped.mb)
-    # its backward is the first to miss it
-    assert f"runs backward before the forward of block (query chunk {skipped.stage}, kv chunk {kv}, piece {piece})" \
-        in caught.value.message
+    # its chunk's first backward is the first to miss it, and names it as never computed
+    assert f"the block (query chunk {skipped.stage}, kv chunk {kv}, piece {piece}) is never computed forward (1 " \
+        f"visible block of chunk {skipped.stage} missing)" in caught.value.message
     assert caught.value.rank == 1
 
 
@@ -210,9 +210,9 @@ def test_a_message_batched_differently_on_its_two_sides_is_named():
     program = lower_plan(shapes(3, False)["ring"])
     alltoall = lower_plan(shapes(3, False, transfer="all_to_all")["ring"])
     mixed = ring_program(program.rings, [alltoall.ranks[0]] + [list(r) for r in program.ranks[1:]], "mixed")
-    with pytest.raises((MatchError, DeadlockError)) as caught:
+    with pytest.raises(MatchError) as caught:
         check_rings(mixed)
-    assert "alike" in caught.value.message or "deadlock" in caught.value.message
+    assert "both sides of a message must move it alike" in caught.value.message
 
 
 def test_a_part_outside_an_exchange_is_named():
@@ -235,8 +235,8 @@ def test_a_cycle_of_waits_is_a_deadlock_naming_both_ranks():
                      Action(-1, ops.EXCHANGE_WAIT, 1)])
     with pytest.raises(DeadlockError) as caught:
         check_rings(ring_program(plan, rows, "cycle"))
-    assert "rank 0 (step 1) waits in EXCHANGE_WAIT0" in caught.value.message
-    assert "rank 1 (step 1) waits in EXCHANGE_WAIT0" in caught.value.message
+    assert "rank 0 (instruction 1) waits in EXCHANGE_WAIT0" in caught.value.message
+    assert "rank 1 (instruction 1) waits in EXCHANGE_WAIT0" in caught.value.message
 
 
 def test_the_kth_all_to_all_must_be_the_same_on_every_rank():

@@ -293,8 +293,7 @@ def test_each_optional_declaration_is_written_once(line):
 
 
 @pytest.mark.parametrize("rings, col, message", [
-    ("rings shift", 3, "`rings shift` takes one value, the ring's offset: `rings shift EXPR`"),
-    ("rings shift 1, 2", 18, "`rings shift` takes one value, the ring's offset: `rings shift EXPR`"),
+    ("rings shift", 3, "`rings shift` takes one or more values, one ring's offset each: `rings shift EXPR, ...`"),
     ("rings hamilton 3", 18, "`rings hamilton` takes no value: its rings are the arc-disjoint Hamiltonian rings "
                              "of the ranks"),
     ("rings rails 4", 3, "`rings rails` takes two values, the nodes and the ranks per node: `rings rails EXPR, "

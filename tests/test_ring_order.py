@@ -135,10 +135,11 @@ PLANTED = [
     # a backward block left out
     ("skipped", BLOCK, "if t < P { AF(q, k) } else if not (r == 0 and q == 0) { AB(q, k) }", CoverageError,
      "the block (query chunk 0, kv chunk 0, piece 0) is never computed backward"),
-    # a forward block left out: its query chunk's backward runs before its forward
+    # a forward block left out: named as never computed at its query chunk's first backward
     ("forward skipped", BLOCK, "if t < P { if q != 0 { AF(q, k) } } else { AB(q, k) }", CoverageError,
-     "0AB0: the block (query chunk 0, kv chunk 0, piece 0) runs backward before the forward of block (query chunk "
-     "0, kv chunk 0, piece 0)"),
+     "0AB0: the block (query chunk 0, kv chunk 0, piece 0) is never computed forward (1 visible block of chunk 0 "
+     "missing), and the block (query chunk 0, kv chunk 0, piece 0) needs its queries' global output and "
+     "log-sum-exp"),
     ("twice", BLOCK, "if t < P { AF(q, k) if t == 1 { AF(q, k) } } else { AB(q, k) }", CoverageError,
      "is computed twice forward"),
     ("masked", "if k <= q {", "if true {", CoverageError, "is masked out entirely; it must not be computed"),

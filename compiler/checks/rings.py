@@ -14,8 +14,9 @@ output and log-sum-exp; ``CoverageError``), route consistency and buffer slots
 (a block finds its bundle, no buffer replaced while its send runs: the public
 code's silent corruption; ``RouteError``) and reduction completeness (every
 contribution home exactly once; ``RouteError``). docs/rings.md, section 3,
-lists every hazard; each error names the rank, the instruction (step) and the
-block or bundle.
+lists every hazard; each error names the rank, the instruction (its index in
+the rank's list, with its ring step beside it where the lowering recorded it)
+and the block or bundle.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class _Holdings:
         self.received: dict[int, tuple[int, int] | None] = {p: None for p in range(pieces)}  # again: per piece
         self.kept: set[tuple[int, int]] = set()
         self.sending: Counter = Counter()      # bundle -> KV sends in flight
+        self.sending_in: Counter = Counter()   # (bundle, exchange) -> those of them posted in that exchange
         self.partials: dict[tuple[int, int], Counter] = {}
         self.incoming: Counter = Counter()     # bundle -> dKV receives posted, not waited
 
@@ -125,6 +127,7 @@ class RingSemantics(Semantics):
                 raise self.error(RouteError, f"{action.text()} sends {_bundle_text(bundle)}, which this rank does "
                                  "not hold now", state.rank, state.pc)
             h.sending[bundle] += 1
+            h.sending_in[(bundle, part.exchange)] += 1
         elif action.op == ops.SEND_DKV:
             if h.incoming[bundle]:
                 raise self.error(RouteError, f"{action.text()} sends this rank's partial of {_bundle_text(bundle)} "
@@ -143,13 +146,19 @@ class RingSemantics(Semantics):
         bundle = (action.stage, action.mb)
         if action.op == ops.SEND_KV:
             h.sending[bundle] -= 1
+            h.sending_in[(bundle, part.exchange)] -= 1
         elif action.op == ops.RECV_KV:
-            self.deliver(state, bundle)
+            self.deliver(state, bundle, part.exchange)
         elif action.op == ops.RECV_DKV:
             h.incoming[bundle] -= 1
             h.partials.setdefault(bundle, Counter()).update(part.content or Counter())
 
-    def deliver(self, state: RankState, bundle: tuple[int, int]) -> None:
+    def deliver(self, state: RankState, bundle: tuple[int, int], exchange: int) -> None:
+        """A received bundle takes its piece's buffer (``kv again``): no send of the old one may still run.
+
+        A send posted in the receive's own exchange has completed with it
+        (one wait completes every part), whichever part the exchange lists first.
+        """
         if bundle[0] == state.rank:
             return
         h = self.held[state.rank]
@@ -157,7 +166,7 @@ class RingSemantics(Semantics):
             h.kept.add(bundle)
         else:
             old = h.received[bundle[1]]
-            if old is not None and h.sending[old]:
+            if old is not None and h.sending[old] - h.sending_in[(old, exchange)]:
                 raise self.error(RouteError, f"{_bundle_text(bundle)} arrives into the buffer of "
                                  f"{_bundle_text(old)} while that one is still being sent: a stale buffer "
                                  "reused", state.rank, state.pc)
@@ -215,11 +224,28 @@ class RingSemantics(Semantics):
                              state.rank, state.pc)
         missing = sorted(self.expected[q] - self.forward[q])
         if missing:
-            raise self.error(CoverageError, f"{action.text()}: the {what} runs backward before the forward of "
-                             f"{block_text(plan, q, missing[0])}: a backward block needs its queries' global output "
-                             "and log-sum-exp", state.rank, state.pc)
+            self.forward_missing(state, action, what, missing)
         self.backward[q].add(action.mb)
         self.held[state.rank].partials.setdefault(bundle, Counter())[(q, kv, piece)] += 1
+
+    def forward_missing(self, state: RankState, action: Action, what: str, missing: list[int]) -> None:
+        """A backward block of a chunk some of whose forward blocks have not run.
+
+        Every block of a chunk runs on its holder, so a forward block not later
+        in this rank's list is never computed: named as such, not as an order
+        the user could fix by moving it.
+        """
+        plan, q = self.plan, action.stage
+        later = set(self.program.ranks[state.rank][state.pc + 1:])
+        never = [block for block in missing if Action(q, ops.AF, block) not in later]
+        if never:
+            count = f"{len(never)} visible block{'s' if len(never) > 1 else ''} of chunk {q}"
+            raise self.error(CoverageError, f"{action.text()}: the {block_text(plan, q, never[0])} is never computed "
+                             f"forward ({count} missing), and the {what} needs its queries' global output and "
+                             "log-sum-exp", state.rank, state.pc)
+        raise self.error(CoverageError, f"{action.text()}: the {what} runs backward before the forward of "
+                         f"{block_text(plan, q, missing[0])}: a backward block needs its queries' global output "
+                         "and log-sum-exp", state.rank, state.pc)
 
     # -- the end -----------------------------------------------------------------
 

@@ -205,12 +205,18 @@ class SymbolicRun:
         self.ranks = [RankState(r) for r in range(program.num_ranks)]
         self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
         self.meetings: dict[tuple[int, int], Meeting] = {}
+        # A sequence ring's schedule writes steps (`at step`) of its own: there the list index is an "instruction".
+        self.index_word = "step" if program.rings is None else "instruction"
 
     def error(self, cls, message: str, rank: int, step: int, marks=()):
-        """A ``cls`` (a ``ProgramError``) at (rank, step), with the program's grid."""
+        """A ``cls`` (a ``ProgramError``) at (rank, step), with the program's grid (and a ring's step)."""
         if self.grid is None:
             self.grid = self.program.grid()
-        return cls(message, rank, step, self.grid, marks)
+        error = cls(message, rank, step, self.grid, marks)
+        error.index_word = self.index_word
+        if self.program.rings is not None and 0 <= rank < len(self.program.ranks):
+            error.written_step = self.program.rings.step_of(rank, step, len(self.program.ranks[rank]))
+        return error
 
     def end_of(self, rank: int) -> int:
         return max(len(self.program.ranks[rank]) - 1, 0)
@@ -228,7 +234,7 @@ class SymbolicRun:
                     moved = True
         stuck = [state for state in self.ranks if state.pc < len(self.program.ranks[state.rank])]
         if stuck:
-            raise self.deadlock(stuck)
+            raise self.mixed_batching() or self.deadlock(stuck)
         self.finish()
         return {s.family: s.report() for s in self.semantics}
 
@@ -364,8 +370,8 @@ class SymbolicRun:
         if value_send != value_recv:
             raise self.error(
                 MatchError, f"{recv.action.text()} from rank {send.rank} gets {send.action.text()} (rank "
-                f"{send.rank}, step {send.step}): messages are matched in order per pair of ranks, and these "
-                f"carry different values ({semantics.value_text(value_send)} against "
+                f"{send.rank}, {self.index_word} {send.step}): messages are matched in order per pair of ranks, "
+                f"and these carry different values ({semantics.value_text(value_send)} against "
                 f"{semantics.value_text(value_recv)})", recv.rank, recv.step, [(send.rank, send.step)])
         send.peer_part, recv.peer_part = recv, send
         semantics.matched(send, recv)
@@ -388,7 +394,7 @@ class SymbolicRun:
             if other_signature != signature:
                 raise self.error(
                     MatchError, f"the {_ordinal(k + 1)} collective on {communicator_text(communicator)} is "
-                    f"{action.text()} here but {other_part.action.text()} on rank {other} (step "
+                    f"{action.text()} here but {other_part.action.text()} on rank {other} ({self.index_word} "
                     f"{other_part.step}): every member must meet its collectives in the same order",
                     state.rank, part.step, [(other, other_part.step)])
             break
@@ -464,6 +470,42 @@ class SymbolicRun:
         for semantics in self.semantics:
             semantics.finish()
 
+    def mixed_batching(self) -> MatchError | None:
+        """A message one side posts point to point and the other inside a collective (an all_to_all).
+
+        Neither side ever completes, so the run stops as a deadlock would; its
+        cause is a matching one, named here at the point-to-point side with the
+        other side's collective marked.
+        """
+        for state in self.ranks:
+            for _, parts in state.open.values():
+                for part in parts:
+                    if part.done or part.inside is not None or part.meeting is not None:
+                        continue
+                    other = self.inner_counterpart(part)
+                    if other is not None:
+                        return self.error(
+                            MatchError, f"{part.action.text()} on rank {part.rank} is a point-to-point message, but "
+                            f"rank {other.rank} moves its side, {other.action.text()}, inside "
+                            f"{other.inside.action.text()} ({self.index_word} {other.step}): both sides of a "
+                            "message must move it alike", part.rank, part.step, [(other.rank, other.step)])
+        return None
+
+    def inner_counterpart(self, part: Part) -> Part | None:
+        """The pending part inside a peer's collective that would take (or give) ``part``'s message, if any."""
+        rule = ops.RULES[part.action.op]
+        if rule.category not in (ops.PART_SEND, ops.PART_RECV):
+            return None
+        peer, is_send = part.action.peer, rule.category == ops.PART_SEND
+        if not 0 <= peer < len(self.ranks):
+            return None
+        for _, parts in self.ranks[peer].open.values():
+            for other in parts:
+                if other.inside is not None and not other.done and other.action.peer == part.rank \
+                        and (ops.RULES[other.action.op].category == ops.PART_SEND) != is_send:
+                    return other
+        return None
+
     def deadlock(self, stuck: list[RankState]) -> DeadlockError:
         by_rank = {s.rank: s for s in stuck}
         lines, marks = [], []
@@ -474,12 +516,12 @@ class SymbolicRun:
             action = self.program.ranks[state.rank][state.pc]
             part, others = state.waiting_on or (None, [])
             if part is None:
-                lines.append(f"rank {state.rank} (step {state.pc}) is stuck at {action.text()}")
+                lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) is stuck at {action.text()}")
             elif part.meeting is not None:
-                lines.append(f"rank {state.rank} (step {state.pc}) waits in {action.text()} for "
+                lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) waits in {action.text()} for "
                              f"{_ranks_text(others)} to join {part.action.text()}")
             else:
-                lines.append(f"rank {state.rank} (step {state.pc}) waits in {action.text()} for "
+                lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) waits in {action.text()} for "
                              f"{part.action.text()} to meet {_ranks_text(others)}")
             marks.append((state.rank, state.pc))
             state = next((by_rank[r] for r in others if r in by_rank), None)

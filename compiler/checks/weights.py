@@ -60,6 +60,7 @@ class _Holdings:
         self.partial_arriving = False
         self.accumulated: dict[int, Counter] = {}
         self.in_flight: dict[int, int] = {}    # layer -> the exchange its accumulated partial travels in
+        self.summed_at: dict[int, Part] = {}   # layer -> the reduce whose sum this rank (its root) took last
 
 
 def check_weights(program: Program) -> WeightReport:
@@ -331,6 +332,7 @@ class WeightSemantics(Semantics):
                 h.accumulated.pop(layer, None)
             if op == ops.REDUCE_G and isinstance(part.peer_part, Counter):  # the root takes the sum
                 h.accumulated[layer] = part.peer_part
+                h.summed_at[layer] = part
 
     # -- computes and drops ------------------------------------------------------
 
@@ -409,11 +411,8 @@ class WeightSemantics(Semantics):
         for layer in sorted(set(self.expected) | {l for h in self.held for l in h.accumulated}):
             expected = self.expected.get(layer, Counter())
             for rank, h in enumerate(self.held):
-                held = +h.accumulated.get(layer, Counter())
-                if held and (sharded or not self.owns(rank, layer)):
-                    raise self.error(RouteError, f"a partial of layer {layer}'s gradient "
-                                     f"({_contributions_text(held)}) is left on this rank, which does not own "
-                                     "the layer: it never reached the owner", rank, self.run.end_of(rank))
+                if layer in h.accumulated and (sharded or not self.owns(rank, layer)):
+                    self.left_partial(rank, layer)
             if sharded:
                 got, where = +self.scattered.get(layer, Counter()), "the shards of every rank"
                 at = 0
@@ -426,6 +425,17 @@ class WeightSemantics(Semantics):
                            else f"holds {_contributions_text(twice)} more than once")
                 raise self.error(RouteError, f"layer {layer}'s weight gradient at {where} {problem}: every "
                                  "microbatch's contribution must be folded in exactly once", at, self.run.end_of(at))
+
+    def left_partial(self, rank: int, layer: int) -> None:
+        """A partial on a rank that does not own its layer: the runtime faults on it even when it sums nothing."""
+        held, reduce = +self.held[rank].accumulated[layer], self.held[rank].summed_at.get(layer)
+        if not held and reduce is not None:  # a reduce the group ran again after its sum left
+            raise self.error(RouteError, f"{reduce.action.text()} reduces layer {layer}'s gradient again after "
+                             "its sum left this rank: this rank, which does not own the layer, is left with a "
+                             "partial that is never sent on (the runtime faults at its end)", rank, reduce.step)
+        raise self.error(RouteError, f"a partial of layer {layer}'s gradient ({_contributions_text(held)}) is left "
+                         "on this rank, which does not own the layer: it never reached the owner",
+                         rank, self.run.end_of(rank))
 
 
 def _copy_text(key: tuple, layer) -> str:
@@ -440,4 +450,6 @@ def _partial_text(partial) -> str:
 
 def _contributions_text(content: Counter) -> str:
     mbs = sorted(mb for (_layer, mb), count in content.items() for _ in range(count))
+    if not mbs:
+        return "no microbatch's contribution"
     return "microbatch" + ("es " if len(mbs) != 1 else " ") + ", ".join(map(str, mbs))
