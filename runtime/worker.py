@@ -693,7 +693,6 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    from pipec.runtime import comm
     from pipec.runtime.data import BatchSource, data_needs
     from pipec.runtime.checkpoint import load_modules, restore_optimizer
     from pipec.runtime.family import runtime_family, share_of
@@ -749,14 +748,9 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         loss, events = run_step(program, rank, stages, batch, context)
         if run.trace:
             recorded.append(events)
-        total = (loss.detach().reshape(1).float() if loss is not None else torch.zeros(1, device=device))
-        # waited like an instruction: a peer that hangs after its last one ends the run at --timeout
-        reduced = dist.reduce(total, dst=0, op=dist.ReduceOp.SUM, async_op=True)
-        others = tuple(r for r in range(world) if r != rank) if rank == 0 else (0,)
-        site = comm.Site(rank, len(context.row), "the step's loss reduce", others, iteration)
-        comm.settle([reduced], run.timeout, site)
+        total = _reduced_loss(loss, rank, world, context, iteration, device)
         if rank == 0:
-            losses.append(total.item())
+            losses.append(total)
         clock.done(iteration, losses[-1] if rank == 0 else None, context.grad_norm)
         if saves_after(run, iteration):
             _save_checkpoint(plan, context, stages, data.state_after(iteration), rank, world, iteration)
@@ -764,6 +758,22 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         phases.announce(phases.TRACE)
         write_trace(run, context, recorded, t0, world)
     return losses
+
+
+def _reduced_loss(loss, rank: int, world: int, context, iteration: int, device) -> float | None:
+    """The step's loss summed over the ranks onto rank 0 (there its value, elsewhere None), waited like an
+    instruction: a peer that hangs after its last one ends the run at --timeout."""
+    import torch
+    import torch.distributed as dist
+
+    from pipec.runtime import comm
+
+    total = loss.detach().reshape(1).float() if loss is not None else torch.zeros(1, device=device)
+    reduced = dist.reduce(total, dst=0, op=dist.ReduceOp.SUM, async_op=True)
+    others = tuple(r for r in range(world) if r != rank) if rank == 0 else (0,)
+    site = comm.Site(rank, len(context.row), "the step's loss reduce", others, iteration)
+    comm.settle([reduced], context.timeout, site)
+    return total.item() if rank == 0 else None
 
 
 def saves_after(config: RunConfig, iteration: int) -> bool:
