@@ -16,7 +16,7 @@ from pipec.compiler.simulate import simulate
 from pipec.errors import PipecError
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
-from runtime_util import assert_same_parameters, launch_workers
+from runtime_util import assert_same_parameters, launch_batch
 
 ROOT = Path(__file__).parent.parent
 
@@ -145,13 +145,30 @@ def test_forward_doubling_under_per_chunk_costs(P, N):
     assert (chimera.makespan, run("1f1b", costs, P=P, N=N)[1].makespan) == DOUBLED_SCALED[P, N]
 
 
-def test_forward_doubling_trains_like_one_process(tmp_path):
-    """The default order is held to one process by tests/test_runtime_exact.py; the doubled one here."""
-    save, P, N, steps, seed = tmp_path / "model.pt", 4, 8, 2, 7
-    run = launch_workers(["chimera", "-D", f"P={P}", "-D", f"N={N}", "-D", "double=true", "--steps", str(steps),
-                          "--seed", str(seed), "--save", str(save), "--timeout", "60"], P, 180.0)
+# The options' exact runs (the default order is held to one process by tests/test_runtime_exact.py): P = 4,
+# N = 8, 2 steps, both in one set of gloo processes.
+TRAINED_P, TRAINED_N, TRAINED_STEPS, TRAINED_SEED = 4, 8, 2, 7
+TRAINED_OPTIONS = ("double", "reference")
+
+
+@pytest.fixture(scope="module")
+def trained_options(tmp_path_factory):
+    """Option -> the state dict ``pipec``'s workers saved training chimera with ``-D OPTION=true``."""
+    folder = tmp_path_factory.mktemp("chimera_options")
+    jobs = [["chimera", "-D", f"P={TRAINED_P}", "-D", f"N={TRAINED_N}", "-D", f"{option}=true", "--steps",
+             str(TRAINED_STEPS), "--seed", str(TRAINED_SEED), "--save", str(folder / f"{option}.pt"), "--timeout", "60"]
+            for option in TRAINED_OPTIONS]
+    run = launch_batch(jobs, TRAINED_P, 240.0)
     assert run.ok, run.describe()
-    assert_same_parameters(torch.load(save), reference_run(ModelConfig(), steps, N, seed).state_dict, "chimera double")
+    return {option: torch.load(folder / f"{option}.pt") for option in TRAINED_OPTIONS}
+
+
+def _one_process() -> dict:
+    return reference_run(ModelConfig(), TRAINED_STEPS, TRAINED_N, TRAINED_SEED).state_dict
+
+
+def test_forward_doubling_trains_like_one_process(trained_options):
+    assert_same_parameters(trained_options["double"], _one_process(), "chimera double")
 
 
 # Rank 0's order at P = 4, N = 8 as Chimera's generator (chimera_pipeline_rank.py of the SC'21
@@ -200,9 +217,5 @@ def test_the_reference_order_has_no_forward_doubling():
         compile_target("chimera", {"P": 4, "N": 8, "double": True, "reference": True})
 
 
-def test_the_reference_order_trains_like_one_process(tmp_path):
-    save, P, N, steps, seed = tmp_path / "model.pt", 4, 8, 2, 7
-    run = launch_workers(["chimera", "-D", f"P={P}", "-D", f"N={N}", "-D", "reference=true", "--steps", str(steps),
-                          "--seed", str(seed), "--save", str(save), "--timeout", "60"], P, 180.0)
-    assert run.ok, run.describe()
-    assert_same_parameters(torch.load(save), reference_run(ModelConfig(), steps, N, seed).state_dict, "chimera reference")
+def test_the_reference_order_trains_like_one_process(trained_options):
+    assert_same_parameters(trained_options["reference"], _one_process(), "chimera reference")
