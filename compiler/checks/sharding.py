@@ -29,6 +29,7 @@ import operator
 from itertools import chain
 
 from pipec.compiler import ops
+from pipec.compiler.family import families_of, first_answer
 from pipec.compiler.ir import Action, Program
 from pipec.errors import ConflictError, MatchError, RouteError, WellFormedError
 
@@ -207,8 +208,10 @@ class _Member:
             raise self.error(MatchError, f"{exchange.text()} reduces stage {stages[0]}'s weight gradient, but rank "
                              f"{self.rank} never waits for it ({ops.EXCHANGE_WAIT}{number}) before its list ends: "
                              "the optimizer would step on a gradient still being reduced", step)
+        reduced = first_answer(families_of(program), lambda family: family.reduced_stages(program))
         for info in program.stages:
-            if info.placement is None or self.rank not in info.ranks or info.id in self.reduced:
+            if info.placement is None or self.rank not in info.ranks or info.id in self.reduced \
+                    or (reduced is not None and info.id not in reduced):
                 continue
             last = self.last_contribution.get(info.id)
             after = (f"after its last gradient contribution here, {row[last].text()} (step {last})"
