@@ -16,7 +16,9 @@ communicator the same, every exchange waited) and run before it by
   optimizer steps on the shards, so a whole copy kept past the step is stale);
 * each member reduces each of its stages' weight gradients over the group
   exactly once: REDUCE_GRAD on a sharded stage, SYNC_GRAD on a replicated one,
-  never on a stage on one rank; no gradient contribution (B, W) of the stage
+  never on a stage on one rank (under weight passing on a mesh only each layer's
+  owner's stage is reduced, ``Family.reduced_stages``: the other ranks' partials
+  were folded into it); no gradient contribution (B, W) of the stage
   comes after the reduction on that member (it would miss the sum, or race
   it), and the member waits for the reduction's exchange before its list ends.
 
