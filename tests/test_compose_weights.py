@@ -5,8 +5,8 @@ its peers and groups inside its replica, every owner all-reduces each owned laye
 group after the last fold into it), the prover (a planted all-reduce before the owner's last fold, a
 missing one, a non-owner's), the language (``shard over`` refused at the policy), the simulator (the
 all-reduce priced as a ring on the links between replicas, half the plain makespan), torch's CSV refused,
-and the exact run: 4 gloo ranks, 3 steps, built-in model and a user's model spec, within 1e-5 of one
-process with the same N (one set of processes for both runs).
+and the exact run: 4 gloo ranks, 3 steps, built-in model, a user's model spec and a clipped run, within 1e-5
+of one process with the same N (one set of processes for all three runs).
 """
 from __future__ import annotations
 
@@ -149,7 +149,10 @@ def test_torch_csv_is_refused_with_the_reason(composed):
     assert refusal is not None and "passes weights between ranks" in refusal
 
 
-RUNS = {"builtin": [], "user": ["--model", "payload_model:SPEC", "--config", "rows=4"]}
+# the built-in model; a user's spec (a hidden state and a mask); clipped (each layer's gradient counted once in
+# the norm, by the first replica's owner, though every replica's owner holds it)
+RUNS = {"builtin": [], "user": ["--model", "payload_model:SPEC", "--config", "rows=4"],
+        "clip": ["--clip-grad-norm", "0.5"]}
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +170,8 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("name", RUNS)
 def test_tawpipe_dp_trains_like_one_process(trained, name):
     saved = torch.load(trained / f"{name}.pt", weights_only=True)
-    if name == "builtin":
-        want = reference_run(ModelConfig(), STEPS, N, SEED).state_dict
+    if name != "user":
+        want = reference_run(ModelConfig(), STEPS, N, SEED, clip_grad_norm=0.5 if name == "clip" else None).state_dict
     else:
         want = reference_run(payload_model.Config(rows=4), STEPS, N, SEED, payload_model.SPEC).state_dict
     assert_same_parameters(saved, want, f"tawpipe_dp ({name})")
