@@ -140,6 +140,15 @@ def test_the_simulator_prices_the_all_reduce_between_replicas(composed):
     assert traffic["wgrad"] == {"intra": 0, "inter": 16000}
     assert traffic["weight"]["inter"] == 0  # weights stay inside each replica's node
     assert traffic["weight"]["intra"] == 2 * simulate(plain, costs).traffic["weight"]["intra"]
+    # on links: nodes of 2 (a replica each), the link between them half as fast. A ring of 2 moves W = 100 bytes
+    # per hop at 5 bytes per unit: 20; layer 1's all-reduce (pp 1) overlaps that rank's remaining work
+    slow = costs_from_json({"links": {"bandwidth": 10, "bytes": {"act": 40, "grad": 40}, "node_size": 2,
+                                      "inter_node": {"bandwidth": 5}}, "sizes": {"activation": 40, "weight": 100}})
+    timed = simulate(program, slow)
+    syncs = {rank: [s for s in timed.timeline[rank] if s.is_comm and s.action.op == ops.SYNC_GRAD] for rank in range(4)}
+    assert {s.end - s.start for slots in syncs.values() for s in slots} == {20}
+    later = [s for s in timed.timeline[1] if s.start >= syncs[1][0].start and s.action.op != ops.SYNC_GRAD]
+    assert any(s.start < syncs[1][0].end for s in later)
 
 
 def test_torch_csv_is_refused_with_the_reason(composed):
