@@ -131,6 +131,15 @@ def test_shard_over_a_weight_passing_pipeline_is_refused_at_the_policy(tmp_path)
     assert ":4:3:" in str(caught.value) and "nothing to shard over the data axis" in str(caught.value)
 
 
+def test_a_route_of_every_rank_is_refused_at_the_pipeline(tmp_path):
+    source = tmp_path / "weipipe_dp.pipe"
+    source.write_text('schedule weipipe_dp(P: int = 2, D: int = 2) {\n  mesh dp = D, pp = P\n'
+                      '  pipeline weipipe(P = P, N = P) from "weipipe"\n  replicate over dp\n}\n')
+    with pytest.raises(ScheduleError) as caught:
+        compile_target(str(source))
+    assert ":3:3:" in str(caught.value) and "by 'ring', a collective of every rank" in str(caught.value)
+
+
 def test_the_simulator_prices_the_all_reduce_between_replicas(composed):
     program, plain = composed
     assert simulate(program).makespan * 2 == simulate(plain).makespan  # each member runs half the rows
