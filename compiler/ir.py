@@ -149,11 +149,22 @@ class Placement:
             of k of them (and of their optimizer state), a GATHER makes them whole until a RESHARD, and
             its weight gradient is reduce-scattered (REDUCE_GRAD); otherwise every member holds them
             whole and its gradient is all-reduced (SYNC_GRAD).
+        split: what a member's share of a value is: ``ROW_SHARE``, rows [i/k, (i+1)/k) of each
+            microbatch (data parallel), or ``SEQUENCE_SHARE``, ring rank i's chunks of every sequence
+            of each microbatch (context parallel): the stage runs every attention of its forward and
+            backward through ``Program.stage_ring`` over the group, member i as ring rank i.
     """
 
     ranks: tuple[int, ...]
     communicator: int
     sharded: bool = False
+    split: str = "rows"
+
+
+# The shares a placed stage's members may split a value into (``Placement.split``).
+ROW_SHARE = "rows"
+SEQUENCE_SHARE = "sequence"
+SHARE_SPLITS = (ROW_SHARE, SEQUENCE_SHARE)
 
 
 @dataclass(frozen=True)
@@ -507,6 +518,10 @@ class Program:
             stashing), None as many as the order needs (``stash weights``).
         mesh: the rank axes of a composed program (``compiler/mesh_placement.py``), or None for a program of
             plain ranks; its stages are placed on groups of the mesh.
+        stage_ring: in a context-parallel composition (stages placed with ``SEQUENCE_SHARE``), the
+            sequence-ring program (``rings`` set, one rank per group member) that every such stage runs
+            for each attention of its forward and backward over its group, member i as ring rank i,
+            its peers read as group members; None otherwise.
     """
 
     name: str
@@ -525,6 +540,7 @@ class Program:
     weight_versions: int | None = 1
     family_plans: tuple = ()
     mesh: Mesh | None = None
+    stage_ring: "Program | None" = None
 
     def __post_init__(self) -> None:
         if not self.communicators:  # each plan's groups, in plan order; a program without one: the replicas'
