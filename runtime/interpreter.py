@@ -104,7 +104,7 @@ class RankContext:
         stash: for a program with optimizer updates in its order (asynchronous
             training), its weight versions and updates (``runtime/stash.py``);
             None otherwise, when the optimizer steps once after the list.
-        placed: for a program whose stages sit on rank groups (PP x DP, PP x FSDP), this rank's share,
+        placed: for a program whose stages sit on rank groups (PP x DP, PP x FSDP, PP x CP), this rank's share,
             groups and shards (``runtime/placed.py``); None otherwise.
     """
 

@@ -1,4 +1,4 @@
-"""Stages placed on rank groups in the runtime: PP x DP and PP x FSDP (``compiler/mesh_placement.py``'s programs).
+"""Stages placed on rank groups in the runtime: PP x DP, PP x FSDP, PP x CP (``mesh_placement.place_on_mesh``).
 
 A composed program places every stage on a group of k ranks (``ir.Placement``);
 member i of k runs each of the stage's computes on rows [i*b/k, (i+1)*b/k) of a
