@@ -133,7 +133,8 @@ def refusal_outside(op: str, family: RuntimeFamily) -> str | None:
 
 
 def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handler], start: int, stop: int,
-                     record: Record | None = None, synchronize: Callable[[], None] | None = None) -> None:
+                     record: Record | None = None, synchronize: Callable[[], None] | None = None,
+                     text: Callable[[int], str] | None = None) -> None:
     """Run instructions ``start`` .. ``stop - 1`` of ``row``, each through its op's handler: the one loop.
 
     Args:
@@ -143,6 +144,7 @@ def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handle
         start, stop: the range.
         record: called with (index, start, end, waited) per instruction, perf_counter seconds; None: nothing kept.
         synchronize: called after every instruction when the trace must show device time, else None.
+        text: index -> how a fault names that instruction (a ring's adds its call); None: its own text.
     Raises:
         RuntimeFault: a handler's own; or, for anything else an instruction raised (the model's forward,
             loss or backward fails, ``sys.exit`` included), one naming the rank, the instruction and the
@@ -160,7 +162,7 @@ def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handle
             if is_interrupt(error):
                 raise
             raise RuntimeFault(f"the instruction failed: {failure_words(error)}", state.rank, index,
-                               action.text()) from error
+                               action.text() if text is None else text(index)) from error
         if synchronize is not None:
             synchronize()
         if record is not None:

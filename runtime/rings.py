@@ -456,7 +456,8 @@ class _RingRank:
         if events is not None:
             call = self.label or ""
             record = lambda event: events.append((*event, call))  # noqa: E731
-        run_instructions(self, self.row, self.context.handlers, start, stop, record, self.context.synchronize)
+        run_instructions(self, self.row, self.context.handlers, start, stop, record, self.context.synchronize,
+                         lambda index: self._labelled(self.row[index].text()))
 
     def _chunks(self, given, name: str) -> dict[int, torch.Tensor]:
         if isinstance(given, Mapping):

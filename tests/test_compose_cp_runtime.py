@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -146,6 +147,22 @@ def test_the_trace_records_every_members_stage_computes_and_reductions(trained):
         stage = rank // 2
         for text in (f"{stage}F0", f"{stage}B3", f"({stage}SYNC_GRAD)EXCHANGE0"):
             assert (rank, text) in names, (rank, text, sorted(n for p, n in names if p == rank)[:40])
+
+
+def test_a_member_that_stops_before_its_backward_is_named_inside_the_ring(tmp_path):
+    """Rank 3 (stage 1, member 1) exits before its first backward, ``1B0``: rank 2, its group's other member,
+    ends inside 1B0's ring backward with a fault naming the ring instruction and the call (global ranks),
+    and no rank hangs."""
+    path = tmp_path / "program.json"
+    with open(path, "w") as out:
+        write_program_json(composed("1f1b", {}, "zigzag_ring"), out)
+    run = launch_batch([["1f1b", "--program", str(path), "--steps", "1", "--timeout", "5", "--inject", "exit:3:2"]],
+                       WORLD, 180.0)
+    assert not run.timed_out and all(code != 0 for code in run.returncodes), run.describe()
+    named = re.search(r"rank 2, step \d+ \(.*EXCHANGE.*, in stage 1, microbatch 0, attention \d+'s backward\): "
+                      r"(waited [\d.]+ s for rank (\d+)|the instruction failed)", run.stderr[2])
+    assert named, run.describe()
+    assert named.group(2) in (None, "3"), run.describe()  # a wait names the peer's global rank, not its ring rank 1
 
 
 # ------------------------------------------------------------------ before any worker starts, in one process
