@@ -10,7 +10,9 @@ traffic count price a stage's F and B with those halves:
   forward attention block on any rank (the forward half: the KV round, a
   rank whose own blocks ended early still passing KV on), and the rest (the
   backward half: KV round again, the dK, dV partials home). A ring without
-  its steps (``RingPlan.steps``) is cut after each rank's last forward block.
+  its steps (``RingPlan.steps``: one read from a program file) is cut where
+  each rank has waited its first n - 1 KV exchanges (the forward's hops: KV
+  must reach every one of the n ranks) and run its last forward block.
   A ring whose forward half leaves an exchange open into its backward is
   refused: the two halves run in different computes.
 * ``ring_halves(program, group, costs, sizes)``: both halves simulated on the
@@ -38,6 +40,9 @@ from pipec.errors import UsageError
 # (AF; AB reads the statistics AF keeps).
 _MADE = {use for op in ops.RING_COMPUTE_OPS for use in ops.RULES[op].writes}
 RING_FORWARD_OPS = frozenset(op for op in ops.RING_COMPUTE_OPS if not _MADE & set(ops.RULES[op].reads))
+# The exchange parts that move KV (a send or receive of a bundle, or the all_to_all that holds them).
+_KV_PARTS = frozenset(op for op in ops.RING_PART_OPS
+                      if (ops.RULES[op].carries or ops.RULES[op].reads[0]).kind == "kv")
 # The computes of a context-parallel stage that run the ring's forward half (a forward, or a recompute
 # that runs it again) and its backward half (a whole backward: split ones are refused by the placement).
 STAGE_FORWARD_OPS = frozenset(ops.FORWARD_COMPUTE_OPS) | frozenset(ops.RECOMPUTE_BEFORE)
@@ -80,7 +85,7 @@ def split_ring(ring: Program) -> tuple[Program, Program]:
         if known:
             cut = next((i for i, step in enumerate(steps[rank]) if step > last_forward_step), len(row))
         else:
-            cut = max((i for i, action in enumerate(row) if action.op in RING_FORWARD_OPS), default=-1) + 1
+            cut = _after_forward_hops(row, ring.num_ranks - 1)
         head = row[:cut]
         open_exchanges = set()
         for action in head:
@@ -96,6 +101,22 @@ def split_ring(ring: Program) -> tuple[Program, Program]:
         heads.append(head)
         tails.append(row[cut:])
     return replace(ring, ranks=heads), replace(ring, ranks=tails)
+
+
+def _after_forward_hops(row, hops: int) -> int:
+    """The index after both ``row``'s last forward block and the wait of its first ``hops`` KV exchanges."""
+    last = max((i for i, action in enumerate(row) if action.op in RING_FORWARD_OPS), default=-1) + 1
+    first: list[int] = []  # the numbers of the first ``hops`` KV exchanges posted
+    waited: set[int] = set()
+    for index, action in enumerate(row):
+        category = ops.RULES[action.op].category
+        if category == ops.EXCHANGE_OF and len(first) < hops and any(p.op in _KV_PARTS for p in action.parts):
+            first.append(action.mb)
+        elif category == ops.EXCHANGE_WAIT_OF and action.mb in first:
+            waited.add(action.mb)
+            if len(waited) == hops:
+                return max(last, index + 1)
+    return last
 
 
 def ring_halves(program: Program, group: tuple[int, ...], costs: CostModel,

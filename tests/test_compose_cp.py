@@ -119,7 +119,15 @@ def test_a_ring_splits_into_a_forward_half_that_closes_its_exchanges_and_the_res
     rows = [list(row) for row in ring.ranks]
     rows[0] = [a for a in rows[0] if not (a.op == "EXCHANGE_WAIT" and a.mb == 0)] + [rows[0][2]]
     with pytest.raises(UsageError, match="leaves exchange 0 of ring rank 0 open past its last forward block"):
-        split_ring(replace(ring, ranks=rows, rings=replace(ring.rings, steps=None)))
+        split_ring(replace(ring, ranks=rows))
+
+
+@pytest.mark.parametrize("name", ["ring_attention", "zigzag_ring", "tasp"])
+def test_a_ring_read_without_its_steps_splits_where_its_steps_say(name):
+    # a program file keeps no ring steps: the cut after the first n - 1 KV exchanges is the same
+    for ranks in (2, 3, 5):
+        ring = compile_target(name, {"P": ranks}).program
+        assert split_ring(replace(ring, rings=replace(ring.rings, steps=None))) == split_ring(ring)
 
 
 def test_split_backward_is_refused_at_the_pipeline(tmp_path):
