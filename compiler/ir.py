@@ -308,6 +308,9 @@ class WeightPlan:
         prefetch: how many steps before its use a weight's last leg is posted.
         buffers: the most borrowed weight buffers alive at once on a rank, or None.
         num_steps: the steps of the order (every rank runs each, idle or not).
+        pipeline_ranks: on a mesh (``compiler/weight_placement.py``), rank -> the rank of the plan's pipeline
+            it runs (its pp coordinate): ``owners`` name those, and every replica's rank at an owner's
+            coordinate owns the layer; ``groups`` are per replica already. None: the identity.
     """
 
     owners: tuple[int, ...] | None
@@ -318,6 +321,16 @@ class WeightPlan:
     prefetch: int
     buffers: int | None
     num_steps: int
+    pipeline_ranks: tuple[int, ...] | None = None
+
+    def pipeline_rank(self, rank: int) -> int:
+        """The rank of the plan's pipeline that ``rank`` runs (the names ``owners`` use)."""
+        return rank if self.pipeline_ranks is None else self.pipeline_ranks[rank]
+
+    def owns(self, rank: int, layer: int) -> bool:
+        """Whether ``rank`` keeps ``layer``'s master (never under ``all_gather``); False for a layer out of range."""
+        owners = self.owners
+        return owners is not None and 0 <= layer < len(owners) and owners[layer] == self.pipeline_rank(rank)
 
     def communicators(self, num_ranks: int) -> list[Communicator]:
         """The groups the program's collectives meet on (``weight_communicators``)."""

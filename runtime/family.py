@@ -58,6 +58,8 @@ class RuntimeFamily:
             (a sequence ring, which cuts the batch along the sequence instead).
         train: the family's own training loop ``(plan, rank, world, device) -> losses``, or None
             for the worker's loop of interpreter steps (``worker.train``).
+        trains_on_groups: whether it trains its programs' stages placed on rank groups (weight passing on
+            a mesh, ``compiler/weight_placement.py``); activation passing's are ``runtime/placed.py``'s.
     """
 
     name: str = ""
@@ -69,6 +71,7 @@ class RuntimeFamily:
     takes_partition: bool = True
     reads_whole_batch: bool = False
     train: Callable | None = None
+    trains_on_groups: bool = False
 
     def refusal_outside(self, op: str) -> str | None:
         """Why ``op``, one of this family's, cannot run in another family's program; None: no handler."""
@@ -174,14 +177,15 @@ def placed_refusal(program: Program) -> str | None:
     """Why the runtime cannot train ``program``'s stages on rank groups, or None (also for a program with none).
 
     It trains an activation-passing pipeline whose every stage sits on a group of one size k, holding
-    no replica all-reduce: what ``mesh_placement.place_on_mesh`` makes (PP x DP, PP x FSDP).
+    no replica all-reduce: what ``mesh_placement.place_on_mesh`` makes (PP x DP, PP x FSDP); and a family's
+    that trains on groups (``RuntimeFamily.trains_on_groups``: TawPipe x DP).
     """
     if not program.placed_on_groups:
         return None
     placed = next(info for info in program.stages if info.placement is not None)
     where = (f"{program.name or 'this program'} places stage {placed.id} on the group of ranks "
              f"{', '.join(map(str, placed.placement.ranks))}")
-    if program.plans:
+    if program.plans and not runtime_family(program).trains_on_groups:
         return (f"{where} and is not an activation-passing pipeline; the runtime trains stages on rank groups "
                 "only in activation passing (PP x DP, PP x FSDP) yet")
     sizes = {len(info.ranks) for info in program.stages}
