@@ -9,8 +9,9 @@ driver (its checks included), and places the result on the mesh with
 ``mesh_placement.place_on_mesh``. A context policy's ring (``context over AXIS
 ring "TARGET"``) is read the same way, must be a sequence-ring schedule, and is
 compiled (its checks included) with its ranks parameter set to the axis's
-size; the ring's own ``require`` refusing that size is said at the policy. It returns (compute-only, final) programs, both
-placed, named after the composition and carrying its parameters; the final
+size; the ring's own ``require`` refusing that size is said at the policy.
+It returns (compute-only, final) programs, both placed, named after the
+composition and carrying its parameters; the final
 program is not yet checked as a composed program (``driver.compile_spec``
 does that). Every mistake of the composition is reported at its place in the
 composing file; the named schedule's own errors at theirs, in its file.

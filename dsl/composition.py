@@ -145,8 +145,8 @@ def resolve_composition(schedule: ast.Schedule, path: str, source: str, tasks: T
         else:
             word = _WORD.match(source.split("\n")[decl.span.line - 1], decl.span.col - 1)
             resolver.error(f"a composition holds only mesh, pipeline ... from, replicate|shard over, context over, "
-                           f"require and let; `{word.group(0) if word else '?'}` belongs in a pipeline's own schedule (the one "
-                           "`pipeline` names)", decl.span)
+                           f"require and let; `{word.group(0) if word else '?'}` belongs in a pipeline's own schedule "
+                           "(the one `pipeline` names)", decl.span)
     _check_complete(out, schedule)
     if resolver.errors:
         if len(resolver.errors) == 1:

@@ -28,7 +28,8 @@ from pipec.compiler.memory_counts import peak_bytes
 from pipec.compiler.mesh_placement import ContextParallel, place_on_mesh
 from pipec.compiler.simulate import simulate
 from pipec.compiler.stage_ring import ring_halves, split_ring
-from pipec.errors import DeadlockError, EvalError, MatchError, RequireError, ResolveError, SourceErrors, UsageError
+from pipec.errors import (DeadlockError, EvalError, MatchError, RequireError, ResolveError, ScheduleError, SourceErrors,
+                          UsageError)
 
 COMPOSITION = """\
 schedule cp(P: int = 2, C: int = 2, N: microbatches = 4) {
@@ -128,6 +129,17 @@ def test_a_ring_read_without_its_steps_splits_where_its_steps_say(name):
     for ranks in (2, 3, 5):
         ring = compile_target(name, {"P": ranks}).program
         assert split_ring(replace(ring, rings=replace(ring.rings, steps=None))) == split_ring(ring)
+
+
+def test_a_weight_passing_pipeline_with_a_context_axis_is_refused_at_the_policy(tmp_path):
+    path = tmp_path / "taw.pipe"
+    pipeline = 'tawpipe(P = P, G = 1, N = N) from "tawpipe"'
+    path.write_text(COMPOSITION.replace('one_f_one_b(P = P, N = N) from "1f1b"', pipeline)
+                    .replace("POLICY", 'context over cp ring "zigzag_ring"'))
+    with pytest.raises(ScheduleError) as caught:
+        lower_spec(resolve_target(str(path)).evaluate({}))
+    assert (caught.value.span.line, caught.value.span.col) == (4, 3)
+    assert "passes weights; a context axis composes with an activation-passing pipeline" in caught.value.message
 
 
 def test_split_backward_is_refused_at_the_pipeline(tmp_path):
