@@ -6,8 +6,12 @@ a target (a file relative to the composing file, else a shipped schedule's
 name; through the guarded reader), resolves the schedule NAME there, checks
 the arguments against its parameters, evaluates and compiles it with the
 driver (its checks included), and places the result on the mesh with
-``mesh_placement.place_on_mesh``. It returns (compute-only, final) programs, both
-placed, named after the composition and carrying its parameters; the final
+``mesh_placement.place_on_mesh``. A context policy's ring (``context over AXIS
+ring "TARGET"``) is read the same way, must be a sequence-ring schedule, and is
+compiled (its checks included) with its ranks parameter set to the axis's
+size; the ring's own ``require`` refusing that size is said at the policy.
+It returns (compute-only, final) programs, both placed, named after the
+composition and carrying its parameters; the final
 program is not yet checked as a composed program (``driver.compile_spec``
 does that). Every mistake of the composition is reported at its place in the
 composing file; the named schedule's own errors at theirs, in its file.
@@ -17,7 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from pipec.compiler.mesh_placement import DataParallel, place_on_mesh
+from pipec.compiler.mesh_placement import ContextParallel, DataParallel, place_on_mesh
 from pipec.compiler.weight_placement import place_weights_on_mesh
 from pipec.compiler.costs import CostModel
 from pipec.compiler.driver import compile_spec, load_target, shipped_schedules, task_kinds
@@ -26,7 +30,10 @@ from pipec.dsl import ast, parse, resolve
 from pipec.dsl.composition import PP_AXIS, CompositionSpec, is_composition
 from pipec.dsl.limits import MAX_TASKS
 from pipec.dsl.schedule import ResolvedSchedule, format_values
-from pipec.errors import EvalError, ResolveError, ScheduleError, UsageError
+from pipec.errors import EvalError, RequireError, ResolveError, ScheduleError, UsageError
+
+# The field a sequence ring's declarations keep (pipec.dsl.rings): what makes a schedule a ring schedule.
+_RING_FAMILY = "rings"
 
 
 def lower_composition(spec: CompositionSpec, costs: CostModel | None = None) -> tuple[Program, Program]:
@@ -34,19 +41,29 @@ def lower_composition(spec: CompositionSpec, costs: CostModel | None = None) -> 
 
     Raises:
         ResolveError: TARGET not found or not readable, no schedule NAME in it, or NAME a composition
-            itself (a cycle when it is this one), at the target or the name.
+            itself (a cycle when it is this one), at the target or the name; a context policy's ring
+            target likewise, or not a sequence-ring schedule.
+        RequireError: the ring's own requirement refuses the context axis's size, at the policy.
         EvalError: an argument the schedule has no parameter for, or a value its parameter refuses.
         ScheduleError: a parameter left without a value, or a program the mesh cannot take (its pp axis
             is not the pipeline's ranks, ...), at the ``pipeline`` declaration.
         SourceError: the named schedule's own errors, in its file; ProgramError: its checks'.
     """
-    inner = _named_schedule(spec)
-    compiled = compile_spec(inner.evaluate(_arguments(spec, inner)), costs=costs)
+    node = spec.pipeline
+    inner = _named_schedule(spec, node.name, node.name_span, node.target, node.target_span)
+    compiled = compile_spec(inner.evaluate(_arguments(spec, inner, node)), costs=costs)
     policy = spec.policy
-    data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward)
     mesh = Mesh(spec.mesh)
+    if isinstance(policy, ast.ContextPolicy):
+        data = ContextParallel(policy.axis, _ring_program(spec, policy, mesh.axis_size(policy.axis), costs))
+    else:
+        data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward)
     _check_task_limit(spec, compiled.compute, mesh.size // compiled.program.num_ranks)
     if compiled.program.weights is not None:  # weight passing x DP: weights move inside each replica
+        if isinstance(data, ContextParallel):
+            raise ScheduleError(f"{compiled.program.name or 'this pipeline'} passes weights; a context axis composes "
+                                "with an activation-passing pipeline (gpipe, 1f1b, interleaved_1f1b): weight "
+                                "passing x CP is not built", spec.policy.span, spec.source)
         return _placed_weights(spec, compiled, mesh, data)
     try:  # the program first: it holds the family plans that say why a pipeline cannot be placed
         program, compute = [place_on_mesh(each, mesh, PP_AXIS, data, name=spec.name)
@@ -89,24 +106,51 @@ def _find_target(composing: str, target: str) -> str | None:
     return shipped_schedules().get(target)
 
 
-def _named_schedule(spec: CompositionSpec) -> ResolvedSchedule:
-    """The schedule NAME of TARGET, parsed and resolved; a composition is refused (one pipeline is placed)."""
-    node = spec.pipeline
-    path = _find_target(spec.path, node.target)
+def _ring_program(spec: CompositionSpec, policy: ast.ContextPolicy, size: int, costs: CostModel | None) -> Program:
+    """The context policy's ring schedule compiled for ``size`` ranks (its ranks parameter), checked."""
+    ring = _named_schedule(spec, policy.ring, policy.ring_span, policy.target, policy.target_span)
+    called = policy.ring or ring.node.name
+    if ring.family.field != _RING_FAMILY:
+        raise ResolveError(f"{called} in '{policy.target}' is not a sequence-ring schedule (it declares no "
+                           "`sequence chunks`); a context axis runs each stage's attention through a ring: "
+                           "ring_attention, zigzag_ring, tasp", policy.ring_span, spec.source)
+    ranks = ring.ranks_param
+    given = next((arg for arg in policy.args if arg.name == ranks), None)
+    if given is not None:
+        raise EvalError(f"{ranks} is the ring's ranks: the size of axis {policy.axis}, given by the mesh; leave it "
+                        "out", given.name_span, spec.source)
+    arguments = dict(_arguments(spec, ring, policy), **{ranks: size})
+    refusal = ring.argument_refusal(ranks, size)
+    if refusal is not None:
+        raise EvalError(f"axis {policy.axis} has {size} ranks: {refusal}", policy.axis_span, spec.source)
+    try:
+        ring_spec = ring.evaluate(arguments)
+    except RequireError as error:  # the ring cannot take the axis's size: said where the axis is given to it
+        raise RequireError(f"the ring {called} on axis {policy.axis} ({size} rank{'' if size == 1 else 's'}): "
+                           f"{error.message}",
+                           policy.span, spec.source) from None
+    return compile_spec(ring_spec, costs=costs).program
+
+
+def _named_schedule(spec: CompositionSpec, name: str | None, name_span, target: str, target_span) -> ResolvedSchedule:
+    """The schedule ``name`` (None: the first) of ``target``, parsed and resolved; a composition is refused
+    (one pipeline is placed, and a ring is a schedule of its own)."""
+    path = _find_target(spec.path, target)
     if path is None:
-        raise ResolveError(f"no file '{node.target}' beside {spec.path} and no shipped schedule of that name "
-                           f"(shipped: {', '.join(shipped_schedules())})", node.target_span, spec.source)
+        raise ResolveError(f"no file '{target}' beside {spec.path} and no shipped schedule of that name "
+                           f"(shipped: {', '.join(shipped_schedules())})", target_span, spec.source)
     try:
         shown, source, _ = load_target(path)
     except UsageError as error:  # a folder, a compiled program, too large, not UTF-8
-        raise ResolveError(str(error), node.target_span, spec.source) from None
+        raise ResolveError(str(error), target_span, spec.source) from None
     module = parse(source, shown)
-    schedule = module.schedule(node.name)
+    schedule = module.schedule(name)
     if schedule is None:
         names = ", ".join(each.name for each in module.schedules) or "none"
-        raise ResolveError(f"'{shown}' has no schedule '{node.name}' (it has {names})", node.name_span, spec.source)
+        wanted = f"no schedule '{name}'" if name is not None else "no schedule"
+        raise ResolveError(f"'{shown}' has {wanted} (it has {names})", name_span, spec.source)
     if is_composition(schedule):
-        raise ResolveError(f"{node.name} in '{shown}' {_why_not_composed(spec, path, schedule)}", node.target_span,
+        raise ResolveError(f"{schedule.name} in '{shown}' {_why_not_composed(spec, path, schedule)}", target_span,
                            spec.source)
     return resolve(schedule, shown, source, task_kinds())
 
@@ -122,17 +166,20 @@ def _why_not_composed(spec: CompositionSpec, path: str, schedule: ast.Schedule) 
     return "is a composition itself; a composition places a pipeline schedule, one rank per stage"
 
 
-def _arguments(spec: CompositionSpec, inner: ResolvedSchedule) -> dict[str, int | bool]:
-    """The composition's arguments, each checked against the named schedule's parameter where it is written."""
-    node = spec.pipeline
+def _arguments(spec: CompositionSpec, inner: ResolvedSchedule,
+               node: ast.ComposedPipeline | ast.ContextPolicy) -> dict[str, int | bool]:
+    """The arguments ``node`` (the pipeline or the ring) gives, each checked against the named schedule's
+    parameter where it is written; the ring's ranks, which the axis gives, are not missing."""
+    given = spec.arguments if isinstance(node, ast.ComposedPipeline) else spec.ring_arguments
     for arg in node.args:
-        refusal = inner.argument_refusal(arg.name, spec.arguments[arg.name])
+        refusal = inner.argument_refusal(arg.name, given[arg.name])
         if refusal is not None:
             known = any(param.name == arg.name for param, _, _ in inner.params)
             raise EvalError(refusal, arg.value.span if known else arg.name_span, spec.source)
-    missing = inner.missing_arguments(spec.arguments)
+    missing = [param for param in inner.missing_arguments(given) if param.name != inner.ranks_param
+               or isinstance(node, ast.ComposedPipeline)]
     if missing:
         listing = ", ".join(f"{param.name} ({param.type})" for param in missing)
         raise ScheduleError(f"schedule '{inner.node.name}' needs a value for {listing}: give "
                             f"`{missing[0].name} = EXPR` here", node.span, spec.source)
-    return dict(spec.arguments)
+    return dict(given)

@@ -14,7 +14,10 @@ A member of a stage's group holds, in bytes per size class (docs/costs.md's
 * ``activation``, ``boundary``: each live counted value (what a forward
   saves, what an I leaves for its W, what a recomputed forward keeps) as the
   member's share of it, the class's bytes over k: member i of k holds rows
-  share i of k of every microbatch.
+  share i of k of every microbatch (``ROW_SHARE``), or ring rank i's chunks
+  of every sequence, a 1/k share of its tokens (``SEQUENCE_SHARE``, PP x CP;
+  the stage ring's KV and dK, dV buffers live only inside a compute and are
+  not counted here: docs/compose.md).
 
 Nothing else changes from a plain program's count (the same rule-table
 deltas); a plain program (no mesh, no group) is counted as before by

@@ -41,6 +41,7 @@ from pipec.compiler.memory_counts import (
     recomputes,
 )
 from pipec.compiler.network import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, Network
+from pipec.compiler.stage_ring import STAGE_BACKWARD_OPS, STAGE_FORWARD_OPS, ring_halves, sequence_groups
 from pipec.compiler.traffic import member_share, node_map, traffic, whole_value_kind
 from pipec.errors import DeadlockError, MatchError, WellFormedError
 
@@ -291,6 +292,13 @@ def simulate(program: Program, costs: CostModel | None = None, *,
       block the member before the compute's body; SYNC_GRAD and REDUCE_GRAD are an exchange's
       collectives, priced as the all-reduce and reduce-scatter of the stage's weight gradient (docs/costs.md,
       "Composed programs"); RESHARD takes no time.
+    * A stage split by sequence (PP x CP, ``Program.stage_ring``): each of its computes is a meeting of the
+      group: it starts when every member is there with its inputs; a forward (or recompute) on member i
+      then lasts its share of the op's cost plus ring rank i's time in the stage ring's forward half, a
+      backward its share plus the backward half's, each half simulated once per group on the group's
+      ranks (``stage_ring.ring_halves``: the cost file's links, NICs and rails between the members). The
+      halves' transfers count in the links' use at each meeting; they do not contend with the
+      pipeline's messages.
 
     Args:
         program: a compute-only program, or one with communication instructions
@@ -374,6 +382,13 @@ class _Simulation:
             op: [None if message is None else message[1] for message in row] if _COMM_RULES[op][0] else None
             for op, row in self.comm_plan.items()
         }
+        # a context-parallel composition: its groups' stage-ring halves, the stages whose computes meet
+        # their group, and each meeting's completion key and the members' ready times
+        self.rings = {group: ring_halves(program, group, costs, sizes if sizes is not None else costs.sizes)
+                      for group in (sequence_groups(program) if program.stage_ring is not None else ())}
+        self.ring_stages = frozenset(info.id for info in program.stages if tuple(info.ranks) in self.rings)
+        self.ring_meetings: dict[tuple[int, str, int], tuple[int, list[Number]]] = {}
+        self.ring_pending: dict[int, int] = {}  # rank -> the step whose meeting it joined and waits on
         # per rank, the plans indexed by the stages it runs (``_per_rank``)
         self.compute_plans = self._per_rank(self._plan_compute())
         self.comm_plans = self._per_rank(self.comm_plan)
@@ -406,13 +421,51 @@ class _Simulation:
         program, costs, n, space = self.program, self.costs, self.stride, self.space
         neighbours = self._neighbours()
         plan: dict[str, list[tuple]] = {op: [] for op in _COMPUTE_RULES}
-        for m, (stage, _rank) in enumerate(self.member_stages):
+        for m, (stage, rank) in enumerate(self.member_stages):
             chunk = program.stages[stage].chunk
             for op, (out_spaces, delta, needs) in _COMPUTE_RULES.items():
                 waits = sum((self._input(m, neighbours[whose][m], kind) for kind, whose in needs), ())
                 outs = tuple(out_space * space + m * n for out_space in out_spaces)
-                plan[op].append((_plain_share(costs.compute(op, chunk), self.share), waits, outs, delta))
+                duration = _plain_share(costs.compute(op, chunk), self.share) + self._ring_time(stage, rank, op)
+                plan[op].append((duration, waits, outs, delta))
         return plan
+
+    def _ring_time(self, stage: int, rank: int, op: str) -> Number:
+        """The time member ``rank`` of a stage split by sequence spends in the stage ring's half that ``op``
+        runs (0 for any other stage or op)."""
+        group = tuple(self.program.stages[stage].ranks)
+        halves = self.rings.get(group)
+        if halves is None:
+            return 0
+        member = group.index(rank)
+        if op in STAGE_FORWARD_OPS:
+            return halves.forward[member]
+        return halves.backward[member] if op in STAGE_BACKWARD_OPS else 0
+
+    def ring_meeting(self, rank: int, step: int, action: Action, ready: Number) -> Number | None:
+        """A compute of a stage split by sequence, its inputs on ``rank`` at ``ready``: when every member of the
+        group is there (the ring's start), or None when the rank parked until the last one comes."""
+        if self.ring_pending.get(rank) == step:  # woken: the meeting it joined has started
+            del self.ring_pending[rank]
+            return self.ready[self.ring_meetings[(action.stage, action.op, action.mb)][0]]
+        found = self.ring_meetings.get((action.stage, action.op, action.mb))
+        if found is None:
+            found = self.ring_meetings[(action.stage, action.op, action.mb)] = (self._new_key(), [])
+        key, arrived = found
+        arrived.append(ready)
+        group = tuple(self.program.stages[action.stage].ranks)
+        if len(arrived) < len(group):
+            self.ring_pending[rank] = step
+            self.park(rank, key)
+            return None
+        start = max(arrived)
+        halves = self.rings[group]
+        moves = halves.forward_moves if action.op in STAGE_FORWARD_OPS else (
+            halves.backward_moves if action.op in STAGE_BACKWARD_OPS else ())
+        for src, dst, begin, arrival in moves:  # the links' use (the ring's transfers, priced on its own)
+            self.network.record(src, dst, start + begin, start + arrival)
+        self.publish(key, start)
+        return start
 
     def _plan_comms(self) -> dict[str, list[tuple | None]]:
         """op -> per member stage (is send, tensor key base, arrival key base, kind), or None where
@@ -517,6 +570,7 @@ class _Simulation:
                  for r, (row, plans) in enumerate(zip(ranks, self.compute_plans))]
         progress = list(zip(self.pc, self.clock, self.busy, self.live, self.peak))
         parked_ons, new_tuple, num_stages, num_mbs = self.parked_on, tuple.__new__, self.num_stages, self.num_mbs
+        ring_stages, ring_meeting = self.ring_stages, self.ring_meeting
         post_group = self._poster()
         while work:
             r = work.pop()
@@ -547,6 +601,10 @@ class _Simulation:
                             start = arrival
                     if parked_on >= 0:
                         break
+                    if ring_stages and stage in ring_stages:  # the group's meeting: the ring starts when all came
+                        start = ring_meeting(r, pc, action, start)
+                        if start is None:  # parked until the last member comes
+                            break
                     clock = start + duration
                     for out in outs:
                         key = out + mb

@@ -19,7 +19,12 @@
   weights from the members' shards), what a reduce-scatter reduces (a stage's
   ``REDUCE_GRAD``: its weight gradient), the value an all-reduce sums (a
   stage's ``SYNC_GRAD``); each collective counted once, on the first member of
-  its communicator.
+  its communicator;
+* a context-parallel composition's stage ring (``Program.stage_ring``) moves,
+  for every compute of a stage split by sequence (one meeting of its group,
+  counted once), what the ring's forward half (a forward, a recompute) or
+  backward half (a backward) moves on the group, ring rank i as member i
+  (``stage_ring.split_ring``): its KV bundles and dK, dV partials.
 
 A link is ``intra`` when its two ranks sit on one node, else ``inter``. The
 value of a kind weighs ``sizes[its size class]`` bytes (0 when the cost file
@@ -34,9 +39,10 @@ from typing import Callable, Mapping, NamedTuple
 
 from pipec.compiler import ops
 from pipec.compiler.family import Family, families_of, first_answer
-from pipec.compiler.ir import Action, Program
+from pipec.compiler.ir import SEQUENCE_SHARE, Action, Program
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, ring_hops
+from pipec.compiler.stage_ring import STAGE_BACKWARD_OPS, STAGE_FORWARD_OPS, split_ring
 from pipec.errors import UsageError
 
 INTRA, INTER = "intra", "inter"
@@ -120,15 +126,42 @@ def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[in
         else:
             pieces[key] = pieces.get(key, 0) + share
 
-    seen_collectives: set[tuple] = set()
+    _count_program(program, add)
+    if program.stage_ring is not None:
+        _count_stage_rings(program, add)
+    return _weighed(whole, pieces, sizes)
+
+
+def _count_program(program: Program, add: Callable) -> None:
+    """``add`` what every instruction of ``program`` moves."""
     families = families_of(program)
     sharing = [family for family in families if type(family).value_share is not Family.value_share]
-    count = _Counter(program, sharing, families, member_share(program), add, seen_collectives)
+    count = _Counter(program, sharing, families, member_share(program), add, set())
     for rank, row in enumerate(program.ranks):
         for action in row:
             for part in action.parts or (action,):  # a compute's sub-steps (a GATHER) are collectives
                 _count(count, rank, part)
-    return _weighed(whole, pieces, sizes)
+
+
+def _count_stage_rings(program: Program, add: Callable) -> None:
+    """``add`` what the stage ring's halves move, once per meeting of a group split by sequence (counted on
+    its first member, whose list holds every compute of the group's stages)."""
+    halves = []
+    for half in split_ring(program.stage_ring):
+        moves: list[tuple] = []
+        _count_program(half, lambda kind, src, dst, share, moves=moves: moves.append((kind, src, dst, share)))
+        halves.append(moves)
+    forward, backward = halves
+    for rank, row in enumerate(program.ranks):
+        for action in row:
+            if not action.is_compute or not 0 <= action.stage < len(program.stages):
+                continue
+            placement = program.stages[action.stage].placement
+            if placement is None or placement.split != SEQUENCE_SHARE or rank != placement.ranks[0]:
+                continue
+            moves = forward if action.op in STAGE_FORWARD_OPS else backward if action.op in STAGE_BACKWARD_OPS else ()
+            for kind, src, dst, share in moves:
+                add(kind, placement.ranks[src], placement.ranks[dst], share)
 
 
 class _Counter(NamedTuple):

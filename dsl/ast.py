@@ -387,6 +387,23 @@ class DataPolicy(Node):
 
 
 @dataclass(frozen=True)
+class ContextPolicy(Node):
+    """``context over AXIS ring "TARGET"`` (or ``ring NAME(ARG = E, ...) from "TARGET"``): each stage's group
+    along AXIS splits every sequence by the ring schedule's chunks and runs the stage's attention through it.
+
+    ``ring`` is the schedule's name in TARGET (None: the file's first schedule), ``ring_span`` where it is
+    written (the target's span when it is not), ``args`` its arguments beside the ranks the axis gives."""
+
+    axis: str
+    axis_span: Span
+    ring: str | None
+    ring_span: Span
+    args: tuple[PipelineArg, ...]
+    target: str
+    target_span: Span
+
+
+@dataclass(frozen=True)
 class ExplicitOrder(Node):
     rank_var: str
     rank_span: Span

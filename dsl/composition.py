@@ -1,12 +1,14 @@
 """Compositions: a schedule built from a shipped (or the user's) pipeline schedule, on a mesh of rank axes.
 
 A composing schedule holds only ``mesh``, ``pipeline NAME(ARG = E, ...) from
-"TARGET"``, one data policy (``replicate over AXIS`` or ``shard over AXIS
-[reshard after forward]``), ``require`` and ``let``. The front end resolves
+"TARGET"``, one policy for its second axis (``replicate over AXIS``, ``shard
+over AXIS [reshard after forward]``, or ``context over AXIS ring "TARGET"``:
+the stages' sequences split over AXIS, their attention a ring schedule),
+``require`` and ``let``. The front end resolves
 and evaluates it like any schedule (its parameters, requirements and lets,
-the mesh's sizes and the pipeline's arguments, each an expression of the
-parameters) into a ``CompositionSpec``; reading TARGET, compiling the named
-schedule and placing it on the mesh is the driver's
+the mesh's sizes and the pipeline's and the ring's arguments, each an
+expression of the parameters) into a ``CompositionSpec``; reading the targets,
+compiling the named schedules and placing the pipeline on the mesh is the driver's
 (``pipec.compiler.composition``), since only the compiler knows where
 targets live and how a program is placed.
 
@@ -15,7 +17,8 @@ Contract: ``is_composition(schedule)`` says whether a parsed schedule is one
 ``ResolvedComposition`` whose ``evaluate(defines)`` gives the
 ``CompositionSpec``, or raises every resolution error at once (another
 family's declaration, a missing or second mesh, pipeline or policy, a data
-axis that is not the mesh's, ...), each at its place.
+or context axis that is not the mesh's, a context policy beside a data one
+(PP x CP x DP is not built), ...), each at its place.
 """
 from __future__ import annotations
 
@@ -34,10 +37,11 @@ from pipec.errors import EvalError, SourceErrors
 PP_AXIS = "pp"
 
 # The declarations that make a schedule a composition, and the others it may hold beside them.
-_COMPOSING = (ast.Mesh, ast.ComposedPipeline, ast.DataPolicy)
+_COMPOSING = (ast.Mesh, ast.ComposedPipeline, ast.DataPolicy, ast.ContextPolicy)
 _ALSO_ALLOWED = (ast.Require, ast.Let)
 _WORD = re.compile(r"[A-Za-z_]\w*")
-_WORDS = {ast.Mesh: "mesh", ast.ComposedPipeline: "pipeline ... from", ast.DataPolicy: "replicate|shard over"}
+_WORDS = {ast.Mesh: "mesh", ast.ComposedPipeline: "pipeline ... from", ast.DataPolicy: "replicate|shard over",
+          ast.ContextPolicy: "context over"}
 
 
 def is_composition(schedule: ast.Schedule) -> bool:
@@ -56,7 +60,9 @@ class CompositionSpec:
         mesh: (axis, size) pairs, outermost first (``ir.Mesh``'s axes).
         arguments: the composed pipeline's parameter values, by name.
         pipeline: the ``pipeline ... from`` declaration (its name, target and the spans of errors).
-        policy: the data policy (its axis, sharded or not, reshard after forward).
+        policy: the policy of the second axis: a data policy (its axis, sharded or not, reshard after
+            forward) or a context policy (its axis and ring schedule).
+        ring_arguments: a context policy's ring arguments, by name (its ranks are the axis's size).
     """
 
     name: str
@@ -67,19 +73,22 @@ class CompositionSpec:
     mesh: tuple[tuple[str, int], ...]
     arguments: dict[str, int | bool]
     pipeline: ast.ComposedPipeline
-    policy: ast.DataPolicy
+    policy: ast.DataPolicy | ast.ContextPolicy
+    ring_arguments: dict[str, int | bool] = field(default_factory=dict)
 
 
 @dataclass
 class ResolvedComposition(ResolvedSchedule):
     """A composing schedule resolved: its parameters, lets and requires as any schedule's
-    (``ResolvedSchedule``), and the closures of its mesh sizes and pipeline arguments."""
+    (``ResolvedSchedule``), and the closures of its mesh sizes and pipeline (and ring) arguments."""
 
     mesh: ast.Mesh | None = None
     mesh_sizes: list[Fn] = field(default_factory=list)
     pipeline: ast.ComposedPipeline | None = None
     arguments: list[tuple[ast.PipelineArg, Fn]] = field(default_factory=list)
     policy: ast.DataPolicy | None = None
+    context: ast.ContextPolicy | None = None
+    ring_arguments: list[tuple[ast.PipelineArg, Fn]] = field(default_factory=list)
 
     def evaluate(self, defines: dict[str, str | int | bool] | None = None) -> CompositionSpec:
         """Evaluate with parameter values (as ``ResolvedSchedule.evaluate``).
@@ -106,7 +115,8 @@ class ResolvedComposition(ResolvedSchedule):
         return CompositionSpec(
             name=self.name, schedule=self.node.name, path=self.path, source=self.source, params=values,
             mesh=tuple((axis.name, size) for axis, size in zip(self.mesh.axes, sizes)),
-            arguments={arg.name: fn(env) for arg, fn in self.arguments}, pipeline=self.pipeline, policy=self.policy,
+            arguments={arg.name: fn(env) for arg, fn in self.arguments}, pipeline=self.pipeline,
+            policy=self.context or self.policy, ring_arguments={arg.name: fn(env) for arg, fn in self.ring_arguments},
         )
 
 
@@ -134,9 +144,9 @@ def resolve_composition(schedule: ast.Schedule, path: str, source: str, tasks: T
                 _RESOLVERS[type(decl)](out, decl, scope)
         else:
             word = _WORD.match(source.split("\n")[decl.span.line - 1], decl.span.col - 1)
-            resolver.error(f"a composition holds only mesh, pipeline ... from, replicate|shard over, require and "
-                           f"let; `{word.group(0) if word else '?'}` belongs in a pipeline's own schedule (the one "
-                           "`pipeline` names)", decl.span)
+            resolver.error(f"a composition holds only mesh, pipeline ... from, replicate|shard over, context over, "
+                           f"require and let; `{word.group(0) if word else '?'}` belongs in a pipeline's own schedule "
+                           "(the one `pipeline` names)", decl.span)
     _check_complete(out, schedule)
     if resolver.errors:
         if len(resolver.errors) == 1:
@@ -147,7 +157,8 @@ def resolve_composition(schedule: ast.Schedule, path: str, source: str, tasks: T
 
 def _first_of_kind(out: ResolvedComposition, decl: ast.Node) -> bool:
     """True for the first mesh, pipeline or policy; a second is an error at it, naming the first's line."""
-    first = {ast.Mesh: out.mesh, ast.ComposedPipeline: out.pipeline, ast.DataPolicy: out.policy}[type(decl)]
+    first = {ast.Mesh: out.mesh, ast.ComposedPipeline: out.pipeline, ast.DataPolicy: out.policy,
+             ast.ContextPolicy: out.context}[type(decl)]
     if first is not None:
         out.resolver.error(f"a composition has one `{_WORDS[type(decl)]}`; another is at line {first.span.line}",
                            decl.span)
@@ -170,15 +181,28 @@ def _resolve_mesh(out: ResolvedComposition, decl: ast.Mesh, scope: Scope) -> Non
 
 def _resolve_pipeline(out: ResolvedComposition, decl: ast.ComposedPipeline, scope: Scope) -> None:
     out.pipeline = decl
+    out.arguments = _resolve_arguments(out, decl.args, scope)
+
+
+def _resolve_context(out: ResolvedComposition, decl: ast.ContextPolicy, scope: Scope) -> None:
+    out.context = decl
+    out.ring_arguments = _resolve_arguments(out, decl.args, scope)
+
+
+def _resolve_arguments(out: ResolvedComposition, args: tuple[ast.PipelineArg, ...],
+                       scope: Scope) -> list[tuple[ast.PipelineArg, Fn]]:
+    """The closures of a named schedule's arguments; one given twice, or a tuple, is an error at it."""
     seen: set[str] = set()
-    for arg in decl.args:
+    closures = []
+    for arg in args:
         if arg.name in seen:
             out.resolver.error(f"{arg.name} is given twice", arg.name_span)
         seen.add(arg.name)
         fn, type_ = out.resolver.expr(arg.value, scope)
         if type_ == KEY:
             out.resolver.error("a parameter's value is an integer or a boolean, not a tuple", arg.value.span)
-        out.arguments.append((arg, fn))
+        closures.append((arg, fn))
+    return closures
 
 
 def _resolve_policy(out: ResolvedComposition, decl: ast.DataPolicy, scope: Scope) -> None:
@@ -188,32 +212,42 @@ def _resolve_policy(out: ResolvedComposition, decl: ast.DataPolicy, scope: Scope
                            "stage keeps its whole weights (write `shard over ... reshard after forward`)", decl.span)
 
 
-_RESOLVERS = {ast.Mesh: _resolve_mesh, ast.ComposedPipeline: _resolve_pipeline, ast.DataPolicy: _resolve_policy}
+_RESOLVERS = {ast.Mesh: _resolve_mesh, ast.ComposedPipeline: _resolve_pipeline, ast.DataPolicy: _resolve_policy,
+              ast.ContextPolicy: _resolve_context}
 
 
 def _check_complete(out: ResolvedComposition, schedule: ast.Schedule) -> None:
-    """A composition needs a mesh, a pipeline and a policy, and the policy's axis is a mesh axis besides pp."""
+    """A composition needs a mesh, a pipeline and one policy, and the policy's axis is a mesh axis besides pp."""
     error = out.resolver.error
+    if out.context is not None and out.policy is not None:
+        # each stage's group would be a cp x dp grid: its rows split over dp and its sequences over cp
+        error(f"PP x CP x DP is not built: a composition splits its stages over one axis, by sequence "
+              f"(`context over`) or by rows (`{'shard' if out.policy.sharded else 'replicate'} over` at line "
+              f"{out.policy.span.line}); drop one", out.context.span)
+        return
     if out.mesh is None:
         error(f"a composition needs a mesh: `mesh {PP_AXIS} = EXPR, dp = EXPR` (its rank axes, outermost first)",
               schedule.span)
     if out.pipeline is None:
         error("a composition needs the pipeline it places: `pipeline NAME(PARAM = EXPR, ...) from \"TARGET\"`",
               schedule.span)
-    if out.policy is None:
-        error("a composition needs a data policy: `replicate over AXIS` or `shard over AXIS [reshard after "
-              "forward]`", schedule.span)
-    if out.mesh is None or out.policy is None:
+    policy = out.context or out.policy
+    if policy is None:
+        error("a composition needs a policy for its stages' groups: `replicate over AXIS`, `shard over AXIS "
+              "[reshard after forward]` or `context over AXIS ring \"TARGET\"`", schedule.span)
+    if out.mesh is None or policy is None:
         return
     names = [axis.name for axis in out.mesh.axes]
-    if out.policy.axis == PP_AXIS or out.policy.axis not in names:
-        error(f"the data axis cannot be the pipeline's axis, {PP_AXIS}" if out.policy.axis == PP_AXIS else
-              f"{out.policy.axis} is not an axis of the mesh (line {out.mesh.span.line}: {', '.join(names)})",
-              out.policy.axis_span)
+    kind = "context" if policy is out.context else "data"
+    if policy.axis == PP_AXIS or policy.axis not in names:
+        error(f"the {kind} axis cannot be the pipeline's axis, {PP_AXIS}" if policy.axis == PP_AXIS else
+              f"{policy.axis} is not an axis of the mesh (line {out.mesh.span.line}: {', '.join(names)})",
+              policy.axis_span)
         return  # which axis was meant is unknown: the others are not said to be unused
     if PP_AXIS not in names:
         return  # said at the mesh
     for axis in out.mesh.axes:
-        if axis.name not in (PP_AXIS, out.policy.axis):
+        if axis.name not in (PP_AXIS, policy.axis):
             error(f"axis {axis.name} is used by nothing: a composition runs the pipeline along {PP_AXIS} and "
-                  f"replicates or shards its stages over one data axis ({out.policy.axis})", axis.name_span)
+                  f"replicates, shards or splits the sequences of its stages over one other axis ({policy.axis})",
+                  axis.name_span)

@@ -578,6 +578,20 @@ class _ToAst(Transformer_NonRecursive):
         return ast.DataPolicy(self._span(meta), str(policy) == "shard", str(axis), _span_of(self.path, axis),
                               reshard is not None)
 
+    def ring_call(self, meta, children):
+        name, *args, target = children
+        return str(name), _span_of(self.path, name), tuple(a for a in args if a is not None), target
+
+    def context_policy(self, meta, children):
+        _, axis, ring = children
+        if isinstance(ring, tuple):
+            name, name_span, args, target = ring
+        else:
+            target = ring
+            name, name_span, args = None, _span_of(self.path, target), ()
+        return ast.ContextPolicy(self._span(meta), str(axis), _span_of(self.path, axis), name, name_span, args,
+                                 _unquote(target), _span_of(self.path, target))
+
     def order_explicit(self, meta, children):
         var, body = children
         return ast.ExplicitOrder(self._span(meta), str(var), _span_of(self.path, var), body)

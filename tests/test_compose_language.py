@@ -263,15 +263,16 @@ def good(old: str, new: str) -> str:
 
 @pytest.mark.parametrize("old,new,line,col,message", [
     ("  replicate over dp\n", "  replicate over dp\n  stages P\n", 5, 3,
-     "a composition holds only mesh, pipeline ... from, replicate|shard over, require and let; `stages` belongs in "
-     "a pipeline's own schedule (the one `pipeline` names)"),
+     "a composition holds only mesh, pipeline ... from, replicate|shard over, context over, require and let; "
+     "`stages` belongs in a pipeline's own schedule (the one `pipeline` names)"),
     ("  replicate over dp\n", "  replicate over dp\n  def f(x) = x\n", 5, 3,
-     "a composition holds only mesh, pipeline ... from, replicate|shard over, require and let; `def` belongs in "
-     "a pipeline's own schedule (the one `pipeline` names)"),
+     "a composition holds only mesh, pipeline ... from, replicate|shard over, context over, require and let; `def` "
+     "belongs in a pipeline's own schedule (the one `pipeline` names)"),
     ("  mesh pp = P, dp = D\n", "", 1, 1,
      "a composition needs a mesh: `mesh pp = EXPR, dp = EXPR` (its rank axes, outermost first)"),
     ("  replicate over dp\n", "", 1, 1,
-     "a composition needs a data policy: `replicate over AXIS` or `shard over AXIS [reshard after forward]`"),
+     "a composition needs a policy for its stages' groups: `replicate over AXIS`, `shard over AXIS [reshard after "
+     "forward]` or `context over AXIS ring \"TARGET\"`"),
     ('  pipeline one_f_one_b(P = P, N = N) from "1f1b"\n', "", 1, 1,
      'a composition needs the pipeline it places: `pipeline NAME(PARAM = EXPR, ...) from "TARGET"`'),
     ("  replicate over dp\n", "  replicate over dp\n  mesh pp = 2, dp = 2\n", 5, 3,
@@ -281,8 +282,8 @@ def good(old: str, new: str) -> str:
     ("replicate over dp", "replicate over xp", 4, 18, "xp is not an axis of the mesh (line 2: pp, dp)"),
     ("replicate over dp", "replicate over pp", 4, 18, "the data axis cannot be the pipeline's axis, pp"),
     ("mesh pp = P, dp = D", "mesh pp = P, dp = D, cp = 2", 2, 24,
-     "axis cp is used by nothing: a composition runs the pipeline along pp and replicates or shards its stages over "
-     "one data axis (dp)"),
+     "axis cp is used by nothing: a composition runs the pipeline along pp and replicates, shards or splits the "
+     "sequences of its stages over one other axis (dp)"),
     ("mesh pp = P, dp = D", "mesh pq = P, dp = D", 2, 3,
      "the mesh needs the pipeline's axis, `pp` (`mesh pp = P, dp = D`): the composed pipeline's ranks run along it"),
     ("mesh pp = P, dp = D", "mesh pp = P, dp = D, dp = 1", 2, 24, "the mesh has axis dp twice"),

@@ -119,7 +119,7 @@ def test_a_microbatch_handed_to_the_wrong_dp_rank_of_the_next_stage_is_named():
     error = _raised(with_row(program, 0, lambda row: row[:at] + [row[at]._replace(peer=3)] + row[at + 1:]),
                     MatchError)
     assert error.message == ("0SEND_F0 sends rank 0's share of the activation of 0F0 to rank 3, but stage 1 (on "
-                             "ranks 2, 3) takes that share on rank 2")
+                             "ranks 2, 3) takes that share on rank 2 (rank 3 is at dp 1; the share is at dp 0)")
     assert (error.rank, error.step) == (0, at)
 
 

@@ -23,7 +23,9 @@
   a sharded stage's weights whole wherever a compute runs on them, every
   member's gradient reduced once after its last contribution and waited), its
   messages, sub-steps and reductions by the one symbolic run; a program with
-  no stage on a group holds none of a group's ops.
+  no stage on a group holds none of a group's ops. A context-parallel
+  composition's ``stage_ring`` (the ring every stage's group runs) is proved
+  by all of these, alone, its errors prefixed as the stage ring's.
 * ``version_plan`` (optimizer updates in the order): every backward on the
   weights its forward ran on, every weight gradient applied
   (``compiler/versions.py``).
@@ -51,6 +53,7 @@ from pipec.compiler.checks.weights import WeightReport, check_weights
 from pipec.compiler.family import families_of
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.versions import version_plan
+from pipec.errors import ProgramError
 from pipec.compiler.checks.wellformed import (
     StageTables,
     TaskIndex,
@@ -86,6 +89,8 @@ def check_all(
     """
     if semantics not in SEMANTICS:
         raise ValueError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
+    if program.stage_ring is not None:
+        _check_stage_ring(program.stage_ring, semantics)
     stage_checks = all(family.stage_checks for family in families_of(program))
     if program.placed_on_groups:  # each member's share, by the placement checks and the symbolic run
         check_placed(program)
@@ -104,6 +109,18 @@ def check_all(
     if stage_checks:
         version_plan(program)
         check_memory(program, memory_budget, byte_budget=byte_budget, sizes=sizes)
+
+def _check_stage_ring(ring: Program, semantics: str) -> None:
+    """The ring a context-parallel composition's stages run, proved alone; its errors say it is the stage
+    ring (its ranks are a group's members, ring rank i member i), so they are not read as the pipeline's."""
+    try:
+        check_all(ring, semantics=semantics)
+    except ProgramError as error:
+        error.message = (f"in the stage ring ({ring.name or 'the ring'} on {ring.num_ranks} ranks, ring rank i = "
+                         f"member i of every stage's group): {error.message}")
+        error.args = (error.message,)
+        raise
+
 
 __all__ = [
     "ASYNC",

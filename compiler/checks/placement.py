@@ -19,8 +19,12 @@ member's share:
   a batch atomic), its sub-steps blocking meetings of the group's
   communicator in list order, its gradient reductions (SYNC_GRAD, REDUCE_GRAD)
   meetings of the same communicator posted by an EXCHANGE and completed at its
-  wait, counted with the sub-steps; a message goes between the members whose shares
-  meet (``Program.share_peers``); a compute reads only shares this rank made
+  wait, counted with the sub-steps; every compute of a stage split by sequence
+  (``SEQUENCE_SHARE``, PP x CP) a rendezvous of its group, since its attention
+  runs the stage's ring over the group (so members that take the stage's
+  computes in different orders are named as the cycle of their crossing ring
+  exchanges); a message goes between the members whose shares
+  meet (``Program.share_peers``: a hand-off stays at its cp coordinate); a compute reads only shares this rank made
   or received before it, a send ships only what this rank made.
 
 Errors name the rank and step, as the single-home checks do.
@@ -31,7 +35,7 @@ from pipec.compiler import ops
 from pipec.compiler.checks.sharding import check_sharding
 from pipec.compiler.checks.symbolic import Part, RankState, Semantics, register_semantics
 from pipec.compiler.checks.wellformed import task_problem
-from pipec.compiler.ir import Action, Program, stage_tables
+from pipec.compiler.ir import SEQUENCE_SHARE, Action, Program, stage_tables
 from pipec.errors import ConflictError, MatchError, WellFormedError
 
 _SUBSTEPS = frozenset(ops.SUBSTEP_OPS)
@@ -221,6 +225,17 @@ class PlacedStages(Semantics):
             return action.parts
         return ()
 
+    def rendezvous(self, action: Action, rank: int) -> tuple[tuple, tuple[int, ...], str] | None:
+        """A compute of a stage split by sequence meets its group: its attention's ring (``Program.stage_ring``)
+        exchanges KV among the members, each running the compute of the same stage and microbatch."""
+        if ops.RULES[action.op].category != ops.COMPUTE:
+            return None
+        placement = self.program.stages[action.stage].placement  # in range: check_placed proved it
+        if placement is None or placement.split != SEQUENCE_SHARE:
+            return None
+        return ((placement.communicator, action.stage, action.op, action.mb), placement.ranks,
+                f"the stage ring of {action.text()} over its group ({ranks_text(placement.ranks)})")
+
     def value(self, action: Action) -> tuple:
         rule = ops.PART_RULES[action.op]
         return (rule.kind, self.tables.neighbour(rule.where)[action.stage], action.mb)
@@ -260,7 +275,7 @@ class PlacedStages(Semantics):
             raise self.error(MatchError, f"{action.text()} {verb} rank {rank}'s share of the {what} "
                              f"{'to' if rule.is_send else 'from'} rank {action.peer}, but stage {other} (on "
                              f"{ranks_text(self.program.stages[other].ranks)}) {role} that share on "
-                             f"{ranks_text(right)}", rank, part.step)
+                             f"{ranks_text(right)}{self.coordinates_text(action.peer, right)}", rank, part.step)
         if not rule.is_send:
             return
         if not any((op, producer, mb) in self.done[rank] for op in ops.producers(kind)):
@@ -272,6 +287,16 @@ class PlacedStages(Semantics):
                              f"{ranks_text(self.program.stages[other].ranks)}) takes its own share, from "
                              f"{ranks_text(self.program.share_peers(other, action.peer, mine))}", rank, part.step)
         self.sent[rank].add(((kind, producer, mb), action.peer))
+
+    def coordinates_text(self, peer: int, right: tuple[int, ...]) -> str:
+        """On a mesh, where the wrong peer and the right one sit (a hand-off keeps every coordinate but pp's)."""
+        mesh = self.program.mesh
+        if mesh is None or not 0 <= peer < mesh.size or len(right) != 1:
+            return ""
+        theirs, wanted = mesh.coords(peer), mesh.coords(right[0])
+        differ = [axis for axis in mesh.names if theirs[axis] != wanted[axis]]
+        return (f" (rank {peer} is at {', '.join(f'{axis} {theirs[axis]}' for axis in differ)}; the share is at "
+                f"{', '.join(f'{axis} {wanted[axis]}' for axis in differ)})") if differ else ""
 
     def arrive(self, state: RankState, part: Part) -> None:
         if part.action.op in _GROUP_PARTS or ops.PART_RULES[part.action.op].is_send:

@@ -18,7 +18,12 @@ The contract, for every family:
   is the same (``Semantics.signature``) on every member, and only members join.
 * Posting never blocks but for a collective its family marks blocking (one
   stream: two communicators met in different orders hang here as on NCCL); an
-  EXCHANGE_WAIT blocks until its parts complete. Ranks that cannot finish are a
+  EXCHANGE_WAIT blocks until its parts complete. An instruction a family makes
+  a rendezvous (``Semantics.rendezvous``: a context-parallel stage's compute,
+  whose attention runs a ring over the stage's group) blocks until every rank
+  of its group has reached the same instruction: the meeting is the
+  instruction itself, so members that take them in different orders wait on
+  each other. Ranks that cannot finish are a
   ``DeadlockError`` naming the cycle of waits.
 * At the end every exchange is waited and every part matched; then each
   family's own end checks (``Semantics.finish``).
@@ -67,6 +72,19 @@ class Meeting:
 
     def absent(self) -> list[int]:
         return [r for r in self.communicator.ranks if r not in self.joined]
+
+
+class Rendezvous:
+    """An instruction every rank of a group must reach before any passes it (``Semantics.rendezvous``)."""
+
+    __slots__ = ("ranks", "text", "arrived")
+
+    def __init__(self, ranks, text: str):
+        self.ranks, self.text = tuple(ranks), text
+        self.arrived: set[int] = set()
+
+    def absent(self) -> list[int]:
+        return [r for r in self.ranks if r not in self.arrived]
 
 
 class RankState:
@@ -118,6 +136,11 @@ class Semantics:
 
     def step(self, state: RankState, action: Action) -> None:
         """A non-exchange instruction of ``state``'s rank (every family sees each one; most skip it)."""
+
+    def rendezvous(self, action: Action, rank: int) -> tuple[tuple, tuple[int, ...], str] | None:
+        """Whether the non-exchange instruction ``action`` of ``rank`` is a meeting of a group: (its key, equal on
+        every member, the group's ranks, what it is in words), or None (a plain step)."""
+        return None
 
     def post(self, state: RankState, part: Part) -> None:
         """A part of the family posted on its rank, before it is matched or met."""
@@ -213,6 +236,7 @@ class SymbolicRun:
         self.ranks = [RankState(r) for r in range(program.num_ranks)]
         self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
         self.meetings: dict[tuple[int, int], Meeting] = {}
+        self.rendezvous: dict[tuple, Rendezvous] = {}
         # A sequence ring's schedule writes steps (`at step`) of its own: there the list index is an "instruction".
         self.index_word = "step" if program.rings is None else "instruction"
 
@@ -269,7 +293,7 @@ class SymbolicRun:
                 raise self.error(WellFormedError, f"{action.text()} is an instruction of {rule.family}, which "
                                  f"this program ({', '.join(self.family_names)}) does not run", state.rank, state.pc)
             else:
-                if not self.post_inline(state, action):
+                if not self.meet(state, action) or not self.post_inline(state, action):
                     break
                 for semantics in self.semantics:
                     semantics.step(state, action)
@@ -290,6 +314,20 @@ class SymbolicRun:
             state.open[number] = (state.pc, [])
             state.posting = state.pc
         return self.post_parts(state, number, action.parts)
+
+    def meet(self, state: RankState, action: Action) -> bool:
+        """Whether ``state``'s rank may run ``action``: not a rendezvous, or every rank of its group reached it."""
+        found = next((found for found in (s.rendezvous(action, state.rank) for s in self.semantics) if found), None)
+        if found is None:
+            return True
+        key, ranks, text = found
+        meeting = self.rendezvous.setdefault(key, Rendezvous(ranks, text))
+        meeting.arrived.add(state.rank)
+        absent = meeting.absent()
+        if absent:
+            state.waiting_on = (meeting, absent)
+            return False
+        return True
 
     def post_inline(self, state: RankState, action: Action) -> bool:
         """An instruction whose family inlines parts (a message of a placed stage, a compute's sub-steps):
@@ -525,6 +563,9 @@ class SymbolicRun:
             part, others = state.waiting_on or (None, [])
             if part is None:
                 lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) is stuck at {action.text()}")
+            elif isinstance(part, Rendezvous):
+                lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) waits in {action.text()} for "
+                             f"{_ranks_text(others)} to join {part.text}")
             elif part.meeting is not None:
                 lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) waits in {action.text()} for "
                              f"{_ranks_text(others)} to join {part.action.text()}")

@@ -27,6 +27,8 @@ coordinate, read off any member of the group:
 
 Everything else is written as for a single pipeline (the caller's
 ``cells_of``). What torch's runtime cannot run is refused with the reason:
+a context-parallel composition (PP x CP: torch's schedule CSV has no step for a
+stage's ring attention over its cp group, and FSDP2 splits rows, not sequences),
 a mesh of other than a pipeline axis and one data axis, sub-steps other than
 a sharded stage's gather, members of a group that do not run one order,
 messages that cross data coordinates.
@@ -36,7 +38,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from pipec.compiler import ops
-from pipec.compiler.ir import Action, Mesh, Program
+from pipec.compiler.ir import SEQUENCE_SHARE, Action, Mesh, Program
 from pipec.errors import UsageError
 
 # torch's token of FSDP's all-gather of a stage's weights (pipec's GATHER sub-step has no token of torch's).
@@ -54,9 +56,17 @@ def mesh_axes(program: Program) -> MeshAxes:
     """The pipeline and data axes of a composed program torch's runtime can run over FSDP2.
 
     Raises:
-        UsageError: the mesh has other axes, or a stage is not placed on a whole group of the one data axis.
+        UsageError: a context-parallel composition; the mesh has other axes, or a stage is not placed on a
+            whole group of the one data axis.
     """
     name, mesh = program.name or "this program", program.mesh
+    split = next((info for info in program.stages if info.placement is not None
+                  and info.placement.split == SEQUENCE_SHARE), None)
+    if split is not None or program.stage_ring is not None:
+        ring = program.stage_ring.name if program.stage_ring is not None else "a ring"
+        raise UsageError(f"{name} splits its stages' sequences over a context axis (PP x CP, {ring} inside every "
+                         "stage); torch's schedule CSV has no step for a stage's ring attention over its group, "
+                         "and FSDP2 splits a stage's rows, not its sequences: run it with `pipec run`")
     if len(mesh.axes) != 2:
         raise UsageError(f"{name} runs on a mesh of {len(mesh.axes)} axes ({', '.join(mesh.names)}); torch's "
                          "schedule CSV runs one pipeline axis, with FSDP2 on one data axis")
