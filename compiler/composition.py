@@ -42,7 +42,8 @@ def lower_composition(spec: CompositionSpec, costs: CostModel | None = None) -> 
     inner = _named_schedule(spec)
     compiled = compile_spec(inner.evaluate(_arguments(spec, inner)), costs=costs)
     policy = spec.policy
-    data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward)
+    data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward,
+                        spec.replicas.axis if spec.replicas is not None else None)
     mesh = Mesh(spec.mesh)
     _check_task_limit(spec, compiled.compute, mesh.size // compiled.program.num_ranks)
     try:  # the program first: it holds the family plans that say why a pipeline cannot be placed

@@ -35,8 +35,9 @@ from pipec.compiler.ir import Action, Program, stage_tables
 from pipec.errors import ConflictError, MatchError, WellFormedError
 
 _SUBSTEPS = frozenset(ops.SUBSTEP_OPS)
-# What meets on a stage's group: sub-steps inside computes, and the gradient reductions that stand in EXCHANGEs.
-_GROUP_PARTS = _SUBSTEPS | frozenset(ops.STAGE_EXCHANGE_OPS)
+# What meets on a stage's group: sub-steps inside computes, and the gradient reductions that stand in EXCHANGEs
+# (under HSDP, on the member's shard group; the shard's all-reduce on its replica group).
+_GROUP_PARTS = _SUBSTEPS | frozenset(ops.STAGE_EXCHANGE_OPS) | frozenset(ops.SHARD_REPLICA_OPS)
 _TASK_SETS = ops.FAMILY_TASKS[ops.ACTIVATION_PASSING]
 # The replica all-reduce meets on replicas' ranks, which a placement does not define yet.
 _NOT_YET = (ops.COLLECTIVE, ops.COLLECTIVE_WAIT)
@@ -81,6 +82,10 @@ def _check_groups(program: Program) -> None:
         elif info.rank != ranks[0]:
             message = (f"stage {info.id} is on rank {info.rank} and placed on {ranks_text(ranks)}: a stage on a "
                        "group names its first member as its rank")
+        elif placement.hybrid or placement.replica_groups:
+            message = _hybrid_problem(program, info)
+            if message is None:
+                continue
         elif not 0 <= placement.communicator < count:
             message = (f"stage {info.id} is placed on {ranks_text(ranks)} meeting on communicator "
                        f"{placement.communicator}, but the program has {count} communicators")
@@ -93,6 +98,37 @@ def _check_groups(program: Program) -> None:
         else:
             continue
         raise _error(program, message, where, None)
+
+
+def _hybrid_problem(program: Program, info) -> str | None:
+    """What is wrong with an HSDP placement's groups, or None: no whole-group communicator (-1), its shard
+    groups (``STAGE_GROUP``) and its replica groups (``SHARD_REPLICAS``) each split its ranks into equal
+    parts, and every shard group meets every replica group in exactly one member (a grid)."""
+    placement, count = info.placement, len(program.communicators)
+    where = f"stage {info.id} is placed on {ranks_text(placement.ranks)} with hybrid sharding"
+    if not placement.sharded or placement.communicator != -1:
+        return (f"{where}, but it is {'not sharded' if not placement.sharded else 'also on communicator '}"
+                f"{'' if not placement.sharded else placement.communicator}: a hybrid placement is sharded and "
+                "meets only on its shard and replica groups (communicator -1)")
+    kinds = ((placement.shard_groups, ops.STAGE_GROUP, "shard"), (placement.replica_groups, ops.SHARD_REPLICAS,
+                                                                   "replica"))
+    parts = {}
+    for ids, purpose, word in kinds:
+        bad = next((i for i in ids if not 0 <= i < count or program.communicators[i].purpose != purpose), None)
+        if not ids or bad is not None:
+            return (f"{where}, but its {word} groups {list(ids)} are not communicators of purpose {purpose!r} "
+                    f"(the program has {count} communicators)")
+        groups = [program.communicators[i].ranks for i in ids]
+        if sorted(r for group in groups for r in group) != list(placement.ranks) or len({len(g) for g in groups}) > 1:
+            return (f"{where}, but its {word} groups ({'; '.join(ranks_text(g) for g in groups)}) do not split "
+                    "its ranks into equal groups")
+        parts[word] = groups
+    crossing = next(((a, b) for a in parts["shard"] for b in parts["replica"] if len(set(a) & set(b)) != 1), None)
+    if crossing is not None:
+        return (f"{where}, but its shard group of {ranks_text(crossing[0])} and replica group of "
+                f"{ranks_text(crossing[1])} share {len(set(crossing[0]) & set(crossing[1]))} members: each replica "
+                "group holds one member of each shard group")
+    return None
 
 
 def _locate(program: Program) -> dict[tuple[int, int, str, int], int]:

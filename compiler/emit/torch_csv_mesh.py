@@ -27,7 +27,8 @@ coordinate, read off any member of the group:
 
 Everything else is written as for a single pipeline (the caller's
 ``cells_of``). What torch's runtime cannot run is refused with the reason:
-a mesh of other than a pipeline axis and one data axis, sub-steps other than
+HSDP (not proven exact over FSDP2's 2-D mesh yet), a mesh of other than a
+pipeline axis and one data axis, sub-steps other than
 a sharded stage's gather, members of a group that do not run one order,
 messages that cross data coordinates.
 """
@@ -57,6 +58,12 @@ def mesh_axes(program: Program) -> MeshAxes:
         UsageError: the mesh has other axes, or a stage is not placed on a whole group of the one data axis.
     """
     name, mesh = program.name or "this program", program.mesh
+    hybrid = next((info for info in program.stages if info.placement is not None and info.placement.hybrid), None)
+    if hybrid is not None:  # FSDP2's HSDP (fully_shard on a 2-D DeviceMesh) has no exact run proven here yet
+        raise UsageError(f"{name} shards stage {hybrid.id}'s weights over part of its group and replicates the "
+                         f"shards over the rest (HSDP, on {', '.join(mesh.names)}); torch's schedule CSV would "
+                         "run it as fully_shard over a 2-D DeviceMesh, which pipec has not proven to train "
+                         "exactly, so it is not written (PP x FSDP and PP x DP are)")
     if len(mesh.axes) != 2:
         raise UsageError(f"{name} runs on a mesh of {len(mesh.axes)} axes ({', '.join(mesh.names)}); torch's "
                          "schedule CSV runs one pipeline axis, with FSDP2 on one data axis")
