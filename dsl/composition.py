@@ -153,7 +153,8 @@ def resolve_composition(schedule: ast.Schedule, path: str, source: str, tasks: T
 
 
 def _first_of_kind(out: ResolvedComposition, decl: ast.Node) -> bool:
-    """True for the first mesh, pipeline or policy; a second is an error at it, naming the first's line."""
+    """True for the first mesh, pipeline or policy (the caller resolves it); a second is an error at it, naming
+    the first's line, except a second policy, which ``_hybrid_pair`` takes or refuses (False either way)."""
     if isinstance(decl, ast.DataPolicy) and out.policy is not None:
         return _hybrid_pair(out, decl)
     first = {ast.Mesh: out.mesh, ast.ComposedPipeline: out.pipeline, ast.DataPolicy: out.policy}[type(decl)]

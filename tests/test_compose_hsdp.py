@@ -76,6 +76,9 @@ def test_the_shipped_file_is_1f1b_placed_with_hybrid_sharding_on_eight_ranks():
     want = replace(hsdp(), name="1f1b_hsdp", params=params, source=program.source)
     assert program == want and program.num_ranks == 8
     assert program.mesh == Mesh((("pp", 2), ("ddp", 2), ("fsdp", 2)))
+    with open(resolve_target("1f1b_hsdp").path) as handle:  # says what it composes, as every shipped one
+        text = handle.read()
+    assert text.startswith("# ") and "N microbatches" in text.replace("\n#", "") and "8 ranks" in text
 
 
 def test_the_two_policy_lines_may_come_in_either_order(tmp_path):

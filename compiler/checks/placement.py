@@ -6,7 +6,9 @@ apply; ``check_all`` runs these instead, and they say the same things of each
 member's share:
 
 * ``check_placed``: every group is real (ranks of the program, two or more,
-  its communicator of exactly its members); every compute runs on a member of
+  its communicator of exactly its members; under HSDP no whole-group
+  communicator, its shard and replica groups each splitting its ranks evenly
+  and crossing in one member); every compute runs on a member of
   its stage; each member runs each of its stage's tasks exactly once (the
   family's task sets, per member); a compute's sub-steps (its ``parts``) are
   sub-step ops of its own stage and microbatch, on a stage on a group, and
@@ -19,7 +21,8 @@ member's share:
   a batch atomic), its sub-steps blocking meetings of the group's
   communicator in list order, its gradient reductions (SYNC_GRAD, REDUCE_GRAD)
   meetings of the same communicator posted by an EXCHANGE and completed at its
-  wait, counted with the sub-steps; a message goes between the members whose shares
+  wait, counted with the sub-steps (under HSDP the member's shard group, and
+  SYNC_SHARD a meeting of its replica group, ``Program.communicator_on``); a message goes between the members whose shares
   meet (``Program.share_peers``); a compute reads only shares this rank made
   or received before it, a send ships only what this rank made.
 
