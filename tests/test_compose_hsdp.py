@@ -6,13 +6,15 @@ replicated across the R shard groups. GATHER, RESHARD and REDUCE_GRAD meet on th
 REDUCE_GRAD's exchange is waited, SYNC_SHARD all-reduces the member's shard of the gradient over its replica
 group (R ranks along B). Held here: the language and its located errors, the placement (groups, shares,
 lists), the prover's hazards at rank and instruction, bytes per member, traffic and prices on the cost
-file's links, the JSON program, torch's CSV refusal, and exact runs on 4 gloo processes (P = 1, R = S = 2:
-every HSDP meeting, the fewest processes; PP x HSDP with P = 2 needs 8, proved and priced here instead).
+file's links, the JSON program, and exact runs on 4 gloo processes (P = 1, R = S = 2: every HSDP meeting,
+the fewest processes; PP x HSDP with P = 2 needs 8, proved and priced here instead): pipec's runtime, and
+torch's runtime on the torch CSV export over FSDP2's fully_shard on the 2-D (ddp, fsdp) mesh.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -22,7 +24,7 @@ from pipec.compiler import ops
 from pipec.compiler.checks import check_all
 from pipec.compiler.costs import costs_from_json
 from pipec.compiler.driver import compile_target, lower_spec, resolve_target
-from pipec.compiler.emit import write_torch_csv
+from pipec.compiler.emit.torch_csv import installed_torch_runtime, write_torch_csv
 from pipec.compiler.emit.json_program import program_from_json, program_to_json
 from pipec.compiler.ir import Action, Mesh
 from pipec.compiler.memory_counts import peak_bytes
@@ -32,9 +34,11 @@ from pipec.errors import ConflictError, MatchError, ResolveError, SourceErrors, 
 from pipec.runtime.family import share_of
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
-from runtime_util import assert_same_parameters, launch_batch
+from runtime_util import _launch, assert_same_parameters, launch_batch
 from source_util import messages
 from test_compose_language import at, error_in
+
+import torch_runtime_worker as reference_worker
 
 HSDP = DataParallel("fsdp", sharded=True, reshard_after_forward=True, replicas="ddp")
 SIZES = {"activation": 1000, "weight": 4000}
@@ -294,9 +298,44 @@ def test_the_shards_all_reduce_is_a_ring_over_the_replica_group_on_its_links(int
         assert slot.end - slot.start == took
 
 
-def test_torchs_csv_refuses_hsdp_by_name():
-    with pytest.raises(UsageError, match=r"\(HSDP, on pp, ddp, fsdp\).*fully_shard over a 2-D DeviceMesh"):
-        write_torch_csv(shipped(), with_comms=True)
+# ------------------------------------------------------------------ torch's runtime over FSDP2's HSDP
+
+TORCH_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_hsdp_worker.py")
+
+
+def test_torchs_csv_is_fsdps_with_the_shards_all_reduce_inside_reduce_grad():
+    # FSDP2's fully_shard on the (ddp, fsdp) sub-mesh reduce-scatters and then all-reduces in its REDUCE_GRAD:
+    # the row is PP x FSDP's (the SYNC_SHARD exchange writes nothing)
+    fsdp = place_on_mesh(compile_target("1f1b", {"P": 2, "N": 4}).program, Mesh((("pp", 2), ("dp", 2))), "pp",
+                         DataParallel("dp", sharded=True, reshard_after_forward=True))
+    for comms in (True, False):
+        assert write_torch_csv(shipped(), with_comms=comms) == write_torch_csv(fsdp, with_comms=comms)
+    crossing = with_row(shipped(), 4, lambda r: [a._replace(peer=2) if a.op == ops.RECV_F else a for a in r])
+    with pytest.raises(UsageError, match=r"rank 4, step 0: 1RECV_F0 goes to rank 2 at ddp 1, fsdp 0, but rank 4 is "
+                                         r"at ddp 0, fsdp 0; .* pp group of one ddp x fsdp coordinate"):
+        write_torch_csv(crossing, with_comms=True)
+
+
+@pytest.mark.skipif(not getattr(installed_torch_runtime(), "reduce_grad", False),
+                    reason="the installed torch's runtime has no REDUCE_GRAD/UNSHARD (torch < 2.10)")
+def test_torchs_runtime_trains_the_hsdp_export_like_one_process(tmp_path):
+    # P = 1, R = S = 2 on 4 gloo processes; torch_runtime_worker's batch of 8 rows in N = 2 microbatches:
+    # a row for each of the 4 members. FSDP2 gathers at each UNSHARD and reduces once per step.
+    program = shipped(P=1, N=2)
+    path = tmp_path / "hsdp.csv"
+    path.write_text(write_torch_csv(program, with_comms=True, for_torch=installed_torch_runtime()))
+    done = _launch([sys.executable, TORCH_WORKER, str(path), "1", "2", "2", "2"], 4, 240.0, None)
+    assert done.ok, done.describe()
+    grads, params = reference_worker.reference(1)
+    for rank in range(4):
+        result = torch.load(f"{path}.rank{rank}.pt")
+        assert set(result["params"]) == set(params)
+        for key, value in result["params"].items():
+            torch.testing.assert_close(value, params[key], atol=1e-5, rtol=0, msg=f"rank {rank}: {key}")
+            for step, step_grads in enumerate(result["grads"]):
+                torch.testing.assert_close(step_grads[key], grads[step][key], atol=1e-5, rtol=0,
+                                           msg=f"rank {rank}: step {step} gradient of {key}")
+        assert result["collectives"] == {"gather": 2, "reduce": 1}
 
 
 # ------------------------------------------------------------------ exact runs, one set of 4 processes
