@@ -85,6 +85,11 @@ class Family:
         or None where they cannot hold ``op`` (an op of a family that keeps its ops to its own programs)."""
         return None if RULES[op].family in _kept_to_themselves() else bounds
 
+    def reduced_stages(self, program: "Program") -> frozenset[int] | None:
+        """The stages on rank groups whose weight gradient every member reduces over the group, where only
+        some are (weight passing: each layer's owner's stage), or None: every stage on a group."""
+        return None
+
     def refuse_memory_budget(self, name: str) -> str | None:
         """Why activation and byte budgets do not apply to the family's program ``name``, or None."""
         return None

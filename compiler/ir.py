@@ -158,11 +158,16 @@ class Placement:
         replica_groups: HSDP: the ids of the communicators (purpose ``SHARD_REPLICAS``) of the members
             holding the same shard, one member of each shard group each; a member's SYNC_SHARD meets on
             its own one. Empty otherwise.
+        split: what a member's share of a value is: ``ROW_SHARE``, rows [i/k, (i+1)/k) of each
+            microbatch (data parallel), or ``SEQUENCE_SHARE``, ring rank i's chunks of every sequence
+            of each microbatch (context parallel): the stage runs every attention of its forward and
+            backward through ``Program.stage_ring`` over the group, member i as ring rank i.
     """
 
     ranks: tuple[int, ...]
     communicator: int
     sharded: bool = False
+    split: str = "rows"
     shard_groups: tuple[int, ...] = ()
     replica_groups: tuple[int, ...] = ()
 
@@ -170,6 +175,12 @@ class Placement:
     def hybrid(self) -> bool:
         """Whether the weights are sharded over parts of the group and replicated across them (HSDP)."""
         return bool(self.shard_groups)
+
+
+# The shares a placed stage's members may split a value into (``Placement.split``).
+ROW_SHARE = "rows"
+SEQUENCE_SHARE = "sequence"
+SHARE_SPLITS = (ROW_SHARE, SEQUENCE_SHARE)
 
 
 @dataclass(frozen=True)
@@ -313,6 +324,9 @@ class WeightPlan:
         prefetch: how many steps before its use a weight's last leg is posted.
         buffers: the most borrowed weight buffers alive at once on a rank, or None.
         num_steps: the steps of the order (every rank runs each, idle or not).
+        pipeline_ranks: on a mesh (``compiler/weight_placement.py``), rank -> the rank of the plan's pipeline
+            it runs (its pp coordinate): ``owners`` name those, and every replica's rank at an owner's
+            coordinate owns the layer; ``groups`` are per replica already. None: the identity.
     """
 
     owners: tuple[int, ...] | None
@@ -323,6 +337,16 @@ class WeightPlan:
     prefetch: int
     buffers: int | None
     num_steps: int
+    pipeline_ranks: tuple[int, ...] | None = None
+
+    def pipeline_rank(self, rank: int) -> int:
+        """The rank of the plan's pipeline that ``rank`` runs (the names ``owners`` use)."""
+        return rank if self.pipeline_ranks is None else self.pipeline_ranks[rank]
+
+    def owns(self, rank: int, layer: int) -> bool:
+        """Whether ``rank`` keeps ``layer``'s master (never under ``all_gather``); False for a layer out of range."""
+        owners = self.owners
+        return owners is not None and 0 <= layer < len(owners) and owners[layer] == self.pipeline_rank(rank)
 
     def communicators(self, num_ranks: int) -> list[Communicator]:
         """The groups the program's collectives meet on (``weight_communicators``)."""
@@ -510,6 +534,10 @@ class Program:
             stashing), None as many as the order needs (``stash weights``).
         mesh: the rank axes of a composed program (``compiler/mesh_placement.py``), or None for a program of
             plain ranks; its stages are placed on groups of the mesh.
+        stage_ring: in a context-parallel composition (stages placed with ``SEQUENCE_SHARE``), the
+            sequence-ring program (``rings`` set, one rank per group member) that every such stage runs
+            for each attention of its forward and backward over its group, member i as ring rank i,
+            its peers read as group members; None otherwise.
     """
 
     name: str
@@ -528,6 +556,7 @@ class Program:
     weight_versions: int | None = 1
     family_plans: tuple = ()
     mesh: Mesh | None = None
+    stage_ring: "Program | None" = None
 
     def __post_init__(self) -> None:
         if not self.communicators:  # each plan's groups, in plan order; a program without one: the replicas'

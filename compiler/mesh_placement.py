@@ -40,7 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipec.compiler import ops
-from pipec.compiler.ir import Action, Communicator, Mesh, Placement, Program, StageInfo
+from pipec.compiler.ir import (ROW_SHARE, SEQUENCE_SHARE, Action, Communicator, Mesh, Placement, Program,
+                               StageInfo)
 from pipec.errors import UsageError
 
 # The computes that make a stage's activation (a forward, run again or not by a recompute): after the last
@@ -72,8 +73,43 @@ class DataParallel:
         """The data axes a stage's group spans, the replica axis first."""
         return (self.axis,) if self.replicas is None else (self.replicas, self.axis)
 
+    @property
+    def split(self) -> str:
+        return ROW_SHARE
 
-def place_on_mesh(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel, name: str | None = None) -> Program:
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Context parallelism: every stage's group splits each sequence by ``ring``'s chunks and runs its attention
+    through ``ring``.
+
+    Attributes:
+        axis: the mesh axis a stage's group spans (``cp``).
+        ring: a compiled sequence-ring program (``Program.rings`` set) of as many ranks as the axis.
+    """
+
+    axis: str
+    ring: Program
+    sharded = False
+    reshard_after_forward = False
+    replicas = None  # no second data axis (HSDP's, ``DataParallel.replicas``)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.axis,)
+
+    @property
+    def split(self) -> str:
+        return SEQUENCE_SHARE
+
+
+# The parts of a split compute (B -> I, W): a context-parallel stage takes none, since each attention's ring
+# backward runs once per forward, inside a whole B (I then W would need it twice).
+_SPLIT_PARTS = frozenset(part for parts in ops.SPLITS.values() for part in parts)
+
+
+def place_on_mesh(program: Program, mesh: Mesh, pp_axis: str, data: "DataParallel | ContextParallel",
+                  name: str | None = None) -> Program:
     """``program``'s schedule on ``mesh``: pp rank p's list on every rank of the data group at p.
 
     Args:
@@ -81,13 +117,14 @@ def place_on_mesh(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel
             stage, ``mesh.axis_size(pp_axis)`` ranks.
         mesh: the composed program's axes: ``pp_axis`` and ``data.axes``, in the order that lays ranks out.
         pp_axis: the axis the pipeline runs along.
-        data: how each stage's group holds its weights and reduces its gradients.
+        data: how each stage's group holds its weights, splits its values and reduces its gradients.
         name: the composed program's name (default: ``program``'s).
     Returns:
         A new program of ``mesh.size`` ranks (``program`` is not changed), each stage placed on its group
         (one communicator per pp coordinate, in pp order; under HSDP its shard and replica groups,
-        ``_place_hybrid``), ``mesh`` set. With data axes of size 1 it is ``program`` with ``mesh`` set: each
-        stage is on one rank.
+        ``_place_hybrid``), ``mesh`` set, and under ``ContextParallel`` ``stage_ring`` set. With data axes
+        of size 1 it is ``program`` with ``mesh`` set: each stage is on one rank (a ring of one rank has
+        nothing to exchange).
     Raises:
         UsageError: a program or mesh this composition does not take, with the reason.
     """
@@ -101,7 +138,7 @@ def place_on_mesh(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel
               for p in range(program.num_ranks)]
     communicators = [Communicator(p, group, ops.STAGE_GROUP, p) for p, group in enumerate(groups)]
     stages = [StageInfo(info.id, groups[info.rank][0], info.pipeline, info.position,
-                        Placement(groups[info.rank], info.rank, data.sharded)) for info in program.stages]
+                        Placement(groups[info.rank], info.rank, data.sharded, data.split)) for info in program.stages]
     rows: list[list[Action]] = []
     for rank in range(mesh.size):
         coords = mesh.coords(rank)
@@ -112,7 +149,8 @@ def place_on_mesh(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel
 
         rows.append(_member_row(program.ranks[pp_rank], peer_of, data))
     return replace(program, name=name or program.name, num_ranks=mesh.size, stages=stages, ranks=rows,
-                   communicators=communicators, devices=None, mesh=mesh)
+                   communicators=communicators, devices=None, mesh=mesh,
+                   stage_ring=data.ring if isinstance(data, ContextParallel) else None)
 
 
 def _without_single_axes(data: DataParallel, mesh: Mesh) -> DataParallel | None:
@@ -144,7 +182,8 @@ def _place_hybrid(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel
                            ops.STAGE_GROUP, p) for r in range(mesh.axis_size(data.replicas)))
         replicas = tuple(add(mesh.members(mesh.rank_at(dict(corner, **{data.axis: s})), (data.replicas,)),
                              ops.SHARD_REPLICAS, p) for s in range(mesh.axis_size(data.axis)))
-        placements.append(Placement(mesh.members(mesh.rank_at(corner), data.axes), -1, True, shards, replicas))
+        placements.append(Placement(mesh.members(mesh.rank_at(corner), data.axes), -1, True, shard_groups=shards,
+                                    replica_groups=replicas))
     stages = [StageInfo(info.id, placements[info.rank].ranks[0], info.pipeline, info.position, placements[info.rank])
               for info in program.stages]
     rows = [_member_row(program.ranks[mesh.coords(rank)[pp_axis]], _peer_mover(mesh, pp_axis, rank), data)
@@ -184,6 +223,23 @@ def _check_composable(program: Program, mesh: Mesh, pp_axis: str, data: DataPara
     if held:
         raise UsageError(f"{program.name or 'this program'} updates weights inside its order ({held[0]}); "
                          "a data axis composes with a synchronous pipeline")
+    if isinstance(data, ContextParallel):
+        _check_context(program, mesh, data, used)
+
+
+def _check_context(program: Program, mesh: Mesh, context: ContextParallel, used: set[str]) -> None:
+    ring = context.ring
+    if ring.rings is None or ring.mesh is not None:
+        raise UsageError(f"{ring.name or 'the ring'} is not a sequence-ring program; a context axis runs each "
+                         "stage's attention through a ring (ring_attention, zigzag_ring, tasp)")
+    if ring.num_ranks != mesh.axis_size(context.axis):
+        raise UsageError(f"the ring {ring.name or 'program'} runs on {ring.num_ranks} ranks, but the mesh's "
+                         f"{context.axis} axis has {mesh.axis_size(context.axis)}")
+    split = sorted(used & _SPLIT_PARTS)
+    if split:
+        raise UsageError(f"{program.name or 'this program'} splits its backward ({split[0]}); a context-parallel "
+                         "stage runs each attention's ring backward once, inside a whole backward B, so it "
+                         "composes with a pipeline whose backward is not split (gpipe, 1f1b, interleaved_1f1b)")
 
 
 def _member_row(row: list[Action], peer_of, data: DataParallel) -> list[Action]:

@@ -28,7 +28,9 @@ communicating, and how a checkpoint saves and restores the data position.
 A rank of a stage placed on a group of k ranks (``mesh_placement.place_on_mesh``) is
 given its ``share`` (i, k): it keeps rows [i*b/k, (i+1)*b/k) of each
 microbatch of b rows, so that the group runs every microbatch whole and one
-process with the same N stays the reference (``rows_share``).
+process with the same N stays the reference (``rows_share``). A member of a
+context-parallel group (PP x CP) keeps every row instead, and of each sequence
+(dimension 1) the tokens of its ring rank's chunks (``TokenShare``, ``tokens_share``).
 """
 from __future__ import annotations
 
@@ -54,6 +56,19 @@ SAMPLER_DOMAIN = 1 << 43
 # The compute ops that run a stage forward: those that make its activation
 # (F; a recomputing forward such as a checkpointed one too).
 _FORWARDS = frozenset(ops.producers("act"))
+
+
+class TokenShare(NamedTuple):
+    """A context-parallel member's share of each sequence (``rings.token_positions``).
+
+    Attributes:
+        positions: the global positions of its tokens along dimension 1 (LongTensor, CPU), its ring rank's
+            chunks in ascending order.
+        seq_len: the length every sequence has (the model's ``ring_model(config).seq_len``).
+    """
+
+    positions: torch.Tensor
+    seq_len: int
 
 
 class Needs(NamedTuple):
@@ -126,6 +141,7 @@ class BatchSource:
         device: where the tensors go (``.to(device)``); None: where the source made them.
         name: how messages name the spec (``--model``'s text).
         share: (i, k): keep share i of k of each microbatch's rows (``rows_share``); None: every row.
+        tokens: keep these tokens of every sequence (``tokens_share``); None: every token.
     Raises:
         UsageError: a dataset source's ``microbatch_rows(config)`` that fails
             or is not a positive int (it is asked at once, on every rank: the
@@ -135,7 +151,8 @@ class BatchSource:
 
     def __init__(self, spec: ModelSpec, config: Any, seed: int, num_microbatches: int,
                  needs: tuple[frozenset[int], frozenset[int]] | None = None, *,
-                 device: torch.device | str | None = None, name: str = "", share: tuple[int, int] | None = None):
+                 device: torch.device | str | None = None, name: str = "", share: tuple[int, int] | None = None,
+                 tokens: TokenShare | None = None):
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
         every = frozenset(range(num_microbatches))
@@ -146,7 +163,7 @@ class BatchSource:
         self.source = spec.data_source
         self.device = device
         self.name = name
-        self.share = share
+        self.share, self.tokens = share, tokens
         self.rows_per_microbatch = self._microbatch_rows() if self.source == "dataset" else None
         self._origin = (0, 0)  # (step, stream row) the source continues from
         self._stream: _RowStream | None = None  # built at the first read
@@ -186,6 +203,9 @@ class BatchSource:
         for m, (x, y) in rows.items():
             if self.share is not None:
                 x, y = (rows_share(t, self.share, f"{label} of microbatch {m} of step {step + 1}", self.name)
+                        for t, label in ((x, "the inputs"), (y, "the targets")))
+            if self.tokens is not None:
+                x, y = (tokens_share(t, self.tokens, f"{label} of microbatch {m} of step {step + 1}", self.name)
                         for t, label in ((x, "the inputs"), (y, "the targets")))
             if m in self.needs.inputs:
                 inputs[m] = x if self.device is None else x.to(self.device)
@@ -336,6 +356,20 @@ def rows_share(tensor: torch.Tensor, share: tuple[int, int], what: str, name: st
     return tensor[member * piece:(member + 1) * piece]
 
 
+def tokens_share(tensor: torch.Tensor, tokens: TokenShare, what: str, name: str) -> torch.Tensor:
+    """The member's tokens of every sequence of ``tensor`` (dimension 1, ``tokens.seq_len`` long).
+
+    Raises:
+        UsageError: dimension 1 is not a sequence of ``seq_len`` (the tokens would not be the ones the ring
+            and the positions the model is given name).
+    """
+    if tensor.dim() < 2 or tensor.shape[1] != tokens.seq_len:
+        raise UsageError(f"{spec_label(name)}: {what} is {tuple(tensor.shape)}; a context-parallel stage cuts each "
+                         f"sequence along dimension 1, which must be the model's seq_len {tokens.seq_len} "
+                         "(ring_model(config))")
+    return tensor[:, tokens.positions.to(tensor.device)]
+
+
 def _pair(value: Any, what: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``value`` as (inputs, targets), two tensors, or a usage error naming ``what`` returned it."""
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
@@ -449,4 +483,5 @@ class _RowStream:
         return value
 
 
-__all__ = ["SAMPLER_DOMAIN", "SHUFFLE_DOMAIN", "BatchSource", "Needs", "batch_microbatches", "data_needs", "rows_share"]
+__all__ = ["SAMPLER_DOMAIN", "SHUFFLE_DOMAIN", "BatchSource", "Needs", "TokenShare", "batch_microbatches", "data_needs",
+           "rows_share", "tokens_share"]

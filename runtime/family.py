@@ -27,7 +27,7 @@ from time import perf_counter
 from typing import Any, Callable, Mapping, Sequence
 
 from pipec.compiler import ops
-from pipec.compiler.ir import Action, Program
+from pipec.compiler.ir import ROW_SHARE, SEQUENCE_SHARE, Action, Program
 from pipec.errors import PipecError, RuntimeFault
 from pipec.runtime.user_code import failure_words, is_interrupt
 
@@ -58,6 +58,8 @@ class RuntimeFamily:
             (a sequence ring, which cuts the batch along the sequence instead).
         train: the family's own training loop ``(plan, rank, world, device) -> losses``, or None
             for the worker's loop of interpreter steps (``worker.train``).
+        trains_on_groups: whether it trains its programs' stages placed on rank groups (weight passing on
+            a mesh, ``compiler/weight_placement.py``); activation passing's are ``runtime/placed.py``'s.
     """
 
     name: str = ""
@@ -69,6 +71,7 @@ class RuntimeFamily:
     takes_partition: bool = True
     reads_whole_batch: bool = False
     train: Callable | None = None
+    trains_on_groups: bool = False
 
     def refusal_outside(self, op: str) -> str | None:
         """Why ``op``, one of this family's, cannot run in another family's program; None: no handler."""
@@ -133,7 +136,8 @@ def refusal_outside(op: str, family: RuntimeFamily) -> str | None:
 
 
 def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handler], start: int, stop: int,
-                     record: Record | None = None, synchronize: Callable[[], None] | None = None) -> None:
+                     record: Record | None = None, synchronize: Callable[[], None] | None = None,
+                     text: Callable[[int], str] | None = None) -> None:
     """Run instructions ``start`` .. ``stop - 1`` of ``row``, each through its op's handler: the one loop.
 
     Args:
@@ -143,6 +147,7 @@ def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handle
         start, stop: the range.
         record: called with (index, start, end, waited) per instruction, perf_counter seconds; None: nothing kept.
         synchronize: called after every instruction when the trace must show device time, else None.
+        text: index -> how a fault names that instruction (a ring's adds its call); None: its own text.
     Raises:
         RuntimeFault: a handler's own; or, for anything else an instruction raised (the model's forward,
             loss or backward fails, ``sys.exit`` included), one naming the rank, the instruction and the
@@ -160,7 +165,7 @@ def run_instructions(state, row: Sequence[Action], handlers: Mapping[str, Handle
             if is_interrupt(error):
                 raise
             raise RuntimeFault(f"the instruction failed: {failure_words(error)}", state.rank, index,
-                               action.text()) from error
+                               action.text() if text is None else text(index)) from error
         if synchronize is not None:
             synchronize()
         if record is not None:
@@ -174,14 +179,17 @@ def placed_refusal(program: Program) -> str | None:
     """Why the runtime cannot train ``program``'s stages on rank groups, or None (also for a program with none).
 
     It trains an activation-passing pipeline whose every stage sits on a group of one size k, holding
-    no replica all-reduce: what ``mesh_placement.place_on_mesh`` makes (PP x DP, PP x FSDP).
+    no replica all-reduce: what ``mesh_placement.place_on_mesh`` makes (PP x DP, PP x FSDP, PP x CP); and a
+    family's that trains on groups (``RuntimeFamily.trains_on_groups``: TawPipe x DP). A context-parallel one
+    (stages split by ``SEQUENCE_SHARE``) needs its ``stage_ring``, a sequence ring of k ranks, and a backward
+    that is not split (each attention's ring backward runs once, inside B).
     """
     if not program.placed_on_groups:
         return None
     placed = next(info for info in program.stages if info.placement is not None)
     where = (f"{program.name or 'this program'} places stage {placed.id} on the group of ranks "
              f"{', '.join(map(str, placed.placement.ranks))}")
-    if program.plans:
+    if program.plans and not runtime_family(program).trains_on_groups:
         return (f"{where} and is not an activation-passing pipeline; the runtime trains stages on rank groups "
                 "only in activation passing (PP x DP, PP x FSDP) yet")
     sizes = {len(info.ranks) for info in program.stages}
@@ -192,6 +200,31 @@ def placed_refusal(program: Program) -> str | None:
     if any(a.op == ops.ALLREDUCE_GRAD for row in program.ranks for a in row):
         return (f"{where} and holds a replica all-reduce (ALLREDUCE_GRAD), which the runtime defines for one-rank "
                 "stages only")
+    return _context_refusal(program, where, sizes.pop())
+
+
+def _context_refusal(program: Program, where: str, members: int) -> str | None:
+    """Why a program whose stages split each sequence over their groups (PP x CP) cannot train, or None
+    (also for one that splits rows)."""
+    splits = {info.placement.split for info in program.stages}
+    ring = program.stage_ring
+    if splits == {ROW_SHARE} and ring is None:
+        return None
+    if splits != {SEQUENCE_SHARE} or ring is None:
+        return (f"{where}; its stages split their values by {' and '.join(sorted(splits))} with "
+                f"{'a' if ring is not None else 'no'} stage ring, and the runtime trains stages that all split "
+                "rows (PP x DP) or all split each sequence through the program's stage ring (PP x CP)")
+    if ring.rings is None or ring.num_ranks != members:
+        return (f"{where}, and its stage ring {ring.name or ''} is not a sequence ring of {members} ranks, one per "
+                "member of a stage's group")
+    if len({len(ring.rings.chunks_of(r)) for r in range(members)}) > 1:
+        return (f"{where}, and its stage ring {ring.name or ''} gives its ranks unequal shares of a sequence; a "
+                "stage's members hand each other equal shares")
+    parts = {part for pieces in ops.SPLITS.values() for part in pieces}  # I, W: a split backward's parts
+    split = next((a for row in program.ranks for a in row if a.op in parts), None)
+    if split is not None:
+        return (f"{where} and splits its backward ({split.text()}); a context-parallel stage runs each attention's "
+                "ring backward once, inside a whole backward B")
     return None
 
 
@@ -206,9 +239,23 @@ def share_of(program: Program, rank: int) -> tuple[int, int] | None:
 
 
 def row_shares(program: Program) -> int:
-    """k: how many shares a microbatch's rows are cut into (1 for a program with no stage on a group)."""
-    return max(len(info.ranks) for info in program.stages) if program.placed_on_groups else 1
+    """k: how many shares a microbatch's rows are cut into (1 for a program with no stage on a group, or whose
+    stages split each sequence instead)."""
+    return _shares(program, ROW_SHARE)
+
+
+def token_shares(program: Program) -> int:
+    """C: how many shares each sequence of a microbatch is cut into along dimension 1 (PP x CP: member i
+    keeps ring rank i's chunks of ``Program.stage_ring``); 1 for any other program."""
+    return _shares(program, SEQUENCE_SHARE)
+
+
+def _shares(program: Program, split: str) -> int:
+    if not program.placed_on_groups:
+        return 1
+    return max((len(info.ranks) for info in program.stages if info.placement.split == split), default=1)
 
 
 __all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "families", "load_families", "placed_refusal",
-           "refusal_outside", "register", "row_shares", "share_of", "run_instructions", "runtime_family"]
+           "refusal_outside", "register", "row_shares", "share_of", "run_instructions", "runtime_family",
+           "token_shares"]

@@ -104,7 +104,7 @@ class RankContext:
         stash: for a program with optimizer updates in its order (asynchronous
             training), its weight versions and updates (``runtime/stash.py``);
             None otherwise, when the optimizer steps once after the list.
-        placed: for a program whose stages sit on rank groups (PP x DP, PP x FSDP), this rank's share,
+        placed: for a program whose stages sit on rank groups (PP x DP, PP x FSDP, PP x CP), this rank's share,
             groups and shards (``runtime/placed.py``); None otherwise.
     """
 
@@ -161,6 +161,7 @@ def make_context(
     synchronize: Callable[[], None] | None = None,
     groups: dict[int, comm.ReplicaGroup] | None = None,
     clip_grad_norm: float | None = None,
+    seq_len: int | None = None,
 ) -> RankContext:
     """Prepare a rank to run steps; collective (it creates the replica subgroups).
 
@@ -185,6 +186,8 @@ def make_context(
         groups: replica subgroups already made (``comm.replica_groups``); made here when None.
             For a weight-passing program: its communicators (``comm.communicator_groups``).
         clip_grad_norm: see ``RankContext``; every rank of the run must pass the same.
+        seq_len: the model's sequence length, for a context-parallel program (PP x CP: each member's
+            tokens, ``placed.start_ring``); unused otherwise.
     Returns:
         the ``RankContext``. Every parameter's ``.grad`` is now a zeroed view
         into its chunk's flat buffer: never set it to None (``run_step`` zeroes it).
@@ -204,6 +207,7 @@ def make_context(
     handlers = dict(family.handlers)
     if trained.placed is not None:  # a compute of a stage on a group runs its sub-steps (GATHER) first
         handlers.update({op: placed.with_substeps(handlers[op]) for op in ops.COMPUTE_OPS if op in handlers})
+        placed.start_ring(trained.placed, program, rank, seq_len, device, timeout, synchronize)
     return RankContext(
         program=program, rank=rank, row=row, stages=stages, loss_fn=loss_fn,
         optimizer=spec_optimizer("", make_optimizer, trained.parameters) if trained.parameters else None,
@@ -464,12 +468,13 @@ def _run_forward(step: _Step, stage: int, mb: int, index: int, value) -> tuple[l
         value, leaves = payload.input_leaves(ctx.wire_of(ACT, prev).layout, value)
     module = ctx.stages[stage] if ctx.stash is None else ctx.stash.module_for(stage, mb)
     with ctx.precision.autocast(ctx.device):
-        out = payload.call(module, value)
+        out = payload.call(module, value, **placed.sequence_arguments(step, stage, mb))
         if ctx.next[stage] < 0:
             loss = ctx.loss_fn(out, step.targets[mb])
             if ctx.stash is not None:
                 return leaves, loss * ctx.stash.loss_scales[mb]
-            # a member of a group of k ran 1/k of the rows: its loss weighs 1/k of the microbatch's
+            # a member of a group of k ran 1/k of the rows (or of each sequence's tokens, as many as every
+            # other member): its loss weighs 1/k of the microbatch's
             shares = 1 if ctx.placed is None else ctx.placed.share[1]
             return leaves, loss / (step.num_microbatches * shares)
     wire = ctx.wire_of(ACT, stage)
@@ -777,6 +782,11 @@ class ActivationPassing(RuntimeFamily):
                 groups: dict[int, comm.ReplicaGroup] | None) -> Trained:
         """Bind this rank's gradients to flat buffers, find the parameters it steps; collective."""
         return _stage_trained(program, rank, stages, groups)
+
+    def check_model(self, spec, config, program: Program, name: str) -> None:
+        """A context-parallel program's stage ring must train the model exactly (``placed.stage_ring_model``)."""
+        if program.stage_ring is not None:
+            placed.stage_ring_model(spec, config, program, name)
 
     def stash(self, program: Program, stages: dict[int, nn.Module]) -> WeightStash | None:
         """The weight versions of a program with updates in its order (``runtime/stash.py``), else None."""

@@ -103,6 +103,21 @@ def share_layout(layout: Layout, shares: int, what: str) -> Layout:
         leaves.append(leaf._replace(shape=(leaf.shape[0] // shares, *leaf.shape[1:])))
     return layout._replace(leaves=tuple(leaves))
 
+
+def token_layout(layout: Layout, tokens: int, seq_len: int, what: str) -> Layout:
+    """``layout`` of a whole microbatch's value as one member of a context-parallel group holds it: every
+    leaf's dimension 1 (the sequence, ``seq_len`` long) cut to the member's ``tokens``.
+
+    Raises:
+        UsageError: a leaf whose dimension 1 is not the sequence (the member could not hand on its tokens).
+    """
+    for leaf in layout.leaves:
+        if len(leaf.shape) < 2 or leaf.shape[1] != seq_len:
+            raise UsageError(f"{what} {layout.text()} does not split by tokens over a stage's context-parallel "
+                             f"group: every tensor it hands on needs the sequence ({seq_len} tokens) in dimension 1")
+    return layout._replace(leaves=tuple(leaf._replace(shape=(leaf.shape[0], tokens, *leaf.shape[2:]))
+                                        for leaf in layout.leaves))
+
 # ------------------------------------------------------------- structures
 
 
@@ -199,10 +214,11 @@ def arguments(value: Any) -> tuple[tuple, dict]:
     return (value,), {}
 
 
-def call(module: Callable, value: Any) -> Any:
-    """Run a chunk on a payload: ``module(x)``, ``module(*value)`` for a tuple, ``module(**value)`` for a dict."""
+def call(module: Callable, value: Any, **extra: Any) -> Any:
+    """Run a chunk on a payload: ``module(x)``, ``module(*value)`` for a tuple, ``module(**value)`` for a dict;
+    ``extra`` keywords besides (a context-parallel stage's ``positions=`` and ``attend=``)."""
     args, kwargs = arguments(value)
-    return module(*args, **kwargs)
+    return module(*args, **kwargs, **extra)
 
 
 def mismatch(layout: Layout, value: Any) -> str | None:
@@ -363,5 +379,5 @@ def leaf_grads(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 __all__ = [
     "DICT", "TENSOR", "TUPLE", "Layout", "Leaf", "TensorSpec", "Wire", "arguments", "backward_roots", "call",
     "declared_layout", "floating_layout", "input_leaves",
-    "layout_of", "leaf_grads", "leaves_of", "mismatch", "rebuild", "share_layout", "tensor_layout",
+    "layout_of", "leaf_grads", "leaves_of", "mismatch", "rebuild", "share_layout", "tensor_layout", "token_layout",
 ]

@@ -1,4 +1,4 @@
-"""Stages placed on rank groups in the runtime: PP x DP and PP x FSDP (``compiler/mesh_placement.py``'s programs).
+"""Stages placed on rank groups in the runtime: PP x DP, PP x FSDP, PP x CP (``mesh_placement.place_on_mesh``).
 
 A composed program places every stage on a group of k ranks (``ir.Placement``);
 member i of k runs each of the stage's computes on rows [i*b/k, (i+1)*b/k) of a
@@ -25,6 +25,17 @@ microbatch's. This module is what activation passing adds for such programs:
   all-reduces the shard's gradient over its replica group (the members holding
   the same shard), so every replica steps on the whole group's sum.
 
+A context-parallel stage (PP x CP, ``Placement.split`` = ``SEQUENCE_SHARE``) keeps
+its whole weights and all-reduces its gradient as a replicated one; member i runs
+every row of each microbatch, but of each sequence only ring rank i's chunks of
+``Program.stage_ring`` (``data.TokenShare``), and hands the next stage's member i
+its tokens. Each call of the stage's module is given ``positions=`` (those
+tokens' global positions) and ``attend=`` (every attention runs ``stage_ring``'s
+row i over the group: ``StageRing``, ``sequence.ring_attend``), so each F, FC and R
+is a meeting of the group (the ring's forward half settles inside the call) and
+so is each B (the ring's backward halves, as autograd reaches them). Its loss
+weighs 1/C, the mean over its tokens of equal shares.
+
 The parameters stay the same ``nn.Parameter`` objects, viewing the same storage,
 throughout, so autograd, the flat gradient buffer their ``.grad`` views, and
 split backward (I, W) see one set of parameters; what a forward saved for its
@@ -45,8 +56,12 @@ from pipec.compiler.ir import Action, Program
 from pipec.errors import RuntimeFault, UsageError
 from pipec.runtime import comm
 from pipec.runtime.exchange import Exchange, check_all_waited, post_exchange, wait_exchange
+from pipec.runtime.data import TokenShare
 from pipec.runtime.family import share_of
 from pipec.runtime.flat import bind_flat_grads
+from pipec.runtime.model import RingModel
+from pipec.runtime.rings import RingContext, token_positions
+from pipec.runtime.sequence import check_ring_model, ring_attend
 
 
 @dataclass
@@ -106,6 +121,20 @@ class ShardedStage:
 
 
 @dataclass
+class StageRing:
+    """A context-parallel member's ring: what every attention of its stages' forwards runs.
+
+    Attributes:
+        context: ``stage_ring``'s row of this member's ring rank over its stages' group (one for all of the
+            rank's stages: they share the group).
+        positions: the global positions of the member's tokens (on the run's device), ``positions=`` of every call.
+    """
+
+    context: RingContext
+    positions: torch.Tensor
+
+
+@dataclass
 class PlacedContext:
     """What a rank of a composed program keeps across steps.
 
@@ -114,12 +143,14 @@ class PlacedContext:
         groups: communicator id -> this rank's process group, for those it is in.
         stage_group: stage id -> its group's communicator id, for this rank's stages.
         sharded: stage id -> its ``ShardedStage``, for this rank's sharded stages.
+        ring: a context-parallel member's ``StageRing`` (``start_ring``); None otherwise.
     """
 
     share: tuple[int, int]
     groups: dict[int, comm.ReplicaGroup]
     stage_group: dict[int, int]
     sharded: dict[int, ShardedStage] = field(default_factory=dict)
+    ring: StageRing | None = None
 
 
 # ------------------------------------------------------------------ what runs
@@ -175,6 +206,55 @@ def _shard_place(program: Program, info, rank: int, groups: dict) -> tuple[tuple
 def _first_of_replicas(program: Program, info, rank: int) -> bool:
     """Whether ``rank`` is the first of the members holding its shard of HSDP stage ``info``."""
     return program.communicator_on(Action(info.id, ops.SYNC_SHARD), rank).ranks[0] == rank
+
+
+def start_ring(placed: PlacedContext, program: Program, rank: int, seq_len: int | None, device: torch.device,
+               timeout: float, synchronize: Callable[[], None] | None = None) -> None:
+    """Give a context-parallel member its ``StageRing`` (nothing for another composed program): ring rank
+    i of ``program.stage_ring`` over its stages' group, whose process group ``make_placed`` made.
+
+    Raises:
+        UsageError: no ``seq_len`` (the model's, ``stage_ring_model``) for a context-parallel program.
+    """
+    ring = program.stage_ring
+    if ring is None:
+        return
+    if seq_len is None:
+        raise UsageError(f"{program.name or 'this program'} splits each sequence over its stages' groups: its "
+                         "ranks need the model's seq_len (ring_model(config))")
+    member, _ = placed.share
+    info = next(info for info in program.stages if rank in info.ranks)
+    context = RingContext(ring, member, timeout=timeout, members=info.placement.ranks,
+                          group=placed.groups[info.placement.communicator].group)
+    context.synchronize = synchronize
+    placed.ring = StageRing(context, token_positions(ring.rings, member, seq_len).to(device))
+
+
+def sequence_arguments(step, stage: int, mb: int) -> dict:
+    """The keywords a call of ``stage``'s module takes besides its input: on a context-parallel member
+    ``positions=`` and a fresh ``attend=`` (a recompute runs the ring forward again), else none."""
+    placed = step.ctx.placed
+    if placed is None or placed.ring is None:
+        return {}
+    attend = ring_attend(placed.ring.context, step.ctx.iteration, f"stage {stage}, microbatch {mb}, ")
+    return {"positions": placed.ring.positions, "attend": attend}
+
+
+def stage_ring_model(spec, config, program: Program, name: str) -> RingModel:
+    """Check, before any worker starts, that a context-parallel program's stage ring can train the spec's
+    model exactly (``sequence.check_ring_model``: the declaration, the mask, the cut); its ``RingModel``."""
+    ring = program.stage_ring
+    why = (f"{program.name or 'this program'} runs every stage's attention through the ring {ring.name} over the "
+           "stage's group (PP x CP)")
+    return check_ring_model(spec, config, ring, name, why)
+
+
+def token_share(program: Program, rank: int, seq_len: int) -> TokenShare | None:
+    """A context-parallel member's tokens of each sequence (``data.TokenShare``); None for any other rank."""
+    share = share_of(program, rank)
+    if program.stage_ring is None or share is None:
+        return None
+    return TokenShare(token_positions(program.stage_ring.rings, share[0], seq_len), seq_len)
 
 
 def shard_stage(stage: int, module: nn.Module, params: list, share: tuple[int, int],
@@ -453,6 +533,7 @@ def shard_state(sharded: ShardedStage, saved: dict) -> dict | None:
     return out
 
 
-__all__ = ["HANDLERS", "PART_POSTERS", "PlacedContext", "ShardedStage", "checkpoint_part", "counted_gradients",
-           "exchange", "exchange_wait", "finish", "make_placed", "optimizer_names", "reshard", "run_substeps",
-           "shard_stage", "shard_state", "sharded_grads", "whole_optimizer_state", "whole_state", "with_substeps"]
+__all__ = ["HANDLERS", "PART_POSTERS", "PlacedContext", "ShardedStage", "StageRing", "checkpoint_part",
+           "counted_gradients", "exchange", "exchange_wait", "finish", "make_placed", "optimizer_names", "reshard",
+           "run_substeps", "sequence_arguments", "shard_stage", "shard_state", "sharded_grads", "stage_ring_model",
+           "start_ring", "token_share", "whole_optimizer_state", "whole_state", "with_substeps"]

@@ -80,6 +80,13 @@ def chunk_length(plan: RingPlan, seq: int) -> int:
     return seq // plan.chunks
 
 
+def token_positions(plan: RingPlan, rank: int, seq_len: int) -> torch.Tensor:
+    """The global positions of ring rank ``rank``'s tokens of a sequence of ``seq_len``, its chunks in ascending
+    order (LongTensor); ``chunk_length``'s UsageError when the plan does not cut it evenly."""
+    size = chunk_length(plan, seq_len)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in plan.chunks_of(rank)])
+
+
 def own_chunks(plan: RingPlan, rank: int, whole: torch.Tensor) -> dict[int, torch.Tensor]:
     """The chunks ``rank`` holds of a whole-sequence tensor (B, H, S, D), chunk -> view."""
     size = chunk_length(plan, whole.shape[-2])
@@ -271,12 +278,20 @@ def wait_within(works, timeout: float, site: comm.Site, wait=comm.await_blocking
 class RingContext:
     """What one rank keeps across a run's attention calls: its list, its table, the process group's rules.
 
+    The ring is the whole world (a sequence-ring program: ring rank r is global rank r) or a group of
+    it (``members``: a context-parallel stage's group, ``runtime/placed.py``): ring rank i is global rank
+    ``members[i]``, a point-to-point part's peer (a ring rank) goes to its global rank, and TASP's
+    all_to_all runs over ``group``, whose members in group order are the ring ranks in order.
+
     Args:
         program: a sequence-ring program (``Program.rings`` set).
-        rank: this rank.
+        rank: this rank's ring rank.
         timeout: the longest wait of one instruction, seconds.
         scale: the softmax scale; 1/sqrt(D) when None.
+        members: the global ranks of ring ranks 0, 1, ... (None: the world, in order).
+        group: the process group of ``members`` (None: the default group, for a ring that is the world).
     Attributes:
+        where: this rank's global rank, the one faults and waits name.
         row: this rank's list (a copy: ``--inject`` plants a fault in it).
         handlers: op -> handler, ``HANDLERS`` plus anything planted.
         events: None, or the trace's records so far: (index, start, end, waited, call) per instruction.
@@ -286,7 +301,8 @@ class RingContext:
         RuntimeFault: an instruction the ring runtime has no handler for.
     """
 
-    def __init__(self, program: Program, rank: int, *, timeout: float, scale: float | None = None):
+    def __init__(self, program: Program, rank: int, *, timeout: float, scale: float | None = None,
+                 members: tuple[int, ...] | None = None, group=None):
         plan = program.rings
         if plan is None:
             raise UsageError(f"{program.name or 'the program'} is not a sequence-ring program (no rings): "
@@ -296,6 +312,11 @@ class RingContext:
         if not timeout > 0:
             raise UsageError(f"the timeout must be a positive number of seconds, got {timeout}")
         self.program, self.plan, self.rank = program, plan, rank
+        self.members = tuple(range(program.num_ranks)) if members is None else tuple(members)
+        if len(self.members) != program.num_ranks:
+            raise UsageError(f"{program.name or 'the ring'} runs on {program.num_ranks} ranks, but its group has "
+                             f"{len(self.members)}: {list(self.members)}")
+        self.where, self.group = self.members[rank], group
         self.row = list(program.ranks[rank])
         self.handlers: dict[str, Callable] = dict(HANDLERS)
         self.timeout, self.scale = timeout, scale
@@ -305,7 +326,11 @@ class RingContext:
         _check_row(self)
         # A program without exchanges (one rank) runs without a process group.
         self.backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
-        if self.backend is not None and (dist.get_world_size(), dist.get_rank()) != (program.num_ranks, rank):
+        if members is not None:
+            if self.backend is not None and dist.get_rank() != self.where:
+                raise UsageError(f"this is rank {dist.get_rank()}, but it was asked to run ring rank {rank}, "
+                                 f"global rank {self.where}")
+        elif self.backend is not None and (dist.get_world_size(), dist.get_rank()) != (program.num_ranks, rank):
             raise UsageError(f"the process group has {dist.get_world_size()} ranks and this is rank "
                              f"{dist.get_rank()}, but the program has {program.num_ranks} ranks and was asked to run "
                              f"rank {rank}'s list")
@@ -313,7 +338,11 @@ class RingContext:
 
     def fault(self, index: int, message: str, peer: int | None = None) -> RuntimeFault:
         text = self.row[index].text() if 0 <= index < len(self.row) else "the end of the list"
-        return RuntimeFault(message, self.rank, index, text, peer)
+        return RuntimeFault(message, self.where, index, text, peer)
+
+    def global_rank(self, ring_rank: int) -> int:
+        """The global rank of ring rank ``ring_rank``."""
+        return self.members[ring_rank]
 
 
 def _check_row(context: RingContext) -> None:
@@ -361,7 +390,8 @@ class _RingRank:
     def __init__(self, context: RingContext, iteration: int | None = None):
         plan = context.plan
         self.context = context
-        self.program, self.plan, self.rank, self.row = context.program, plan, context.rank, context.row
+        self.program, self.plan, self.row = context.program, plan, context.row
+        self.ring_rank, self.rank = context.rank, context.where  # the plan's rank; the global one faults name
         self.timeout, self.scale, self.iteration = context.timeout, context.scale, iteration
         self.backend, self.wait_fn, self.blocking = context.backend, context.wait_fn, context.blocking
         self.label: str | None = None  # where in training this call runs, for fault messages and the trace
@@ -388,7 +418,7 @@ class _RingRank:
 
     def load(self, q, k, v) -> None:
         """Take this rank's chunks of the queries, keys and values, and make its own bundles."""
-        plan, rank = self.plan, self.rank
+        plan, rank = self.plan, self.ring_rank
         self.q = self._chunks(q, "q")
         self.k = self._chunks(k, "k")
         self.v = self._chunks(v, "v")
@@ -426,13 +456,14 @@ class _RingRank:
         if events is not None:
             call = self.label or ""
             record = lambda event: events.append((*event, call))  # noqa: E731
-        run_instructions(self, self.row, self.context.handlers, start, stop, record, self.context.synchronize)
+        run_instructions(self, self.row, self.context.handlers, start, stop, record, self.context.synchronize,
+                         lambda index: self._labelled(self.row[index].text()))
 
     def _chunks(self, given, name: str) -> dict[int, torch.Tensor]:
         if isinstance(given, Mapping):
             missing = [c for c in self.mine if c not in given]
             if missing:
-                raise UsageError(f"{name} lacks chunk {missing[0]}, which rank {self.rank} holds")
+                raise UsageError(f"{name} lacks chunk {missing[0]}, which rank {self.ring_rank} holds")
             return {c: given[c] for c in self.mine}
         if not isinstance(given, torch.Tensor) or given.dim() != 4:
             raise UsageError(f"{name} must be a (batch, heads, length, head dim) tensor or a mapping chunk -> tensor")
@@ -475,7 +506,7 @@ class _RingRank:
     def held(self, bundle: tuple[int, int]) -> torch.Tensor | None:
         """This rank's usable copy of ``bundle``, or None."""
         holder, piece = bundle
-        if holder == self.rank:
+        if holder == self.ring_rank:
             return self.own.get(piece)
         if self.plan.kv == "kept":
             return self.kept.get(bundle)
@@ -483,7 +514,7 @@ class _RingRank:
         return slot[1] if slot is not None and slot[0] == bundle else None
 
     def deliver(self, bundle: tuple[int, int], tensor: torch.Tensor) -> None:
-        if bundle[0] == self.rank:
+        if bundle[0] == self.ring_rank:
             return  # its own bundle came back round: this rank keeps its own copy
         if self.plan.kv == "kept":
             self.kept[bundle] = tensor
@@ -524,7 +555,7 @@ class _RingRank:
         end = len(self.row)
         check_all_waited(self.open, self.fault)
         self.settle()
-        away = sorted(b for b in self.partials if b[0] != self.rank)
+        away = sorted(b for b in self.partials if b[0] != self.ring_rank)
         if away:
             holder, piece = away[0]
             raise self.fault(end, f"a dK, dV partial of rank {holder}'s bundle of piece {piece} is left on this "
@@ -540,9 +571,9 @@ class _RingRank:
             cut = slice(index * self.piece, (index + 1) * self.piece)
             keys, values = [], []
             for p in range(self.plan.pieces):
-                partial = self.partials.get((self.rank, p))
+                partial = self.partials.get((self.ring_rank, p))
                 if partial is None:
-                    partial = torch.zeros(self.bundle_shape(self.rank), dtype=self.wide, device=self.device)
+                    partial = torch.zeros(self.bundle_shape(self.ring_rank), dtype=self.wide, device=self.device)
                 keys.append(partial[0, ..., cut, :])
                 values.append(partial[1, ..., cut, :])
             dk[c] = torch.cat(keys, dim=-2)
@@ -617,7 +648,7 @@ def attention_backward(run: _RingRank, action: Action, index: int) -> None:
 def _bundle_of(run: _RingRank, part: Action, ex: Exchange) -> tuple[int, int]:
     plan = run.plan
     if not (0 <= part.stage < run.program.num_ranks and 0 <= part.mb < plan.pieces
-            and 0 <= part.peer < run.program.num_ranks) or part.peer == run.rank:
+            and 0 <= part.peer < run.program.num_ranks) or part.peer == run.ring_rank:
         raise run.fault(ex.index, f"{part.text()} names no bundle of this program or no other rank (peer {part.peer})")
     return part.stage, part.mb
 
@@ -627,7 +658,7 @@ def _kv_to_send(run: _RingRank, part: Action, ex: Exchange) -> torch.Tensor:
     tensor = run.held(bundle)
     if tensor is None:
         raise run.fault(ex.index, f"{part.text()} sends rank {bundle[0]}'s KV bundle of piece {bundle[1]}, which "
-                                  "this rank does not hold now", part.peer)
+                                  "this rank does not hold now", run.context.global_rank(part.peer))
     ex.keep.append(tensor)
     return tensor
 
@@ -653,12 +684,12 @@ def _arrive_dkv(run: _RingRank, bundle: tuple[int, int], buffer: torch.Tensor) -
 
 def _send_kv(run: _RingRank, part: Action, ex: Exchange) -> None:
     """SEND_KV: the bundle this rank holds now, to the part's peer on the KV channel."""
-    ex.send(_kv_to_send(run, part, ex), part.peer, _TAGS[part.op])
+    ex.send(_kv_to_send(run, part, ex), run.context.global_rank(part.peer), _TAGS[part.op])
 
 
 def _send_dkv(run: _RingRank, part: Action, ex: Exchange) -> None:
     """SEND_DKV: this rank's partial of the bundle (taken from it; zeros when it has none), to the peer."""
-    ex.send(_dkv_to_send(run, part, ex), part.peer, _TAGS[part.op])
+    ex.send(_dkv_to_send(run, part, ex), run.context.global_rank(part.peer), _TAGS[part.op])
 
 
 def _recv_kv(run: _RingRank, part: Action, ex: Exchange) -> None:
@@ -678,14 +709,14 @@ def _receive(run: _RingRank, part: Action, ex: Exchange, dtype: torch.dtype) -> 
     bundle = _bundle_of(run, part, ex)
     buffer = torch.empty(run.bundle_shape(bundle[0]), dtype=dtype, device=run.device)
     ex.keep.append(buffer)
-    ex.receive(buffer, part.peer, _TAGS[part.op])
+    ex.receive(buffer, run.context.global_rank(part.peer), _TAGS[part.op])
     return bundle, buffer
 
 
 def _post_all_to_all(run: _RingRank, part: Action, ex: Exchange) -> None:
-    """ALLTOALL_KV / ALLTOALL_DKV: its sends and receives moved by one all_to_all of every rank."""
+    """ALLTOALL_KV / ALLTOALL_DKV: its sends and receives moved by one all_to_all of every rank of the ring."""
     kinds = _ALLTOALL_KIND[part.op]
-    communicator = run.program.communicator_on(part, run.rank)
+    communicator = run.program.communicator_on(part, run.ring_rank)
     if communicator is not None and tuple(communicator.ranks) != tuple(range(run.program.num_ranks)):
         raise run.fault(ex.index, f"{part.text()} meets on ranks {list(communicator.ranks)}; the runtime moves an "
                                   "all_to_all over every rank")
@@ -709,8 +740,9 @@ def _post_all_to_all(run: _RingRank, part: Action, ex: Exchange) -> None:
     flat_in = torch.cat([t for items in sends for t in items]) if any(send_splits) else empty
     flat_out = torch.empty(sum(take_splits), dtype=dtype, device=run.device)
     ex.keep += [flat_in, flat_out]
-    ex.works.append(dist.all_to_all_single(flat_out, flat_in, take_splits, send_splits, async_op=True))
-    ex.peers.update(r for r in range(world) if r != run.rank)
+    ex.works.append(dist.all_to_all_single(flat_out, flat_in, take_splits, send_splits, group=run.context.group,
+                                           async_op=True))
+    ex.peers.update(run.context.global_rank(r) for r in range(world) if r != run.ring_rank)
     offset = 0
     for items in takes:
         for bundle, shape in items:
@@ -758,4 +790,4 @@ HANDLERS: dict[str, Callable[[_RingRank, Action, int], None]] = {
 
 
 __all__ = ["HANDLERS", "PART_POSTERS", "RingAttention", "RingContext", "RingResult", "chunk_length", "forward_end",
-           "own_chunks", "run_ring_attention", "wait_within"]
+           "own_chunks", "run_ring_attention", "token_positions", "wait_within"]

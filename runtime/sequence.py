@@ -40,7 +40,7 @@ from pipec.runtime import model as builtin
 from pipec.runtime.data import BatchSource, data_needs
 from pipec.runtime.family import RuntimeFamily, register
 from pipec.runtime.model import RingModel, call_spec_function, spec_label, spec_optimizer
-from pipec.runtime.rings import HANDLERS, PART_POSTERS, RingAttention, RingContext, chunk_length
+from pipec.runtime.rings import HANDLERS, PART_POSTERS, RingAttention, RingContext, token_positions
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -60,32 +60,29 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def ring_attend(context: RingContext, iteration: int | None = None):
+def ring_attend(context: RingContext, iteration: int | None = None, where: str = ""):
     """An ``attend(q, k, v)`` for a model's forward: each call runs ``context``'s list once through autograd.
 
     q, k, v are this rank's chunks concatenated in ascending chunk order,
     (batch, heads, tokens of this rank, head dim). Fault messages and the
     trace name the call (``attention 3's forward``: the fourth call, layer 3
-    of the built-in model) and ``iteration``, the training step.
+    of the built-in model; after ``where``, ``stage 1, microbatch 2: `` in a
+    context-parallel stage) and ``iteration``, the training step.
     """
     calls = 0
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         nonlocal calls
-        ring = RingAttention.in_context(context, iteration=iteration, label=f"attention {calls}")
+        ring = RingAttention.in_context(context, iteration=iteration, label=f"{where}attention {calls}")
         calls += 1
         return RingAttentionFunction.apply(q, k, v, ring)
     return attend
 
 
-def token_positions(plan, rank: int, seq_len: int) -> torch.Tensor:
-    """The global positions of ``rank``'s tokens, its chunks in ascending order (LongTensor)."""
-    size = chunk_length(plan, seq_len)
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in plan.chunks_of(rank)])
-
-
-def ring_model(spec, config, program, name: str = "") -> RingModel:
+def ring_model(spec, config, program, name: str = "", why: str | None = None) -> RingModel:
     """What the spec declares of its model for a ring (``spec.ring_model(config)``), checked.
+
+    ``why`` says what runs the ring (default: ``program`` is a sequence-ring schedule).
 
     Raises:
         UsageError: the spec declares nothing (naming what a ring needs), or its
@@ -93,8 +90,9 @@ def ring_model(spec, config, program, name: str = "") -> RingModel:
     """
     schedule = program.name or "the program"
     if spec.ring_model is None:
+        why = why or f"{schedule} is a sequence-ring schedule"
         raise UsageError(
-            f"{schedule} is a sequence-ring schedule, and {spec_label(name)} does not declare ring_model(config): "
+            f"{why}, and {spec_label(name)} does not declare ring_model(config): "
             "a ring runs each rank's part of the sequence with attention through the ring, so the spec must "
             "give ring_model(config) -> RingModel(seq_len, causal) and a model whose forward takes positions= "
             "and attend= (see docs/runtime.md, \"Training with a sequence ring\"; the built-in model, --model "
@@ -107,8 +105,9 @@ def ring_model(spec, config, program, name: str = "") -> RingModel:
     return RingModel(seq_len, causal)
 
 
-def check_ring_model(spec, config, program, name: str = "") -> RingModel:
-    """Check, before any worker starts, that ``program`` (a ring program) can train this model exactly.
+def check_ring_model(spec, config, program, name: str = "", why: str | None = None) -> RingModel:
+    """Check, before any worker starts, that ``program`` (a ring program) can train this model exactly
+    (``why``: ``ring_model``'s).
 
     Returns:
         the model's ``RingModel`` (``ring_model``).
@@ -119,7 +118,7 @@ def check_ring_model(spec, config, program, name: str = "") -> RingModel:
     """
     plan = program.rings
     schedule = program.name or "the program"
-    declared = ring_model(spec, config, program, name)
+    declared = ring_model(spec, config, program, name, why)
     who = "the built-in model" if spec.build_model is builtin.build_model else spec_label(name)
     if plan.causal != declared.causal:
         program_mask, model_mask = ("a full attention mask", "causal") if declared.causal else ("a causal mask", "full")

@@ -32,7 +32,7 @@ from pipec.compiler.ir import Action, Program, WeightPlan
 from pipec.errors import ProgramError, RuntimeFault
 from pipec.runtime import comm, payload
 from pipec.runtime.checkpoint import load_optimizer_state, named_optimizer_state, parameter_names
-from pipec.runtime.family import register
+from pipec.runtime.family import register, share_of
 from pipec.runtime.interpreter import HANDLERS as HANDLERS_OF_STAGES, ActivationPassing, Trained
 from pipec.runtime.exchange import Exchange, FaultMaker, PartHandler, check_all_waited, post_exchange, wait_exchange
 from pipec.runtime.flat import bind_flat_grads
@@ -141,9 +141,8 @@ class WeightContext:
         return self.plan.owners is None
 
     def owns(self, layer: int) -> bool:
-        """Whether this rank keeps ``layer``'s whole master (never under ``all_gather``)."""
-        owners = self.plan.owners
-        return owners is not None and owners[layer] == self.rank
+        """Whether this rank keeps ``layer``'s whole master (never under ``all_gather``; on a mesh, its replica's)."""
+        return self.plan.owns(self.rank, layer)
 
     def parameters(self) -> list[torch.Tensor]:
         """What the optimizer steps: the owned layers' parameters, or the shards, in layer order."""
@@ -186,7 +185,7 @@ def make_weight_context(program: Program, rank: int, stages: dict[int, nn.Module
         shards = {layer: _shard_of(modules[layer], layouts[layer], rank) for layer in owned}
         grads = {layer: bind_flat_grads([shard]) for layer, shard in shards.items()}
     else:
-        owned = tuple(layer for layer in sorted(modules) if plan.owners[layer] == rank)
+        owned = tuple(layer for layer in sorted(modules) if plan.owns(rank, layer))
         shards = {}
         grads = {layer: bind_flat_grads([p for _, p in trainable(modules[layer])]) for layer in owned}
     successor = predecessor = rank
@@ -421,7 +420,7 @@ def forward(step, action: Action, index: int) -> None:
         out = functional_call(wctx.modules[layer], params_from_flat(wctx.layouts[layer], weights),
                               *payload.arguments(x))
         if ctx.next[stage] < 0:
-            loss = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
+            loss = ctx.loss_fn(out, step.targets[mb]) / (step.num_microbatches * _row_shares(ctx))
             step.loss = loss if step.loss is None else step.loss + loss
         else:
             step.produced[step.key(ACT, stage, mb)] = out
@@ -448,13 +447,19 @@ def _recompute(step, action: Action, index: int) -> tuple[int, torch.Tensor]:
             out = functional_call(wctx.modules[layer], params_from_flat(wctx.layouts[layer], weights),
                                   *payload.arguments(x))
             if last:
-                out = ctx.loss_fn(out, step.targets[mb]) / step.num_microbatches
+                out = ctx.loss_fn(out, step.targets[mb]) / (step.num_microbatches * _row_shares(ctx))
         roots, grads = ([out], None) if last else payload.backward_roots(payload.floating_layout(out), out, out_grad)
         found = torch.autograd.grad(roots, [weights, *leaves], grads, allow_unused=True)
     if not first:
         step.produced[step.key(GRAD, stage, mb)] = [g if g is not None else torch.zeros_like(x)
                                                     for g, x in zip(found[1:], leaves)]
     return layer, found[0] if found[0] is not None else torch.zeros_like(weights)
+
+
+def _row_shares(ctx) -> int:
+    """k: a replica of a mesh of k runs 1/k of each microbatch's rows, so its loss weighs 1/k (1 off a mesh)."""
+    share = share_of(ctx.program, ctx.rank)
+    return 1 if share is None else share[1]
 
 
 def backward(step, action: Action, index: int) -> None:
@@ -688,6 +693,25 @@ def _reducescatter_g(step, part: Action, ex: Exchange) -> None:
     ex.arrivals.append(arrive)
 
 
+def _sync_grad(step, part: Action, ex: Exchange) -> None:
+    """SYNC_GRAD on a mesh: the owner all-reduces (sums) its whole partial of the layer over its data group,
+    after the last fold into it; the sum is the layer's gradient over every replica's rows."""
+    ws, layer = step.weights, _layer(step, part)
+    if not step.ctx.weights.owns(layer):
+        raise _fault(step, ex.index, f"{part.text()} all-reduces layer {layer}'s gradient, which this rank does "
+                                     "not own (a program the checks did not pass?)")
+    group, _ = _group_of(step, part, ex)
+    partial = _lend(step, layer, ex, ex.index)
+    if group is not None:
+        ex.works += comm.start_allreduce(partial, group)
+
+    def arrive() -> None:
+        ws.in_flight.pop(layer, None)
+        ws.accumulated[layer] = partial
+
+    ex.arrivals.append(arrive)
+
+
 # part op -> its poster (step, part, exchange) -> None
 PART_POSTERS: dict[str, PartHandler] = {
     ops.SEND_W: _send_w,
@@ -703,6 +727,7 @@ PART_POSTERS: dict[str, PartHandler] = {
     ops.REDUCE_G: _reduce_g,
     ops.ALLGATHER_W: _allgather_w,
     ops.REDUCESCATTER_G: _reducescatter_g,
+    ops.SYNC_GRAD: _sync_grad,
 }
 # The interpreter's handlers for a weight-passing program's instructions (``F``..``W`` replace activation passing's).
 COMPUTE_HANDLERS: dict[str, Callable] = {ops.F: forward, ops.B: backward, ops.I: input_grad, ops.W: weight_grad}
@@ -889,6 +914,7 @@ class WeightPassing(ActivationPassing):
     part_posters = PART_POSTERS
     passes_activations = False
     takes_partition = False
+    trains_on_groups = True  # TawPipe x DP: every replica's rank at a pp coordinate on that coordinate's group
 
     def refusal_outside(self, op: str) -> str | None:
         if op in ops.WEIGHT_OPS:
@@ -912,8 +938,10 @@ class WeightPassing(ActivationPassing):
         finish_step(step, end)
 
     def counted_gradients(self, context) -> list[torch.Tensor]:
-        """A layer's gradient lives on its owner only; under ``all_gather`` the shards are disjoint."""
-        return list(context.weights.grads.values())
+        """A layer's gradient lives on its owner only (on a mesh, counted by the first replica's: every
+        replica's holds the same sum); under ``all_gather`` the shards are disjoint."""
+        share = share_of(context.program, context.rank)
+        return list(context.weights.grads.values()) if share is None or share[0] == 0 else []
 
     def all_gradients(self, context) -> list[torch.Tensor]:
         return list(context.weights.grads.values())

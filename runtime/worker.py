@@ -412,7 +412,8 @@ def model_layouts(spec, config, program, seed: int, name: str, precision=None, *
         chunk position c -> the ``payload.Layout`` of chunk c's output; None
         in a family whose activations never leave their rank (weight passing)
         or that runs no chunks (a sequence ring). When the stages sit on groups of
-        k ranks, what one member hands on: its share of the rows (``payload.share_layout``).
+        k ranks, what one member hands on: its share of the rows (``payload.share_layout``), or
+        under context parallelism its tokens of each sequence (``payload.token_layout``).
     Raises:
         UsageError: ``model spec NAME: ...``, naming the function at fault, or the cut; rows that do not
             cut into the groups' shares.
@@ -420,7 +421,7 @@ def model_layouts(spec, config, program, seed: int, name: str, precision=None, *
     from pipec.runtime.data import batch_microbatches
     from pipec.runtime.family import row_shares, runtime_family
     from pipec.runtime.model import ModelConfig, check_model_cut, chunk_layers, spec_label
-    from pipec.runtime.payload import share_layout
+    from pipec.runtime.payload import share_layout, token_layout
 
     family = runtime_family(program)
     family.check_model(spec, config, program, name)
@@ -440,6 +441,13 @@ def model_layouts(spec, config, program, seed: int, name: str, precision=None, *
                                   name, precision, passes, row_shares(program))
     if layouts and row_shares(program) > 1:
         layouts = [share_layout(layout, row_shares(program), f"{spec_label(name)}: chunk {c}'s output")
+                   for c, layout in enumerate(layouts)]
+    if layouts and program.stage_ring is not None:
+        from pipec.runtime.placed import stage_ring_model, token_share
+
+        seq_len = stage_ring_model(spec, config, program, name).seq_len
+        tokens = len(token_share(program, program.stages[0].ranks[0], seq_len).positions)
+        layouts = [token_layout(layout, tokens, seq_len, f"{spec_label(name)}: chunk {c}'s output")
                    for c, layout in enumerate(layouts)]
     return layouts
 
@@ -714,11 +722,17 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         phases.announce(phases.CHECKPOINT_LOAD)
         load_modules(stages.values(), checkpoint.model, run.resume)
     synchronize = torch.cuda.synchronize if (run.trace and device.type == "cuda") else None
+    seq_len, tokens = None, None
+    if program.stage_ring is not None:  # context parallel: each member runs its tokens of every sequence
+        from pipec.runtime.placed import stage_ring_model, token_share
+
+        seq_len = stage_ring_model(spec, config, program, run.model).seq_len
+        tokens = token_share(program, rank, seq_len)
     context = make_context(
         program, rank, stages,
         loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, layouts=plan.layouts or [],
         precision=plan.precision, device=device, backend=run.backend, timeout=run.timeout, synchronize=synchronize,
-        clip_grad_norm=run.clip_grad_norm,
+        clip_grad_norm=run.clip_grad_norm, seq_len=seq_len,
     )
     if plan.inject:
         plant_injection(context, plan.inject)
@@ -728,7 +742,8 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
         first, plan.checkpoint = checkpoint.step + 1, None  # what the modules and optimizer took is theirs now
     # this rank reads only the inputs and targets its first and last stages use
     data = BatchSource(spec, config, run.seed, program.num_microbatches, data_needs(program, rank),
-                       device=device, name=run.model, share=share_of(program, rank))
+                       device=device, name=run.model, share=share_of(program, rank) if tokens is None else None,
+                       tokens=tokens)
     if checkpoint is not None:
         data.restore(checkpoint.data)
     if rank == 0:

@@ -16,7 +16,9 @@ communicator the same, every exchange waited) and run before it by
   optimizer steps on the shards, so a whole copy kept past the step is stale);
 * each member reduces each of its stages' weight gradients over the group
   exactly once: REDUCE_GRAD on a sharded stage, SYNC_GRAD on a replicated one,
-  never on a stage on one rank; no gradient contribution (B, W) of the stage
+  never on a stage on one rank (under weight passing on a mesh only each layer's
+  owner's stage is reduced, ``Family.reduced_stages``: the other ranks' partials
+  were folded into it); no gradient contribution (B, W) of the stage
   comes after the reduction on that member (it would miss the sum, or race
   it), and the member waits for the reduction's exchange before its list ends;
 * under HSDP (a placement with shard groups) each member also all-reduces
@@ -33,6 +35,7 @@ import operator
 from itertools import chain
 
 from pipec.compiler import ops
+from pipec.compiler.family import families_of, first_answer
 from pipec.compiler.ir import Action, Program
 from pipec.errors import ConflictError, MatchError, RouteError, WellFormedError
 
@@ -241,8 +244,10 @@ class _Member:
             raise self.error(MatchError, f"{exchange.text()} {what.format(stage)}, but rank "
                              f"{self.rank} never waits for it ({ops.EXCHANGE_WAIT}{number}) before its list ends: "
                              "the optimizer would step on a gradient still being reduced", step)
+        reduced = first_answer(families_of(program), lambda family: family.reduced_stages(program))
         for info in program.stages:
-            if info.placement is None or self.rank not in info.ranks or info.id in self.reduced:
+            if info.placement is None or self.rank not in info.ranks or info.id in self.reduced \
+                    or (reduced is not None and info.id not in reduced):
                 continue
             last = self.last_contribution.get(info.id)
             after = (f"after its last gradient contribution here, {row[last].text()} (step {last})"

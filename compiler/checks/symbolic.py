@@ -90,11 +90,15 @@ class Semantics:
         family: the family (``ops.FAMILIES``) whose ops it gives meaning to.
         part_ops: the exchange parts it has code for (declared to ``tests/test_ops_table.py``).
         blocking: its collectives that hold the posting rank until every member joined.
+        claims: parts of another family it gives its own meaning to where it applies (weight passing on
+            a mesh: the owner's all-reduce of a layer's gradient over its data group, SYNC_GRAD); a subset
+            of ``part_ops``.
     """
 
     family: str = ""
     part_ops: frozenset[str] = frozenset()
     blocking: frozenset[str] = frozenset()
+    claims: frozenset[str] = frozenset()
 
     @classmethod
     def applies(cls, program: Program) -> bool:
@@ -199,9 +203,13 @@ class SymbolicRun:
         families = families_of(program)
         self.runs_ops_of = frozenset(name for f in families for name in f.runs_ops_of)
         self.family_names = [f.name for f in families]
-        self.semantics = [_SEMANTICS[f.name](self) for f in families
-                          if f.name in _SEMANTICS and _SEMANTICS[f.name].applies(program)]
+        # the program's families, then those whose ops they run (activation passing's placed stages under
+        # weight passing on a mesh), each where its semantics applies
+        names = list(dict.fromkeys([f.name for f in families] + sorted(self.runs_ops_of)))
+        self.semantics = [_SEMANTICS[name](self) for name in names
+                          if name in _SEMANTICS and _SEMANTICS[name].applies(program)]
         self.of_family = {s.family: s for s in self.semantics}
+        self.claimed = {op: s for s in self.semantics for op in s.claims}
         self.ranks = [RankState(r) for r in range(program.num_ranks)]
         self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
         self.meetings: dict[tuple[int, int], Meeting] = {}
@@ -312,7 +320,7 @@ class SymbolicRun:
     def semantics_of(self, part: Part) -> Semantics:
         action = part.action
         rule = ops.RULES.get(action.op)
-        semantics = self.of_family.get(rule.family) if rule is not None else None
+        semantics = self.claimed.get(action.op) or (self.of_family.get(rule.family) if rule is not None else None)
         categories = ops.EXCHANGE_PART_CATEGORIES if part.exchange >= 0 else _INLINE_CATEGORIES
         if rule is None or rule.category not in categories or semantics is None \
                 or action.op not in semantics.part_ops:

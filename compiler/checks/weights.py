@@ -23,6 +23,11 @@ on one NCCL stream). What this module adds, the meaning of the family's ops:
   add racing a send or a reduce); partials travel whole; at the end every
   layer's owner (every rank's shard under ``reduce_scatter``) holds each
   contribution exactly once, and no partial is left anywhere else.
+* **Replicas on a mesh** (``compiler/weight_placement.py``). Each replica's
+  owner of a layer all-reduces the layer's gradient over its data group
+  (SYNC_GRAD, an op of stages on groups that this family claims) after the last
+  fold into it, and folds nothing into it after (nor while it is in flight);
+  at the end every replica's owner holds every replica's contributions once.
 
 Each violation is a ``ProgramError`` (MatchError, DeadlockError, RouteError)
 at the rank and instruction where it shows, naming the value.
@@ -61,6 +66,7 @@ class _Holdings:
         self.accumulated: dict[int, Counter] = {}
         self.in_flight: dict[int, int] = {}    # layer -> the exchange its accumulated partial travels in
         self.summed_at: dict[int, Part] = {}   # layer -> the reduce whose sum this rank (its root) took last
+        self.synced: dict[int, Part] = {}      # layer -> its all-reduce over the data group (SYNC_GRAD), posted
 
 
 def check_weights(program: Program) -> WeightReport:
@@ -84,8 +90,10 @@ _COLLECTIVES = (ops.SHIFT_F, ops.SHIFT_B, ops.SHIFT_G, ops.BCAST_W, ops.REDUCE_G
 @register_semantics
 class WeightSemantics(Semantics):
     family = ops.WEIGHT_PASSING
-    part_ops = frozenset(_COLLECTIVES + (ops.SEND_W, ops.RECV_W, ops.SEND_G, ops.RECV_G, ops.FILL_F, ops.FILL_B))
+    part_ops = frozenset(_COLLECTIVES + (ops.SEND_W, ops.RECV_W, ops.SEND_G, ops.RECV_G, ops.FILL_F, ops.FILL_B,
+                                         ops.SYNC_GRAD))
     blocking = frozenset(_COLLECTIVES)  # one stream: a rank's collectives run in its order
+    claims = frozenset((ops.SYNC_GRAD,))  # the replicas' meeting folds into the owners' gradients
 
     def __init__(self, run):
         super().__init__(run)
@@ -102,8 +110,17 @@ class WeightSemantics(Semantics):
         return self.program.stages[action.stage].position
 
     def owns(self, rank: int, layer: int) -> bool:
-        owners = self.plan.owners
-        return owners is not None and 0 <= layer < len(owners) and owners[layer] == rank
+        return self.plan.owns(rank, layer)
+
+    def after_sync(self, state: RankState, what: str, layer: int, step: int) -> None:
+        """Nothing folds into an owned layer's gradient once its all-reduce over the data group is posted."""
+        synced = self.held[state.rank].synced.get(layer)
+        if synced is None:
+            return
+        raise self.error(RouteError, f"{what} folds into layer {layer}'s gradient after {synced.action.text()} "
+                         f"(step {synced.step}) all-reduced it over the data group: this fold misses the other "
+                         "replicas (the all-reduce comes after the owner's last fold)", state.rank, step,
+                         [(state.rank, synced.step)])
 
     def start(self) -> None:
         for row in self.program.ranks:
@@ -194,6 +211,7 @@ class WeightSemantics(Semantics):
 
     def lend_accumulated(self, state: RankState, part: Part, layer: int) -> Counter:
         h = self.held[state.rank]
+        self.after_sync(state, part.action.text(), layer, part.step)
         if layer in h.in_flight:
             raise self.error(RouteError, f"{part.action.text()} takes layer {layer}'s gradient partial while "
                              f"exchange {h.in_flight[layer]} still has it in flight", state.rank, part.step)
@@ -250,6 +268,19 @@ class WeightSemantics(Semantics):
         if op == ops.ALLGATHER_W:
             self.allocate(state, ("W", layer, action.mb), layer, part.step, arriving=True)
             return None
+        if op == ops.SYNC_GRAD:
+            if not self.owns(state.rank, layer):
+                raise self.error(RouteError, f"{action.text()} all-reduces layer {layer}'s gradient over the data "
+                                 "group on this rank, which does not own the layer (its owner holds the sum)",
+                                 state.rank, part.step)
+            if layer in h.in_flight:
+                raise self.error(RouteError, f"{action.text()} all-reduces layer {layer}'s gradient over the data "
+                                 f"group before exchange {h.in_flight[layer]}, which folds a partial of it into "
+                                 "this owner, is waited: the all-reduce comes after the owner's last fold",
+                                 state.rank, part.step)
+            content = self.lend_accumulated(state, part, layer)
+            h.synced[layer] = part
+            return content
         return self.lend_accumulated(state, part, layer)  # REDUCE_G, REDUCESCATTER_G
 
     def complete(self, meeting: Meeting) -> None:
@@ -282,6 +313,10 @@ class WeightSemantics(Semantics):
                 raise self.error(MatchError, f"{first.text()} reduces to rank {first.peer}, not a member",
                                  next(iter(parts)), next(iter(parts.values())).step)
             root.peer_part = total
+        elif first.op == ops.SYNC_GRAD:  # every replica's owner takes the sum
+            total = sum((part.content for part in parts.values()), Counter())
+            for part in parts.values():
+                part.peer_part = total
         elif first.op == ops.REDUCESCATTER_G:
             layer = self.layer(first)
             total = sum((part.content for part in parts.values()), Counter())
@@ -325,12 +360,17 @@ class WeightSemantics(Semantics):
                 raise self.error(RouteError, f"{action.text()} adds the partial it received to layer {layer}'s, "
                                  f"which exchange {h.in_flight[layer]} is sending or reducing: the add races "
                                  "the transfer", state.rank, part.step)
+            self.after_sync(state, action.text(), layer, part.step)
             h.accumulated.setdefault(layer, Counter()).update(part.peer_part.content)
+        elif op == ops.SYNC_GRAD:
+            h.in_flight.pop(layer, None)
+            h.accumulated[layer] = Counter(part.peer_part)
         elif op in (ops.SEND_G, ops.REDUCE_G, ops.REDUCESCATTER_G):
             if h.in_flight.get(layer) == part.exchange:
                 del h.in_flight[layer]
                 h.accumulated.pop(layer, None)
             if op == ops.REDUCE_G and isinstance(part.peer_part, Counter):  # the root takes the sum
+                self.after_sync(state, action.text(), layer, part.step)
                 h.accumulated[layer] = part.peer_part
                 h.summed_at[layer] = part
 
@@ -378,6 +418,7 @@ class WeightSemantics(Semantics):
                                  state.rank, state.pc)
             h.partial[1][contribution] += 1
             return
+        self.after_sync(state, action.text(), layer, state.pc)
         if layer in h.in_flight:
             raise self.error(RouteError, f"{action.text()} adds layer {layer}'s weight gradient while exchange "
                              f"{h.in_flight[layer]} is sending or reducing that partial: the add races the "
@@ -417,8 +458,10 @@ class WeightSemantics(Semantics):
                 got, where = +self.scattered.get(layer, Counter()), "the shards of every rank"
                 at = 0
             else:
-                owner = self.plan.owners[layer]
-                got, where, at = +self.held[owner].accumulated.get(layer, Counter()), f"its owner rank {owner}", owner
+                owners = [rank for rank in range(self.P) if self.owns(rank, layer)]  # one per replica on a mesh
+                got, where, at = next(((+self.held[r].accumulated.get(layer, Counter()), f"its owner rank {r}", r)
+                                       for r in owners if +self.held[r].accumulated.get(layer, Counter()) != expected),
+                                      (expected, "", 0))
             if got != expected:
                 missing, twice = expected - got, got - expected
                 problem = (f"lacks {_contributions_text(missing)}" if missing

@@ -26,7 +26,8 @@ from typing import Any, TextIO
 from pipec.compiler import ops
 from pipec.compiler.guarded_read import INT_LIMIT, quote
 from pipec.compiler.guarded_read import read_int_list as _read_int_list
-from pipec.compiler.ir import NO_PEER, Action, Communicator, Mesh, Placement, Program, StageInfo, build_program
+from pipec.compiler.ir import (NO_PEER, ROW_SHARE, SEQUENCE_SHARE, SHARE_SPLITS, Action, Communicator, Mesh, Placement,
+                               Program, StageInfo, build_program)
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; these passes build hundreds of thousands of acyclic ones.
 from pipec.compiler.family import all_families, families_of
@@ -164,6 +165,8 @@ def _header_to_json(program: Program) -> dict:
         **({} if program.weight_versions == 1 else {"weight_versions": program.weight_versions}),
         # only in a composed program: its rank axes, outermost first
         **({} if program.mesh is None else {"mesh": [[name, size] for name, size in program.mesh.axes]}),
+        # only in a context-parallel composition: the ring program its stages run inside F and B
+        **({} if program.stage_ring is None else {"stage_ring": program_to_json(program.stage_ring)}),
     }
 
 
@@ -173,6 +176,8 @@ def _stage_to_json(info: StageInfo) -> dict:
         out["placement"] = {"ranks": list(info.placement.ranks), "communicator": info.placement.communicator}
         if info.placement.sharded:
             out["placement"]["sharded"] = True
+        if info.placement.split != ROW_SHARE:
+            out["placement"]["split"] = info.placement.split
         if info.placement.hybrid:  # HSDP only: every other placement is written as before
             out["placement"]["shard_groups"] = list(info.placement.shard_groups)
             out["placement"]["replica_groups"] = list(info.placement.replica_groups)
@@ -242,7 +247,7 @@ def _fields_text(action: Action, text: str) -> str:
 # ------------------------------------------------------------------------- read
 
 
-def program_from_json(data: dict) -> Program:
+def program_from_json(data: dict, *, nested: bool = False) -> Program:
     """Decode (and validate) a version-1 program dict.
 
     Args:
@@ -280,6 +285,7 @@ def program_from_json(data: dict) -> Program:
     if weight_versions is not None and (type(weight_versions) is not int or weight_versions < 1):
         raise ImportError_(f"field \"weight_versions\" must be a positive integer or null, got {quote(weight_versions)}")
     mesh = _read_mesh(data, num_ranks)
+    stage_ring = _read_stage_ring(data, stages, nested)
     raw_ranks = _get(data, "ranks", list)
     if len(raw_ranks) != num_ranks:
         raise ImportError_(f"\"ranks\" has {len(raw_ranks)} rows for {num_ranks} ranks")
@@ -293,7 +299,38 @@ def program_from_json(data: dict) -> Program:
             ranks.append(_read_row(row, r, limits, raw_ranks))
     return build_program(name, num_ranks, num_microbatches, stages, pipelines, mb_pipeline, ranks,
                          plans=[plan for _, plan in plans], params=dict(params), devices=devices, source=source,
-                         communicators=communicators, weight_versions=weight_versions, mesh=mesh)
+                         communicators=communicators, weight_versions=weight_versions, mesh=mesh,
+                         stage_ring=stage_ring)
+
+
+def _read_stage_ring(data: dict, stages: list[StageInfo], nested: bool) -> Program | None:
+    """``stage_ring``: absent or null, else the sequence-ring program (a program document of its own, one level
+    deep) that the context-parallel stages run, one ring rank per member of each such stage's group."""
+    raw = data.get("stage_ring")
+    sequence = [s for s in stages if s.placement is not None and s.placement.split == SEQUENCE_SHARE]
+    if raw is None:
+        if sequence:
+            raise ImportError_(f"stage {sequence[0].id} is placed with split \"sequence\" but the program has no "
+                               "\"stage_ring\" to run its attention with")
+        return None
+    if nested:
+        raise ImportError_("a \"stage_ring\" holds a \"stage_ring\" of its own; a ring program runs inside a stage, "
+                           "and nothing runs inside the ring")
+    if not isinstance(raw, dict):
+        raise ImportError_(f"field \"stage_ring\" must be a program document or null, got {quote(raw)}")
+    try:
+        ring = program_from_json(raw, nested=True)
+    except ImportError_ as error:
+        raise ImportError_(f"in \"stage_ring\": {error.message}") from None
+    if ring.rings is None:
+        raise ImportError_("field \"stage_ring\" must be a sequence-ring program (with \"rings\")")
+    for info in sequence:
+        if len(info.placement.ranks) != ring.num_ranks:
+            raise ImportError_(f"stage {info.id} is placed on {len(info.placement.ranks)} ranks, but its "
+                               f"\"stage_ring\" runs on {ring.num_ranks}")
+    if not sequence:
+        raise ImportError_("the program has a \"stage_ring\" but no stage placed with split \"sequence\" runs it")
+    return ring
 
 
 def _read_mesh(data: dict, num_ranks: int) -> Mesh | None:
@@ -431,7 +468,11 @@ def _read_placement(entry: dict, i: int, rank: int, num_ranks: int) -> Placement
     sharded = raw.get("sharded", False)
     if type(sharded) is not bool:
         raise ImportError_(f"stages[{i}].placement.sharded must be true or false, got {quote(sharded)}")
-    return Placement(tuple(ranks), communicator, sharded, **groups)
+    split = raw.get("split", ROW_SHARE)
+    if split not in SHARE_SPLITS:
+        raise ImportError_(f"stages[{i}].placement.split must be one of {', '.join(map(quote, SHARE_SPLITS))}, "
+                           f"got {quote(split)}")
+    return Placement(tuple(ranks), communicator, sharded, split, **groups)
 
 
 def _read_pipelines(raw: list, stages: list[StageInfo]) -> list[list[int]]:

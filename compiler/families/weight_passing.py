@@ -34,7 +34,9 @@ class WeightPassing(Family):
         return {"owners": None if plan.owners is None else list(plan.owners),
                 "weights": {"groups": list(plan.groups), "route": plan.route, "ring_by": plan.ring_by,
                             "gradients": plan.gradients, "prefetch": plan.prefetch, "buffers": plan.buffers,
-                            "num_steps": plan.num_steps}}
+                            "num_steps": plan.num_steps,
+                            # on a mesh only: rank -> the weight-passing rank it runs (its pp coordinate)
+                            **({} if plan.pipeline_ranks is None else {"pipeline_ranks": list(plan.pipeline_ranks)})}}
 
     def spec_plan(self, spec):
         return spec.weights
@@ -49,6 +51,12 @@ class WeightPassing(Family):
 
     def refuse_updates(self):
         return "under weight passing each layer's owner steps its optimizer after it"
+
+    def reduced_stages(self, program):
+        """On a mesh each replica's owner of a layer all-reduces its gradient over its data group; the other
+        ranks' partials were folded into it (``compiler/weight_placement.py``)."""
+        plan = program.weights
+        return frozenset(info.id for info in program.stages if plan.owns(info.rank, info.position))
 
     def ring_step_giver(self, program, rank):
         return (rank - program.weights.ring_by) % program.num_ranks
@@ -101,8 +109,14 @@ def _read_weights(data: dict, num_ranks: int, num_layers: int) -> WeightPlan | N
     buffers = raw.get("buffers")
     if buffers is not None and (type(buffers) is not int or buffers < 1):
         raise ImportError_(f"weights.buffers must be a positive integer or null, got {buffers!r}")
+    pipeline_ranks = raw.get("pipeline_ranks")
+    if pipeline_ranks is not None:
+        if not isinstance(pipeline_ranks, list) or len(pipeline_ranks) != num_ranks:
+            raise ImportError_(f"weights.pipeline_ranks must list the weight-passing rank of each of the "
+                               f"{num_ranks} ranks")
+        pipeline_ranks = tuple(read_int_list(pipeline_ranks, "weights.pipeline_ranks", num_ranks))
     return WeightPlan(owners, groups, route, numbers["ring_by"], gradients, numbers["prefetch"], buffers,
-                      numbers["num_steps"])
+                      numbers["num_steps"], pipeline_ranks)
 
 
 FAMILY = register(WeightPassing(), WeightPlan)
