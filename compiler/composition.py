@@ -57,7 +57,8 @@ def lower_composition(spec: CompositionSpec, costs: CostModel | None = None) -> 
     if isinstance(policy, ast.ContextPolicy):
         data = ContextParallel(policy.axis, _ring_program(spec, policy, mesh.axis_size(policy.axis), costs))
     else:
-        data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward)
+        data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward,
+                            spec.replicas.axis if spec.replicas is not None else None)
     _check_task_limit(spec, compiled.compute, mesh.size // compiled.program.num_ranks)
     if compiled.program.weights is not None:  # weight passing x DP: weights move inside each replica
         if isinstance(data, ContextParallel):

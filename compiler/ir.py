@@ -37,6 +37,7 @@ from typing import Iterable, NamedTuple
 from pipec.compiler.ops import (  # noqa: F401  (re-exported)
     GROUP_OF_RANK,
     RING,
+    SHARD_REPLICAS,
     WORLD,
     ALLREDUCE_GRAD,
     ALLREDUCE_WAIT,
@@ -149,6 +150,14 @@ class Placement:
             of k of them (and of their optimizer state), a GATHER makes them whole until a RESHARD, and
             its weight gradient is reduce-scattered (REDUCE_GRAD); otherwise every member holds them
             whole and its gradient is all-reduced (SYNC_GRAD).
+        shard_groups: HSDP (``sharded``, weights sharded inside a node and replicated across nodes): the
+            ids of the communicators (purpose ``STAGE_GROUP``) its weights are sharded over, which split
+            ``ranks`` into equal groups; a member's GATHER, RESHARD and REDUCE_GRAD meet on its own one
+            and ``communicator`` is -1 (nothing meets on the whole group). Empty otherwise: sharded over
+            the whole group.
+        replica_groups: HSDP: the ids of the communicators (purpose ``SHARD_REPLICAS``) of the members
+            holding the same shard, one member of each shard group each; a member's SYNC_SHARD meets on
+            its own one. Empty otherwise.
         split: what a member's share of a value is: ``ROW_SHARE``, rows [i/k, (i+1)/k) of each
             microbatch (data parallel), or ``SEQUENCE_SHARE``, ring rank i's chunks of every sequence
             of each microbatch (context parallel): the stage runs every attention of its forward and
@@ -159,6 +168,13 @@ class Placement:
     communicator: int
     sharded: bool = False
     split: str = "rows"
+    shard_groups: tuple[int, ...] = ()
+    replica_groups: tuple[int, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the weights are sharded over parts of the group and replicated across them (HSDP)."""
+        return bool(self.shard_groups)
 
 
 # The shares a placed stage's members may split a value into (``Placement.split``).
@@ -617,9 +633,19 @@ class Program:
     def communicator_on(self, action: Action, rank: int) -> Communicator | None:
         """The communicator a collective (or an exchange's collective part) of ``rank`` meets on, or None.
 
-        A group's collective meets on the acting rank's group (weight passing);
+        A group's collective meets on the acting rank's group (weight passing); under HSDP a stage's
+        collective on its group meets on the acting member's shard group (``Placement.shard_groups``),
+        and one over the members holding its shard on its replica group (``Placement.replica_groups``);
         the others as ``communicator_of`` says.
         """
+        purpose = RULES[action.op].communicator
+        if purpose in (STAGE_GROUP, SHARD_REPLICAS) and 0 <= action.stage < len(self.stages):
+            placement = self.stages[action.stage].placement
+            ids = () if placement is None else (placement.shard_groups if purpose == STAGE_GROUP
+                                                else placement.replica_groups)
+            if ids:
+                return next((self.communicators[i] for i in ids
+                             if 0 <= i < len(self.communicators) and rank in self.communicators[i].ranks), None)
         if RULES[action.op].communicator == GROUP_OF_RANK:
             key = next((plan.group_of(rank) for plan in self.plans if plan.group_of(rank) is not None), None)
             return next((c for c in self.communicators if c.purpose == GROUP_OF_RANK and c.key == key), None)

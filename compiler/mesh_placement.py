@@ -21,6 +21,17 @@ coordinate, and meets its group in three kinds of step (docs/compose.md):
   reduce-scattered (``REDUCE_GRAD``) where a replicated stage's is
   all-reduced. Without ``reshard_after_forward`` the weights stay whole from
   the first forward to the last backward: ZeRO-2's memory inside a step.
+* hybrid sharded weights (PP x HSDP, ``DataParallel.replicas``): the group at
+  p spans two data axes, the shard axis and the replica axis; a member's
+  weights are sharded over its *shard group* (the members that differ from it
+  along the shard axis only: inside a node when it is the inner axis) and
+  replicated across the shard groups. Its GATHER, RESHARD and REDUCE_GRAD are
+  FSDP's, on its shard group; once the REDUCE_GRAD's exchange is waited, a
+  second exchange all-reduces the member's shard of the gradient over its
+  *replica group* (the members that differ from it along the replica axis
+  only, one per shard group: ``SYNC_SHARD``), torch's HSDP order. Rows are
+  shared over the whole group: member i is the i-th of the group in
+  ascending rank order.
 
 The pass knows no schedule: it reads only the rule table and the program.
 """
@@ -48,11 +59,19 @@ class DataParallel:
         sharded: the stage's weights are sharded over the group (FSDP) rather than replicated (DP).
         reshard_after_forward: a sharded stage drops its whole weights after its last forward as well
             as after its last compute (ZeRO-3); otherwise it keeps them whole in between (ZeRO-2).
+        replicas: HSDP: a second data axis the sharded weights are replicated over (``axis`` is then the
+            axis they are sharded over); None for a group on ``axis`` alone.
     """
 
     axis: str
     sharded: bool = False
     reshard_after_forward: bool = False
+    replicas: str | None = None
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The data axes a stage's group spans, the replica axis first."""
+        return (self.axis,) if self.replicas is None else (self.replicas, self.axis)
 
     @property
     def split(self) -> str:
@@ -73,6 +92,11 @@ class ContextParallel:
     ring: Program
     sharded = False
     reshard_after_forward = False
+    replicas = None  # no second data axis (HSDP's, ``DataParallel.replicas``)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.axis,)
 
     @property
     def split(self) -> str:
@@ -91,22 +115,26 @@ def place_on_mesh(program: Program, mesh: Mesh, pp_axis: str, data: "DataParalle
     Args:
         program: a compiled activation-passing program with communication, one pipeline, one rank per
             stage, ``mesh.axis_size(pp_axis)`` ranks.
-        mesh: the composed program's axes: ``pp_axis`` and ``data.axis``, in the order that lays ranks out.
+        mesh: the composed program's axes: ``pp_axis`` and ``data.axes``, in the order that lays ranks out.
         pp_axis: the axis the pipeline runs along.
         data: how each stage's group holds its weights, splits its values and reduces its gradients.
         name: the composed program's name (default: ``program``'s).
     Returns:
         A new program of ``mesh.size`` ranks (``program`` is not changed), each stage placed on its group
-        (one communicator per pp coordinate, in pp order), ``mesh`` set, and under ``ContextParallel``
-        ``stage_ring`` set. With a data axis of size 1 it is ``program`` with ``mesh`` set: each stage is
-        on one rank (a ring of one rank has nothing to exchange).
+        (one communicator per pp coordinate, in pp order; under HSDP its shard and replica groups,
+        ``_place_hybrid``), ``mesh`` set, and under ``ContextParallel`` ``stage_ring`` set. With data axes
+        of size 1 it is ``program`` with ``mesh`` set: each stage is on one rank (a ring of one rank has
+        nothing to exchange).
     Raises:
         UsageError: a program or mesh this composition does not take, with the reason.
     """
     _check_composable(program, mesh, pp_axis, data)
-    if mesh.axis_size(data.axis) == 1:
+    data = _without_single_axes(data, mesh)
+    if data is None:
         return replace(program, mesh=mesh, name=name or program.name)
-    groups = [mesh.members(mesh.rank_at({pp_axis: p, data.axis: 0}), (data.axis,))
+    if data.replicas is not None:
+        return _place_hybrid(program, mesh, pp_axis, data, name)
+    groups = [mesh.members(mesh.rank_at(dict.fromkeys(mesh.names, 0) | {pp_axis: p}), (data.axis,))
               for p in range(program.num_ranks)]
     communicators = [Communicator(p, group, ops.STAGE_GROUP, p) for p, group in enumerate(groups)]
     stages = [StageInfo(info.id, groups[info.rank][0], info.pipeline, info.position,
@@ -125,10 +153,62 @@ def place_on_mesh(program: Program, mesh: Mesh, pp_axis: str, data: "DataParalle
                    stage_ring=data.ring if isinstance(data, ContextParallel) else None)
 
 
+def _without_single_axes(data: DataParallel, mesh: Mesh) -> DataParallel | None:
+    """``data`` without its data axes of one rank: HSDP with one shard group is FSDP on the shard axis, with
+    shard groups of one rank (whole weights on every member) DP on the replica axis; None when no data
+    axis has two ranks (each stage on one rank)."""
+    if data.replicas is None:
+        return data if mesh.axis_size(data.axis) > 1 else None
+    if mesh.axis_size(data.axis) == 1:
+        return _without_single_axes(DataParallel(data.replicas), mesh)
+    if mesh.axis_size(data.replicas) == 1:
+        return replace(data, replicas=None)
+    return data
+
+
+def _place_hybrid(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel, name: str | None) -> Program:
+    """``place_on_mesh`` for HSDP: the group at pp p spans both data axes; its communicators, created in this
+    order, are per p its shard groups (in replica-axis order), then its replica groups (in shard-axis order)."""
+    communicators: list[Communicator] = []
+
+    def add(ranks: tuple[int, ...], purpose: str, p: int) -> int:
+        communicators.append(Communicator(len(communicators), ranks, purpose, p))
+        return len(communicators) - 1
+
+    placements = []  # pp coordinate -> the placement of every stage there (they share its groups)
+    for p in range(program.num_ranks):
+        corner = {pp_axis: p, data.axis: 0, data.replicas: 0}
+        shards = tuple(add(mesh.members(mesh.rank_at(dict(corner, **{data.replicas: r})), (data.axis,)),
+                           ops.STAGE_GROUP, p) for r in range(mesh.axis_size(data.replicas)))
+        replicas = tuple(add(mesh.members(mesh.rank_at(dict(corner, **{data.axis: s})), (data.replicas,)),
+                             ops.SHARD_REPLICAS, p) for s in range(mesh.axis_size(data.axis)))
+        placements.append(Placement(mesh.members(mesh.rank_at(corner), data.axes), -1, True, shard_groups=shards,
+                                    replica_groups=replicas))
+    stages = [StageInfo(info.id, placements[info.rank].ranks[0], info.pipeline, info.position, placements[info.rank])
+              for info in program.stages]
+    rows = [_member_row(program.ranks[mesh.coords(rank)[pp_axis]], _peer_mover(mesh, pp_axis, rank), data)
+            for rank in range(mesh.size)]
+    return replace(program, name=name or program.name, num_ranks=mesh.size, stages=stages, ranks=rows,
+                   communicators=communicators, devices=None, mesh=mesh)
+
+
+def _peer_mover(mesh: Mesh, pp_axis: str, rank: int):
+    """pp rank -> the member of that pp rank's group at ``rank``'s data coordinates."""
+    coords = mesh.coords(rank)
+    return lambda pp_peer: mesh.rank_at(dict(coords, **{pp_axis: pp_peer}))
+
+
 def _check_composable(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel) -> None:
-    if set(mesh.names) != {pp_axis, data.axis} or pp_axis == data.axis:
+    if set(mesh.names) != {pp_axis, *data.axes} or pp_axis in data.axes or len(set(data.axes)) < len(data.axes):
+        if data.replicas is not None:
+            raise UsageError(f"a hybrid sharded composition runs on a mesh of three axes, the pipeline's "
+                             f"({pp_axis}), the shard axis ({data.axis}) and the replica axis ({data.replicas}); "
+                             f"this mesh has {', '.join(mesh.names)}")
         raise UsageError(f"a data-parallel composition runs on a mesh of two axes, the pipeline's ({pp_axis}) and "
                          f"the data axis ({data.axis}); this mesh has {', '.join(mesh.names)}")
+    if data.replicas is not None and not data.sharded:
+        raise UsageError(f"a replica axis ({data.replicas}) replicates sharded weights; the data axis "
+                         f"({data.axis}) is not sharded")
     if mesh.axis_size(pp_axis) != program.num_ranks:
         raise UsageError(f"the pipeline {program.name or 'program'} runs on {program.num_ranks} ranks, but the "
                          f"mesh's {pp_axis} axis has {mesh.axis_size(pp_axis)}")
@@ -179,6 +259,7 @@ def _member_row(row: list[Action], peer_of, data: DataParallel) -> list[Action]:
     whole: set[int] = set()  # the sharded stages whose weights are whole on this member now
     out: list[Action] = []
     waits: list[Action] = []
+    reduced: list[int] = []  # the stage whose gradient each exchange (by number) reduces
     for index, action in enumerate(row):
         if not action.is_compute:
             out.append(_moved(action, peer_of))
@@ -192,11 +273,25 @@ def _member_row(row: list[Action], peer_of, data: DataParallel) -> list[Action]:
             number = len(waits)
             out.append(Action(-1, ops.EXCHANGE, number, parts=(Action(stage, reduce_op),)))
             waits.append(Action(-1, ops.EXCHANGE_WAIT, number))
+            reduced.append(stage)
         if data.sharded and (index == last[stage]
                              or (data.reshard_after_forward and index == last_forward.get(stage))):
             out.append(Action(stage, ops.RESHARD))
             whole.discard(stage)
+    if data.replicas is not None:
+        return out + _shard_syncs(waits, reduced)
     return out + waits
+
+
+def _shard_syncs(waits: list[Action], reduced: list[int]) -> list[Action]:
+    """HSDP's end of a list: each reduce-scatter's wait followed by the exchange that all-reduces the shard
+    it left over the replica group (numbered after the reduce-scatters'), then those exchanges' waits."""
+    out, syncs = [], []
+    for wait, stage in zip(waits, reduced):
+        number = len(waits) + len(syncs)
+        out += [wait, Action(-1, ops.EXCHANGE, number, parts=(Action(stage, ops.SYNC_SHARD),))]
+        syncs.append(Action(-1, ops.EXCHANGE_WAIT, number))
+    return out + syncs
 
 
 def _moved(action: Action, peer_of) -> Action:

@@ -235,8 +235,12 @@ REPLICAS_OF_CHUNK = "replicas of the stage's chunk"
 RING = "the ring of every rank"
 GROUP_OF_RANK = "the acting rank's group"
 WORLD = "every rank"
-# A sub-step's communicator: the group its stage is placed on (``ir.Placement``).
+# A sub-step's communicator: the group its stage is placed on (``ir.Placement``); under HSDP (a placement
+# with ``shard_groups``), the acting member's shard group, the part of the group its weights are sharded over.
 STAGE_GROUP = "the group the stage is placed on"
+# HSDP's second communicator: the acting member's replica group, the members of the stage's group that
+# hold the same shard (one per shard group; ``ir.Placement.replica_groups``).
+SHARD_REPLICAS = "the replicas of a member's shard"
 
 # Op names (the text form's tokens, torch's where torch has them).
 F, B, I, W = "F", "B", "I", "W"
@@ -257,6 +261,7 @@ SEND_KV, RECV_KV, SEND_DKV, RECV_DKV = "SEND_KV", "RECV_KV", "SEND_DKV", "RECV_D
 ALLTOALL_KV, ALLTOALL_DKV = "ALLTOALL_KV", "ALLTOALL_DKV"
 GATHER = "GATHER"
 RESHARD, SYNC_GRAD, REDUCE_GRAD = "RESHARD", "SYNC_GRAD", "REDUCE_GRAD"
+SYNC_SHARD = "SYNC_SHARD"
 TF, TB, ALLREDUCE_TF, ALLREDUCE_TB = "TF", "TB", "ALLREDUCE_TF", "ALLREDUCE_TB"
 
 _AP = ACTIVATION_PASSING
@@ -413,6 +418,12 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
     OpRule(REDUCE_GRAD, PART_COLLECTIVE, _AP, reads=(Use("wgrad"),), writes=(Use("shard"),), fields=("stage",),
            communicator=STAGE_GROUP,
            doc="reduce-scatter the stage's weight gradient over its group, each member keeping its shard's sum"),
+    # HSDP (weights sharded over a shard group, replicated across shard groups): after its REDUCE_GRAD
+    # was waited, a member all-reduces its shard's gradient with the members holding the same shard,
+    # in an exchange of its own (torch's HSDP order: reduce-scatter, then all-reduce of the shard).
+    OpRule(SYNC_SHARD, PART_COLLECTIVE, _AP, reads=(Use("shard"),), writes=(Use("shard"),), fields=("stage",),
+           communicator=SHARD_REPLICAS,
+           doc="all-reduce this member's shard of the stage's weight gradient over the members holding that shard"),
     # -- tensor parallelism (Megatron-LM's MLP; docs/ir.md, "Adding a family"). Every rank holds a
     # column slice of each layer's first matrix and a row slice of its second: TF(l, m) makes this
     # rank's partial sum of layer l's output for microbatch m, TB(l, m) its partial of the input's
@@ -604,6 +615,9 @@ RESHARD_OPS: tuple[str, ...] = tuple(op for op in DROP_COPY_OPS if RULES[op].fam
 SHARDED_REDUCTION_OPS: tuple[str, ...] = tuple(op for op in STAGE_EXCHANGE_OPS if Use("shard") in RULES[op].writes)
 REPLICATED_REDUCTION_OPS: tuple[str, ...] = tuple(op for op in STAGE_EXCHANGE_OPS
                                                   if op not in SHARDED_REDUCTION_OPS)
+# HSDP: the exchange parts that reduce a member's shard (what a sharded reduction wrote) over the members
+# holding the same shard (SYNC_SHARD); each stands in an exchange posted after the sharded reduction's wait.
+SHARD_REPLICA_OPS: tuple[str, ...] = tuple(op for op in EXCHANGE_PART_OPS if RULES[op].communicator == SHARD_REPLICAS)
 
 
 def consumers(kind: str, where: str) -> tuple[str, ...]:

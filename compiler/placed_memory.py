@@ -5,7 +5,8 @@ A member of a stage's group holds, in bytes per size class (docs/costs.md's
 
 * ``shard``: the shard of each sharded stage it belongs to, always: the
   cost file's ``shard`` bytes when it gives them, else the stage's weight
-  bytes over the group's k members, rounded up (the runtime pads the flat
+  bytes over the k members its weights are sharded over (the group's, or
+  under HSDP its shard group's), rounded up (the runtime pads the flat
   weights at the end to a multiple of k: every shard is as large as the
   first);
 * ``weight``: a sharded stage's whole weights from the compute whose GATHER
@@ -51,12 +52,31 @@ def placed_classes(program: Program, sizes: Mapping[str, Number]) -> tuple[str, 
     return tuple(c for c in ops.SIZE_CLASSES if c in sizes or (c == ops.SIZE_SHARD and derived))
 
 
+def shard_members(program: Program, stage: int) -> int:
+    """How many members sharded ``stage``'s weights are cut among: its group's, or under HSDP
+    (``Placement.hybrid``) one shard group's."""
+    placement = program.stages[stage].placement
+    if placement is not None and placement.hybrid:
+        return len(program.communicators[placement.shard_groups[0]].ranks)
+    return len(program.stages[stage].ranks)
+
+
 def shard_bytes(program: Program, stage: int, sizes: Mapping[str, Number]) -> Number:
     """One member's shard of sharded ``stage`` (module docstring)."""
     if ops.SIZE_SHARD in sizes:
         return sizes[ops.SIZE_SHARD]
-    whole, k = sizes[ops.SIZE_WEIGHT], len(program.stages[stage].ranks)
+    whole, k = sizes[ops.SIZE_WEIGHT], shard_members(program, stage)
     return -(-whole // k) if isinstance(whole, int) else whole / k
+
+
+def with_shard_size(program: Program, sizes: Mapping[str, Number]) -> Mapping[str, Number]:
+    """``sizes`` with a ``shard`` size for a collective that moves one (HSDP's SYNC_SHARD): as given, else
+    the first sharded stage's ``shard_bytes`` (a composition's stages are sharded alike); ``sizes`` itself
+    when it has one, or no weight size, or the program no sharded stage."""
+    if ops.SIZE_SHARD in sizes or ops.SIZE_WEIGHT not in sizes:
+        return sizes
+    stage = next((info.id for info in program.stages if info.placement is not None and info.placement.sharded), None)
+    return sizes if stage is None else {**sizes, ops.SIZE_SHARD: shard_bytes(program, stage, sizes)}
 
 
 def placed_bytes(program: Program, rank: int, sizes: Mapping[str, Number]) -> Iterator[dict[str, Fraction]]:

@@ -42,6 +42,7 @@ from pipec.compiler.memory_counts import (
 )
 from pipec.compiler.network import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE, REDUCE_SCATTER, Network
 from pipec.compiler.stage_ring import STAGE_BACKWARD_OPS, STAGE_FORWARD_OPS, ring_halves, sequence_groups
+from pipec.compiler.placed_memory import with_shard_size
 from pipec.compiler.traffic import member_share, node_map, traffic, whole_value_kind
 from pipec.errors import DeadlockError, MatchError, WellFormedError
 
@@ -242,7 +243,7 @@ _COLLECTIVE_KIND = {ops.SHIFT_F: "shift", ops.SHIFT_B: "shift", ops.SHIFT_G: "sh
                     ops.REDUCE_G: REDUCE, ops.ALLGATHER_W: ALL_GATHER, ops.REDUCESCATTER_G: REDUCE_SCATTER,
                     ops.ALLTOALL_KV: "all_to_all", ops.ALLTOALL_DKV: "all_to_all", ops.GATHER: ALL_GATHER,
                     ops.ALLREDUCE_TF: ALL_REDUCE, ops.ALLREDUCE_TB: ALL_REDUCE,
-                    ops.SYNC_GRAD: ALL_REDUCE, ops.REDUCE_GRAD: REDUCE_SCATTER}
+                    ops.SYNC_GRAD: ALL_REDUCE, ops.REDUCE_GRAD: REDUCE_SCATTER, ops.SYNC_SHARD: ALL_REDUCE}
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})  # their ``peer`` is the root
 # An exchange's sends, receives and local copies are priced by their category; a collective part
 # by its own kind of collective (``_COLLECTIVE_KIND``).
@@ -291,7 +292,8 @@ def simulate(program: Program, costs: CostModel | None = None, *,
       own (keys per member stage). A compute's sub-steps (GATHER) are collectives of the group that
       block the member before the compute's body; SYNC_GRAD and REDUCE_GRAD are an exchange's
       collectives, priced as the all-reduce and reduce-scatter of the stage's weight gradient (docs/costs.md,
-      "Composed programs"); RESHARD takes no time.
+      "Composed programs"), and HSDP's SYNC_SHARD the all-reduce of one shard over the member's replica
+      group; RESHARD takes no time.
     * A stage split by sequence (PP x CP, ``Program.stage_ring``): each of its computes is a meeting of the
       group: it starts when every member is there with its inputs; a forward (or recompute) on member i
       then lasts its share of the op's cost plus ring rank i's time in the stage ring's forward half, a
@@ -830,6 +832,8 @@ class _Simulation:
         if kind is None or not self.sizes and not self.costs.sizes:
             return 0
         sizes = self.sizes if self.sizes is not None else self.costs.sizes
+        if ops.VALUE_KINDS[kind].size_class == ops.SIZE_SHARD:  # HSDP's SYNC_SHARD: a shard, given or derived
+            sizes = with_shard_size(self.program, sizes)
         size = sizes.get(ops.VALUE_KINDS[kind].size_class, 0)
         share = first_answer(self.families, lambda family: family.value_share(self.program, part, kind))
         return size if share is None else plain_number(size * share)

@@ -18,8 +18,10 @@
   (``whole_value_kind``): what an all-gather makes (a stage's ``GATHER``: its
   weights from the members' shards), what a reduce-scatter reduces (a stage's
   ``REDUCE_GRAD``: its weight gradient), the value an all-reduce sums (a
-  stage's ``SYNC_GRAD``); each collective counted once, on the first member of
-  its communicator;
+  stage's ``SYNC_GRAD``, or under HSDP the member's shard of its gradient,
+  ``SYNC_SHARD``, over the replica group: a ``shard`` value, its bytes the
+  cost file's or derived, ``placed_memory.with_shard_size``); each collective
+  counted once, on the first member of its communicator;
 * a context-parallel composition's stage ring (``Program.stage_ring``) moves,
   for every compute of a stage split by sequence (one meeting of its group,
   counted once), what the ring's forward half (a forward, a recompute) or
@@ -43,6 +45,7 @@ from pipec.compiler.ir import SEQUENCE_SHARE, Action, Program
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.network import ALL_GATHER, BROADCAST, REDUCE, REDUCE_SCATTER, ring_hops
 from pipec.compiler.stage_ring import STAGE_BACKWARD_OPS, STAGE_FORWARD_OPS, split_ring
+from pipec.compiler.placed_memory import with_shard_size
 from pipec.errors import UsageError
 
 INTRA, INTER = "intra", "inter"
@@ -61,6 +64,7 @@ _RING_OF = {
     ops.ALLREDUCE_TB: (REDUCE_SCATTER, 2),
     ops.SYNC_GRAD: (REDUCE_SCATTER, 2),
     ops.REDUCE_GRAD: (REDUCE_SCATTER, 1),
+    ops.SYNC_SHARD: (REDUCE_SCATTER, 2),
 }
 _ROOTED = frozenset({ops.BCAST_W, ops.REDUCE_G})
 _RING_STEPS = (ops.SHIFT_F, ops.SHIFT_B, ops.SHIFT_G)
@@ -129,7 +133,7 @@ def traffic(program: Program, sizes: Mapping[str, Number], node_of: Callable[[in
     _count_program(program, add)
     if program.stage_ring is not None:
         _count_stage_rings(program, add)
-    return _weighed(whole, pieces, sizes)
+    return _weighed(whole, pieces, with_shard_size(program, sizes))
 
 
 def _count_program(program: Program, add: Callable) -> None:
@@ -214,7 +218,7 @@ def _count(count: _Counter, rank: int, part: Action) -> None:
         communicator = program.communicator_on(part, rank)
         if communicator is None:
             return
-        if rule.communicator == ops.STAGE_GROUP:  # a group lists a collective on every member, each once
+        if rule.communicator in (ops.STAGE_GROUP, ops.SHARD_REPLICAS):  # listed on every member, each once
             if rank != communicator.ranks[0]:
                 return
         else:

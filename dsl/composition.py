@@ -1,9 +1,11 @@
 """Compositions: a schedule built from a shipped (or the user's) pipeline schedule, on a mesh of rank axes.
 
 A composing schedule holds only ``mesh``, ``pipeline NAME(ARG = E, ...) from
-"TARGET"``, one policy for its second axis (``replicate over AXIS``, ``shard
+"TARGET"``, one policy for its stages' groups (``replicate over AXIS``, ``shard
 over AXIS [reshard after forward]``, or ``context over AXIS ring "TARGET"``:
-the stages' sequences split over AXIS, their attention a ring schedule),
+the stages' sequences split over AXIS, their attention a ring schedule) or,
+for HSDP, one ``shard`` and one ``replicate`` line over two different axes
+(weights sharded over the first, the shards replicated over the second),
 ``require`` and ``let``. The front end resolves
 and evaluates it like any schedule (its parameters, requirements and lets,
 the mesh's sizes and the pipeline's and the ring's arguments, each an
@@ -60,8 +62,9 @@ class CompositionSpec:
         mesh: (axis, size) pairs, outermost first (``ir.Mesh``'s axes).
         arguments: the composed pipeline's parameter values, by name.
         pipeline: the ``pipeline ... from`` declaration (its name, target and the spans of errors).
-        policy: the policy of the second axis: a data policy (its axis, sharded or not, reshard after
-            forward) or a context policy (its axis and ring schedule).
+        policy: the policy of the stages' groups: a data policy (its axis, sharded or not, reshard after
+            forward; for HSDP the ``shard`` one) or a context policy (its axis and ring schedule).
+        replicas: HSDP's ``replicate over`` line (the axis the shards are replicated over), else None.
         ring_arguments: a context policy's ring arguments, by name (its ranks are the axis's size).
     """
 
@@ -74,6 +77,7 @@ class CompositionSpec:
     arguments: dict[str, int | bool]
     pipeline: ast.ComposedPipeline
     policy: ast.DataPolicy | ast.ContextPolicy
+    replicas: ast.DataPolicy | None = None
     ring_arguments: dict[str, int | bool] = field(default_factory=dict)
 
 
@@ -87,6 +91,8 @@ class ResolvedComposition(ResolvedSchedule):
     pipeline: ast.ComposedPipeline | None = None
     arguments: list[tuple[ast.PipelineArg, Fn]] = field(default_factory=list)
     policy: ast.DataPolicy | None = None
+    replicas: ast.DataPolicy | None = None  # HSDP's replicate line (``policy`` is then its shard line)
+    refused_policy: bool = False  # a policy line was refused: which axis it meant is unknown
     context: ast.ContextPolicy | None = None
     ring_arguments: list[tuple[ast.PipelineArg, Fn]] = field(default_factory=list)
 
@@ -116,7 +122,8 @@ class ResolvedComposition(ResolvedSchedule):
             name=self.name, schedule=self.node.name, path=self.path, source=self.source, params=values,
             mesh=tuple((axis.name, size) for axis, size in zip(self.mesh.axes, sizes)),
             arguments={arg.name: fn(env) for arg, fn in self.arguments}, pipeline=self.pipeline,
-            policy=self.context or self.policy, ring_arguments={arg.name: fn(env) for arg, fn in self.ring_arguments},
+            policy=self.context or self.policy, replicas=self.replicas,
+            ring_arguments={arg.name: fn(env) for arg, fn in self.ring_arguments},
         )
 
 
@@ -156,7 +163,10 @@ def resolve_composition(schedule: ast.Schedule, path: str, source: str, tasks: T
 
 
 def _first_of_kind(out: ResolvedComposition, decl: ast.Node) -> bool:
-    """True for the first mesh, pipeline or policy; a second is an error at it, naming the first's line."""
+    """True for the first mesh, pipeline or policy (the caller resolves it); a second is an error at it, naming
+    the first's line, except a second data policy, which ``_hybrid_pair`` takes or refuses (False either way)."""
+    if isinstance(decl, ast.DataPolicy) and out.policy is not None:
+        return _hybrid_pair(out, decl)
     first = {ast.Mesh: out.mesh, ast.ComposedPipeline: out.pipeline, ast.DataPolicy: out.policy,
              ast.ContextPolicy: out.context}[type(decl)]
     if first is not None:
@@ -164,6 +174,28 @@ def _first_of_kind(out: ResolvedComposition, decl: ast.Node) -> bool:
                            decl.span)
         return False
     return True
+
+
+def _hybrid_pair(out: ResolvedComposition, decl: ast.DataPolicy) -> bool:
+    """A second (or third) data policy: HSDP's other half when it is of the other kind on another axis (the
+    ``shard`` line then is ``policy``, the ``replicate`` line ``replicas``); an error at it otherwise."""
+    held = [each for each in (out.policy, out.replicas) if each is not None]
+    same_kind = next((each for each in held if each.sharded == decl.sharded), None)
+    if same_kind is not None:
+        word = "shard" if decl.sharded else "replicate"
+        out.resolver.error(f"a composition has one `{word} over`; another is at line {same_kind.span.line}",
+                           decl.span)
+        return False
+    same_axis = next((each for each in held if each.axis == decl.axis), None)
+    if same_axis is not None:
+        out.resolver.error(f"axis {decl.axis} has a data policy already (line {same_axis.span.line}): a hybrid "
+                           "composition shards over one axis and replicates the shards over another",
+                           decl.axis_span)
+        out.refused_policy = True
+        return False
+    _check_reshard(out, decl)
+    out.policy, out.replicas = (decl, out.policy) if decl.sharded else (out.policy, decl)
+    return False
 
 
 def _resolve_mesh(out: ResolvedComposition, decl: ast.Mesh, scope: Scope) -> None:
@@ -207,6 +239,10 @@ def _resolve_arguments(out: ResolvedComposition, args: tuple[ast.PipelineArg, ..
 
 def _resolve_policy(out: ResolvedComposition, decl: ast.DataPolicy, scope: Scope) -> None:
     out.policy = decl
+    _check_reshard(out, decl)
+
+
+def _check_reshard(out: ResolvedComposition, decl: ast.DataPolicy) -> None:
     if decl.reshard_after_forward and not decl.sharded:
         out.resolver.error("`reshard after forward` drops the weights a sharded stage gathered; a replicated "
                            "stage keeps its whole weights (write `shard over ... reshard after forward`)", decl.span)
@@ -238,16 +274,26 @@ def _check_complete(out: ResolvedComposition, schedule: ast.Schedule) -> None:
     if out.mesh is None or policy is None:
         return
     names = [axis.name for axis in out.mesh.axes]
-    kind = "context" if policy is out.context else "data"
-    if policy.axis == PP_AXIS or policy.axis not in names:
+    policies = [out.context] if out.context is not None else [each for each in (out.policy, out.replicas)
+                                                              if each is not None]
+    kind = "context" if out.context is not None else "data"
+    wrong = [each for each in policies if each.axis == PP_AXIS or each.axis not in names]
+    for policy in wrong:
         error(f"the {kind} axis cannot be the pipeline's axis, {PP_AXIS}" if policy.axis == PP_AXIS else
               f"{policy.axis} is not an axis of the mesh (line {out.mesh.span.line}: {', '.join(names)})",
               policy.axis_span)
+    if wrong:
         return  # which axis was meant is unknown: the others are not said to be unused
-    if PP_AXIS not in names:
-        return  # said at the mesh
+    if PP_AXIS not in names or out.refused_policy:
+        return  # said at the mesh, or at the refused line (the axis it meant is not said to be unused)
     for axis in out.mesh.axes:
-        if axis.name not in (PP_AXIS, policy.axis):
+        if axis.name in (PP_AXIS, *(each.axis for each in policies)):
+            continue
+        if out.replicas is None:
             error(f"axis {axis.name} is used by nothing: a composition runs the pipeline along {PP_AXIS} and "
-                  f"replicates, shards or splits the sequences of its stages over one other axis ({policy.axis})",
-                  axis.name_span)
+                  f"replicates, shards or splits the sequences of its stages over one other axis "
+                  f"({policies[0].axis})", axis.name_span)
+        else:
+            error(f"axis {axis.name} is used by nothing: a hybrid composition runs the pipeline along {PP_AXIS}, "
+                  f"shards its stages' weights over {out.policy.axis} and replicates the shards over "
+                  f"{out.replicas.axis}", axis.name_span)

@@ -19,6 +19,11 @@ microbatch's. This module is what activation passing adds for such programs:
   frees the storage (``resize_(0)``, as FSDP2 frees an unsharded parameter);
   ``REDUCE_GRAD`` reduce-scatters the whole flat gradient so that the member
   keeps the group's sum of its shard, the shard's gradient.
+* A hybrid sharded stage (HSDP, ``Placement.hybrid``) is a sharded stage whose
+  weights are cut over the member's shard group only (GATHER, RESHARD and
+  REDUCE_GRAD there); ``SYNC_SHARD``, posted once the REDUCE_GRAD was waited,
+  all-reduces the shard's gradient over its replica group (the members holding
+  the same shard), so every replica steps on the whole group's sum.
 
 A context-parallel stage (PP x CP, ``Placement.split`` = ``SEQUENCE_SHARE``) keeps
 its whole weights and all-reduces its gradient as a replicated one; member i runs
@@ -70,10 +75,13 @@ class ShardedStage:
         shapes: their shapes.
         size: the flat vector's length; ``padded``: rounded up to whole shards, ``shard * members``.
         shard: this member's piece of the flat weights, what the optimizer steps (its ``.grad`` bound).
-        member, members: this rank's place in the group, and the group's size.
-        group: the group's process group.
+        member, members: this rank's place in the group its weights are sharded over, and its size.
+        group: that group's process group (under HSDP the member's shard group).
         whole: the padded flat weights the parameters view; its storage is freed while resharded.
         gathered: whether ``whole`` has its storage (and, once its gather is waited, the weights).
+        replicas: HSDP: the process group of the members holding this shard (its replica group), else None.
+        counted: whether this member counts its shard's gradient in the global norm (under HSDP only the
+            first of its replica group: the replicas' are equal).
     """
 
     stage: int
@@ -88,6 +96,8 @@ class ShardedStage:
     group: comm.ReplicaGroup
     whole: torch.Tensor
     gathered: bool = True
+    replicas: comm.ReplicaGroup | None = None
+    counted: bool = True
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat``'s pieces shaped like the parameters, in order."""
@@ -172,11 +182,30 @@ def make_placed(program: Program, rank: int, chunk_modules: dict[int, nn.Module]
             flat_grads[info.position] = bind_flat_grads(params)
             stepped += params
             continue
-        sharded, flat_grads[info.position] = shard_stage(info.id, module, params, share,
-                                                            groups[info.placement.communicator])
+        where, group, replicas = _shard_place(program, info, rank, groups)
+        sharded, flat_grads[info.position] = shard_stage(info.id, module, params, where, group)
+        sharded.replicas, sharded.counted = replicas, not info.placement.hybrid or _first_of_replicas(program, info, rank)
         placed.sharded[info.id] = sharded
         stepped.append(sharded.shard)
     return placed, flat_grads, stepped
+
+
+def _shard_place(program: Program, info, rank: int, groups: dict) -> tuple[tuple[int, int], comm.ReplicaGroup,
+                                                                          comm.ReplicaGroup | None]:
+    """((i, k): this rank is member i of the k its stage's weights are sharded over, their process group, the
+    process group of the members holding its shard or None): the whole group, or under HSDP its shard and
+    replica groups (``Program.communicator_on``)."""
+    if not info.placement.hybrid:
+        return share_of(program, rank), groups[info.placement.communicator], None
+    shard_group = program.communicator_on(Action(info.id, ops.GATHER), rank)
+    replica_group = program.communicator_on(Action(info.id, ops.SYNC_SHARD), rank)
+    return ((shard_group.ranks.index(rank), len(shard_group.ranks)), groups[shard_group.id],
+            groups.get(replica_group.id))
+
+
+def _first_of_replicas(program: Program, info, rank: int) -> bool:
+    """Whether ``rank`` is the first of the members holding its shard of HSDP stage ``info``."""
+    return program.communicator_on(Action(info.id, ops.SYNC_SHARD), rank).ranks[0] == rank
 
 
 def start_ring(placed: PlacedContext, program: Program, rank: int, seq_len: int | None, device: torch.device,
@@ -311,9 +340,21 @@ def _reduce_grad(step, part: Action, ex: Exchange) -> None:
     ex.arrivals.append(lambda: sharded.shard.grad.copy_(mine))
 
 
+def _sync_shard(step, part: Action, ex: Exchange) -> None:
+    """SYNC_SHARD: all-reduce (sum) this member's shard gradient over the members holding the same shard, in
+    place (its REDUCE_GRAD's exchange was waited: the shard's gradient holds the shard group's sum)."""
+    sharded = _sharded(step, part, ex.index)
+    if sharded.replicas is None:
+        raise _fault(step, ex.index, f"{part.text()} needs stage {part.stage} sharded over part of its group "
+                                     "(HSDP) on this rank (a program the checks did not pass?)")
+    ex.works += comm.start_allreduce(sharded.shard.grad, sharded.replicas)
+    ex.peers.update(sharded.replicas.peers)
+    ex.keep.append(sharded.shard.grad)
+
+
 # part op -> its poster (step, part, exchange) -> None: inside an EXCHANGE, or as a compute's sub-step
 PART_POSTERS: dict[str, Callable[..., None]] = {ops.GATHER: _gather, ops.SYNC_GRAD: _sync_grad,
-                                                 ops.REDUCE_GRAD: _reduce_grad}
+                                                 ops.REDUCE_GRAD: _reduce_grad, ops.SYNC_SHARD: _sync_shard}
 
 
 def _faults(step) -> Callable[[int, str], RuntimeFault]:
@@ -321,7 +362,7 @@ def _faults(step) -> Callable[[int, str], RuntimeFault]:
 
 
 def exchange(step, action: Action, index: int) -> None:
-    """EXCHANGE: post the group collectives it holds (SYNC_GRAD, REDUCE_GRAD); the list goes on."""
+    """EXCHANGE: post the group collectives it holds (SYNC_GRAD, REDUCE_GRAD, SYNC_SHARD); the list goes on."""
     post_exchange(step, action, index, step.exchanges, PART_POSTERS, fault=_faults(step),
                   refusal="a composed program's exchange cannot hold")
 
@@ -464,9 +505,10 @@ def optimizer_names(context, stages: dict, saved: dict) -> tuple[dict[int, str],
 
 def counted_gradients(context) -> list[torch.Tensor]:
     """The gradients this rank counts in the global norm: a replicated stage's by its group's first member,
-    a sharded stage's shard by every member (the shards are disjoint, their padding zero)."""
+    a sharded stage's shard by every member (the shards are disjoint, their padding zero), under HSDP by the
+    first member of its replica group (``ShardedStage.counted``)."""
     own = context.placed
-    counted = [s.shard.grad for s in own.sharded.values()]
+    counted = [s.shard.grad for s in own.sharded.values() if s.counted]
     if own.share[0] == 0:
         sharded_chunks = {context.program.stages[stage].position for stage in own.sharded}
         counted += [flat for chunk, flat in context.flat_grads.items() if chunk not in sharded_chunks]

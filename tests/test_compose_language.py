@@ -277,8 +277,11 @@ def good(old: str, new: str) -> str:
      'a composition needs the pipeline it places: `pipeline NAME(PARAM = EXPR, ...) from "TARGET"`'),
     ("  replicate over dp\n", "  replicate over dp\n  mesh pp = 2, dp = 2\n", 5, 3,
      "a composition has one `mesh`; another is at line 2"),
-    ("  replicate over dp\n", "  replicate over dp\n  shard over dp\n", 5, 3,
-     "a composition has one `replicate|shard over`; another is at line 4"),
+    ("  replicate over dp\n", "  replicate over dp\n  replicate over dp\n", 5, 3,
+     "a composition has one `replicate over`; another is at line 4"),
+    ("  replicate over dp\n", "  replicate over dp\n  shard over dp\n", 5, 14,
+     "axis dp has a data policy already (line 4): a hybrid composition shards over one axis and replicates the "
+     "shards over another"),
     ("replicate over dp", "replicate over xp", 4, 18, "xp is not an axis of the mesh (line 2: pp, dp)"),
     ("replicate over dp", "replicate over pp", 4, 18, "the data axis cannot be the pipeline's axis, pp"),
     ("mesh pp = P, dp = D", "mesh pp = P, dp = D, cp = 2", 2, 24,

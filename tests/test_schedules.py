@@ -168,8 +168,9 @@ def test_every_shipped_schedule_compiles_checks_and_simulates(name, P, N):
     declared = {param.name for param, _, _ in resolve_target(name).params}
     compiled, result = run(name, **{key: value for key, value in (("P", P), ("N", N)) if key in declared})
     program = compiled.program
-    # a composition's pipeline runs on P ranks, each stage on a group of its D (default 2)
-    assert program.num_ranks == (P * 2 if program.mesh is not None else P)
+    # a composition's pipeline runs on P ranks, each stage on a group spanning its data axes (2 ranks each by
+    # default: D, or HSDP's R x S)
+    assert program.num_ranks == (P * 2 ** (len(program.mesh.axes) - 1) if program.mesh is not None else P)
     assert 0 <= result.bubble_ratio < 1
     # activation passing sends messages; weight passing moves weights in exchanges
     has_comms = any(a.op in COMM_OPS or a.op in (BATCH, EXCHANGE) for row in program.ranks for a in row)

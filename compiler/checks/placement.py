@@ -6,7 +6,9 @@ apply; ``check_all`` runs these instead, and they say the same things of each
 member's share:
 
 * ``check_placed``: every group is real (ranks of the program, two or more,
-  its communicator of exactly its members); every compute runs on a member of
+  its communicator of exactly its members; under HSDP no whole-group
+  communicator, its shard and replica groups each splitting its ranks evenly
+  and crossing in one member); every compute runs on a member of
   its stage; each member runs each of its stage's tasks exactly once (the
   family's task sets, per member); a compute's sub-steps (its ``parts``) are
   sub-step ops of its own stage and microbatch, on a stage on a group, and
@@ -19,12 +21,14 @@ member's share:
   a batch atomic), its sub-steps blocking meetings of the group's
   communicator in list order, its gradient reductions (SYNC_GRAD, REDUCE_GRAD)
   meetings of the same communicator posted by an EXCHANGE and completed at its
-  wait, counted with the sub-steps; every compute of a stage split by sequence
-  (``SEQUENCE_SHARE``, PP x CP) a rendezvous of its group, since its attention
-  runs the stage's ring over the group (so members that take the stage's
-  computes in different orders are named as the cycle of their crossing ring
-  exchanges); a message goes between the members whose shares
-  meet (``Program.share_peers``: a hand-off stays at its cp coordinate); a compute reads only shares this rank made
+  wait, counted with the sub-steps (under HSDP the member's shard group, and
+  SYNC_SHARD a meeting of its replica group, ``Program.communicator_on``);
+  every compute of a stage split by sequence (``SEQUENCE_SHARE``, PP x CP) a
+  rendezvous of its group, since its attention runs the stage's ring over the
+  group (so members that take the stage's computes in different orders are
+  named as the cycle of their crossing ring exchanges); a message goes between
+  the members whose shares meet (``Program.share_peers``: a hand-off stays at
+  its cp coordinate); a compute reads only shares this rank made
   or received before it, a send ships only what this rank made.
 
 Errors name the rank and step, as the single-home checks do.
@@ -39,8 +43,9 @@ from pipec.compiler.ir import SEQUENCE_SHARE, Action, Program, stage_tables
 from pipec.errors import ConflictError, MatchError, WellFormedError
 
 _SUBSTEPS = frozenset(ops.SUBSTEP_OPS)
-# What meets on a stage's group: sub-steps inside computes, and the gradient reductions that stand in EXCHANGEs.
-_GROUP_PARTS = _SUBSTEPS | frozenset(ops.STAGE_EXCHANGE_OPS)
+# What meets on a stage's group: sub-steps inside computes, and the gradient reductions that stand in EXCHANGEs
+# (under HSDP, on the member's shard group; the shard's all-reduce on its replica group).
+_GROUP_PARTS = _SUBSTEPS | frozenset(ops.STAGE_EXCHANGE_OPS) | frozenset(ops.SHARD_REPLICA_OPS)
 _TASK_SETS = ops.FAMILY_TASKS[ops.ACTIVATION_PASSING]
 # The replica all-reduce meets on replicas' ranks, which a placement does not define yet.
 _NOT_YET = (ops.COLLECTIVE, ops.COLLECTIVE_WAIT)
@@ -85,6 +90,10 @@ def _check_groups(program: Program) -> None:
         elif info.rank != ranks[0]:
             message = (f"stage {info.id} is on rank {info.rank} and placed on {ranks_text(ranks)}: a stage on a "
                        "group names its first member as its rank")
+        elif placement.hybrid or placement.replica_groups:
+            message = _hybrid_problem(program, info)
+            if message is None:
+                continue
         elif not 0 <= placement.communicator < count:
             message = (f"stage {info.id} is placed on {ranks_text(ranks)} meeting on communicator "
                        f"{placement.communicator}, but the program has {count} communicators")
@@ -97,6 +106,37 @@ def _check_groups(program: Program) -> None:
         else:
             continue
         raise _error(program, message, where, None)
+
+
+def _hybrid_problem(program: Program, info) -> str | None:
+    """What is wrong with an HSDP placement's groups, or None: no whole-group communicator (-1), its shard
+    groups (``STAGE_GROUP``) and its replica groups (``SHARD_REPLICAS``) each split its ranks into equal
+    parts, and every shard group meets every replica group in exactly one member (a grid)."""
+    placement, count = info.placement, len(program.communicators)
+    where = f"stage {info.id} is placed on {ranks_text(placement.ranks)} with hybrid sharding"
+    if not placement.sharded or placement.communicator != -1:
+        return (f"{where}, but it is {'not sharded' if not placement.sharded else 'also on communicator '}"
+                f"{'' if not placement.sharded else placement.communicator}: a hybrid placement is sharded and "
+                "meets only on its shard and replica groups (communicator -1)")
+    kinds = ((placement.shard_groups, ops.STAGE_GROUP, "shard"), (placement.replica_groups, ops.SHARD_REPLICAS,
+                                                                   "replica"))
+    parts = {}
+    for ids, purpose, word in kinds:
+        bad = next((i for i in ids if not 0 <= i < count or program.communicators[i].purpose != purpose), None)
+        if not ids or bad is not None:
+            return (f"{where}, but its {word} groups {list(ids)} are not communicators of purpose {purpose!r} "
+                    f"(the program has {count} communicators)")
+        groups = [program.communicators[i].ranks for i in ids]
+        if sorted(r for group in groups for r in group) != list(placement.ranks) or len({len(g) for g in groups}) > 1:
+            return (f"{where}, but its {word} groups ({'; '.join(ranks_text(g) for g in groups)}) do not split "
+                    "its ranks into equal groups")
+        parts[word] = groups
+    crossing = next(((a, b) for a in parts["shard"] for b in parts["replica"] if len(set(a) & set(b)) != 1), None)
+    if crossing is not None:
+        return (f"{where}, but its shard group of {ranks_text(crossing[0])} and replica group of "
+                f"{ranks_text(crossing[1])} share {len(set(crossing[0]) & set(crossing[1]))} members: each replica "
+                "group holds one member of each shard group")
+    return None
 
 
 def _locate(program: Program) -> dict[tuple[int, int, str, int], int]:

@@ -20,10 +20,14 @@ communicator the same, every exchange waited) and run before it by
   owner's stage is reduced, ``Family.reduced_stages``: the other ranks' partials
   were folded into it); no gradient contribution (B, W) of the stage
   comes after the reduction on that member (it would miss the sum, or race
-  it), and the member waits for the reduction's exchange before its list ends.
+  it), and the member waits for the reduction's exchange before its list ends;
+* under HSDP (a placement with shard groups) each member also all-reduces
+  its shard of the gradient over its replica group exactly once (SYNC_SHARD),
+  only after the wait of the exchange whose REDUCE_GRAD made that shard (it
+  would sum a shard still being reduce-scattered), and waits for it too.
 
 The ops are the rule table's (``ops.GATHER_OPS``, ``ops.RESHARD_OPS``,
-``ops.STAGE_EXCHANGE_OPS``); errors name the rank and step, with the grid.
+``ops.STAGE_EXCHANGE_OPS``, ``ops.SHARD_REPLICA_OPS``); errors name the rank and step, with the grid.
 """
 from __future__ import annotations
 
@@ -39,12 +43,13 @@ _GATHERS = frozenset(ops.GATHER_OPS)
 _RESHARDS = frozenset(ops.RESHARD_OPS)
 _REDUCTIONS = frozenset(ops.STAGE_EXCHANGE_OPS)
 _SHARDED_REDUCTIONS = frozenset(ops.SHARDED_REDUCTION_OPS)
+_SHARD_SYNCS = frozenset(ops.SHARD_REPLICA_OPS)
 _ON_WEIGHTS = frozenset(ops.WEIGHT_PASS)  # the computes that run on their stage's weights
 _CONTRIBUTORS = frozenset(ops.GRADIENT_CONTRIBUTORS)
 # Which reduction each kind of stage takes, for messages.
 _REDUCTION_OF = {True: ops.SHARDED_REDUCTION_OPS[0], False: ops.REPLICATED_REDUCTION_OPS[0]}
 # Every op of a stage's group, which a program that places no stage on one may not hold.
-_GROUP_OPS = frozenset(ops.SUBSTEP_OPS + ops.STAGE_EXCHANGE_OPS + ops.RESHARD_OPS)
+_GROUP_OPS = frozenset(ops.SUBSTEP_OPS + ops.STAGE_EXCHANGE_OPS + ops.RESHARD_OPS + ops.SHARD_REPLICA_OPS)
 _op_of = operator.itemgetter(1)
 
 
@@ -88,7 +93,7 @@ def check_no_group_ops(program: Program) -> None:
 
 def _stage_text(program: Program, stage: int) -> str:
     info = program.stages[stage]
-    kind = "sharded" if info.placement.sharded else "replicated"
+    kind = ("hybrid sharded" if info.placement.hybrid else "sharded") if info.placement.sharded else "replicated"
     return f"stage {stage} ({kind} on ranks {', '.join(map(str, info.ranks))})"
 
 
@@ -100,7 +105,9 @@ class _Member:
         self.whole: dict[int, int] = {}      # sharded stage -> the step whose GATHER made it whole
         self.dropped: dict[int, int] = {}    # sharded stage -> the step of the RESHARD that last dropped it
         self.reduced: dict[int, tuple[int, Action]] = {}   # stage -> (step, EXCHANGE) of its reduction
-        self.unwaited: dict[int, list[int]] = {}           # exchange number -> stages whose reduction it holds
+        self.synced: dict[int, tuple[int, Action]] = {}    # HSDP stage -> (step, EXCHANGE) of its shard's all-reduce
+        self.unwaited: dict[int, list[tuple[int, Action, int, str]]] = {}  # exchange number -> (step, EXCHANGE,
+        # stage, part op) of each reduction it holds
         self.last_contribution: dict[int, int] = {}        # stage -> step of its last B or W here
 
     def error(self, cls, message: str, step: int | None, marks=()):
@@ -127,6 +134,8 @@ class _Member:
             for part in action.parts:
                 if part.op in _REDUCTIONS:
                     self.reduce(step, action, part)
+                elif part.op in _SHARD_SYNCS:
+                    self.sync_shard(step, action, part)
         elif category == ops.EXCHANGE_WAIT_OF:
             self.unwaited.pop(action.mb, None)
 
@@ -194,7 +203,31 @@ class _Member:
                              f"time on rank {self.rank} (first at step {first}): each member reduces it once",
                              step, [first])
         self.reduced[stage] = (step, exchange)
-        self.unwaited.setdefault(exchange.mb, []).append(stage)
+        self.unwaited.setdefault(exchange.mb, []).append((step, exchange, stage, part.op))
+
+    def sync_shard(self, step: int, exchange: Action, part: Action) -> None:
+        stage = self.stage_on_group(step, part, "all-reduces a shard's gradient over the members holding it")
+        if not self.program.stages[stage].placement.hybrid:
+            raise self.error(WellFormedError, f"{exchange.text()} all-reduces a shard of "
+                             f"{_stage_text(self.program, stage)} over the members holding it: only a hybrid "
+                             "sharded stage (HSDP) replicates its shards", step)
+        if stage in self.synced:
+            first = self.synced[stage][0]
+            raise self.error(WellFormedError, f"{exchange.text()} all-reduces stage {stage}'s shard gradient a "
+                             f"second time on rank {self.rank} (first at step {first}): each member does it once",
+                             step, [first])
+        if stage not in self.reduced:
+            raise self.error(ConflictError, f"{exchange.text()} all-reduces stage {stage}'s shard gradient over "
+                             f"its replica group before any {_REDUCTION_OF[True]} on rank {self.rank} made it: the "
+                             "shard's all-reduce follows the reduce-scatter", step)
+        reduced_at, reduction = self.reduced[stage]
+        if reduction.mb in self.unwaited:
+            raise self.error(ConflictError, f"{exchange.text()} all-reduces stage {stage}'s shard gradient before "
+                             f"{ops.EXCHANGE_WAIT}{reduction.mb} waited for {reduction.text()} (step {reduced_at}): "
+                             "it would sum a shard still being reduce-scattered (wait for the reduce-scatter first)",
+                             step, [reduced_at])
+        self.synced[stage] = (step, exchange)
+        self.unwaited.setdefault(exchange.mb, []).append((step, exchange, stage, part.op))
 
     def finish(self, row: list[Action]) -> None:
         program = self.program
@@ -205,9 +238,10 @@ class _Member:
                              f"so the whole copy would be stale (a {ops.RESHARD_OPS[0]} after the stage's last "
                              "compute drops it)", gathered)
         if self.unwaited:
-            number, stages = next(iter(self.unwaited.items()))
-            step, exchange = self.reduced[stages[0]]
-            raise self.error(MatchError, f"{exchange.text()} reduces stage {stages[0]}'s weight gradient, but rank "
+            number, held = next(iter(self.unwaited.items()))
+            step, exchange, stage, op = held[0]
+            what = "all-reduces stage {}'s shard gradient" if op in _SHARD_SYNCS else "reduces stage {}'s weight gradient"
+            raise self.error(MatchError, f"{exchange.text()} {what.format(stage)}, but rank "
                              f"{self.rank} never waits for it ({ops.EXCHANGE_WAIT}{number}) before its list ends: "
                              "the optimizer would step on a gradient still being reduced", step)
         reduced = first_answer(families_of(program), lambda family: family.reduced_stages(program))
@@ -222,3 +256,12 @@ class _Member:
             raise self.error(WellFormedError, f"rank {self.rank} never reduces the weight gradient of "
                              f"{_stage_text(program, info.id)}: its members would step on different "
                              f"gradients (a {reduction} belongs {after})", last)
+        for info in program.stages:
+            if info.placement is None or not info.placement.hybrid or self.rank not in info.ranks \
+                    or info.id in self.synced:
+                continue
+            step, exchange = self.reduced[info.id]
+            raise self.error(WellFormedError, f"rank {self.rank} never all-reduces its shard of the weight gradient "
+                             f"of {_stage_text(program, info.id)} over the members holding that shard: they would "
+                             f"step on different gradients (a ({info.id}{ops.SHARD_REPLICA_OPS[0]})EXCHANGE belongs "
+                             f"after {ops.EXCHANGE_WAIT}{exchange.mb})", step)

@@ -85,10 +85,11 @@ _STEP_NUMBERED = frozenset(ops.WEIGHT_OPS)
 _RING_FAMILY = frozenset(op for op, rule in ops.RULES.items() if rule.family == ops.SEQUENCE_RING)
 ops.declare_pass("json program", _REQUIRED_FIELDS)
 # What collectives' communicators may be for (``ops.OpRule.communicator``).
+_GROUP_PURPOSES = (ops.STAGE_GROUP, ops.SHARD_REPLICAS)
 _PURPOSES = tuple(dict.fromkeys(rule.communicator for rule in ops.RULES.values() if rule.communicator
-                                 and rule.communicator != ops.STAGE_GROUP))
-# ... and in a program with a stage on a group of ranks, that group's.
-_PLACED_PURPOSES = _PURPOSES + (ops.STAGE_GROUP,)
+                                 and rule.communicator not in _GROUP_PURPOSES))
+# ... and in a program with a stage on a group of ranks, that group's (under HSDP its shard and replica groups).
+_PLACED_PURPOSES = _PURPOSES + _GROUP_PURPOSES
 
 
 # ------------------------------------------------------------------------ write
@@ -177,6 +178,9 @@ def _stage_to_json(info: StageInfo) -> dict:
             out["placement"]["sharded"] = True
         if info.placement.split != ROW_SHARE:
             out["placement"]["split"] = info.placement.split
+        if info.placement.hybrid:  # HSDP only: every other placement is written as before
+            out["placement"]["shard_groups"] = list(info.placement.shard_groups)
+            out["placement"]["replica_groups"] = list(info.placement.replica_groups)
     return out
 
 
@@ -450,10 +454,17 @@ def _read_placement(entry: dict, i: int, rank: int, num_ranks: int) -> Placement
     if rank != ranks[0]:
         raise ImportError_(f"stage {i} is on rank {rank} but placed on ranks {ranks}: a stage on a group names "
                            "its first member as its \"rank\"")
+    groups = {}
+    for key in ("shard_groups", "replica_groups"):  # HSDP's (``Placement``); checked with the communicators
+        value = raw.get(key, [])
+        if not isinstance(value, list) or any(type(c) is not int or c < 0 for c in value):
+            raise ImportError_(f"stages[{i}].placement.{key} must be a list of communicator ids, got {quote(value)}")
+        groups[key] = tuple(value)
     communicator = raw.get("communicator")
-    if type(communicator) is not int or communicator < 0:
-        raise ImportError_(f"stages[{i}].placement.communicator must be a non-negative integer, "
-                           f"got {quote(communicator)}")
+    hybrid = bool(groups["shard_groups"])
+    if type(communicator) is not int or communicator < (-1 if hybrid else 0):
+        raise ImportError_(f"stages[{i}].placement.communicator must be a non-negative integer (-1 with "
+                           f"\"shard_groups\"), got {quote(communicator)}")
     sharded = raw.get("sharded", False)
     if type(sharded) is not bool:
         raise ImportError_(f"stages[{i}].placement.sharded must be true or false, got {quote(sharded)}")
@@ -461,7 +472,7 @@ def _read_placement(entry: dict, i: int, rank: int, num_ranks: int) -> Placement
     if split not in SHARE_SPLITS:
         raise ImportError_(f"stages[{i}].placement.split must be one of {', '.join(map(quote, SHARE_SPLITS))}, "
                            f"got {quote(split)}")
-    return Placement(tuple(ranks), communicator, sharded, split)
+    return Placement(tuple(ranks), communicator, sharded, split, **groups)
 
 
 def _read_pipelines(raw: list, stages: list[StageInfo]) -> list[list[int]]:
@@ -517,6 +528,13 @@ def _check_placements(stages: list[StageInfo], communicators: list[Communicator]
     for info in stages:
         placement = info.placement
         if placement is None:
+            continue
+        if placement.hybrid:  # the groups' shape is the prover's (``checks.placement``); here: they exist
+            listed = placement.shard_groups + placement.replica_groups + (placement.communicator,)
+            if max(listed) >= len(communicators):
+                raise ImportError_(f"stage {info.id} is placed on ranks {list(placement.ranks)} with hybrid "
+                                   f"sharding meeting on communicator {max(listed)}, but \"communicators\" lists "
+                                   f"{len(communicators)}")
             continue
         if placement.communicator >= len(communicators):
             raise ImportError_(f"stage {info.id} is placed on ranks {list(placement.ranks)} meeting on communicator "

@@ -19,6 +19,12 @@ coordinate, read off any member of the group:
   stage's gradient reduction over its data group, which the module wrapping
   the stage carries out, then torch's division by N. Its ``EXCHANGE_WAIT``
   writes nothing: torch's reduction completes in place;
+* HSDP (a stage sharded over its shard group and replicated across them,
+  ``mesh_placement``'s hybrid placement): the same row as PP x FSDP, the
+  exchange holding the shard's all-reduce (``SYNC_SHARD``) writing nothing:
+  FSDP2's ``fully_shard`` on the 2-D (replica, shard) sub-mesh reduce-scatters
+  over the shard dimension and all-reduces over the replica dimension inside
+  its one ``REDUCE_GRAD``, in that order (torch's HSDP);
 * a replicated stage has nothing to gather, but torch's runtime requires an
   FSDP2 module to be "unsharded" whenever it computes (for ``replicate``, a
   gather over a shard group of one rank: no communication), so its first
@@ -29,7 +35,8 @@ Everything else is written as for a single pipeline (the caller's
 ``cells_of``). What torch's runtime cannot run is refused with the reason:
 a context-parallel composition (PP x CP: torch's schedule CSV has no step for a
 stage's ring attention over its cp group, and FSDP2 splits rows, not sequences),
-a mesh of other than a pipeline axis and one data axis, sub-steps other than
+a mesh of other than a pipeline axis and one data axis (or, for HSDP, a
+replica axis and a shard axis), sub-steps other than
 a sharded stage's gather, members of a group that do not run one order,
 messages that cross data coordinates.
 """
@@ -46,10 +53,17 @@ UNSHARD = "UNSHARD"
 
 
 class MeshAxes(NamedTuple):
-    """The two axes of a composed program's mesh: the pipeline's and the data axis its stage groups span."""
+    """The axes of a composed program's mesh: the pipeline's and the data axis its stage groups span (under
+    HSDP the axis its weights are sharded over, and ``replicas`` the axis the shards are replicated over)."""
 
     pp: str
     data: str
+    replicas: str | None = None
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Every axis a stage's group spans: FSDP2's sub-mesh (replica dimension first)."""
+        return (self.data,) if self.replicas is None else (self.replicas, self.data)
 
 
 def mesh_axes(program: Program) -> MeshAxes:
@@ -67,6 +81,8 @@ def mesh_axes(program: Program) -> MeshAxes:
         raise UsageError(f"{name} splits its stages' sequences over a context axis (PP x CP, {ring} inside every "
                          "stage); torch's schedule CSV has no step for a stage's ring attention over its group, "
                          "and FSDP2 splits a stage's rows, not its sequences: run it with `pipec run`")
+    if any(info.placement is not None and info.placement.hybrid for info in program.stages):
+        return _hybrid_axes(program)
     if len(mesh.axes) != 2:
         raise UsageError(f"{name} runs on a mesh of {len(mesh.axes)} axes ({', '.join(mesh.names)}); torch's "
                          "schedule CSV runs one pipeline axis, with FSDP2 on one data axis")
@@ -76,6 +92,27 @@ def mesh_axes(program: Program) -> MeshAxes:
                          "schedule CSV has one data axis, FSDP2's, shared by every stage")
     data = spans.pop()
     return MeshAxes(next(axis for axis in mesh.names if axis != data), data)
+
+
+def _hybrid_axes(program: Program) -> MeshAxes:
+    """The pipeline, shard and replica axes of an HSDP program, which FSDP2 runs as ``fully_shard`` on the
+    (replica, shard) sub-mesh: every stage hybrid, its shard groups whole groups of one axis and its
+    replica groups of another, the same two for every stage."""
+    name, mesh = program.name or "this program", program.mesh
+    spans = set()
+    for info in program.stages:
+        placement = info.placement
+        if placement is None or not placement.hybrid:
+            raise UsageError(f"{name} shards some stages over part of their group (HSDP) but not stage {info.id}; "
+                             "torch's schedule CSV runs one FSDP2 sub-mesh for every stage")
+        spans.add(tuple(_axis_spanned(mesh, program.communicators[ids[0]].ranks, name, info.id)
+                        for ids in (placement.shard_groups, placement.replica_groups)))
+    if len(spans) != 1 or len(mesh.axes) != 3:
+        raise UsageError(f"{name} places its stages' shards along different axes, or runs on a mesh of other "
+                         f"than three axes ({', '.join(mesh.names)}); torch's schedule CSV runs HSDP on one "
+                         "pipeline axis and one (replica, shard) sub-mesh")
+    shard, replicas = spans.pop()
+    return MeshAxes(next(axis for axis in mesh.names if axis not in (shard, replicas)), shard, replicas)
 
 
 def _axis_spanned(mesh: Mesh, ranks: tuple[int, ...], name: str, stage: int) -> str:
@@ -107,7 +144,7 @@ def composed_rows(program: Program, with_comms: bool,
     mesh = program.mesh
     rows = []
     for pp_rank in range(mesh.axis_size(axes.pp)):
-        members = mesh.members(mesh.rank_at({axes.pp: pp_rank, axes.data: 0}), (axes.data,))
+        members = mesh.members(mesh.rank_at(dict.fromkeys(mesh.names, 0) | {axes.pp: pp_rank}), axes.data_axes)
         written = [_member_cells(program, rank, axes, with_comms, cells_of) for rank in members]
         for rank, steps in zip(members[1:], written[1:]):
             if steps != written[0]:
@@ -170,12 +207,16 @@ def _gathers(compute: Action, sharded: set[int], where: str) -> tuple[Action, ..
 
 # The gradient reduction each kind of stage makes, all written as torch's REDUCE_GRAD.
 _REDUCTION = {True: ops.REDUCE_GRAD, False: ops.SYNC_GRAD}
+_SHARD_SYNCS = frozenset(ops.SHARD_REPLICA_OPS)
 
 
 def _reductions(exchange: Action, sharded: set[int], where: str, token: Callable[[int, str], str]) -> list[str]:
-    """An exchange's gradient reductions as torch's tokens; a replicated stage's closes its unshard."""
+    """An exchange's gradient reductions as torch's tokens; a replicated stage's closes its unshard; an HSDP
+    shard's all-reduce writes nothing (FSDP2's REDUCE_GRAD on the 2-D sub-mesh did it)."""
     out = []
     for part in exchange.parts:
+        if part.op in _SHARD_SYNCS and part.stage in sharded:
+            continue
         if part.op != _REDUCTION[part.stage in sharded]:
             raise UsageError(f"{where}: torch's schedule CSV has no form for {part.op} here (only a sharded "
                              "stage's REDUCE_GRAD and a replicated stage's SYNC_GRAD, both its REDUCE_GRAD)")
@@ -188,10 +229,13 @@ def _reductions(exchange: Action, sharded: set[int], where: str, token: Callable
 def _check_peers(mesh: Mesh, rank: int, action: Action, axes: MeshAxes, where: str) -> None:
     """Every message of ``action`` stays on ``rank``'s data coordinate: torch's pp group of that coordinate
     carries it, and the CSV names no peers."""
-    own = mesh.coords(rank)[axes.data]
+    def at(coords: dict) -> str:
+        return ", ".join(f"{axis} {coords[axis]}" for axis in axes.data_axes)
+
+    own = mesh.coords(rank)
     for comm in action.comms():
-        theirs = mesh.coords(comm.peer)[axes.data]
-        if theirs != own:
-            raise UsageError(f"{where} goes to rank {comm.peer} at {axes.data} {theirs}, but rank {rank} is at "
-                             f"{axes.data} {own}; torch's runtime sends within the pp group of one {axes.data} "
-                             "coordinate")
+        theirs = mesh.coords(comm.peer)
+        if any(theirs[axis] != own[axis] for axis in axes.data_axes):
+            raise UsageError(f"{where} goes to rank {comm.peer} at {at(theirs)}, but rank {rank} is at "
+                             f"{at(own)}; torch's runtime sends within the pp group of one "
+                             f"{' x '.join(axes.data_axes)} coordinate")
