@@ -132,8 +132,8 @@ schedule h(P: int = 2, R: int = 2, S: int = 2, N: microbatches = 4) {
      "axis cp is used by nothing: a hybrid composition runs the pipeline along pp, shards its stages' weights "
      "over fsdp and replicates the shards over ddp"),
     ("  replicate over ddp\n", "", 2, 16,  # a third data axis no policy covers
-     "axis ddp is used by nothing: a composition runs the pipeline along pp and replicates or shards its stages "
-     "over one data axis (fsdp)"),
+     "axis ddp is used by nothing: a composition runs the pipeline along pp and replicates, shards or splits the "
+     "sequences of its stages over one other axis (fsdp)"),
     ("replicate over ddp", "replicate over ddp reshard after forward", 5, 3,
      "`reshard after forward` drops the weights a sharded stage gathered; a replicated stage keeps its whole "
      "weights (write `shard over ... reshard after forward`)"),
