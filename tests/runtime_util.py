@@ -136,6 +136,35 @@ def _launch_once(command: list[str], nproc: int, deadline_s: float, env: dict[st
 # group once and calls the worker's own ``make_plan`` and ``train`` per job.
 
 
+# The folder of the tests (and their model specs), put on the workers' PYTHONPATH by ``train_saved_batch``.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def save_path(folder, name: str, resumed: dict[str, str], steps: int, *, pattern: bool = False):
+    """Where job ``name`` saves its state: ``NAME.pt``, or for a job others resume from (a value of
+    ``resumed``) its checkpoint every 2 steps, ``NAME-{step}.pt`` (``pattern``) or the last one's."""
+    if name not in resumed.values():
+        return folder / f"{name}.pt"
+    return folder / (f"{name}-{{step}}.pt" if pattern else f"{name}-{steps}.pt")
+
+
+def train_saved_batch(folder, jobs: list[list[str]], resumed: dict[str, str], schedule_of: dict[str, str],
+                      steps: int, nproc: int, deadline_s: float) -> WorkerRun:
+    """Run ``jobs`` and then each resumed run (name -> the job whose step-2 checkpoint it goes on from, read
+    from ``FOLDER/SOURCE.json``, after its source in the same processes: the checkpoint is there) in one
+    ``launch_batch``, with this folder on the workers' PYTHONPATH; asserts that every job finished."""
+    jobs = list(jobs)
+    for name, source in resumed.items():
+        jobs.append([schedule_of[source], "--program", str(folder / f"{source}.json"), "--steps", str(steps),
+                     "--timeout", "90", "--save", str(folder / f"{name}.pt"), "--resume",
+                     str(folder / f"{source}-2.pt")])
+    path = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
+    run = launch_batch(jobs, nproc, deadline_s, env={"PYTHONPATH": path})
+    assert run.ok, run.describe()
+    assert run.stdout[0].count(" done") == len(jobs), run.describe()
+    return run
+
+
 def launch_batch(jobs: list[list[str]], nproc: int, deadline_s: float, env: dict[str, str] | None = None) -> WorkerRun:
     """Run several worker command lines, one after the other, in one set of ``nproc`` processes (gloo).
 

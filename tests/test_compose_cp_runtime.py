@@ -17,7 +17,6 @@ processes (``launch_batch``).
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import replace
 
@@ -34,7 +33,7 @@ from pipec.runtime import worker
 from pipec.runtime.family import placed_refusal
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
-from runtime_util import assert_same_parameters, launch_batch
+from runtime_util import TESTS, assert_same_parameters, launch_batch, save_path, train_saved_batch
 
 STEPS = 3
 SEED = 7
@@ -42,7 +41,6 @@ N = 4
 WORLD = 4
 # Hard limit of the batch of runs (nine short trainings on a loaded 2-core machine); a hang fails instead.
 BATCH_DEADLINE_S = 420.0
-TESTS = os.path.dirname(os.path.abspath(__file__))
 MESH = Mesh((("pp", 2), ("cp", 2)))
 USER = "cp_model_spec:SPEC"
 
@@ -77,7 +75,7 @@ def _program_file(folder, name: str):
 
 
 def _save(folder, name: str) -> str:
-    return str(folder / (f"{name}-{{step}}.pt" if name in RESUMED.values() else f"{name}.pt"))
+    return str(save_path(folder, name, RESUMED, STEPS, pattern=True))
 
 
 def _job(folder, name: str) -> list[str]:
@@ -92,22 +90,13 @@ def _job(folder, name: str) -> list[str]:
 def trained(tmp_path_factory):
     """Every case and resumed run in one set of 4 processes; (folder, the WorkerRun)."""
     folder = tmp_path_factory.mktemp("compose_cp_runtime")
-    jobs = [_job(folder, name) for name in CASES]
-    for name, source in RESUMED.items():  # after their sources, in the same processes: the checkpoint is there
-        jobs.append([CASES[source][0], "--program", str(folder / f"{source}.json"), "--steps", str(STEPS),
-                     "--timeout", "90", "--save", str(folder / f"{name}.pt"), "--resume",
-                     str(folder / f"{source}-2.pt")])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
-        run = launch_batch(jobs, WORLD, BATCH_DEADLINE_S)
-    assert run.ok, run.describe()
-    assert run.stdout[0].count(" done") == len(jobs), run.describe()
+    run = train_saved_batch(folder, [_job(folder, name) for name in CASES], RESUMED, {name: case[0] for name, case in CASES.items()},
+                            STEPS, WORLD, BATCH_DEADLINE_S)
     return folder, run
 
 
 def _saved(folder, name: str) -> dict:
-    path = folder / (f"{name}-{STEPS}.pt" if name in RESUMED.values() else f"{name}.pt")
-    return torch.load(path, weights_only=True)
+    return torch.load(save_path(folder, name, RESUMED, STEPS), weights_only=True)
 
 
 def _reference(name: str) -> dict:
