@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 import random
+from fractions import Fraction
 
 import pytest
 
 from pipec.compiler import lower_comms
 from pipec.compiler.checks import check_all, check_conflict, check_deadlock, peak_activations
+from pipec.compiler.costs import CostModel, Link
 from pipec.compiler.ir import (
     ALLREDUCE_GRAD,
     ALLREDUCE_WAIT,
@@ -29,6 +31,7 @@ from pipec.compiler.ir import (
 )
 from pipec.compiler.liveness import insert_frees
 from pipec.compiler.lower_comms import insert_communication
+from pipec.compiler.simulate import simulate
 from pipec.errors import ConflictError, WellFormedError
 from reference_orders import compute_program, gpipe, interleaved_1f1b, one_f_one_b
 
@@ -277,6 +280,17 @@ def test_every_send_is_posted_right_after_its_producer(program):
 def test_every_send_of_random_orders_is_posted_right_after_its_producer():
     for seed in range(60):
         _sends_after_producers(random_program(seed))
+
+
+def test_the_placement_adds_no_wait_of_its_own():
+    """Each message leaves when its data is made, so the lowered program takes exactly as long as the
+    compute order (links not shared, posting free), whatever the links cost."""
+    latency = CostModel(link=Link(1))
+    bandwidth = CostModel(link=Link(Fraction(1, 4), 4), message_bytes=(("act", 8), ("grad", 2)))
+    for program in REFERENCE + [random_program(seed) for seed in range(60)]:
+        lowered = insert_communication(program)
+        for costs in (latency, bandwidth):
+            assert simulate(lowered, costs).makespan == simulate(program, costs).makespan, program.name
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
