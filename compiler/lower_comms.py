@@ -18,7 +18,7 @@ is free). Two placements keep that, tried in order: ``_near_use`` (Megatron's
 1F1B: each receive just before its reader), kept when its simulation (on
 integer codes, before any instruction is built) runs to the end, else
 ``_place_in_global_order`` (torch's ``_add_send_recv``: each receive posted
-when its send is, deadlock-free by construction). A cyclic order gets the
+when its send is, one instruction per message, deadlock-free by construction). A cyclic order gets the
 near-use placement, and ``check_well_formed`` names the cycle. (Megatron's
 interleaved pairing, which holds a forward's send until after the backward
 that follows it, is not used: it exposes the link latency that torch's
@@ -484,13 +484,6 @@ def _parts(plan: _Plan) -> list[Action]:
     return parts
 
 
-def _run_instruction(parts: list[Action], codes: list[int]) -> Action:
-    """One instruction for a run: the operation itself, or a BATCH of them (``_materialize`` inlines this)."""
-    if len(codes) == 1:
-        return parts[codes[0]]
-    return _new_action(Action, (-1, BATCH, -1, NO_PEER, tuple(map(parts.__getitem__, codes))))
-
-
 def _materialize(program: Program, plan: _Plan, layout: _Layout) -> list[list[Action]]:
     """The instruction lists of a laid-out placement."""
     parts = _parts(plan)
@@ -546,9 +539,9 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
     when the last of them reaches it (the others go on meanwhile). Every
     rank's list is then a subsequence of one global sequence of events, each
     involving only ranks whose earlier events all precede it, so the program
-    runs to the end under rendezvous semantics (batching only posts
-    operations earlier and cannot break that): deadlock-free by construction.
-    A send lands in the run right after its producer, as in near use. It
+    runs to the end under rendezvous semantics: deadlock-free by construction.
+    Nothing is batched (``emit``). A send comes right after its producer, as
+    in near use. It
     needs an acyclic compute order. Interleaved orders end up here (near use
     deadlocks once microbatches outnumber ranks), and so do mirrored pipelines
     (Chimera, BitPipe): their first sends face each other.
@@ -574,7 +567,11 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
 
     def emit(rank: int, action: Action) -> None:
         if run[rank]:
-            out[rank].append(_run_instruction(parts, sorted(run[rank], key=_is_receive)))  # sends first
+            # Each message its own instruction, in the order of its events (a
+            # send first: it is appended as its producer runs). No batch: a
+            # runtime that waits for a batch as a whole (NCCL coalesces one)
+            # would hold the next compute for a receive only a later one reads.
+            out[rank].extend(map(parts.__getitem__, run[rank]))
             run[rank] = []
         out[rank].append(action)
 
@@ -613,8 +610,7 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
     if arrived or any(cursor[rank] < len(streams[rank]) for rank in range(num_ranks)):
         return None
     for rank in range(num_ranks):
-        if run[rank]:
-            out[rank].append(_run_instruction(parts, sorted(run[rank], key=_is_receive)))
+        out[rank].extend(map(parts.__getitem__, run[rank]))
         out[rank].extend(_wait_for(started) for started in [a for a in out[rank] if a.op in COLLECTIVE_OPS])
     return out
 
@@ -622,10 +618,6 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
 def _wait_for(started: Action) -> Action:
     """The instruction that waits for the collective ``started`` began (ALLREDUCE_WAIT)."""
     return Action(started.stage, _WAIT_OF_PURPOSE[RULES[started.op].communicator])
-
-
-def _is_receive(code: int) -> int:
-    return code & 1
 
 
 __all__ = ["insert_communication"]
