@@ -282,6 +282,26 @@ def test_every_send_of_random_orders_is_posted_right_after_its_producer():
         _sends_after_producers(random_program(seed))
 
 
+_READS = {RECV_F: ("F",), RECV_B: ("B", "I")}
+
+
+def test_a_batch_holds_no_receive_its_next_compute_can_do_without():
+    """A runtime may wait for a batch as a whole (NCCL coalesces one): each receive a batch holds is read by
+    the compute right after it, or comes before (FIFO) one from the same rank that is."""
+    for program in REFERENCE + [random_program(seed) for seed in range(60)]:
+        for rank, row in enumerate(insert_communication(program).ranks):
+            for step, action in enumerate(row):
+                if action.op != BATCH:
+                    continue
+                after = next((a for a in row[step + 1:] if a.is_compute), None)
+                read = [after is not None and (p.stage, p.mb) == (after.stage, after.mb)
+                        and after.op in _READS.get(p.op, ()) for p in action.parts]
+                for i, part in enumerate(action.parts):
+                    if part.op in _READS:
+                        assert any(read[j] and action.parts[j].peer == part.peer for j in range(i, len(read))), \
+                            f"{program.name}: rank {rank}, step {step}: {action.text()} before {after and after.text()}"
+
+
 def test_the_placement_adds_no_wait_of_its_own():
     """Each message leaves when its data is made, so the lowered program takes exactly as long as the
     compute order (links not shared, posting free), whatever the links cost."""
