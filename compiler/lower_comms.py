@@ -18,11 +18,12 @@ is free). Two placements keep that, tried in order: ``_near_use`` (Megatron's
 1F1B: each receive just before its reader), kept when its simulation (on
 integer codes, before any instruction is built) runs to the end, else
 ``_place_in_global_order`` (torch's ``_add_send_recv``: each receive posted
-when its send is, one instruction per message, deadlock-free by construction). A cyclic order gets the
-near-use placement, and ``check_well_formed`` names the cycle. (Megatron's
-interleaved pairing, which holds a forward's send until after the backward
-that follows it, is not used: it exposes the link latency that torch's
-placement hides; docs/torch.md, "Message placement".)
+when its send is, one instruction per message, deadlock-free by
+construction). A cyclic order gets the near-use placement, and
+``check_well_formed`` names the cycle. (Megatron's interleaved pairing, which
+holds a forward's send until after the backward that follows it, is not
+used: it exposes the link latency that torch's placement hides;
+docs/torch.md, "Message placement".)
 
 Performance: programs reach a few hundred thousand instructions, so the passes
 work on flat integer lists with C-level builtins (map, zip, accumulate, sort)
@@ -242,8 +243,8 @@ def _collectives(program: Program, tables: StageTables) -> list[list[tuple[int, 
     For the replica communicators: one ALLREDUCE_GRAD per replicated chunk a
     rank holds, after its last B or W of that chunk. A rank holding a replica
     that no microbatch rides still joins (its weights must follow the other
-    replicas), after its last compute. In the near-use placement an all-reduce comes
-    right after the run of communication that follows its compute, and
+    replicas), after its last compute. In the near-use placement an all-reduce
+    comes right after the run of communication that follows its compute, and
     all-reduces at the same place go in chunk order; every rank then waits
     for each (ALLREDUCE_WAIT) at the end of its list.
     """
@@ -541,10 +542,9 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
     involving only ranks whose earlier events all precede it, so the program
     runs to the end under rendezvous semantics: deadlock-free by construction.
     Nothing is batched (``emit``). A send comes right after its producer, as
-    in near use. It
-    needs an acyclic compute order. Interleaved orders end up here (near use
-    deadlocks once microbatches outnumber ranks), and so do mirrored pipelines
-    (Chimera, BitPipe): their first sends face each other.
+    in near use. It needs an acyclic compute order. Interleaved orders end up
+    here (near use deadlocks once microbatches outnumber ranks), and so do
+    mirrored pipelines (Chimera, BitPipe): their first sends face each other.
     """
     num_ranks = program.num_ranks
     rows = program.ranks
