@@ -10,12 +10,20 @@ get their communicator's ALLREDUCE_GRAD after each replica's last weight
 gradient, and its ALLREDUCE_WAIT at the end of the list (``_collectives``).
 
 Guarantee: the result runs to the end under rendezvous semantics whenever the
-compute order is acyclic. Three placements are tried in order, and the first
-whose simulation (on integer codes, before any instruction is built) runs to
-the end is kept: ``_near_use`` (Megatron's 1F1B), ``_paired`` (Megatron's
-interleaved 1F1B) and ``_place_in_global_order`` (torch's ``_add_send_recv``,
-deadlock-free by construction). A cyclic order gets the near-use placement,
-and ``check_well_formed`` names the cycle.
+compute order is acyclic, and every send is posted right after the compute
+that produces its tensor, so a message leaves when its data is made and the
+placement adds no wait of its own (``simulate`` of the result equals
+``simulate`` of the compute-only order when links are not shared and posting
+is free). Two placements keep that, tried in order: ``_near_use`` (Megatron's
+1F1B: each receive just before its reader), kept when its simulation (on
+integer codes, before any instruction is built) runs to the end, else
+``_place_in_global_order`` (torch's ``_add_send_recv``: each receive posted
+when its send is, one instruction per message, deadlock-free by
+construction). A cyclic order gets the near-use placement, and
+``check_well_formed`` names the cycle. (Megatron's interleaved pairing, which
+holds a forward's send until after the backward that follows it, is not
+used: it exposes the link latency that torch's placement hides;
+docs/torch.md, "Message placement".)
 
 Performance: programs reach a few hundred thousand instructions, so the passes
 work on flat integer lists with C-level builtins (map, zip, accumulate, sort)
@@ -36,19 +44,15 @@ from pipec.compiler.ops import (
     COLLECTIVE_OPS,
     COLLECTIVE_WAIT_OPS,
     COMM_OP_OF_KIND,
-    COMPUTE_OPS,
     MESSAGE_KIND_CODE,
     MESSAGE_KINDS,
     MESSAGE_READERS,
-    NEXT,
     NUM_TASK_CODES,
     OP_OF_CODE,
     READER_OF,
     RULES,
-    SELF,
     TASK_CODE,
     VALUE_KINDS,
-    consumers,
     producers,
 )
 from pipec.compiler.routes import ROUTES, Hop
@@ -66,12 +70,6 @@ _CODES = NUM_TASK_CODES
 _COLLECTIVE_OF_PURPOSE = {RULES[op].communicator: op for op in COLLECTIVE_OPS}
 _WAIT_OF_PURPOSE = {RULES[op].communicator: op for op in COLLECTIVE_WAIT_OPS}
 _REDUCED_BY = {op: producers(RULES[op].reads[0].kind) for op in COLLECTIVE_OPS}
-# ... a forward (a task whose message the next stage reads: F) and the tasks
-# that read back what it stored (B, I): a paired placement brackets such pairs
-_FORWARD_OPS = tuple(op for op in COMPUTE_OPS
-                     if any(READER_OF.get(use.kind) == NEXT for use in RULES[op].writes))
-_PAIRED_AFTER = {op: tuple(reader for use in RULES[op].writes if use.where == SELF and use.kind not in MESSAGE_KIND_CODE
-                           for reader in consumers(use.kind, SELF)) for op in _FORWARD_OPS}
 # ... and, per message kind code, its send and receive ops and the codes of the
 # ops that read it (the first present wins: B, else I when split).
 _SEND_OF_KIND = [COMM_OP_OF_KIND[kind][0] for kind in MESSAGE_KINDS]
@@ -128,11 +126,8 @@ def insert_communication(program: Program) -> Program:
         tables = stage_tables(program)
         plan = _plan(program, tables)
         near_use = _near_use(program, plan)
-        for make in (lambda: near_use, lambda: _paired(program, plan, near_use)):  # the second only if needed
-            placed = make()
-            if placed is near_use and _deadlocks_early(program, plan, placed):
-                continue  # interleaved schedules: skip near use's whole simulation
-            layout = _layout(program, plan, placed)
+        if not _deadlocks_early(program, plan, near_use):  # interleaved schedules: skip near use's whole simulation
+            layout = _layout(program, plan, near_use)
             if not blocked_ranks(_wait_graph(program, plan, layout)):
                 return replace(program, ranks=_materialize(program, plan, layout))
         ordered = _place_in_global_order(program, plan)
@@ -248,8 +243,8 @@ def _collectives(program: Program, tables: StageTables) -> list[list[tuple[int, 
     For the replica communicators: one ALLREDUCE_GRAD per replicated chunk a
     rank holds, after its last B or W of that chunk. A rank holding a replica
     that no microbatch rides still joins (its weights must follow the other
-    replicas), after its last compute. In tiers 1 and 2 an all-reduce comes
-    right after the run of communication that follows its compute, and
+    replicas), after its last compute. In the near-use placement an all-reduce
+    comes right after the run of communication that follows its compute, and
     all-reduces at the same place go in chunk order; every rank then waits
     for each (ALLREDUCE_WAIT) at the end of its list.
     """
@@ -291,7 +286,7 @@ def _stride(plan: _Plan) -> int:
 
 
 def _near_use(program: Program, plan: _Plan) -> list[list[int]]:
-    """Sends right after their producers, receives just before their readers (tier 1, Megatron's 1F1B).
+    """Sends right after their producers, receives just before their readers (the first placement, Megatron's 1F1B).
 
     A SEND comes right after the compute that produces its tensor; the RECVs
     of a pair (src, dst) come in src's send order (messages are untagged and
@@ -315,29 +310,6 @@ def _near_use(program: Program, plan: _Plan) -> list[list[int]]:
             (gap * 2 + 1) * stride + 2 * message + 1 for gap, message in zip(gaps, messages))
     for entries in placed:
         entries.sort()
-    return placed
-
-
-def _paired(program: Program, plan: _Plan, near_use: list[list[int]]) -> list[list[int]]:
-    """Near use, but nothing between an F and the B or I right after it (tier 2, Megatron's interleaved 1F1B).
-
-    The sends there move to the run after the B, the receives to the run
-    before the F, so each F-B pair is bracketed by one batch. Near use
-    deadlocks for interleaved schedules with more microbatches than ranks;
-    this does not.
-    """
-    stride = _stride(plan)
-    placed = []
-    for row, entries in zip(program.ranks, near_use):
-        ops = list(map(_op_of, row))
-        # shift[gap * 2 + side]: sends of a bracketed gap move one gap later, receives one earlier
-        shift = [0] * (2 * len(row) + 2)
-        for gap in [g for g in range(1, len(row)) if ops[g] in _PAIRED_AFTER.get(ops[g - 1], ())]:
-            shift[2 * gap] = 2 * stride
-            shift[2 * gap + 1] = -2 * stride
-        moved = list(map(operator.add, entries, map(shift.__getitem__, map(operator.floordiv, entries, repeat(stride)))))
-        moved.sort()
-        placed.append(moved)
     return placed
 
 
@@ -450,7 +422,7 @@ def _deadlocks_early(program: Program, plan: _Plan, placed: list[list[int]]) -> 
     holds ranks back). So when ranks end up waiting, at real waits, only on
     each other, no later instruction can free them: the full simulation
     blocks as well. Otherwise nothing is concluded (False) and the caller
-    simulates the whole placement, so the chosen tier never depends on this.
+    simulates the whole placement, so the chosen placement never depends on this.
 
     Args:
         program, plan: as for ``_layout``.
@@ -513,13 +485,6 @@ def _parts(plan: _Plan) -> list[Action]:
     return parts
 
 
-def _run_instruction(parts: list[Action], codes: list[int]) -> Action:
-    """One instruction for a run: the operation itself, or a BATCH of them (``_materialize`` inlines this)."""
-    if len(codes) == 1:
-        return parts[codes[0]]
-    return _new_action(Action, (-1, BATCH, -1, NO_PEER, tuple(map(parts.__getitem__, codes))))
-
-
 def _materialize(program: Program, plan: _Plan, layout: _Layout) -> list[list[Action]]:
     """The instruction lists of a laid-out placement."""
     parts = _parts(plan)
@@ -565,7 +530,9 @@ def _streams(rows: list[list[Action]], plan: _Plan) -> list[list[int]]:
 
 
 def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] | None:
-    """Rebuild the lists by advancing ranks in turn (tier 3, torch's ``_add_send_recv``); None if the order is cyclic.
+    """Rebuild the lists by advancing ranks in turn (the second placement, torch's ``_add_send_recv``).
+
+    Returns None if the order is cyclic.
 
     Ranks take turns, one compute each; a compute runs once its inputs have
     been delivered; a SEND is appended on the producer and its RECV on the
@@ -573,10 +540,11 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
     when the last of them reaches it (the others go on meanwhile). Every
     rank's list is then a subsequence of one global sequence of events, each
     involving only ranks whose earlier events all precede it, so the program
-    runs to the end under rendezvous semantics (batching only posts
-    operations earlier and cannot break that): deadlock-free by construction.
-    It needs an acyclic compute order. Mirrored pipelines (Chimera, BitPipe)
-    end up here: their first sends face each other.
+    runs to the end under rendezvous semantics: deadlock-free by construction.
+    Nothing is batched (``emit``). A send comes right after its producer, as
+    in near use. It needs an acyclic compute order. Interleaved orders end up
+    here (near use deadlocks once microbatches outnumber ranks), and so do
+    mirrored pipelines (Chimera, BitPipe): their first sends face each other.
     """
     num_ranks = program.num_ranks
     rows = program.ranks
@@ -599,7 +567,11 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
 
     def emit(rank: int, action: Action) -> None:
         if run[rank]:
-            out[rank].append(_run_instruction(parts, sorted(run[rank], key=_is_receive)))  # sends first
+            # Each message its own instruction, in the order of its events (a
+            # send first: it is appended as its producer runs). No batch: a
+            # runtime that waits for a batch as a whole (NCCL coalesces one)
+            # would hold the next compute for a receive only a later one reads.
+            out[rank].extend(map(parts.__getitem__, run[rank]))
             run[rank] = []
         out[rank].append(action)
 
@@ -638,8 +610,7 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
     if arrived or any(cursor[rank] < len(streams[rank]) for rank in range(num_ranks)):
         return None
     for rank in range(num_ranks):
-        if run[rank]:
-            out[rank].append(_run_instruction(parts, sorted(run[rank], key=_is_receive)))
+        out[rank].extend(map(parts.__getitem__, run[rank]))
         out[rank].extend(_wait_for(started) for started in [a for a in out[rank] if a.op in COLLECTIVE_OPS])
     return out
 
@@ -647,10 +618,6 @@ def _place_in_global_order(program: Program, plan: _Plan) -> list[list[Action]] 
 def _wait_for(started: Action) -> Action:
     """The instruction that waits for the collective ``started`` began (ALLREDUCE_WAIT)."""
     return Action(started.stage, _WAIT_OF_PURPOSE[RULES[started.op].communicator])
-
-
-def _is_receive(code: int) -> int:
-    return code & 1
 
 
 __all__ = ["insert_communication"]

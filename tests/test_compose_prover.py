@@ -200,9 +200,9 @@ def test_gathers_and_reshards_out_of_place_are_named():
 
 
 @pytest.mark.parametrize("mode,reduction,k,step,theirs", [
-    ("dp", ops.SYNC_GRAD, "1st", 33, 27),
-    ("fsdp", ops.REDUCE_GRAD, "3rd", 34, 27),   # after the two gathers of stages 1 and 3: counted together
-    ("zero3", ops.REDUCE_GRAD, "5th", 36, 29),  # after the four gathers (again for the backwards)
+    ("dp", ops.SYNC_GRAD, "1st", 46, 39),
+    ("fsdp", ops.REDUCE_GRAD, "3rd", 47, 39),   # after the two gathers of stages 1 and 3: counted together
+    ("zero3", ops.REDUCE_GRAD, "5th", 49, 41),  # after the four gathers (again for the backwards)
 ])
 def test_members_posting_their_stages_reductions_in_different_orders_are_named_at_the_meeting(
         mode, reduction, k, step, theirs):

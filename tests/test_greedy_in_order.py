@@ -2,8 +2,9 @@
 
 A list scheduler takes whatever is ready; Megatron's interleaved order keeps
 some ranks idle for a moment to take the microbatch its order names next, and
-that is what makes it shorter for N > 2P (P=4, N=12, v=3: 117 against the
-plain greedy policy's 131). `in order F, B` lets a policy say so without any
+that is what makes it shorter for N > 2P when messages take time (P=4, N=12,
+v=3, one unit per message: 139 against the plain greedy policy's 147; with
+free messages both take 117). `in order F, B` lets a policy say so without any
 schedule-specific code: each rank runs its F tasks, and its B tasks, in
 priority order, waiting for the next one.
 """
@@ -56,7 +57,10 @@ def test_the_greedy_interleaved_policy_in_order_is_megatrons_order(policies, P, 
 
 def test_without_in_order_the_policy_is_longer_where_it_should_wait(policies):
     params = {"P": 4, "N": 12, "v": 3}
-    assert simulate(compile_target(policies[1], params).program).makespan == 131
+    latency = costs_from_json({"links": {"latency": 1}})
+    assert simulate(compile_target(policies[1], params).program, latency).makespan == 147
+    assert simulate(compile_target(policies[0], params).program, latency).makespan == 139
+    assert simulate(compile_target(policies[1], params).program).makespan == 117  # free messages: no wait pays
     assert simulate(compile_target(policies[0], params).program).makespan == 117
 
 
