@@ -28,6 +28,7 @@ from pipec.compiler.guarded_read import SOURCE, looks_like_program, read_text, s
 from pipec.compiler.ir import Program
 from pipec.compiler.liveness import insert_frees
 from pipec.compiler.memory_counts import Number, check_sizes
+from pipec.compiler.placed_memory import may_size, unpriced
 from pipec.compiler.ops import ACTIVATION_PASSING, COMPUTE_OPS, FAMILY_TASKS, RING_COMPUTE_OPS, RULES, UPDATE_OPS
 from pipec.dsl import ResolvedSchedule, ScheduleSpec, parse, resolve
 from pipec.dsl.composition import CompositionSpec
@@ -195,16 +196,21 @@ def compile_spec(
         byte_budget: size class -> the most bytes of live values of that
             class per rank, or None; every class it names needs a size in ``costs``.
     Raises:
-        UsageError: a byte budget for a class the cost model gives no size (checked before compiling).
+        UsageError: a byte budget for a class the cost model gives no size (checked before compiling; a
+            ``shard`` budget priced by the ``weight`` size, once the program shows a sharded stage).
         CostFileError: an unknown size class in the budget.
     """
     sizes = costs.sizes if costs is not None else {}
     if byte_budget is not None:
         check_sizes(byte_budget)
-        missing = [size_class for size_class in byte_budget if size_class not in sizes]
+        missing = [size_class for size_class in byte_budget if not may_size(size_class, sizes)]
         if missing:
             raise UsageError(f"a byte budget for {missing[0]!r} needs its size: the cost model gives none (sizes)")
     compute, program = lower_spec(spec, costs)
+    missing = unpriced(program, byte_budget or {}, sizes)
+    if missing:  # a shard budget priced by the weight bytes, on a program without a sharded stage
+        raise UsageError(f"a byte budget for {missing[0]!r} needs its size: {program.name or 'the program'} shards "
+                         "no stage's weights, so the weight size gives none (sizes)")
     if memory_budget is not None or byte_budget is not None:
         refusal = first_refusal(program, lambda family: family.refuse_memory_budget(spec.name))
         if refusal is not None:

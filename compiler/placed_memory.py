@@ -52,6 +52,19 @@ def placed_classes(program: Program, sizes: Mapping[str, Number]) -> tuple[str, 
     return tuple(c for c in ops.SIZE_CLASSES if c in sizes or (c == ops.SIZE_SHARD and derived))
 
 
+def may_size(size_class: str, sizes: Mapping[str, Number]) -> bool:
+    """Whether a byte budget for ``size_class`` can be priced with ``sizes`` before the program is known: the
+    class is sized, or it is ``shard`` and ``weight`` is (a sharded stage's shard is derived from it;
+    ``unpriced`` says, once the program is compiled, whether it has such a stage)."""
+    return size_class in sizes or (size_class == ops.SIZE_SHARD and ops.SIZE_WEIGHT in sizes)
+
+
+def unpriced(program: Program, budget: Mapping[str, Number], sizes: Mapping[str, Number]) -> list[str]:
+    """The classes of ``budget`` that ``sizes`` cannot price on ``program`` (counted per member when composed)."""
+    known = placed_classes(program, sizes) if composed(program) else tuple(sizes)
+    return [size_class for size_class in budget if size_class not in known]
+
+
 def shard_members(program: Program, stage: int) -> int:
     """How many members sharded ``stage``'s weights are cut among: its group's, or under HSDP
     (``Placement.hybrid``) one shard group's."""

@@ -207,7 +207,13 @@ class Program:
         """
         from pipec.compiler.checks import check_all
 
+        from pipec.compiler.placed_memory import unpriced
+
         budget = _byte_budget(byte_budget, self.costs)
+        missing = unpriced(self.ir, budget or {}, self._sizes())
+        if missing:  # a shard budget priced by the weight bytes, on a program without a sharded stage
+            raise UsageError(f"byte_budget {missing[0]}: needs its size; this program shards no stage's weights, "
+                             f'so the weight size gives none: give costs with "sizes": {{"{missing[0]}": BYTES}}')
         check_all(self.ir, semantics="rendezvous", memory_budget=_count(memory_budget, "memory_budget"),
                   byte_budget=budget, sizes=self._sizes())
 
@@ -342,6 +348,7 @@ def _byte_budget(budget: Mapping[str, Number] | None, costs: CostModel | None) -
     """
     from pipec.compiler.guarded_read import INT_LIMIT
     from pipec.compiler.ops import SIZE_CLASSES
+    from pipec.compiler.placed_memory import may_size
 
     if budget is None:
         return None
@@ -353,7 +360,7 @@ def _byte_budget(budget: Mapping[str, Number] | None, costs: CostModel | None) -
             raise UsageError(f"byte_budget: unknown size class {size_class!r} (expected one of {', '.join(SIZE_CLASSES)})")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not 0 <= nbytes < INT_LIMIT:
             raise UsageError(f"byte_budget {size_class}: expected a number of bytes from 0 up, below 2^63, got {nbytes!r}")
-        if size_class not in sizes:
+        if not may_size(size_class, sizes):
             raise UsageError(f"byte_budget {size_class}: needs its size; give costs with \"sizes\": "
                              f'{{"{size_class}": BYTES}}')
     return dict(budget)

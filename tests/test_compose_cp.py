@@ -205,6 +205,25 @@ def test_the_stage_ring_is_proved_with_the_composition_and_its_errors_say_so():
     assert caught.value.grid == broken.grid()
 
 
+def test_tasp_inside_stages_says_when_its_rings_are_fewer_than_a_full_decomposition(tmp_path, capsys):
+    """On a cp group of 4 TASP uses 2 of the 3 rings it would want (no decomposition of K*_4 exists): check and
+    simulate say so for the composition as they do for the ring alone (the note was dropped when composed),
+    also from its program file; zigzag inside says nothing."""
+    compose(tmp_path, 'context over cp ring "tasp"', C=4)
+    path, saved = tmp_path / "cp.pipe", tmp_path / "cp.json"
+    assert main(["compile", str(path), "-D", "C=4", "-o", str(saved)]) == 0
+    note = "note: in the stage ring: rings: K*_4 has no decomposition into 3 arc-disjoint directed Hamiltonian rings"
+    for argv in (["check", str(path), "-D", "C=4"], ["simulate", str(path), "-D", "C=4"], ["check", str(saved)]):
+        capsys.readouterr()
+        assert main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert sum(line.startswith(note) for line in lines) == 1, argv
+        assert lines[-1].endswith("KV uses the 2 rings found"), argv
+    compose(tmp_path, 'context over cp ring "zigzag_ring"', C=4)
+    capsys.readouterr()
+    assert main(["check", str(path), "-D", "C=4"]) == 0 and "note" not in capsys.readouterr().out
+
+
 def test_a_member_holds_one_cth_of_its_stages_activations():
     sizes = {"activation": 840}
     alone = peak_bytes(compile_target("1f1b", {"P": 2, "N": 4}).program, sizes)

@@ -84,3 +84,25 @@ def test_the_pages_traffic_table_and_memory_figures_are_the_simulators():
         compile_target("1f1b_dp", {}).program)
     assert (plain.makespan, composed.makespan) == (15, 7.5)
     assert plain.bubble_ratio == pytest.approx(composed.bubble_ratio) == 0.2
+
+
+def test_the_pages_hsdp_runs_pass_every_check_before_launch_and_fail_without_their_rows():
+    """Section 9's `pipec run 1f1b_hsdp ...` lines compile and pass every check ``pipec run`` makes before a
+    worker starts (its rows split over a stage's 4 members); without ``--config microbatch_size=4`` the
+    built-in model's 2 rows are refused there, naming the fix."""
+    from pipec.cli import build_parser
+    from pipec.commands.run import check_before_launch
+    from pipec.errors import PipecError
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "compose.md")).read()
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("pipec run 1f1b_hsdp")]
+    assert len(lines) == 2
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        program, nproc = check_before_launch(build_parser().parse_args(argv))
+        assert nproc == program.num_ranks == (4 if "P=1" in line else 8)
+        bare = [arg for arg in argv if arg not in ("--config", "microbatch_size=4")]
+        with pytest.raises(PipecError) as caught:
+            check_before_launch(build_parser().parse_args(bare))
+        assert "2 rows, which do not split into the 4 equal shares" in str(caught.value)
+        assert "--config microbatch_size=" in str(caught.value)

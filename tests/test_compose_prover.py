@@ -248,6 +248,45 @@ def test_pp2_x_fsdp2_peak_bytes_per_rank_are_the_hand_count(mode):
         assert (caught.value.rank, caught.value.step) == (0, step)
 
 
+def test_a_shard_budget_is_priced_by_the_weight_size_where_a_stage_is_sharded(capsys, tmp_path):
+    """The shard is derived from the weight bytes (``placed_memory``), so ``--budget-bytes shard=`` needs no
+    ``shard`` size of its own: held at the peak, refused one byte below at the first GATHER; on a program that
+    shards nothing (or without a weight size) it is refused as unsized, never a traceback."""
+    import json
+
+    import pipec.api
+    from pipec.cli import main
+    from pipec.errors import UsageError
+
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"sizes": {ops.SIZE_ACTIVATION: ACTIVATION, ops.SIZE_WEIGHT: WEIGHT}}))
+    shard = (WEIGHT + 1) // 2
+
+    def check(*args: str) -> tuple[int, str, str]:
+        status = main(["check", *args, "--costs", str(costs)])
+        return (status, *capsys.readouterr())
+
+    status, out, _ = check("1f1b_fsdp", "--budget-bytes", f"shard={shard}")
+    assert status == 0 and f"shard [{', '.join(['1.954 KiB'] * 4)}]" in out
+    status, out, err = check("1f1b_fsdp", "--budget-bytes", f"shard={shard - 1}")
+    assert (status, out) == (1, "") and err.startswith(
+        f"rank 0, step 0: {shard} bytes of shard-sized values alive here (this member's shards), over the shard "
+        f"budget of {shard - 1} bytes")
+    status, _, err = check("1f1b_dp", "--budget-bytes", f"shard={shard}")
+    assert (status, err) == (1, "a byte budget for 'shard' needs its size: 1f1b_dp shards no stage's weights, so "
+                                "the weight size gives none (sizes)\n")
+    saved = tmp_path / "fsdp.json"
+    assert main(["compile", "1f1b_fsdp", "-o", str(saved)]) == 0
+    status, _, err = check(str(saved), "--budget-bytes", f"shard={shard - 1}")
+    assert status == 1 and err.startswith("rank 0, step 0: ")
+    replicated = pipec.api.compile("1f1b_dp", costs=str(costs))
+    with pytest.raises(UsageError, match="this program shards no stage's weights"):
+        replicated.check(byte_budget={ops.SIZE_SHARD: shard})
+    costs.write_text(json.dumps({"sizes": {ops.SIZE_ACTIVATION: ACTIVATION}}))
+    status, _, err = check("1f1b_fsdp", "--budget-bytes", f"shard={shard}")
+    assert status == 1 and err.startswith("a byte budget for 'shard' needs its size: add")
+
+
 def test_whole_weights_rise_at_the_gather_and_fall_at_the_reshard():
     from pipec.compiler.placed_memory import placed_bytes
 

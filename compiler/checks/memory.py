@@ -35,7 +35,7 @@ from pipec.compiler.memory_counts import (
     peak_kept_inputs,
     peak_waiting_w,
 )
-from pipec.compiler.placed_memory import composed, first_over, placed_classes, placed_peak_bytes
+from pipec.compiler.placed_memory import composed, first_over, placed_peak_bytes, unpriced
 from pipec.errors import BudgetError
 
 ops.declare_pass("memory", COUNTED_OPS)
@@ -85,8 +85,7 @@ def _check_count_budget(program: Program, budget: int) -> None:
 def _check_byte_budget(program: Program, byte_budget: Mapping[str, Number], sizes: Mapping[str, Number]) -> None:
     """Raise at the first rank, and its first step, where a class's live bytes exceed its budget."""
     check_sizes(byte_budget)
-    known = placed_classes(program, sizes) if composed(program) else tuple(sizes)
-    missing = [size_class for size_class in byte_budget if size_class not in known]
+    missing = unpriced(program, byte_budget, sizes)
     if missing:
         raise ValueError(f"a byte budget for {missing} needs the bytes of one value of each (sizes)")
     if composed(program):

@@ -21,5 +21,15 @@ class ActivationPassing(Family):
         compute = compute_program(spec, costs)
         return compute, insert_communication(compute)
 
+    def note(self, program):
+        # A PP x CP composition's stage ring says what its rings could not be (TASP on 4 or 6 ranks), as the
+        # ring alone does.
+        ring = program.stage_ring
+        return f"in the stage ring: {ring.rings.note}" if ring is not None and ring.rings.note else ""
+
+    def proof_text(self, program, memory_text):
+        note = self.note(program)
+        return super().proof_text(program, memory_text) + (f"\nnote: {note}" if note else "")
+
 
 FAMILY = register(ActivationPassing(), None)

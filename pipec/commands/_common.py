@@ -86,14 +86,17 @@ def byte_budget_from_args(args, costs) -> dict | None:
     """The ``--budget-bytes`` budget (None when not given), each of its classes sized by the cost file.
 
     Raises:
-        UsageError: a bad ``--budget-bytes``, or a class the cost file gives no size for.
+        UsageError: a bad ``--budget-bytes``, or a class the cost file gives no size for (``shard``: nor a
+            ``weight`` size to derive it from).
     """
+    from pipec.compiler.placed_memory import may_size
+
     budget = parse_byte_budget(getattr(args, "budget_bytes", None) or [])
     if not budget:
         return None
     sizes = costs.sizes if costs is not None else {}
     for size_class in budget:
-        if size_class not in sizes:
+        if not may_size(size_class, sizes):
             raise UsageError(f"a byte budget for '{size_class}' needs its size: "
                              f'add "sizes": {{"{size_class}": BYTES}} to the cost file (--costs)')
     return budget

@@ -52,7 +52,8 @@ def _memory_text(program, sizes) -> str:
     if sizes:  # the cost file gives bytes per size class: each class's peak per rank
         per_rank = peak_bytes(program, sizes)
         in_bytes = "; peak bytes per rank " + ", ".join(
-            f"{size_class} [{', '.join(human_bytes(rank[size_class]) for rank in per_rank)}]" for size_class in sizes)
+            f"{size_class} [{', '.join(human_bytes(rank[size_class]) for rank in per_rank)}]"
+            for size_class in per_rank[0])  # the sized classes, and a composition's shard derived from its weight
     return f"peak activations per rank {peaks}{in_bytes}{_versions(program)}"
 
 
