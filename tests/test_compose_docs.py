@@ -1,11 +1,12 @@
-"""docs/compose.md, section 7, runs as written: a composition no shipped file or other test holds.
+"""docs/compose.md, section 7, runs as written: compositions no shipped file or other test holds.
 
-The page's ```pipe block (interleaved 1F1B with ZeRO-2 stages) and ```json
-cost file are written to an empty folder; each ``$ pipec ...`` line of its
-```console block runs there through the installed command line and prints
-exactly the lines the page shows after it; ``pipec run`` (which the page
-shows without its output) trains on 4 gloo processes and its saved
-parameters are those of one process with the same N, seed and steps. The
+Each of the page's ```pipe blocks (interleaved 1F1B with ZeRO-2 stages; GPipe
+with TASP inside its stages) and its ```json cost file are written to an empty
+folder; each ``$ pipec ...`` line of the ```console block after it runs
+there through the installed command line and prints exactly the lines the
+page shows after it; ``pipec run`` (which the page shows without its output)
+trains on 4 gloo processes and its saved parameters are those of one process
+with the same N, seed and steps. The
 page's traffic table and memory figures for the shipped compositions are
 checked against the simulator here too.
 """
@@ -27,9 +28,8 @@ from test_docs_api import DEADLINE_S, blocks
 SIZES = {"activation": 1000, "weight": 4000}
 
 
-def _commands() -> list[tuple[str, list[str]]]:
-    """The console block's ``$`` lines, each with the output lines the page shows after it."""
-    (console,) = blocks("compose.md", "console")
+def _commands(console: str) -> list[tuple[str, list[str]]]:
+    """A console block's ``$`` lines, each with the output lines the page shows after it."""
     commands: list[tuple[str, list[str]]] = []
     for line in console.splitlines():
         if line.startswith("$ "):
@@ -46,25 +46,33 @@ def _pipec(line: str, cwd) -> subprocess.CompletedProcess:
                           timeout=DEADLINE_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_the_pages_own_composition_checks_simulates_and_trains_as_shown(tmp_path):
+# Section 7's compositions, in the page's order: the file each ```pipe block is saved as and the state its run saves.
+OWN = [("interleaved_zero2.pipe", "zero2.pt"), ("gpipe_tasp.pipe", "tasp.pt")]
+
+
+@pytest.mark.parametrize("index", range(len(OWN)), ids=[name for name, _ in OWN])
+def test_the_pages_own_compositions_check_simulate_and_train_as_shown(tmp_path, index):
     torch = pytest.importorskip("torch")
     from pipec.runtime.config import DEFAULT_SEED
     from pipec.runtime.model import ModelConfig
     from pipec.runtime.reference import reference_run
     from runtime_util import assert_same_parameters
 
-    (tmp_path / "interleaved_zero2.pipe").write_text(blocks("compose.md", "pipe")[0])
+    name, saved_as = OWN[index]
+    pipes, consoles = blocks("compose.md", "pipe"), blocks("compose.md", "console")
+    assert len(pipes) == len(consoles) == len(OWN)
+    (tmp_path / name).write_text(pipes[index])
     (tmp_path / "costs.json").write_text(blocks("compose.md", "json")[0])
-    commands = _commands()
-    assert [line.split()[1] for line, _ in commands] == ["check", "simulate", "run"]
+    commands = _commands(consoles[index])
+    assert [line.split()[1:3] for line, _ in commands] == [[verb, name] for verb in ("check", "simulate", "run")]
     for line, shown in commands:
         done = _pipec(line, tmp_path)
         assert done.returncode == 0, f"{line}: {done.stderr}"
         if shown:
             assert done.stdout.splitlines() == shown, line
-    saved = torch.load(tmp_path / "zero2.pt")
+    saved = torch.load(tmp_path / saved_as)
     want = reference_run(ModelConfig(), 3, 4, DEFAULT_SEED).state_dict
-    assert_same_parameters(saved, want, "docs/compose.md's interleaved_zero2")
+    assert_same_parameters(saved, want, f"docs/compose.md's {name}")
 
 
 def test_the_pages_traffic_table_and_memory_figures_are_the_simulators():

@@ -54,15 +54,22 @@ CASES = {
     "1f1b-fsdp-user": ("1f1b", True, True, "payload_model:PROBED", [*USER_CONFIG, "--config", "form=dict"]),
     "zbv-dp-user": ("zbv", False, False, "payload_model:SPEC", USER_CONFIG),
     "1f1b-fsdp-clip": ("1f1b", True, True, None, ["--clip-grad-norm", "0.5"]),
+    "1f1b-dp-user": ("1f1b", False, False, "payload_model:SPEC", USER_CONFIG),
+    "1f1b-zero2-user": ("1f1b", True, False, "payload_model:SPEC", USER_CONFIG),
+    # an order per rank: the dp 0 replica runs 1F1B, the dp 1 replica GPipe (``composed``)
+    "1f1b+gpipe-dp": ("1f1b+gpipe", False, False, None, []),
 }
 # Resumed runs: name -> the case whose step-2 checkpoint they go on from (those cases save every 2 steps).
 RESUMED = {"1f1b-fsdp-resumed": "1f1b-fsdp", "1f1b-dp-resumed": "1f1b-dp"}
 
 
 def composed(schedule: str, sharded: bool, reshard_after_forward: bool):
-    """``schedule`` at P = 2, N = 4 on the 2 x 2 mesh, its stages replicated or sharded over dp."""
-    program = compile_target(schedule, {"P": "2", "N": str(N)}).program
-    return place_on_mesh(program, MESH, "pp", DataParallel("dp", sharded, reshard_after_forward))
+    """``schedule`` at P = 2, N = 4 on the 2 x 2 mesh, its stages replicated or sharded over dp; ``A+B``: the
+    members at dp 0 run A's lists and those at dp 1 B's (an order per rank, as a program file may hold)."""
+    placed = [place_on_mesh(compile_target(name, {"P": "2", "N": str(N)}).program, MESH, "pp",
+                            DataParallel("dp", sharded, reshard_after_forward)) for name in schedule.split("+")]
+    rows = [placed[min(MESH.coords(rank)["dp"], len(placed) - 1)].ranks[rank] for rank in range(WORLD)]
+    return replace(placed[0], ranks=rows)
 
 
 def _save(folder, name: str) -> str:
@@ -77,7 +84,7 @@ def _job(folder, name: str, case) -> list[str]:
             write_program_json(composed(schedule, sharded, after), out)
     model_args = ["--model", model] if model else []
     every = ["--save-every", "2"] if name in RESUMED.values() else []
-    return [schedule, "--program", str(program_file), "--steps", str(STEPS), "--seed", str(SEED), "--timeout", "90",
+    return [schedule.split("+")[0], "--program", str(program_file), "--steps", str(STEPS), "--seed", str(SEED), "--timeout", "90",
             "--save", _save(folder, name), *every, *model_args, *[a.format(folder=folder) for a in extra]]
 
 
@@ -85,7 +92,8 @@ def _job(folder, name: str, case) -> list[str]:
 def trained(tmp_path_factory):
     """Every case and resumed run in one set of 4 processes; (folder, the WorkerRun)."""
     folder = tmp_path_factory.mktemp("compose_runtime")
-    run = train_saved_batch(folder, [_job(folder, name, case) for name, case in CASES.items()], RESUMED, {name: case[0] for name, case in CASES.items()},
+    run = train_saved_batch(folder, [_job(folder, name, case) for name, case in CASES.items()], RESUMED,
+                            {name: case[0] for name, case in CASES.items()},
                             STEPS, WORLD, BATCH_DEADLINE_S)
     return folder, run
 
@@ -120,6 +128,29 @@ def test_the_runs_trained(trained):
     assert any((want.state_dict[k] - initial[k]).abs().max() > 1e-3 for k in initial)
     printed = [float(line.split()[-1]) for line in run.stdout[0].splitlines() if line.startswith("step ")][:STEPS]
     assert printed == pytest.approx(want.losses, abs=2e-6)
+
+
+def test_an_order_per_rank_is_a_program_file_that_pipec_run_checks_and_launches(tmp_path):
+    """Members of one group may run different orders (here 1F1B on the dp 0 replica, GPipe on dp 1: each meets
+    its group only in its stage's all-reduce): the prover accepts the lists, the batch above trains them to one
+    process's parameters, and ``pipec run FILE.json`` reads the file, checks it and starts its 4 workers."""
+    from pipec.cli import build_parser
+    from pipec.commands.run import check_before_launch
+
+    program = composed("1f1b+gpipe", False, False)
+    assert program.ranks[0] != program.ranks[1]  # not one order for the group
+    path = tmp_path / "mixed.json"
+    with open(path, "w") as out:
+        write_program_json(program, out)
+    checked, nproc = check_before_launch(build_parser().parse_args(["run", str(path), "--steps", "1"]))
+    assert (checked.ranks, nproc) == (program.ranks, WORLD)
+    with pytest.raises(UsageError, match="-D sets parameters of a .pipe schedule"):
+        check_before_launch(build_parser().parse_args(["run", str(path), "-D", "N=8"]))
+    broken = replace(program, ranks=[program.ranks[0][1:], *program.ranks[1:]])
+    with open(path, "w") as out:
+        write_program_json(broken, out)
+    with pytest.raises(ProgramError):  # proved before any worker starts, as a compiled target is
+        check_before_launch(build_parser().parse_args(["run", str(path)]))
 
 
 def test_the_trace_records_the_group_steps(trained):

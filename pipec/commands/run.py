@@ -162,11 +162,8 @@ def check_before_launch(args, report: run_report.RunReport | None = None) -> tup
     Raises:
         PipecError: the compiler's error, or ``check_launch``'s.
     """
-    from pipec.commands._common import load_costs
-    from pipec.compiler.driver import compile_target
-
     start = time.monotonic()
-    program = compile_target(args.target, parse_defines(args.defines), costs=load_costs(args)).program
+    program = _checked_target(args)
     if report is not None:
         report.compiled(program, time.monotonic() - start)
         start = time.monotonic()
@@ -174,6 +171,22 @@ def check_before_launch(args, report: run_report.RunReport | None = None) -> tup
     if report is not None:
         report.checked(args.model or DEFAULT_MODEL, time.monotonic() - start)
     return program, nproc
+
+
+def _checked_target(args):
+    """The target compiled and checked, or a compiled program file (``pipec compile --format json``: a
+    composition's lists edited per rank, say) read and checked as the compiler checks what it emits."""
+    from pipec.commands._common import load_costs
+    from pipec.compiler.driver import compile_target
+    from pipec.compiler.guarded_read import looks_like_program
+
+    if not looks_like_program(args.target):
+        return compile_target(args.target, parse_defines(args.defines), costs=load_costs(args)).program
+    from pipec.api import load_file
+
+    if args.defines:
+        raise UsageError(f"-D sets parameters of a .pipe schedule; the compiled program '{args.target}' has its own")
+    return load_file(args.target, costs=load_costs(args)).ir
 
 
 def check_launch(args, program) -> int:
