@@ -107,7 +107,8 @@ def register(sub) -> None:
     parser = sub.add_parser(
         "run",
         help="train with a schedule on P worker processes (torch.distributed, launched like torchrun)",
-        description="Compile and check TARGET, then train the model with it on --nproc worker processes.",
+        description="Compile and check TARGET (or read and check a compiled program .json, as `pipec compile "
+                    "--format json` writes), then train the model with it on --nproc worker processes.",
     )
     add_run_arguments(parser)
     parser.add_argument(
