@@ -4,13 +4,14 @@ What ``check_all`` accepts runs, and trains exactly; what the runtime faults on,
 a small compiled program of each family (``BASES``), ``family_mutants`` derives seeded mutants, each made of
 one or more edits (``EDITS``: swap two adjacent instructions of a rank, move one a few places, drop one,
 duplicate one, change a message's peer, swap two parts of a batch or exchange). ``verdict`` checks each: a
-rejection must be a ``ProgramError``, never another exception. ``run_mutants`` then trains, on gloo, the
-unmutated program, every distinct accepted mutant and a sample of the rejected ones, from the program file
-the runtime reads, without rank 0's check (``runtime_util.launch_isolated``: each job in processes of its
-own, so that a rejected mutant's fault or hang ends that job only). The property (``disagreements``): every
-accepted mutant's run ends on every rank and saves the unmutated program's parameters within 1e-5; a
-rejected mutant may do anything (a fault, a wait past its ``--timeout``, wrong parameters, or even train
-exactly: the checks may refuse what happens to work), which is counted, not judged.
+rejection must be a ``ProgramError``, never another exception. ``run_programs`` then trains, on gloo, the
+unmutated programs, every distinct accepted mutant and a sample of the rejected ones, from the program
+file the runtime reads, without rank 0's check (``runtime_util.launch_isolated``: each job in processes of
+its own, so that a rejected mutant's fault or hang ends that job only). The property (``disagreements``):
+every accepted mutant's run ends on every rank and saves the unmutated program's parameters within 1e-5
+(those are one process's, ``reference_run``); a rejected mutant may do anything (a fault, a wait past its
+``--timeout``, wrong parameters, or even train exactly: the checks may refuse what happens to work), which
+is counted, not judged.
 
 Run as a script, it checks at least ``--per-family`` mutants (1,000 by default) of each family and runs
 every distinct accepted one; ``tests/test_prover_runtime_agree.py`` runs a seeded subset:
@@ -38,6 +39,8 @@ from pipec.compiler.driver import compile_target
 from pipec.compiler.emit.json_program import program_to_json
 from pipec.compiler.ir import Action, Program
 from pipec.errors import ProgramError
+from pipec.runtime.model import ModelConfig
+from pipec.runtime.reference import reference_run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: runtime_util beside it
 from runtime_util import TOLERANCE, launch_isolated  # noqa: E402
@@ -54,6 +57,11 @@ class Base(NamedTuple):
     @property
     def label(self) -> str:
         return self.target + "".join(f" {k}={v}" for k, v in self.params)
+
+    @property
+    def microbatches(self) -> int:
+        """N of the one-process run it trains like (a sequence ring trains one batch a step: 1)."""
+        return int(dict(self.params).get("N", 1))
 
 
 # The smallest programs of each family that still hold its kinds of instruction.
@@ -263,8 +271,8 @@ def run_programs(chosen: dict[Base, list[Mutant]], folder: Path) -> dict[Base, t
     ``launch_isolated`` per world size, every job in processes of its own.
 
     Returns:
-        base -> (the unmutated program's outcome, each of its mutants', measured against the unmutated run's
-        parameters).
+        base -> (the unmutated program's outcome, measured against one process's run; each of its mutants',
+        against the unmutated run's parameters).
     """
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
@@ -296,7 +304,9 @@ def run_programs(chosen: dict[Base, list[Mutant]], folder: Path) -> dict[Base, t
                 outcome = Outcome("wrong", "saved nothing")
             else:
                 got = torch.load(saved)
-                want.setdefault(base, got)  # a base's first job is its unmutated program
+                if base not in want:  # a base's first job is its unmutated program: it trains like one process
+                    want[base] = got
+                    got = reference_run(ModelConfig(), STEPS, base.microbatches, SEED).state_dict
                 outcome = _compare(got, want[base])
             if base not in out:
                 out[base] = (outcome, [])

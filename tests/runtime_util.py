@@ -218,12 +218,13 @@ class JobEnd:
     """How one job of ``launch_isolated`` ended.
 
     Attributes:
-        returncodes: per rank (negative: killed by that signal; the job's deadline kills with SIGKILL).
+        returncodes: per rank (negative: killed by that signal, SIGKILL at the job's deadline; None: the rank's
+            process ended before the job did).
         timed_out: some rank's child outlived the job's deadline and was killed.
         stderr: per rank, what the job's child wrote to stderr (a fault's message).
     """
 
-    returncodes: list[int]
+    returncodes: list[int | None]
     timed_out: bool
     stderr: list[str]
 
@@ -275,7 +276,7 @@ def _job_messages(err: str) -> dict[int, str]:
     """job -> what its child wrote to the rank's stderr (after the job's ``JOB_MARK``)."""
     messages, index = {}, None
     for line in err.splitlines(keepends=True):
-        if line.startswith("=== job "):
+        if line.startswith(JOB_MARK.format(index="")):
             index = int(line.split()[2])
             messages[index] = ""
         elif index is not None:

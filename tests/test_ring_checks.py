@@ -141,6 +141,25 @@ def test_a_backward_before_its_forward_is_complete_is_named():
         check_rings(bad)
 
 
+def test_a_forward_block_after_the_backwards_first_instruction_is_named_even_of_another_chunk():
+    # Found by tests/mutants.py: each chunk's blocks were in order, so the program was proved, but the runtime
+    # runs a rank's list as a forward half and a backward half, and this forward block sits in the second.
+    program = lower_plan(shapes(2, True)["zigzag"])
+    row = program.ranks[1]
+    late = row[first(row, ops.AF)]
+    post = first(row, ops.AB) - 1  # the post of the backward's first KV exchange, still open at its first AB
+    assert row[post].op == ops.EXCHANGE and late.text() == "1AF1"
+    rest = [a for a in row if a != late]
+    check_rings(plant(program, 1, lambda r: rest[:post - 1] + [late] + rest[post - 1:]))  # just before: proved
+    with pytest.raises(CoverageError) as caught:
+        check_rings(plant(program, 1, lambda r: rest[:post] + [late] + rest[post:]))
+    error = caught.value
+    assert error.message == ("1AF1: a forward block comes after the backward's first instruction (step "
+                             f"{post - 1}): this list cannot run its forward and its backward apart (a rank runs "
+                             "its list's forward half in the model's forward and the rest in its backward)")
+    assert (error.rank, error.step, error.marks) == (1, post, [(1, post - 1)])
+
+
 def test_a_dkv_partial_sent_to_the_wrong_rank_is_named():
     # dkv direct: rank 0 sends its partial of rank 1's bundle to rank 2 instead, and rank 2 takes it
     program = lower_plan(shapes(3, False, dkv="direct")["ring"])

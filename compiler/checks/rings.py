@@ -12,8 +12,10 @@ visible block, ``RingPlan.visible``, once each way on its query's rank, and a
 chunk's backward blocks after all its forward ones: they need its global
 output and log-sum-exp; ``CoverageError``), route consistency and buffer slots
 (a block finds its bundle, no buffer replaced while its send runs: the public
-code's silent corruption; ``RouteError``) and reduction completeness (every
-contribution home exactly once; ``RouteError``). docs/rings.md, section 3,
+code's silent corruption; ``RouteError``), reduction completeness (every
+contribution home exactly once; ``RouteError``) and the two halves the runtime
+runs apart (every forward block of a rank before its backward's first
+instruction, ``ring_halves``; ``CoverageError``). docs/rings.md, section 3,
 lists every hazard; each error names the rank, the instruction (its index in
 the rank's list, with its ring step beside it where the lowering recorded it)
 and the block or bundle.
@@ -27,6 +29,7 @@ from pipec.compiler import ops
 from pipec.compiler.checks.symbolic import Part, RankState, Semantics, prove_exchanges, register_semantics
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import kv_buffer_counts
+from pipec.compiler.ring_halves import forward_end
 from pipec.errors import CoverageError, MatchError, RouteError, WellFormedError
 
 
@@ -282,3 +285,16 @@ class RingSemantics(Semantics):
                         raise self.error(RouteError, f"the dK, dV of {block_text(plan, key[0], plan.block(key[1], key[2]))} "
                                          f"{got} (rank {rank}'s {_bundle_text(bundle)} partial)",
                                          rank, end)
+        self.check_halves()
+
+    def check_halves(self) -> None:
+        """Every rank's list splits into a forward half and a backward half (``ring_halves``): the runtime runs
+        the first in the model's forward and the rest in its backward, so no forward block may come after the
+        backward's first instruction, though each chunk's blocks alone are in order."""
+        for rank, row in enumerate(self.program.ranks):
+            halves = forward_end(row)
+            if halves.problem is not None:
+                index, why = halves.problem
+                raise self.error(CoverageError, f"{row[index].text()}: {why} (a rank runs its list's forward half in "
+                                 "the model's forward and the rest in its backward)", rank, index,
+                                 [(rank, halves.end)] if halves.end != index else [])
