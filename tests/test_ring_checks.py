@@ -160,6 +160,24 @@ def test_a_forward_block_after_the_backwards_first_instruction_is_named_even_of_
     assert (error.rank, error.step, error.marks) == (1, post, [(1, post - 1)])
 
 
+def test_a_message_of_one_ranks_forward_half_that_meets_anothers_backward_half_is_named():
+    # Found by tests/mutants.py: rank 0 waits the backward's first KV exchange before its first backward block,
+    # so that exchange falls in its forward half; rank 1 posts it in its backward half. Matched in order, the
+    # whole list was proved, but the runtime runs the halves apart, and rank 0's forward waits for ever.
+    program = lower_plan(shapes(2, True)["zigzag"])
+    row = program.ranks[0]
+    post = first(row, ops.AB) - 1
+    wait = next(i for i, a in enumerate(row) if a.op == ops.EXCHANGE_WAIT and a.mb == row[post].mb)
+    moved = row[:post + 1] + [row[wait]] + [a for a in row[post + 1:] if a is not row[wait]]
+    with pytest.raises(MatchError) as caught:
+        check_rings(plant(program, 0, lambda r: moved))
+    error = caught.value
+    assert error.message == (f"{row[post].text()}: rank 0's forward half sends 2 message(s) to rank 1, whose forward "
+                             "half receives 1: a message of one half would meet the other (a rank runs its list's "
+                             "forward half in the model's forward and the rest in its backward)")
+    assert (error.rank, error.step) == (0, post)
+
+
 def test_a_dkv_partial_sent_to_the_wrong_rank_is_named():
     # dkv direct: rank 0 sends its partial of rank 1's bundle to rank 2 instead, and rank 2 takes it
     program = lower_plan(shapes(3, False, dkv="direct")["ring"])
