@@ -15,7 +15,8 @@ output and log-sum-exp; ``CoverageError``), route consistency and buffer slots
 code's silent corruption; ``RouteError``), reduction completeness (every
 contribution home exactly once; ``RouteError``) and the two halves the runtime
 runs apart (every forward block of a rank before its backward's first
-instruction, ``ring_halves``; ``CoverageError``). docs/rings.md, section 3,
+instruction, ``ring_halves``, ``CoverageError``; forward halves whose messages
+and all_to_alls meet only each other, ``MatchError``). docs/rings.md, section 3,
 lists every hazard; each error names the rank, the instruction (its index in
 the rank's list, with its ring step beside it where the lowering recorded it)
 and the block or bundle.
