@@ -36,6 +36,9 @@ WEIGHT_PASSING = "weight passing"
 SEQUENCE_RING = "sequence ring"
 TENSOR_PARALLEL = "tensor parallel"
 FAMILIES = (ACTIVATION_PASSING, WEIGHT_PASSING, SEQUENCE_RING, TENSOR_PARALLEL)
+# The family field of an op that no one family owns: the exchange and its wait, which post and wait the parts
+# of every family (weight passing's weights, a ring's KV, a composition's gradient reductions, ...).
+SHARED = "every family"
 
 # --------------------------------------------------------------------- values
 
@@ -176,7 +179,7 @@ class OpRule(NamedTuple):
     Attributes:
         op: the op name, as in the text form (``F``, ``SEND_F``).
         category: one of ``CATEGORIES``.
-        family: the workload family.
+        family: the workload family (``FAMILIES``), or ``SHARED`` for an op of every family.
         reads: values it reads. For a compute, the dataflow: each read value is
             made by a compute that writes it (its producer).
         writes: values it makes.
@@ -324,16 +327,17 @@ RULES: dict[str, OpRule] = {rule.op: rule for rule in (
            communicator=REPLICAS_OF_CHUNK, doc="start the all-reduce of the chunk's weight gradient"),
     OpRule(ALLREDUCE_WAIT, COLLECTIVE_WAIT, _AP, fields=("stage",), communicator=REPLICAS_OF_CHUNK,
            doc="wait for this rank's all-reduce of the chunk"),
-    # -- weight passing (docs/weights.md). An EXCHANGE posts its parts at a
-    # step boundary and goes on; an EXCHANGE_WAIT waits for them. ``mb`` of
-    # both is the exchange's number (2 * boundary + lane, the same on every
-    # rank). A part names its layer by the acting rank's own stage of it
+    # -- every family's exchanges. An EXCHANGE posts its parts and goes on; an
+    # EXCHANGE_WAIT waits for them. ``mb`` of both is the exchange's number
+    # (weight passing: 2 * boundary + lane, the same on every rank).
+    OpRule(EXCHANGE, EXCHANGE_OF, SHARED, runs_on=ON_ANY, fields=("mb", "parts"),
+           doc="post the parts of one exchange (sends, receives, collectives) in list order"),
+    OpRule(EXCHANGE_WAIT, EXCHANGE_WAIT_OF, SHARED, runs_on=ON_ANY, fields=("mb",),
+           doc="wait until every part of this rank's exchange ``mb`` has completed"),
+    # -- weight passing (docs/weights.md): the parts of its exchanges at step
+    # boundaries. A part names its layer by the acting rank's own stage of it
     # (``stage``) and, in ``mb``, the step whose weights it brings (or whose
     # gradients it takes away).
-    OpRule(EXCHANGE, EXCHANGE_OF, _WP, runs_on=ON_ANY, fields=("mb", "parts"),
-           doc="post the parts of one exchange (sends, receives, collectives) in list order"),
-    OpRule(EXCHANGE_WAIT, EXCHANGE_WAIT_OF, _WP, runs_on=ON_ANY, fields=("mb",),
-           doc="wait until every part of this rank's exchange ``mb`` has completed"),
     OpRule(SEND_W, PART_SEND, _WP, carries=Use("weight"), fields=_PEER_FIELDS,
            doc="send a copy of the layer's weights (the owner's master, or a copy held)"),
     OpRule(RECV_W, PART_RECV, _WP, carries=Use("weight"), fields=_PEER_FIELDS,
@@ -773,6 +777,7 @@ def _check_table() -> None:
     """The table's own consistency, checked once at import (a broken table is a programming error)."""
     for op, rule in RULES.items():
         assert rule.category in CATEGORIES, op
+        assert rule.family in FAMILIES or (rule.family == SHARED and rule.category in (EXCHANGE_OF, EXCHANGE_WAIT_OF)), op
         for use in rule.reads + rule.writes + ((rule.carries,) if rule.carries else ()):
             assert use.kind in VALUE_KINDS and use.where in (SELF, PREV, NEXT), (op, use)
         assert all(kind in VALUE_KINDS for kind in rule.ends), op

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
-from pipec.compiler import ops
+from pipec.compiler import ops, ring_halves
 from pipec.compiler.ir import Action, Program, RingPlan
 from pipec.errors import RuntimeFault, UsageError
 from pipec.runtime import comm
@@ -215,44 +215,22 @@ class RingAttention:
 
 
 def forward_end(run) -> int:
-    """Where rank ``run.rank``'s list stops being forward: the index of its backward's first instruction.
+    """Where rank ``run.rank``'s list stops being forward: the index of its backward's first instruction
+    (``compiler/ring_halves.py``, which the prover proved the list has).
 
     ``run`` is a ``RingContext`` or one call's state: what has the list (``row``), keeps the answer
     (``split``) and makes faults (``fault``).
-
-    The lowering puts every forward instruction (AF blocks, the forward KV
-    exchanges and their waits) before every backward one. The backward starts
-    at its first AB, or earlier at the post of an exchange that is still open
-    there (the backward's first KV exchange, posted before its first blocks);
-    the forward half must also leave no exchange open, and hold every AF.
 
     Raises:
         RuntimeFault: an exchange never waited, or an AF at or after the backward's start.
     """
     if run.split is not None:
         return run.split
-    row = run.row
-    first_ab = next((i for i, action in enumerate(row) if action.op == ops.AB), len(row))
-    posted: dict[int, int] = {}
-    waited: dict[int, int] = {}
-    for index, action in enumerate(row):
-        if action.op == ops.EXCHANGE:
-            posted.setdefault(action.mb, index)
-        elif action.op == ops.EXCHANGE_WAIT:
-            waited.setdefault(action.mb, index)
-    for number, index in posted.items():
-        if number not in waited:
-            raise run.fault(index, f"exchange {number} is never waited")
-    end = min([first_ab] + [index for number, index in posted.items() if index < first_ab <= waited[number]])
-    # no exchange of the forward half may still be open at its end
-    while any(index < end <= waited[number] for number, index in posted.items()):
-        end = min(index for number, index in posted.items() if index < end <= waited[number])
-    late = next((i for i in range(end, len(row)) if row[i].op == ops.AF), None)
-    if late is not None:
-        raise run.fault(late, f"a forward block comes after the backward's first instruction (step {end}): this "
-                              "list cannot run its forward and its backward apart")
-    run.split = end
-    return end
+    halves = ring_halves.forward_end(run.row)
+    if halves.problem is not None:
+        raise run.fault(*halves.problem)
+    run.split = halves.end
+    return halves.end
 
 
 def wait_within(works, timeout: float, site: comm.Site, wait=comm.await_blocking, *,

@@ -9,6 +9,7 @@ hang fails a test instead of stalling the suite; no worker outlives ``launch_wor
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 # How often the launcher looks at its workers, seconds.
 _POLL_S = 0.02
@@ -197,10 +199,153 @@ def _batch_main(jobs: list[list[str]]) -> None:
         worker.leave_group()
 
 
+# ------------------------------------------------------------------ isolated batches
+#
+# A batch whose jobs may fault (programs the checks reject, run anyway) cannot share one process group: a
+# fault ends the process and leaves the group's messages half sent. Each rank's process imports once and
+# forks a child per job; the children of one job join a group of their own (a file store per job, so no
+# port is chosen twice) and end with the job, so that a fault or a hang ends that job and not the batch.
+
+
+# What the process of a rank writes to stderr before each job's child starts: its messages follow.
+JOB_MARK = "=== job {index}"
+# How long a job's child may outlive its --timeout (joining, building the model, saving) before it is killed.
+JOB_MARGIN_S = 30.0
+
+
+@dataclass
+class JobEnd:
+    """How one job of ``launch_isolated`` ended.
+
+    Attributes:
+        returncodes: per rank (negative: killed by that signal, SIGKILL at the job's deadline; None: the rank's
+            process ended before the job did).
+        timed_out: some rank's child outlived the job's deadline and was killed.
+        stderr: per rank, what the job's child wrote to stderr (a fault's message).
+    """
+
+    returncodes: list[int | None]
+    timed_out: bool
+    stderr: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(code == 0 for code in self.returncodes)
+
+
+def launch_isolated(jobs: list[list[str]], nproc: int, folder, env: dict[str, str] | None = None
+                    ) -> tuple[list[JobEnd], WorkerRun]:
+    """Run worker command lines one after the other in ``nproc`` processes, each job in children of its own.
+
+    The worker's own steps, as ``launch_batch`` (``make_plan``, then ``train``), without rank 0's check of a
+    ``--program`` file: what the runtime does with a program whatever the checks say of it. The ranks start
+    each job together; a job's child that outlives its ``--timeout`` by ``JOB_MARGIN_S`` is killed.
+
+    Args:
+        jobs: each a worker's arguments; every job must compile to ``nproc`` ranks.
+        folder: an empty folder for the jobs' file stores and the ranks' meeting files.
+    Returns:
+        (per job, how it ended; the whole run).
+    """
+    from pipec.runtime.worker import parse_run_config
+
+    deadlines = [parse_run_config(job).timeout + JOB_MARGIN_S for job in jobs]
+    spec = {"jobs": jobs, "folder": str(folder), "deadlines": deadlines}
+    run = _launch([sys.executable, os.path.abspath(__file__), json.dumps(spec)], nproc, sum(deadlines) + 120, env)
+    ends = [JobEnd([], False, []) for _ in jobs]
+    for out, err in zip(run.stdout, run.stderr):
+        codes = dict(_job_ends(out))
+        messages = _job_messages(err)
+        for index, end in enumerate(ends):
+            code, timed_out = codes.get(index, (None, False))
+            end.returncodes.append(code)
+            end.timed_out = end.timed_out or timed_out
+            end.stderr.append(messages.get(index, ""))
+    return ends, run
+
+
+def _job_ends(out: str):
+    """(job, (return code, timed out)) from a rank's ``job I exit CODE [timed out]`` lines."""
+    for line in out.splitlines():
+        words = line.split()
+        if words[:1] == ["job"] and words[2:3] == ["exit"]:
+            yield int(words[1]), (int(words[3]), "timed" in words)
+
+
+def _job_messages(err: str) -> dict[int, str]:
+    """job -> what its child wrote to the rank's stderr (after the job's ``JOB_MARK``)."""
+    messages, index = {}, None
+    for line in err.splitlines(keepends=True):
+        if line.startswith(JOB_MARK.format(index="")):
+            index = int(line.split()[2])
+            messages[index] = ""
+        elif index is not None:
+            messages[index] += line
+    return messages
+
+
+# What a job's child imports on its way (the interpreter, the optimizer's dynamo): imported before the forks.
+_CHILD_IMPORTS = ("pipec.runtime.interpreter", "pipec.runtime.data", "pipec.runtime.checkpoint", "torch._dynamo")
+
+
+def _isolated_main(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pipec.runtime import worker
+
+    for module in _CHILD_IMPORTS:  # imported once: every child inherits them
+        importlib.import_module(module)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for index, (job, deadline) in enumerate(zip(spec["jobs"], spec["deadlines"])):
+        _meet(spec["folder"], index, rank, world)
+        sys.stdout.flush()
+        sys.stderr.write(JOB_MARK.format(index=index) + "\n")
+        sys.stderr.flush()
+        child = os.fork()
+        if child == 0:
+            with worker.fatal_errors(rank):  # a fault: its message on stderr, and the child ends at once
+                config = worker.parse_run_config(job)
+                plan = worker.make_plan(config, world)
+                store = dist.FileStore(os.path.join(spec["folder"], f"store-{index}"), world)
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                        timeout=timedelta(seconds=deadline))
+                worker.train(plan, rank, world, torch.device("cpu"))  # gloo's
+                worker.leave_group()
+            worker.end_process(0)
+        code, timed_out = _wait_child(child, deadline)
+        print(f"job {index} exit {code}{' timed out' if timed_out else ''}", flush=True)
+
+
+def _meet(folder: str, index: int, rank: int, world: int) -> None:
+    """Wait until every rank's process is ready for job ``index`` (a file per rank; no group outlives a job)."""
+    open(os.path.join(folder, f"ready-{index}-{rank}"), "w").close()
+    while not all(os.path.exists(os.path.join(folder, f"ready-{index}-{other}")) for other in range(world)):
+        time.sleep(_POLL_S)
+
+
+def _wait_child(pid: int, deadline_s: float) -> tuple[int, bool]:
+    """Wait for child ``pid`` until ``deadline_s``, then kill it: (its return code, killed at the deadline)."""
+    start = time.monotonic()
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), False
+        if time.monotonic() - start > deadline_s:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -signal.SIGKILL, True
+        time.sleep(_POLL_S)
+
+
 if __name__ == "__main__":
     from pipec.runtime.worker import end_process
 
-    _batch_main(json.loads(sys.argv[1]))
+    argument = json.loads(sys.argv[1])
+    if isinstance(argument, dict):  # launch_isolated's
+        _isolated_main(argument)
+    else:
+        _batch_main(argument)
     end_process(0)  # as a worker ends: no interpreter teardown after the group is left
 
 

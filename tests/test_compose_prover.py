@@ -123,6 +123,26 @@ def test_a_microbatch_handed_to_the_wrong_dp_rank_of_the_next_stage_is_named():
     assert (error.rank, error.step) == (0, at)
 
 
+def test_a_members_free_before_its_backward_twice_or_of_what_it_never_made_is_named():
+    # Found by the mutants of tests/mutants.py: a placed program's frees were proved by nothing, and the
+    # runtime faults in the backward after a free of its saved activation.
+    program = composed("1f1b", 2, "dp", 2)
+    at = index_of(program, 3, "1FREE_F0")
+    early = with_row(program, 3, lambda row: row[:at - 1] + [row[at], row[at - 1]] + row[at + 1:])
+    error = _raised(early, ConflictError)
+    assert error.message == "1FREE_F0 frees the activation before 1B0 uses it (step 3)"
+    assert (error.rank, error.step, error.marks) == (3, 2, [(3, 3)])
+    error = _raised(with_row(program, 3, lambda row: row[:at + 1] + [row[at]] + row[at + 1:]), ConflictError)
+    assert error.message == f"1FREE_F0 frees the activation twice (first at step {at})"
+    assert (error.rank, error.step) == (3, at + 1)
+    error = _raised(with_row(program, 0, lambda row: row + [Action(1, ops.FREE_F, 0)]), ConflictError)
+    assert error.message == "1FREE_F0 frees an activation that is never made on rank 0"
+    ships = index_of(program, 0, "0SEND_F0")
+    error = _raised(with_row(program, 0, lambda row: row[:ships] + [Action(0, ops.FREE_F, 0)] + row[ships:]),
+                    ConflictError)
+    assert error.message == f"0FREE_F0 frees the activation before 0SEND_F0 uses it (step {ships + 1})"
+
+
 def test_a_gradient_contribution_after_its_reduction_is_named():
     program = composed("1f1b", 2, "fsdp", 4)
     at = index_of(program, 0, "(0REDUCE_GRAD)EXCHANGE0")

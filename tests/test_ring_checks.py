@@ -141,6 +141,43 @@ def test_a_backward_before_its_forward_is_complete_is_named():
         check_rings(bad)
 
 
+def test_a_forward_block_after_the_backwards_first_instruction_is_named_even_of_another_chunk():
+    # Found by tests/mutants.py: each chunk's blocks were in order, so the program was proved, but the runtime
+    # runs a rank's list as a forward half and a backward half, and this forward block sits in the second.
+    program = lower_plan(shapes(2, True)["zigzag"])
+    row = program.ranks[1]
+    late = row[first(row, ops.AF)]
+    post = first(row, ops.AB) - 1  # the post of the backward's first KV exchange, still open at its first AB
+    assert row[post].op == ops.EXCHANGE and late.text() == "1AF1"
+    rest = [a for a in row if a != late]
+    check_rings(plant(program, 1, lambda r: rest[:post - 1] + [late] + rest[post - 1:]))  # just before: proved
+    with pytest.raises(CoverageError) as caught:
+        check_rings(plant(program, 1, lambda r: rest[:post] + [late] + rest[post:]))
+    error = caught.value
+    assert error.message == ("1AF1: a forward block comes after the backward's first instruction (step "
+                             f"{post - 1}): this list cannot run its forward and its backward apart (a rank runs "
+                             "its list's forward half in the model's forward and the rest in its backward)")
+    assert (error.rank, error.step, error.marks) == (1, post, [(1, post - 1)])
+
+
+def test_a_message_of_one_ranks_forward_half_that_meets_anothers_backward_half_is_named():
+    # Found by tests/mutants.py: rank 0 waits the backward's first KV exchange before its first backward block,
+    # so that exchange falls in its forward half; rank 1 posts it in its backward half. Matched in order, the
+    # whole list was proved, but the runtime runs the halves apart, and rank 0's forward waits for ever.
+    program = lower_plan(shapes(2, True)["zigzag"])
+    row = program.ranks[0]
+    post = first(row, ops.AB) - 1
+    wait = next(i for i, a in enumerate(row) if a.op == ops.EXCHANGE_WAIT and a.mb == row[post].mb)
+    moved = row[:post + 1] + [row[wait]] + [a for a in row[post + 1:] if a is not row[wait]]
+    with pytest.raises(MatchError) as caught:
+        check_rings(plant(program, 0, lambda r: moved))
+    error = caught.value
+    assert error.message == (f"{row[post].text()}: rank 0's forward half sends 2 message(s) to rank 1, whose forward "
+                             "half receives 1: a message of one half would meet the other (a rank runs its list's "
+                             "forward half in the model's forward and the rest in its backward)")
+    assert (error.rank, error.step) == (0, post)
+
+
 def test_a_dkv_partial_sent_to_the_wrong_rank_is_named():
     # dkv direct: rank 0 sends its partial of rank 1's bundle to rank 2 instead, and rank 2 takes it
     program = lower_plan(shapes(3, False, dkv="direct")["ring"])

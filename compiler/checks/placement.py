@@ -12,7 +12,8 @@ member's share:
   its stage; each member runs each of its stage's tasks exactly once (the
   family's task sets, per member); a compute's sub-steps (its ``parts``) are
   sub-step ops of its own stage and microbatch, on a stage on a group, and
-  every member runs a compute with the same sub-steps; then, per member
+  every member runs a compute with the same sub-steps; a free (FREE_F) of what a
+  member stored stands once on that member, after its last use there; then, per member
   (``checks/sharding.py``), a sharded stage's weights whole wherever a compute
   runs on them, and each stage's gradient reduced once after its last
   contribution and waited.
@@ -61,11 +62,13 @@ def check_placed(program: Program) -> None:
 
     Raises:
         WellFormedError: at the group's first rank for a bad group; at the instruction otherwise.
+        ConflictError: a free of a member's stored values before their last use (``_check_frees``).
     """
     _check_groups(program)
     tasks = _locate(program)
     _check_complete(program, tasks)
     _check_substeps_agree(program, tasks)
+    _check_frees(program, tasks)
     check_sharding(program)
 
 
@@ -191,6 +194,64 @@ def _check_parts(program: Program, rank: int, step: int, action: Action) -> None
         if (part.stage, part.mb) != (action.stage, action.mb):
             raise _error(program, f"{text} holds {part.text()}, which names another compute: a sub-step names the "
                          "stage and microbatch of the compute it runs in", rank, step)
+
+
+# A free (FREE_F) of (stage, mb) drops what a member stored for it: its makers are the computes that store
+# what it drops and make what it reads (F, R), its users every other compute that makes, reads or ends a dropped
+# value at its own stage (B, I, W), and its ships the sends of what its makers hand on (SEND_F): the rules of
+# the single-home check (``checks/conflict.py``), per member.
+def _free_rules(free_op: str) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    rule = ops.RULES[free_op]
+    dropped, read = set(rule.ends), {use.kind for use in rule.reads}
+    makers = frozenset(op for op in ops.stored_by(free_op) if read & {use.kind for use in ops.RULES[op].writes})
+    users = frozenset(op for op in ops.COMPUTE_OPS if op not in makers and dropped & (
+        set(ops.RULES[op].ends) | {use.kind for use in ops.RULES[op].reads + ops.RULES[op].writes
+                                   if use.where == ops.SELF}))
+    made = {use.kind for op in makers for use in ops.RULES[op].writes if use.where == ops.SELF}
+    ships = frozenset(send for kind, (send, _recv) in ops.COMM_OP_OF_KIND.items() if kind in made)
+    return makers, users, ships
+
+
+_FREE_RULES = {free_op: _free_rules(free_op) for free_op in ops.FREE_OPS}
+
+
+def _check_frees(program: Program, tasks) -> None:
+    """Each free of (stage, mb) stands on a member of the stage, once, after a compute of the member that made
+    what it drops and after every compute and send of the member that uses it (``_FREE_RULES``).
+
+    The runtime drops the member's stored values at the free: a backward after it finds nothing to run on.
+    """
+    sends = {}  # (rank, op, stage, mb) -> the step of the send (alone or in a batch)
+    for rank, row in enumerate(program.ranks):
+        for step, action in enumerate(row):
+            for part in action.comms():
+                sends.setdefault((rank, part.op, part.stage, part.mb), step)
+    for rank, row in enumerate(program.ranks):
+        freed: dict[tuple[str, int, int], int] = {}
+        for step, action in enumerate(row):
+            if action.op not in _FREE_RULES:
+                continue
+            makers, users, ships = _FREE_RULES[action.op]
+            stage, mb, text = action.stage, action.mb, action.text()
+            made = [tasks[key] for op in makers if (key := (rank, stage, op, mb)) in tasks]
+            if not made:
+                raise _conflict(program, f"{text} frees an activation that is never made on rank {rank}", rank, step)
+            if (action.op, stage, mb) in freed:
+                first = freed[action.op, stage, mb]
+                raise _conflict(program, f"{text} frees the activation twice (first at step {first})", rank, step,
+                                [(rank, first)])
+            freed[action.op, stage, mb] = step
+            uses = [(tasks[key], f"{stage}{op}{mb}") for op in makers | users if (key := (rank, stage, op, mb)) in tasks]
+            uses += [(sends[key], row[sends[key]].text()) for op in ships if (key := (rank, op, stage, mb)) in sends]
+            late = [(use_step, use) for use_step, use in uses if use_step > step]
+            if late:
+                use_step, use = min(late)
+                raise _conflict(program, f"{text} frees the activation before {use} uses it (step {use_step})",
+                                rank, step, [(rank, use_step)])
+
+
+def _conflict(program: Program, message: str, rank: int, step: int, marks=()) -> ConflictError:
+    return ConflictError(message, rank, step, program.grid(), marks)
 
 
 def _check_complete(program: Program, tasks) -> None:

@@ -12,8 +12,11 @@ visible block, ``RingPlan.visible``, once each way on its query's rank, and a
 chunk's backward blocks after all its forward ones: they need its global
 output and log-sum-exp; ``CoverageError``), route consistency and buffer slots
 (a block finds its bundle, no buffer replaced while its send runs: the public
-code's silent corruption; ``RouteError``) and reduction completeness (every
-contribution home exactly once; ``RouteError``). docs/rings.md, section 3,
+code's silent corruption; ``RouteError``), reduction completeness (every
+contribution home exactly once; ``RouteError``) and the two halves the runtime
+runs apart (every forward block of a rank before its backward's first
+instruction, ``ring_halves``, ``CoverageError``; forward halves whose messages
+and all_to_alls meet only each other, ``MatchError``). docs/rings.md, section 3,
 lists every hazard; each error names the rank, the instruction (its index in
 the rank's list, with its ring step beside it where the lowering recorded it)
 and the block or bundle.
@@ -27,7 +30,12 @@ from pipec.compiler import ops
 from pipec.compiler.checks.symbolic import Part, RankState, Semantics, prove_exchanges, register_semantics
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import kv_buffer_counts
+from pipec.compiler.ring_halves import forward_end
 from pipec.errors import CoverageError, MatchError, RouteError, WellFormedError
+
+
+# Why a ring's list is proved as two halves.
+_HALVES = "a rank runs its list's forward half in the model's forward and the rest in its backward"
 
 
 class RingReport(NamedTuple):
@@ -282,3 +290,47 @@ class RingSemantics(Semantics):
                         raise self.error(RouteError, f"the dK, dV of {block_text(plan, key[0], plan.block(key[1], key[2]))} "
                                          f"{got} (rank {rank}'s {_bundle_text(bundle)} partial)",
                                          rank, end)
+        self.check_halves()
+
+    def check_halves(self) -> None:
+        """Every rank's list splits into a forward half and a backward half (``ring_halves``), and the forward
+        halves complete alone. The runtime runs every rank's forward half in the model's forward and the rest
+        in its backward, so no forward block may come after the backward's first instruction (though each
+        chunk's blocks alone are in order), and no message of a forward half may meet a backward half: the
+        whole program's messages match in order per pair of ranks (and its all_to_alls in order), so the
+        forward halves hold as many of each pair's messages on both sides, and as many all_to_alls."""
+        ends = []
+        for rank, row in enumerate(self.program.ranks):
+            halves = forward_end(row)
+            if halves.problem is not None:
+                index, why = halves.problem
+                raise self.error(CoverageError, f"{row[index].text()}: {why} ({_HALVES})", rank, index,
+                                 [(rank, halves.end)] if halves.end != index else [])
+            ends.append(halves.end)
+        sides: dict[tuple[int, int], list[list[int]]] = {}  # (sender, receiver) -> [the sender's steps, the receiver's]
+        meetings = []  # per rank, the steps of its forward half's all_to_alls
+        for rank, (row, end) in enumerate(zip(self.program.ranks, ends)):
+            meetings.append([])
+            for step in range(end):
+                for part in row[step].parts if row[step].op == ops.EXCHANGE else ():
+                    category = ops.RULES[part.op].category
+                    if category == ops.PART_COLLECTIVE:
+                        meetings[rank].append(step)
+                    elif category in (ops.PART_SEND, ops.PART_RECV):
+                        sending = category == ops.PART_SEND
+                        pair = (rank, part.peer) if sending else (part.peer, rank)
+                        sides.setdefault(pair, [[], []])[0 if sending else 1].append(step)
+        for (sender, receiver), (sent, received) in sorted(sides.items()):
+            if len(sent) != len(received):
+                rank, steps = (sender, sent) if len(sent) > len(received) else (receiver, received)
+                raise self.error(MatchError, f"{self.program.ranks[rank][steps[-1]].text()}: rank {sender}'s forward "
+                                 f"half sends {len(sent)} message(s) to rank {receiver}, whose forward half receives "
+                                 f"{len(received)}: a message of one half would meet the other ({_HALVES})",
+                                 rank, steps[-1])
+        counts = [len(steps) for steps in meetings]
+        if len(set(counts)) > 1:
+            rank = counts.index(max(counts))
+            raise self.error(MatchError, f"{self.program.ranks[rank][meetings[rank][-1]].text()}: rank {rank}'s "
+                             f"forward half holds {max(counts)} all_to_all(s), rank {counts.index(min(counts))}'s "
+                             f"{min(counts)}: an all_to_all of one half would meet the other's ({_HALVES})",
+                             rank, meetings[rank][-1])

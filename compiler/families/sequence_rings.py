@@ -18,15 +18,14 @@ from pipec.compiler.ir import DKV_ROUTES, KV_ROUTES, TRANSFERS, WORLD, RingPlan
 from pipec.compiler.lower_rings import lower_rings
 from pipec.compiler.memory_counts import peak_kv_bytes
 from pipec.compiler.ops import (
-    EXCHANGE_OPS, EXCHANGE_WAIT_OPS, PART_RECV, PART_SEND, RING_PART_OPS, RULES, SEQUENCE_RING, SIZE_KV, VALUE_KINDS,
+    PART_RECV, PART_SEND, RING_PART_OPS, RULES, SEQUENCE_RING, SHARED, SIZE_KV, VALUE_KINDS,
 )
 from pipec.dsl.limits import MAX_CHUNKS, MAX_TASKS
 from pipec.errors import ImportError_
 
-# What a ring program's file may hold: the family's ops and the exchanges that post and wait its
-# parts; a KV or dK, dV move names a bundle (``stage`` its holder rank, ``mb`` its piece).
-_PROGRAM_OPS = (frozenset(op for op, rule in RULES.items() if rule.family == SEQUENCE_RING)
-                | frozenset(EXCHANGE_OPS) | frozenset(EXCHANGE_WAIT_OPS))
+# What a ring program's file may hold: the family's ops and the exchanges every family shares, that post
+# and wait its parts; a KV or dK, dV move names a bundle (``stage`` its holder rank, ``mb`` its piece).
+_PROGRAM_OPS = frozenset(op for op, rule in RULES.items() if rule.family in (SEQUENCE_RING, SHARED))
 _MOVES = frozenset(op for op in RING_PART_OPS if RULES[op].category in (PART_SEND, PART_RECV))
 
 

@@ -26,15 +26,14 @@ from pipec.compiler.family import Family, register
 from pipec.compiler.guarded_read import quote
 from pipec.compiler.ir import Action, Communicator, Program, StageInfo, build_program
 from pipec.compiler.ops import (
-    ALLREDUCE_TB, ALLREDUCE_TF, EXCHANGE, EXCHANGE_OPS, EXCHANGE_WAIT, EXCHANGE_WAIT_OPS, RULES, TB,
+    ALLREDUCE_TB, ALLREDUCE_TF, EXCHANGE, EXCHANGE_WAIT, RULES, SHARED, TB,
     TENSOR_PARALLEL, TF, WORLD,
 )
 from pipec.dsl.limits import MAX_TASKS
 from pipec.errors import ImportError_
 
 # What a tensor-parallel program's file may hold: the family's ops and the exchanges that post and wait them.
-_PROGRAM_OPS = (frozenset(op for op, rule in RULES.items() if rule.family == TENSOR_PARALLEL)
-                | frozenset(EXCHANGE_OPS) | frozenset(EXCHANGE_WAIT_OPS))
+_PROGRAM_OPS = frozenset(op for op, rule in RULES.items() if rule.family in (TENSOR_PARALLEL, SHARED))
 # The all-reduce after each task, by the task.
 ALLREDUCE_AFTER = {TF: ALLREDUCE_TF, TB: ALLREDUCE_TB}
 
