@@ -5,16 +5,12 @@ forward half of the stage ring over the stage's group, and its backward half
 inside the stage's B (docs/compose.md, "PP x CP"). The simulator and the
 traffic count price a stage's F and B with those halves:
 
-* ``split_ring(ring)``: the ring's two halves as programs of their own: each
-  ring rank's instructions of the ring steps up to the last one holding a
-  forward attention block on any rank (the forward half: the KV round, a
-  rank whose own blocks ended early still passing KV on), and the rest (the
-  backward half: KV round again, the dK, dV partials home). A ring without
-  its steps (``RingPlan.steps``: one read from a program file) is cut where
-  each rank has waited its first n - 1 KV exchanges (the forward's hops: KV
-  must reach every one of the n ranks) and run its last forward block.
-  A ring whose forward half leaves an exchange open into its backward is
-  refused: the two halves run in different computes.
+* ``split_ring(ring)``: the ring's two halves as programs of their own, each
+  rank's list cut where the runtime cuts it (``ring_halves.forward_end``: the
+  forward half holds every forward block and the KV round, and closes every
+  exchange it posts; the rest is the backward half: KV round again, the dK,
+  dV partials home). A list that cannot be cut so is refused (the prover
+  names it first).
 * ``ring_halves(program, group, costs, sizes)``: both halves simulated on the
   group's ranks (ring rank i is member i, its device the member's device, so
   the cost file's ``node_size``, ``nic``, ``rails`` and ``contention`` price
@@ -34,15 +30,9 @@ from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
 from pipec.compiler.ir import SEQUENCE_SHARE, Program
 from pipec.compiler.memory_counts import Number
+from pipec.compiler.ring_halves import forward_end
 from pipec.errors import UsageError
 
-# The ring's forward attention blocks: the ring computes that read nothing another ring compute makes
-# (AF; AB reads the statistics AF keeps).
-_MADE = {use for op in ops.RING_COMPUTE_OPS for use in ops.RULES[op].writes}
-RING_FORWARD_OPS = frozenset(op for op in ops.RING_COMPUTE_OPS if not _MADE & set(ops.RULES[op].reads))
-# The exchange parts that move KV (a send or receive of a bundle, or the all_to_all that holds them).
-_KV_PARTS = frozenset(op for op in ops.RING_PART_OPS
-                      if (ops.RULES[op].carries or ops.RULES[op].reads[0]).kind == "kv")
 # The computes of a context-parallel stage that run the ring's forward half (a forward, or a recompute
 # that runs it again) and its backward half (a whole backward: split ones are refused by the placement).
 STAGE_FORWARD_OPS = frozenset(ops.FORWARD_COMPUTE_OPS) | frozenset(ops.RECOMPUTE_BEFORE)
@@ -70,53 +60,23 @@ class RingHalves:
 
 
 def split_ring(ring: Program) -> tuple[Program, Program]:
-    """The ring's (forward half, backward half), each a program of the ring's ranks (module docstring).
+    """The ring's (forward half, backward half), each a program of the ring's ranks: every rank's list cut
+    where the runtime cuts it (``ring_halves.forward_end``), so the price is of what runs.
 
     Raises:
-        UsageError: a ring whose forward half leaves an exchange unwaited, or posts one its backward waits.
+        UsageError: a ring rank's list that cannot be cut so (an exchange left open into the backward, a
+            forward block after the backward's first instruction): the prover names it at the rank.
     """
-    plan = ring.rings
-    steps = [[plan.step_of(rank, i, len(row)) for i in range(len(row))] for rank, row in enumerate(ring.ranks)]
-    known = all(step is not None for row in steps for step in row)
-    last_forward_step = max((step for row, marks in zip(ring.ranks, steps) for action, step in zip(row, marks)
-                             if action.op in RING_FORWARD_OPS), default=-1) if known else None
     heads, tails = [], []
     for rank, row in enumerate(ring.ranks):
-        if known:
-            cut = next((i for i, step in enumerate(steps[rank]) if step > last_forward_step), len(row))
-        else:
-            cut = _after_forward_hops(row, ring.num_ranks - 1)
-        head = row[:cut]
-        open_exchanges = set()
-        for action in head:
-            category = ops.RULES[action.op].category
-            if category == ops.EXCHANGE_OF:
-                open_exchanges.add(action.mb)
-            elif category == ops.EXCHANGE_WAIT_OF:
-                open_exchanges.discard(action.mb)
-        if open_exchanges:
-            raise UsageError(f"the stage ring {ring.name or ''} leaves exchange {min(open_exchanges)} of ring rank "
-                             f"{rank} open past its last forward block; a context-parallel stage runs the ring's "
-                             "forward half inside its forward and the rest inside its backward")
-        heads.append(head)
+        cut, problem = forward_end(row)
+        if problem is not None:
+            raise UsageError(f"the stage ring {ring.name or ''}'s ring rank {rank} cannot run its forward half "
+                             f"inside a stage's forward and the rest inside its backward: at instruction "
+                             f"{problem[0]}, {problem[1]}")
+        heads.append(row[:cut])
         tails.append(row[cut:])
     return replace(ring, ranks=heads), replace(ring, ranks=tails)
-
-
-def _after_forward_hops(row, hops: int) -> int:
-    """The index after both ``row``'s last forward block and the wait of its first ``hops`` KV exchanges."""
-    last = max((i for i, action in enumerate(row) if action.op in RING_FORWARD_OPS), default=-1) + 1
-    first: list[int] = []  # the numbers of the first ``hops`` KV exchanges posted
-    waited: set[int] = set()
-    for index, action in enumerate(row):
-        category = ops.RULES[action.op].category
-        if category == ops.EXCHANGE_OF and len(first) < hops and any(p.op in _KV_PARTS for p in action.parts):
-            first.append(action.mb)
-        elif category == ops.EXCHANGE_WAIT_OF and action.mb in first:
-            waited.add(action.mb)
-            if len(waited) == hops:
-                return max(last, index + 1)
-    return last
 
 
 def ring_halves(program: Program, group: tuple[int, ...], costs: CostModel,
