@@ -777,7 +777,8 @@ def _check_table() -> None:
     """The table's own consistency, checked once at import (a broken table is a programming error)."""
     for op, rule in RULES.items():
         assert rule.category in CATEGORIES, op
-        assert rule.family in FAMILIES or (rule.family == SHARED and rule.category in (EXCHANGE_OF, EXCHANGE_WAIT_OF)), op
+        assert rule.family in FAMILIES or (rule.family == SHARED
+                                           and rule.category in (EXCHANGE_OF, EXCHANGE_WAIT_OF)), op
         for use in rule.reads + rule.writes + ((rule.carries,) if rule.carries else ()):
             assert use.kind in VALUE_KINDS and use.where in (SELF, PREV, NEXT), (op, use)
         assert all(kind in VALUE_KINDS for kind in rule.ends), op

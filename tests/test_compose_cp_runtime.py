@@ -90,8 +90,8 @@ def _job(folder, name: str) -> list[str]:
 def trained(tmp_path_factory):
     """Every case and resumed run in one set of 4 processes; (folder, the WorkerRun)."""
     folder = tmp_path_factory.mktemp("compose_cp_runtime")
-    run = train_saved_batch(folder, [_job(folder, name) for name in CASES], RESUMED, {name: case[0] for name, case in CASES.items()},
-                            STEPS, WORLD, BATCH_DEADLINE_S)
+    run = train_saved_batch(folder, [_job(folder, name) for name in CASES], RESUMED,
+                            {name: case[0] for name, case in CASES.items()}, STEPS, WORLD, BATCH_DEADLINE_S)
     return folder, run
 
 

@@ -241,7 +241,8 @@ def _check_frees(program: Program, tasks) -> None:
                 raise _conflict(program, f"{text} frees the activation twice (first at step {first})", rank, step,
                                 [(rank, first)])
             freed[action.op, stage, mb] = step
-            uses = [(tasks[key], f"{stage}{op}{mb}") for op in makers | users if (key := (rank, stage, op, mb)) in tasks]
+            uses = [(tasks[key], f"{stage}{op}{mb}") for op in makers | users
+                    if (key := (rank, stage, op, mb)) in tasks]
             uses += [(sends[key], row[sends[key]].text()) for op in ships if (key := (rank, op, stage, mb)) in sends]
             late = [(use_step, use) for use_step, use in uses if use_step > step]
             if late:

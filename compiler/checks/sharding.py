@@ -240,7 +240,8 @@ class _Member:
         if self.unwaited:
             number, held = next(iter(self.unwaited.items()))
             step, exchange, stage, op = held[0]
-            what = "all-reduces stage {}'s shard gradient" if op in _SHARD_SYNCS else "reduces stage {}'s weight gradient"
+            what = ("all-reduces stage {}'s shard gradient" if op in _SHARD_SYNCS
+                    else "reduces stage {}'s weight gradient")
             raise self.error(MatchError, f"{exchange.text()} {what.format(stage)}, but rank "
                              f"{self.rank} never waits for it ({ops.EXCHANGE_WAIT}{number}) before its list ends: "
                              "the optimizer would step on a gradient still being reduced", step)
