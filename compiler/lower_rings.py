@@ -25,7 +25,7 @@ from math import gcd
 
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program, RingPlan, StageInfo, build_program
-from pipec.compiler.rings import hamiltonian_rings, rail_rings
+from pipec.compiler.rings import hamiltonian_rings, rail_rings, verify_decomposition
 from pipec.dsl.spec import RingSpec, ScheduleSpec
 from pipec.errors import EvalError, UsageError
 
@@ -45,6 +45,14 @@ def ring_plan(spec: RingSpec, num_ranks: int) -> RingPlan:
         if not cycles or len({cycle[1:2] for cycle in cycles}) != len(cycles):
             raise UsageError(f"rings shift {', '.join(map(str, spec.ring_args))}: one or more distinct offsets "
                              f"modulo {num_ranks}, each a ring")
+    elif spec.rings == "cycle":
+        cycles = tuple(tuple(cycle) for cycle in spec.ring_args)
+        try:
+            verify_decomposition(num_ranks, cycles, complete=False)
+        except ValueError as error:
+            raise UsageError(f"rings cycle: {error}") from None
+        if not cycles:
+            raise UsageError("rings cycle: one or more rings, each listing every rank once")
     elif spec.rings == "hamilton":
         found = hamiltonian_rings(num_ranks)
         cycles, note = found.cycles, found.note

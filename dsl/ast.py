@@ -308,12 +308,13 @@ class Mask(Node):
 
 @dataclass(frozen=True)
 class Rings(Node):
-    """``rings shift E``, ``rings hamilton`` or ``rings rails E, E``: the rings KV travels on.
+    """``rings shift E, ...``, ``rings hamilton``, ``rings rails E, E`` or ``rings cycle (E, ...), ...``: the
+    rings KV travels on.
 
     ``values`` holds every value written (how many each kind takes is the resolver's to check).
     """
 
-    kind: str  # shift | hamilton | rails
+    kind: str  # shift | hamilton | rails | cycle
     values: tuple[Expr, ...]
 
 

@@ -298,7 +298,7 @@ _TERMINAL_TEXT = {
     "PARAM_TYPE": "a type (ranks, microbatches, chunks, int, bool)", "BACKWARD_MODE": "full or split",
     "WEIGHT_ROUTE": "a weight route (ring, direct, staged, all_gather)",
     "GRADIENT_ROUTE": "a gradient route (ring, direct, reduce, reduce_scatter)",
-    "MASK_MODE": "a mask (full, causal)", "RING_KIND": "rings (shift, hamilton, rails)",
+    "MASK_MODE": "a mask (full, causal)", "RING_KIND": "rings (shift, hamilton, rails, cycle)",
     "KV_ROUTE": "a KV route (again, kept)", "DKV_ROUTE": "a dKV route (behind, direct)",
     "TRANSFER_KIND": "a transfer (p2p, all_to_all)",
 "LESSTHAN": "'<'", "MORETHAN": "'>'",

@@ -15,7 +15,8 @@ and the written order if any. The declarations:
 
 * ``sequence chunks E``: makes the schedule a sequence ring;
 * ``hold chunk c on rank E``, ``mask full`` / ``mask causal [when E]``;
-* ``rings shift E, ...`` (one ring per offset), ``rings hamilton``, ``rings rails E, E``;
+* ``rings shift E, ...`` (one ring per offset), ``rings hamilton``, ``rings rails E, E``,
+  ``rings cycle (E, ...), ...`` (one ring per cycle, its ranks in ring order);
 * ``pieces E``, ``kv again|kept``, ``dkv behind|direct``, ``transfer p2p|all_to_all``.
 
 Contract: ``resolve_ring_decl`` compiles one declaration; ``check_ring_rules``
@@ -60,12 +61,17 @@ OTHER_DECLS = tuple(OTHER_FAMILIES)
 # What each kind of ring takes after its name, and how to say so.
 _RING_VALUES = {
     "shift": ("a ring offset",), "hamilton": (), "rails": ("a number of nodes", "a number of ranks per node"),
+    "cycle": ("a cycle of ranks",),
 }
 _RING_ARITY = {
     "shift": "`rings shift` takes one or more values, one ring's offset each: `rings shift EXPR, ...`",
     "hamilton": "`rings hamilton` takes no value: its rings are the arc-disjoint Hamiltonian rings of the ranks",
     "rails": "`rings rails` takes two values, the nodes and the ranks per node: `rings rails EXPR, EXPR`",
+    "cycle": "`rings cycle` takes one or more cycles, each every rank once in ring order: `rings cycle (0, 2, 1, "
+             "3), ...`",
 }
+# The kinds that make one ring per written value (and so one KV piece per value by default).
+_ONE_RING_EACH = ("shift", "cycle")
 
 # A mode not declared: KV goes round again in backward, dK and dV ride behind it, point to point.
 DEFAULT_MODES = {"kv": "again", "dkv": "behind", "transfer": "p2p"}
@@ -130,17 +136,36 @@ def resolve_ring_decl(resolver: Resolver, decls: RingDecls, decl: ast.Node, scop
         decls.mask = (decl, when)
     elif isinstance(decl, ast.Rings):
         wanted = _RING_VALUES[decl.kind]
-        if decl.kind == "shift" and decl.values:  # any number of offsets, a ring each
+        if decl.kind in _ONE_RING_EACH and decl.values:  # any number of values, a ring each
             wanted = wanted * len(decl.values)
         if len(decl.values) != len(wanted):
             extra = decl.values[len(wanted)] if len(decl.values) > len(wanted) else decl
             resolver.error(_RING_ARITY[decl.kind], extra.span)
-        decls.rings = (decl, tuple(resolver.expect(value, scope, INT, what)
+        compile_value = _compile_cycle if decl.kind == "cycle" else _compile_int
+        decls.rings = (decl, tuple(compile_value(resolver, value, scope, what)
                                    for value, what in zip(decl.values, wanted)))
     elif isinstance(decl, ast.Pieces):
         decls.pieces = (decl, resolver.expect(decl.value, scope, INT, "a number of pieces"))
     else:
         decls.modes[decl.what] = decl
+
+
+def _compile_int(resolver: Resolver, value: ast.Node, scope: Scope, what: str) -> Fn:
+    return resolver.expect(value, scope, INT, what)
+
+
+def _compile_cycle(resolver: Resolver, value: ast.Node, scope: Scope, what: str) -> Fn:
+    """A cycle of ``rings cycle``: a tuple written in place, ``(E, E, ...)``, each item a rank.
+
+    Written in place (not a name bound to a tuple) so that a wrong rank is
+    reported at the item that gives it.
+    """
+    if not isinstance(value, ast.Tuple):
+        resolver.error(f"{what} is written in place as a tuple of ranks in ring order, `(0, 2, 1, 3)`: KV goes "
+                       "from each rank to the next, and from the last back to the first", value.span)
+        return lambda env: ()
+    items = [resolver.expect(item, scope, INT, "a rank of a cycle") for item in value.items]
+    return lambda env: tuple(item(env) for item in items)
 
 
 def _same_kind(decls: RingDecls, decl: ast.Node) -> ast.Node | None:
@@ -192,20 +217,21 @@ def check_ring_rules(resolver: Resolver, decls: RingDecls, schedule: ast.Schedul
         resolver.error("a sequence ring needs its mask written, `mask full`, `mask causal` or `mask causal when "
                        "EXPR`: none is assumed, so that no schedule gets full attention by accident", sequence.span)
     if decls.rings is None:
-        resolver.error("a sequence ring needs `rings shift EXPR`, `rings hamilton` or `rings rails EXPR, EXPR` "
-                       "(the rings KV travels on)", sequence.span)
+        resolver.error("a sequence ring needs `rings shift EXPR`, `rings hamilton`, `rings rails EXPR, EXPR` or "
+                       "`rings cycle (EXPR, ...)` (the rings KV travels on)", sequence.span)
 
 
 def _check_written_order(resolver: Resolver, decls: RingDecls, schedule: ast.Schedule) -> None:
     """A written order names blocks by piece: their number is needed before the compiler finds the rings.
 
-    ``rings shift`` makes one ring per written offset, so one piece per
-    offset unless ``pieces`` says otherwise; under ``hamilton`` and ``rails`` the default is one piece
-    per ring, a count the compiler's ring search decides (hamilton finds fewer
-    than P - 1 rings on 4 and 6 ranks), so ``pieces`` must be written.
+    ``rings shift`` and ``rings cycle`` make one ring per written offset or
+    cycle, so one piece per ring unless ``pieces`` says otherwise; under
+    ``hamilton`` and ``rails`` the default is one piece per ring, a count the
+    compiler's ring search decides (hamilton finds fewer than P - 1 rings on
+    4 and 6 ranks), so ``pieces`` must be written.
     """
     order = next((decl for decl in schedule.decls if isinstance(decl, ast.ExplicitOrder)), None)
-    if order is None or decls.pieces is not None or decls.rings is None or decls.rings[0].kind == "shift":
+    if order is None or decls.pieces is not None or decls.rings is None or decls.rings[0].kind in _ONE_RING_EACH:
         return
     resolver.error(f"an order written block by block needs `pieces EXPR` under `rings {decls.rings[0].kind}` "
                    f"(line {decls.rings[0].span.line}): its default, one piece per ring, depends on the rings the "
@@ -240,10 +266,11 @@ def resolve_ring_task(schedule: "ResolvedSchedule", stmt: ast.Task, scope: Scope
 
 
 def written_pieces(spec: RingSpec) -> int:
-    """The pieces a written order's blocks are numbered with: ``pieces``, else one per ring of ``rings shift``."""
+    """The pieces a written order's blocks are numbered with: ``pieces``, else one per ring of ``rings shift``
+    or ``rings cycle``."""
     if spec.pieces is not None:
         return spec.pieces
-    return len(spec.ring_args) if spec.rings == "shift" else 1
+    return len(spec.ring_args) if spec.rings in _ONE_RING_EACH else 1
 
 
 # ------------------------------------------------------------------ evaluation
@@ -264,8 +291,9 @@ def ring_spec(decls: RingDecls, env: list, P: int, resolver: Resolver, budget: "
         EvalError: chunks outside 1..MAX_CHUNKS or not a multiple of P, a
             holder outside 0..P-1, ranks holding unequal shares, a ring offset
             not coprime with P, rails that do not make P ranks, hamilton rings
-            on one rank, fewer than one piece, more attention tasks than
-            MAX_TASKS.
+            on one rank, a cycle that is not every rank once or that shares
+            an arc with another, fewer than one piece, more attention tasks
+            than MAX_TASKS.
     """
     source = resolver.source
     node, fn = decls.sequence
@@ -329,10 +357,14 @@ def _rings(decls: RingDecls, env: list, P: int, source: str) -> tuple[str, tuple
     """``rings ...``: its kind, its values and how many rings it makes (at most).
 
     Raises:
-        EvalError: a shift not coprime with P, rails that are not P ranks, hamilton on one rank.
+        EvalError: a shift not coprime with P, rails that are not P ranks, hamilton on one rank, cycles
+            that are not rings over the P ranks or share an arc.
     """
     node, fns = decls.rings
     values = tuple(fn(env) for fn in fns)
+    if node.kind == "cycle":
+        cycles = _check_cycles(node, values, P, source)
+        return "cycle", cycles, len(cycles)
     if node.kind == "shift":
         _check_shifts(node, values, P, source)
         return "shift", values, len(values)
@@ -372,6 +404,60 @@ def _check_shifts(node: ast.Rings, offsets: tuple[int, ...], P: int, source: str
             raise EvalError(f"the ring offsets {seen[by % P]} and {by} make the same ring on {P} ranks (r -> r + "
                             f"{by % P}): write each ring once", expr.span, source)
         seen[by % P] = by
+
+
+def _check_cycles(node: ast.Rings, cycles: tuple[tuple[int, ...], ...], P: int,
+                  source: str) -> tuple[tuple[int, ...], ...]:
+    """Each cycle lists every rank once (a ring through all P), and no two share an arc.
+
+    Arc-disjoint, as every other kind's rings are (distinct shift offsets,
+    hamilton, rails): each link then carries one ring's KV, and more KV per
+    ring is ``pieces``' to say, not a ring written twice.
+    Returns:
+        the cycles, each turned to start at rank 0 (the same ring however written).
+    Raises:
+        EvalError: at the rank out of range or repeated, else at the cycle
+            of the wrong length, missing a rank, or sharing an arc.
+    """
+    used: dict[tuple[int, int], int] = {}  # arc -> the cycle (from 1) that uses it
+    turned = []
+    for index, (cycle, expr) in enumerate(zip(cycles, node.values), start=1):
+        if len(cycle) > P:
+            raise EvalError(f"cycle {index} lists {len(cycle)} ranks, but a ring over {P} ranks visits each once",
+                            expr.span, source)
+        first_at: dict[int, int] = {}
+        for at, (rank, item) in enumerate(zip(cycle, expr.items)):
+            if not 0 <= rank < P:
+                raise EvalError(f"rank {rank} of cycle {index} is outside 0..{P - 1}", item.span, source)
+            if rank in first_at:
+                raise EvalError(f"rank {rank} is listed twice in cycle {index} (items {first_at[rank] + 1} and "
+                                f"{at + 1}), so it leaves out {_missing(cycle, P)}: a ring visits every rank once",
+                                item.span, source)
+            first_at[rank] = at
+        if len(cycle) < P:
+            raise EvalError(f"cycle {index} lists {len(cycle)} of the {P} ranks and leaves out "
+                            f"{_missing(cycle, P)}: a ring visits every rank once", expr.span, source)
+        for tail, head in zip(cycle, cycle[1:] + cycle[:1]):
+            if (tail, head) in used:
+                other = used[(tail, head)]
+                same = sorted(zip(cycle, cycle[1:] + cycle[:1])) == sorted(
+                    arc for arc, owner in used.items() if owner == other)
+                what = "are the same ring" if same else f"share the arc {tail} -> {head}"
+                raise EvalError(f"cycles {other} and {index} {what}: the rings must be arc-disjoint, as "
+                                "every other kind's are, so that each link carries one ring's KV (`pieces EXPR` "
+                                "cuts more KV pieces over the same rings)", expr.span, source)
+            used[(tail, head)] = index
+        zero = cycle.index(0)
+        turned.append(cycle[zero:] + cycle[:zero])
+    return tuple(turned)
+
+
+def _missing(cycle: tuple[int, ...], P: int) -> str:
+    """The ranks of 0..P-1 not in ``cycle``, named ("rank 3", "ranks 1 and 4")."""
+    absent = [str(rank) for rank in range(P) if rank not in cycle]
+    if len(absent) == 1:
+        return f"rank {absent[0]}"
+    return f"ranks {', '.join(absent[:-1])} and {absent[-1]}"
 
 
 def _check_blocks(decls: RingDecls, chunks: int, causal: bool, pieces: int | None, ring_count: int, label: str,

@@ -163,8 +163,10 @@ class RingSpec:
         causal: the causal mask (``mask causal [when E]``), else full (``mask full``).
         rings: which rings carry KV: ``shift`` (a ring r -> r + by per offset),
             ``hamilton`` (the arc-disjoint Hamiltonian rings of every rank) or
-            ``rails`` (rail rings of ``nodes`` x ``per_node`` ranks).
-        ring_args: ``shift``: the offsets (by, ...); ``hamilton``: (); ``rails``: (nodes, per_node).
+            ``rails`` (rail rings of ``nodes`` x ``per_node`` ranks) or ``cycle`` (rings written
+            rank by rank).
+        ring_args: ``shift``: the offsets (by, ...); ``hamilton``: (); ``rails``: (nodes, per_node);
+            ``cycle``: the rings, each a tuple of every rank in ring order from rank 0.
         pieces: KV pieces per chunk (``pieces E``), or None for one per ring.
         kv: ``again`` or ``kept`` (``kv ROUTE``; again when absent).
         dkv: ``behind`` or ``direct`` (``dkv ROUTE``; behind when absent).
@@ -178,7 +180,7 @@ class RingSpec:
     holders: tuple[int, ...]
     causal: bool
     rings: str
-    ring_args: tuple[int, ...]
+    ring_args: tuple
     pieces: int | None = None
     kv: str = "again"
     dkv: str = "behind"

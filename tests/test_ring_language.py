@@ -189,8 +189,8 @@ def test_chunks_is_both_a_parameter_type_and_the_word_after_sequence():
     ("mask causal", "mask foo", 4, 8, "unexpected 'foo'; expected a mask (full, causal)"),
     ("mask causal", "mask split", 4, 8, "unexpected 'split'; expected a mask (full, causal)"),
     ("mask causal", "mask", 5, 3, "unexpected 'rings'; expected a mask (full, causal)"),
-    ("rings shift 1", "rings shifty 1", 5, 9, "unexpected 'shifty'; expected rings (shift, hamilton, rails)"),
-    ("rings shift 1", "rings shift1", 5, 9, "unexpected 'shift1'; expected rings (shift, hamilton, rails)"),
+    ("rings shift 1", "rings shifty 1", 5, 9, "unexpected 'shifty'; expected rings (shift, hamilton, rails, cycle)"),
+    ("rings shift 1", "rings shift1", 5, 9, "unexpected 'shift1'; expected rings (shift, hamilton, rails, cycle)"),
     ("sequence chunks", "sequence", 2, 12, "unexpected '2'; expected 'chunks'"),
     ("rings shift 1", "rings shift 1\n  kv gone", 6, 6, "unexpected 'gone'; expected a KV route (again, kept)"),
     ("rings shift 1", "rings shift 1\n  dkv again", 6, 7, "unexpected 'again'; expected a dKV route (behind, direct)"),
@@ -266,8 +266,8 @@ def test_only_the_first_declaration_of_another_family_is_reported():
                                        "chunk's queries, keys and values)"),
     ("  mask causal\n", "a sequence ring needs its mask written, `mask full`, `mask causal` or `mask causal when "
                         "EXPR`: none is assumed, so that no schedule gets full attention by accident"),
-    ("  rings shift 1\n", "a sequence ring needs `rings shift EXPR`, `rings hamilton` or `rings rails EXPR, EXPR` "
-                          "(the rings KV travels on)"),
+    ("  rings shift 1\n", "a sequence ring needs `rings shift EXPR`, `rings hamilton`, `rings rails EXPR, EXPR` or "
+                          "`rings cycle (EXPR, ...)` (the rings KV travels on)"),
 ])
 def test_sequence_needs_hold_mask_and_rings(drop, message):
     assert located(error_of(ResolveError, base(drop, "")), 2, 3) == message
