@@ -42,6 +42,7 @@ COMMANDS = (
     "import_torch",
     "rings",
     "attention",
+    "search",
 )
 
 

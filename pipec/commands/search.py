@@ -1,0 +1,72 @@
+"""``pipec search``: the fastest per-rank order of TARGET's tasks under a cost model and a memory limit,
+found exactly with OR-Tools CP-SAT (``compiler/search.py``), written as an explicit-order ``.pipe``
+(``compiler/search_pipe.py``) that is compiled, proved and re-simulated before it is reported.
+"""
+from __future__ import annotations
+
+from pipec.commands._common import load_costs, number_text, write_output
+from pipec.errors import UsageError
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("search", help="search the fastest order of a schedule's tasks (OR-Tools CP-SAT)")
+    parser.add_argument("target", metavar="TARGET", help="a .pipe file or a shipped schedule: its placement and tasks")
+    parser.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
+                        help="set a schedule parameter (repeatable)")
+    parser.add_argument("--costs", metavar="FILE", help="a JSON cost file (default: unit costs F=1 B=2 I=W=1)")
+    parser.add_argument("--memory", metavar="N[,N...]",
+                        help="the most live activations per rank: one N for every rank, or one per rank")
+    parser.add_argument("--time-limit", dest="time_limit", type=float, default=30.0, metavar="S",
+                        help="the solver's limit in seconds (default 30)")
+    parser.add_argument("--workers", type=int, default=2, metavar="K", help="CP-SAT worker threads (default 2)")
+    parser.add_argument("-o", dest="output", metavar="FILE", help="write the searched order as a .pipe file")
+    parser.set_defaults(func=run)
+
+
+def _memory(text: str | None, ranks: int) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        limits = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--memory takes N or N,N,...: not {text!r}") from None
+    if any(limit < 1 for limit in limits):
+        raise UsageError(f"--memory limits must be at least 1: {text!r}")
+    if len(limits) == 1:
+        return limits * ranks
+    return limits
+
+
+def run(args) -> int:
+    from pipec.commands._common import parse_defines
+    from pipec.compiler.driver import compile_spec, lower_spec, resolve_target
+    from pipec.compiler.search import search_order
+    from pipec.compiler.search_pipe import order_to_pipe
+    from pipec.compiler.simulate import simulate
+
+    costs = load_costs(args)
+    spec = resolve_target(args.target).evaluate(parse_defines(args.defines))
+    compute, _ = lower_spec(spec, costs)
+    result = search_order(compute, costs, _memory(args.memory, compute.num_ranks), time_limit=args.time_limit,
+                          workers=args.workers)
+    text = order_to_pipe(compute, result.order)
+    # the written order, proved and priced by the real simulator
+    written = compile_spec(resolve_target_text(text), costs=costs)
+    simulated = simulate(written.program, costs).makespan
+    if [list(row) for row in written.compute.ranks] != result.order:
+        raise UsageError("pipec search: the written order does not compile to the searched one (a pipec bug)")
+    print(f"status {result.status}, makespan {number_text(result.makespan)}, lower bound "
+          f"{number_text(result.bound)}, gap {float(result.gap):.1%}, simulated makespan {number_text(simulated)} "
+          f"({result.seconds:.2f} s)")
+    if args.output:
+        write_output(text, args.output)
+    return 0
+
+
+def resolve_target_text(text: str):
+    """The evaluated spec of a searched order's text (parsed and resolved like a target's)."""
+    from pipec.compiler.driver import task_kinds
+    from pipec.dsl import parse, resolve
+
+    schedule = parse(text, "<searched>").schedules[0]
+    return resolve(schedule, "<searched>", text, task_kinds()).evaluate({})
