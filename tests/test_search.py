@@ -1,0 +1,109 @@
+"""``pipec search`` (issue 27, first slice): CP-SAT's exact orders for activation passing.
+
+The proven optima are held to the shipped hand-made schedules' simulated makespans (1F1B's
+(N + P - 1)(F + B) is optimal at its memory; ZB-H1 at 1F1B's memory); every written order is
+proved by the checks, compiles to the searched order, re-simulates to the solver's makespan, and
+one trains like one process on gloo.
+"""
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+
+from pipec.compiler.driver import compile_spec, compile_target, lower_spec, resolve_target
+from pipec.compiler.search import OPTIMAL, search_order
+from pipec.compiler.search_pipe import order_to_pipe
+from pipec.compiler.simulate import simulate
+from pipec.commands.search import resolve_target_text
+from pipec.errors import UsageError
+from pipec.runtime.model import ModelConfig
+from pipec.runtime.reference import reference_run
+from runtime_util import assert_same_parameters, launch_workers
+
+pytest.importorskip("ortools")
+
+SEED = 7
+
+
+def _search(name: str, P: int, N: int, memory):
+    compute, _ = lower_spec(resolve_target(name).evaluate({"P": str(P), "N": str(N)}))
+    return compute, search_order(compute, memory=memory, time_limit=20, workers=2)
+
+
+def _one_f_one_b_memory(P: int) -> list[int]:
+    return [P - r for r in range(P)]  # rank r holds at most P - r activations under 1F1B
+
+
+def test_1f1b_placement_optimum_is_1f1b():
+    P, N = 4, 8
+    _, result = _search("1f1b", P, N, _one_f_one_b_memory(P))
+    shipped = simulate(compile_target("1f1b", {"P": P, "N": N}).program).makespan
+    assert result.status == OPTIMAL
+    assert result.makespan == result.bound == shipped == (N + P - 1) * 3
+
+
+def test_split_backward_optimum_at_1f1b_memory_meets_zb_h1():
+    P, N = 4, 8
+    _, result = _search("zb_h1", P, N, _one_f_one_b_memory(P))
+    zb_h1 = simulate(compile_target("zb_h1", {"P": P, "N": N}).program).makespan
+    assert result.status == OPTIMAL
+    assert result.makespan <= zb_h1 == 3 * N + P - 1
+
+
+def test_memory_limit_binds():
+    """One live activation per rank forces F, B, F, B, ...: the makespan grows past 1F1B's."""
+    P, N = 2, 4
+    compute, result = _search("1f1b", P, N, [1, 1])
+    assert result.status == OPTIMAL
+    assert result.makespan > (N + P - 1) * 3
+    for row in result.order:
+        assert [a.op for a in row] == ["F", "B"] * N
+
+
+def test_written_order_checks_and_recompiles_to_the_searched_order():
+    P, N = 4, 8
+    compute, result = _search("zb_h1", P, N, _one_f_one_b_memory(P))
+    text = order_to_pipe(compute, result.order)
+    compiled = compile_spec(resolve_target_text(text), memory_budget=P)  # proved by every check
+    assert [list(row) for row in compiled.compute.ranks] == result.order
+    assert simulate(compiled.program).makespan == result.makespan
+
+
+def test_searched_order_trains_like_one_process(tmp_path):
+    P, N = 2, 4
+    compute, result = _search("1f1b", P, N, _one_f_one_b_memory(P))
+    path = tmp_path / "searched.pipe"
+    path.write_text(order_to_pipe(compute, result.order))
+    save = tmp_path / "model.pt"
+    run = launch_workers([str(path), "--steps", "2", "--seed", str(SEED), "--save", str(save), "--timeout", "60"],
+                         P, 120.0)
+    assert run.ok, run.describe()
+    want = reference_run(ModelConfig(), 2, N, SEED).state_dict
+    assert_same_parameters(torch.load(save), want, "searched 1f1b P=2")
+
+
+def test_cli_prints_status_bound_and_simulated_makespan(tmp_path, capsys):
+    from pipec.cli import main
+
+    out = tmp_path / "best.pipe"
+    assert main(["search", "zb_h1", "-D", "P=2", "-D", "N=4", "--memory", "2,1", "--time-limit", "10",
+                 "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "status OPTIMAL" in printed and "gap 0.0%" in printed and "simulated makespan 13" in printed
+    assert "backward split" in out.read_text()
+
+
+def test_missing_ortools_is_a_clear_error(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_ortools(name, *args, **kwargs):
+        if name.startswith("ortools"):
+            raise ImportError("no ortools")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ortools)
+    compute, _ = lower_spec(resolve_target("1f1b").evaluate({"P": "2", "N": "2"}))
+    with pytest.raises(UsageError, match=r"pip install 'pipec\[search\]'"):
+        search_order(compute)
