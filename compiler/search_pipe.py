@@ -6,20 +6,36 @@ order given. A single pipeline without recomputation (what ``compiler/search.py`
 """
 from __future__ import annotations
 
+from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program
+from pipec.compiler.ops import ACTIVATION_PASSING
 from pipec.errors import UsageError
 
 # ops a backward-split program runs (I: input gradient) and that the language writes as is
 _SPLIT_OPS = frozenset({"I", "W"})
 
 
-def order_to_pipe(program: Program, order: list[list[Action]], name: str = "searched") -> str:
-    """The ``.pipe`` text of ``program``'s placement with ``order`` as its explicit order."""
+_WRITTEN_OPS = frozenset({"F", "B"}) | _SPLIT_OPS
+
+
+def refuse_unwritable(program: Program) -> None:
+    """Raise UsageError unless ``order_to_pipe`` can write ``program``'s tasks (checked before a search)."""
+    others = sorted({family.name for family in families_of(program)} - {ACTIVATION_PASSING})
+    if others or program.mesh is not None:
+        raise UsageError(f"pipec search orders activation passing on one pipeline; not {', '.join(others) or 'a mesh'} "
+                         "(issue 27's later slices)")
     if len(program.pipelines) > 1 or any(s.pipeline for s in program.stages):
         raise UsageError("pipec search writes one pipeline's orders: several pipelines are not written yet")
+    extra = {a.op for row in program.ranks for a in row} - _WRITTEN_OPS
+    if extra:
+        raise UsageError(f"pipec search writes F, B, I and W tasks: this program has {', '.join(sorted(extra))} "
+                         "(recomputation and other families are not searched yet)")
+
+
+def order_to_pipe(program: Program, order: list[list[Action]], name: str = "searched") -> str:
+    """The ``.pipe`` text of ``program``'s placement with ``order`` as its explicit order."""
+    refuse_unwritable(program)
     ops = {a.op for row in order for a in row}
-    if not ops <= {"F", "B", "I", "W"}:
-        raise UsageError(f"pipec search writes F, B, I and W: this order has {sorted(ops - {'F', 'B', 'I', 'W'})}")
     P, N = program.num_ranks, program.num_microbatches
     lines = [
         f"# Found by pipec search: an explicit order for P = {P}, N = {N} only.",

@@ -41,12 +41,13 @@ def run(args) -> int:
     from pipec.commands._common import parse_defines
     from pipec.compiler.driver import compile_spec, lower_spec, resolve_target
     from pipec.compiler.search import search_order
-    from pipec.compiler.search_pipe import order_to_pipe
+    from pipec.compiler.search_pipe import order_to_pipe, refuse_unwritable
     from pipec.compiler.simulate import simulate
 
     costs = load_costs(args)
     spec = resolve_target(args.target).evaluate(parse_defines(args.defines))
     compute, _ = lower_spec(spec, costs)
+    refuse_unwritable(compute)
     result = search_order(compute, costs, _memory(args.memory, compute.num_ranks), time_limit=args.time_limit,
                           workers=args.workers)
     text = order_to_pipe(compute, result.order)
