@@ -58,6 +58,7 @@ COMMANDS = {
     "partition": ["partition", "--costs", "layers.json", "-D", "P=2", "-o", "part.json",
                   "--schedule-out", "part.pipe", "--costs-out", "chunks.json"],
     "costs": ["costs", "--trace", "run.json"],
+    "search": ["search", "zb_h1", "-D", "P=2", "-D", "N=2", "--memory", "2,1", "--time-limit", "10"],
     "version": ["--version"],
     "help": ["--help"],
     "usage-error": ["check"],
