@@ -77,8 +77,13 @@ def _refuse_unsupported(program: Program) -> None:
                 raise UsageError(f"pipec search orders activation passing's computes; {action.op} is not one")
 
 
+def _exact(value) -> Fraction:
+    """A cost as a fraction: a float as the decimal it prints as (0.52 -> 13/25, not its binary expansion)."""
+    return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+
+
 def _scale(values: Sequence) -> int:
-    scale = lcm(*(Fraction(v).denominator for v in values)) if values else 1
+    scale = lcm(*(_exact(v).denominator for v in values)) if values else 1
     if scale > MAX_SCALE:
         raise UsageError(f"the costs need a time grid of 1/{scale}: pipec search takes at most 1/{MAX_SCALE}")
     return scale
@@ -124,7 +129,7 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     scale = _scale([*durations, *(delay for mine in inputs for _, delay in mine)])
 
     def ticks(value) -> int:
-        return int(Fraction(value) * scale)
+        return int(_exact(value) * scale)
 
     horizon = sum(ticks(d) for d in durations) + sum(ticks(delay) for mine in inputs for _, delay in mine)
     model = cp_model.CpModel()

@@ -107,3 +107,18 @@ def test_missing_ortools_is_a_clear_error(monkeypatch):
     compute, _ = lower_spec(resolve_target("1f1b").evaluate({"P": "2", "N": "2"}))
     with pytest.raises(UsageError, match=r"pip install 'pipec\[search\]'"):
         search_order(compute)
+
+
+def test_measured_costs_and_latency_resimulate_to_the_solvers_makespan():
+    """Decimal costs (a float as the decimal it prints as) and a link latency: the model prices them as the
+    simulator does, and the search beats ZB-H1 at its own memory."""
+    from pipec.compiler.costs import costs_from_json
+
+    P, N = 4, 8
+    costs = costs_from_json({"compute": {"F": 0.52, "B": 0.72, "I": 0.36, "W": 0.36}, "links": {"latency": 0.01}})
+    compute, _ = lower_spec(resolve_target("zb_h1").evaluate({"P": str(P), "N": str(N)}), costs)
+    result = search_order(compute, costs, _one_f_one_b_memory(P), time_limit=20, workers=2)
+    written = compile_spec(resolve_target_text(order_to_pipe(compute, result.order)), costs=costs)
+    assert result.status == OPTIMAL
+    assert simulate(written.program, costs).makespan == pytest.approx(float(result.makespan), abs=1e-9)
+    assert result.makespan < simulate(compile_target("zb_h1", {"P": P, "N": N}, costs=costs).program, costs).makespan

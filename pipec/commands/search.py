@@ -44,6 +44,8 @@ def run(args) -> int:
     from pipec.compiler.search_pipe import order_to_pipe, refuse_unwritable
     from pipec.compiler.simulate import simulate
 
+    if args.workers < 1 or not args.time_limit > 0:
+        raise UsageError("--workers takes at least 1 and --time-limit a positive number of seconds")
     costs = load_costs(args)
     spec = resolve_target(args.target).evaluate(parse_defines(args.defines))
     compute, _ = lower_spec(spec, costs)
