@@ -18,10 +18,14 @@ _SPLIT_OPS = frozenset({"I", "W"})
 _WRITTEN_OPS = frozenset({"F", "B"}) | _SPLIT_OPS
 
 
-def refuse_unwritable(program: Program) -> None:
-    """Raise UsageError unless ``order_to_pipe`` can write ``program``'s tasks (checked before a search)."""
-    others = sorted({family.name for family in families_of(program)} - {ACTIVATION_PASSING})
-    if others or program.mesh is not None:
+def refuse_unwritable(program: Program, final: Program | None = None) -> None:
+    """Raise UsageError unless ``order_to_pipe`` can write ``program``'s tasks (checked before a search).
+
+    ``final``: the lowered program ``program`` is the compute-only form of, whose family plans say what
+    it is (a compute-only program may hold none); ``program`` itself when None."""
+    whole = final if final is not None else program
+    others = sorted({family.name for family in families_of(whole)} - {ACTIVATION_PASSING})
+    if others or whole.mesh is not None:
         raise UsageError(f"pipec search orders activation passing on one pipeline; not {', '.join(others) or 'a mesh'} "
                          "(issue 27's later slices)")
     if len(program.pipelines) > 1 or any(s.pipeline for s in program.stages):

@@ -122,3 +122,13 @@ def test_measured_costs_and_latency_resimulate_to_the_solvers_makespan():
     assert result.status == OPTIMAL
     assert simulate(written.program, costs).makespan == pytest.approx(float(result.makespan), abs=1e-9)
     assert result.makespan < simulate(compile_target("zb_h1", {"P": P, "N": N}, costs=costs).program, costs).makespan
+
+
+@pytest.mark.parametrize("target,family", [("weipipe", "weight passing"), ("zigzag_ring", "sequence ring"),
+                                           ("1f1b_dp", "a mesh")])
+def test_a_target_of_another_family_is_refused_by_its_family(target, family, capsys):
+    """Its compute-only program may hold no plan: the final program says what it is."""
+    from pipec.cli import main
+
+    assert main(["search", target]) == 1
+    assert f"pipec search orders activation passing on one pipeline; not {family}" in capsys.readouterr().err

@@ -48,8 +48,8 @@ def run(args) -> int:
         raise UsageError("--workers takes at least 1 and --time-limit a positive number of seconds")
     costs = load_costs(args)
     spec = resolve_target(args.target).evaluate(parse_defines(args.defines))
-    compute, _ = lower_spec(spec, costs)
-    refuse_unwritable(compute)
+    compute, program = lower_spec(spec, costs)
+    refuse_unwritable(compute, program)  # the final program holds the family plans
     result = search_order(compute, costs, _memory(args.memory, compute.num_ranks), time_limit=args.time_limit,
                           workers=args.workers)
     text = order_to_pipe(compute, result.order)
