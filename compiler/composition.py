@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from pipec.compiler.mesh_placement import ContextParallel, DataParallel, place_on_mesh
-from pipec.compiler.weight_placement import place_weights_on_mesh
+from pipec.compiler.family import families_of, first_refusal
+from pipec.compiler.mesh_placement import ContextParallel, DataParallel
 from pipec.compiler.costs import CostModel
 from pipec.compiler.driver import compile_spec, load_target, shipped_schedules, task_kinds
 from pipec.compiler.ir import Mesh, Program
@@ -60,30 +60,16 @@ def lower_composition(spec: CompositionSpec, costs: CostModel | None = None) -> 
         data = DataParallel(policy.axis, policy.sharded, policy.reshard_after_forward,
                             spec.replicas.axis if spec.replicas is not None else None)
     _check_task_limit(spec, compiled.compute, mesh.size // compiled.program.num_ranks)
-    if compiled.program.weights is not None:  # weight passing x DP: weights move inside each replica
-        if isinstance(data, ContextParallel):
-            raise ScheduleError(f"{compiled.program.name or 'this pipeline'} passes weights; a context axis composes "
-                                "with an activation-passing pipeline (gpipe, 1f1b, interleaved_1f1b): weight "
-                                "passing x CP is not built", spec.policy.span, spec.source)
-        return _placed_weights(spec, compiled, mesh, data)
-    try:  # the program first: it holds the family plans that say why a pipeline cannot be placed
-        program, compute = [place_on_mesh(each, mesh, PP_AXIS, data, name=spec.name)
-                            for each in (compiled.program, compiled.compute)]
+    # the pipeline's family places it (weight passing x DP has a placement of its own): a policy no program of
+    # the family takes is said at the policy, anything else at the `pipeline` declaration
+    refusal = first_refusal(compiled.program, lambda family: family.refuse_mesh_policy(compiled.program, data))
+    if refusal is not None:
+        raise ScheduleError(refusal, spec.policy.span, spec.source)
+    family = families_of(compiled.program)[0]
+    try:
+        compute, program = family.place_composed(compiled.compute, compiled.program, mesh, PP_AXIS, data, spec.name)
     except UsageError as error:
         raise ScheduleError(str(error), spec.pipeline.span, spec.source) from None
-    return tuple(replace(each, params=dict(spec.params), source=spec.path) for each in (compute, program))
-
-
-def _placed_weights(spec: CompositionSpec, compiled, mesh: Mesh, data: DataParallel) -> tuple[Program, Program]:
-    """A weight-passing schedule on the mesh (``weight_placement``): a refusal of the data policy is reported at
-    the policy (``shard over``), any other at the ``pipeline`` declaration. The compute-only program is the
-    placed program without its exchanges' meaning to add: the placed program itself stands for both."""
-    try:
-        program = place_weights_on_mesh(compiled.program, mesh, PP_AXIS, data, name=spec.name)
-    except UsageError as error:
-        span = spec.policy.span if data.sharded else spec.pipeline.span
-        raise ScheduleError(str(error), span, spec.source) from None
-    compute = replace(program, ranks=[[a for a in row if a.is_compute] for row in program.ranks])
     return tuple(replace(each, params=dict(spec.params), source=spec.path) for each in (compute, program))
 
 

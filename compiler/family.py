@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # types only: the family modules import the passes, not the o
     from fractions import Fraction
 
     from pipec.compiler.costs import CostModel
-    from pipec.compiler.ir import Action, Program
+    from pipec.compiler.ir import Action, Mesh, Program
     from pipec.dsl.spec import ScheduleSpec
 
 
@@ -45,6 +45,10 @@ class Family:
             another family holding one is refused as it is read).
         counts_activations: whether its ranks hold activations between stages (``pipec simulate``
             reports their peak); a ring's memory is KV.
+        runs_in_stages: whether a program of it can run inside every compute of a context-parallel
+            stage, as a composition's ``Program.stage_ring`` (a sequence ring).
+        writes_own_steps: whether its schedules write steps of their own (a ring's ``at step``), so that
+            an error names a list position an "instruction" and gives the written step beside it.
     """
 
     name: str = ""
@@ -54,6 +58,8 @@ class Family:
     stage_checks: bool = True
     keeps_own_ops: bool = False
     counts_activations: bool = True
+    runs_in_stages: bool = False
+    writes_own_steps: bool = False
 
     def spec_plan(self, spec: "ScheduleSpec") -> object | None:
         """The family's declarations in an evaluated schedule, or None when it has none."""
@@ -141,6 +147,28 @@ class Family:
         of the family."""
         return None
 
+    def written_step(self, program: "Program", rank: int, index: int) -> int | None:
+        """The step the schedule wrote for ``rank``'s instruction ``index`` (``writes_own_steps``), or None."""
+        return None
+
+    def refuse_mesh_policy(self, program: "Program", data: object) -> str | None:
+        """Why no program of the family composes under ``data`` (a ``mesh_placement`` policy: replicated,
+        sharded, context parallel), said at the composition's policy line; None when one may."""
+        return None
+
+    def place_composed(self, compute: "Program", program: "Program", mesh: "Mesh", pp_axis: str, data: object,
+                       name: str) -> tuple["Program", "Program"]:
+        """The (compute-only, final) programs of a composition: ``compute`` and ``program`` (the named schedule's,
+        compiled and checked) placed on ``mesh`` under ``data``.
+
+        Raises:
+            UsageError: a program or mesh the placement does not take, with the reason.
+        """
+        from pipec.compiler.mesh_placement import place_on_mesh  # the placement imports the passes
+
+        placed = place_on_mesh(program, mesh, pp_axis, data, name=name)  # first: its plans say why it cannot be
+        return place_on_mesh(compute, mesh, pp_axis, data, name=name), placed
+
     def proof_text(self, program: "Program", memory_text: Callable[[], str]) -> str:
         """What ``pipec check`` says it proved; ``memory_text()`` says the activation and byte peaks."""
         return f"well-formed, messages matched, deadlock-free, no conflict; {memory_text()}"
@@ -185,6 +213,11 @@ def family_of_spec(spec: "ScheduleSpec") -> Family:
     """The family whose declarations the evaluated schedule holds (activation passing when none does)."""
     _registered()
     return next((f for f in _BY_PLAN.values() if f.spec_plan(spec) is not None), _DEFAULT[0])
+
+
+def runs_in_stages(program: "Program") -> bool:
+    """Whether ``program`` can be a composition's stage ring (every family of it ``runs_in_stages``)."""
+    return all(family.runs_in_stages for family in families_of(program))
 
 
 def first_answer(families: list[Family], ask: Callable[[Family], object | None]) -> object | None:

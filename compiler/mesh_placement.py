@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipec.compiler import ops
+from pipec.compiler.family import runs_in_stages
 from pipec.compiler.ir import (ROW_SHARE, SEQUENCE_SHARE, Action, Communicator, Mesh, Placement, Program,
                                StageInfo)
 from pipec.errors import UsageError
@@ -229,7 +230,7 @@ def _check_composable(program: Program, mesh: Mesh, pp_axis: str, data: DataPara
 
 def _check_context(program: Program, mesh: Mesh, context: ContextParallel, used: set[str]) -> None:
     ring = context.ring
-    if ring.rings is None or ring.mesh is not None:
+    if not runs_in_stages(ring) or ring.mesh is not None:
         raise UsageError(f"{ring.name or 'the ring'} is not a sequence-ring program; a context axis runs each "
                          "stage's attention through a ring (ring_attention, zigzag_ring, tasp)")
     if ring.num_ranks != mesh.axis_size(context.axis):

@@ -90,6 +90,12 @@ def place_weights_on_mesh(program: Program, mesh: Mesh, pp_axis: str, data: Data
                    communicators=communicators, devices=None, mesh=mesh, weights=placed_plan)
 
 
+def shard_refusal(name: str, axis: str) -> str:
+    """Why a weight-passing schedule is not sharded over a data axis."""
+    return (f"{name} passes weights: each layer has one owner per replica, which keeps its master and optimizer "
+            f"state, so there is nothing to shard over the data axis (write `replicate over {axis}`)")
+
+
 def _check_composable(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel) -> None:
     plan, name = program.weights, program.name or "this program"
     if set(mesh.names) != {pp_axis, data.axis} or pp_axis == data.axis:
@@ -101,9 +107,7 @@ def _check_composable(program: Program, mesh: Mesh, pp_axis: str, data: DataPara
     if program.mesh is not None or program.placed_on_groups or len(program.plans) > 1:
         raise UsageError(f"{name} is composed already; a data axis composes with a plain weight-passing program")
     if data.sharded:
-        raise UsageError(f"{name} passes weights: each layer has one owner per replica, which keeps its master "
-                         "and optimizer state, so there is nothing to shard over the data axis (write "
-                         f"`replicate over {data.axis}`)")
+        raise UsageError(shard_refusal(name, data.axis))
     worldwide = sorted({plan.route, plan.gradients} & _WORLD_ROUTES)
     if worldwide or plan.owners is None:
         route = worldwide[0] if worldwide else "all_gather"

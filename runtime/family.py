@@ -27,6 +27,7 @@ from time import perf_counter
 from typing import Any, Callable, Mapping, Sequence
 
 from pipec.compiler import ops
+from pipec.compiler.family import runs_in_stages
 from pipec.compiler.ir import ROW_SHARE, SEQUENCE_SHARE, Action, Program
 from pipec.errors import PipecError, RuntimeFault
 from pipec.runtime.user_code import failure_words, is_interrupt
@@ -214,7 +215,7 @@ def _context_refusal(program: Program, where: str, members: int) -> str | None:
         return (f"{where}; its stages split their values by {' and '.join(sorted(splits))} with "
                 f"{'a' if ring is not None else 'no'} stage ring, and the runtime trains stages that all split "
                 "rows (PP x DP) or all split each sequence through the program's stage ring (PP x CP)")
-    if ring.rings is None or ring.num_ranks != members:
+    if not runs_in_stages(ring) or ring.num_ranks != members:
         return (f"{where}, and its stage ring {ring.name or ''} is not a sequence ring of {members} ranks, one per "
                 "member of a stage's group")
     if len({len(ring.rings.chunks_of(r)) for r in range(members)}) > 1:

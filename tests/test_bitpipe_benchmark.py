@@ -2,30 +2,15 @@
 reduced grid (a few seconds)."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
 from pipec.compiler.costs import costs_from_json, load_costs
 from pipec.compiler.driver import compile_target
 from pipec.compiler.ops import ALLREDUCE_GRAD
 from pipec.compiler.simulate import simulate
+from benchmark_util import load_benchmark
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _load_benchmark():
-    # benchmarks/ is not a package: load the script as a module (registered first: dataclasses look it up)
-    spec = importlib.util.spec_from_file_location("bitpipe_8gpu", ROOT / "benchmarks" / "bitpipe_8gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("bitpipe_8gpu")
 HARDWARE = bench.Hardware(tflops=100, link_gbs=200, link_latency_us=10, allreduce_gbs=200, allreduce_latency_us=10)
 
 

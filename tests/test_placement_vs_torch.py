@@ -9,10 +9,6 @@ assertion (a few seconds).
 """
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
 pytest.importorskip("torch")
@@ -20,20 +16,9 @@ from torch.distributed.pipelining import schedules as torch_schedules  # noqa: E
 
 from pipec.compiler.driver import compile_target  # noqa: E402
 from pipec.compiler.simulate import simulate  # noqa: E402
+from benchmark_util import load_benchmark  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _load_benchmark():
-    # benchmarks/ is not a package: load the script as a module
-    spec = importlib.util.spec_from_file_location("placement_vs_torch", ROOT / "benchmarks" / "placement_vs_torch.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("placement_vs_torch")
 
 
 @pytest.fixture(scope="module")

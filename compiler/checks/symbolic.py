@@ -36,7 +36,7 @@ from collections import Counter, deque
 from typing import Iterable
 
 from pipec.compiler import ops
-from pipec.compiler.family import families_of
+from pipec.compiler.family import families_of, first_answer
 from pipec.compiler.ir import Action, Program
 from pipec.errors import DeadlockError, MatchError, WellFormedError
 
@@ -237,8 +237,9 @@ class SymbolicRun:
         self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
         self.meetings: dict[tuple[int, int], Meeting] = {}
         self.rendezvous: dict[tuple, Rendezvous] = {}
-        # A sequence ring's schedule writes steps (`at step`) of its own: there the list index is an "instruction".
-        self.index_word = "step" if program.rings is None else "instruction"
+        # A family whose schedules write steps of their own (a ring's `at step`): the list index is an "instruction".
+        self.writes_steps = [family for family in families if family.writes_own_steps]
+        self.index_word = "instruction" if self.writes_steps else "step"
 
     def error(self, cls, message: str, rank: int, step: int, marks=()):
         """A ``cls`` (a ``ProgramError``) at (rank, step), with the program's grid (and a ring's step)."""
@@ -246,8 +247,9 @@ class SymbolicRun:
             self.grid = self.program.grid()
         error = cls(message, rank, step, self.grid, marks)
         error.index_word = self.index_word
-        if self.program.rings is not None and 0 <= rank < len(self.program.ranks):
-            error.written_step = self.program.rings.step_of(rank, step, len(self.program.ranks[rank]))
+        if self.writes_steps and 0 <= rank < len(self.program.ranks):
+            error.written_step = first_answer(self.writes_steps,
+                                              lambda family: family.written_step(self.program, rank, step))
         return error
 
     def end_of(self, rank: int) -> int:

@@ -30,7 +30,7 @@ from pipec.compiler.ir import (NO_PEER, ROW_SHARE, SEQUENCE_SHARE, SHARE_SPLITS,
                                Program, StageInfo, build_program)
 # The cyclic GC rescans every object built so far each time allocations trigger
 # it; these passes build hundreds of thousands of acyclic ones.
-from pipec.compiler.family import all_families, families_of
+from pipec.compiler.family import all_families, families_of, runs_in_stages
 from pipec.compiler.gc_pause import paused_gc
 from pipec.dsl.limits import MAX_RANKS, MAX_TASKS
 from pipec.errors import ImportError_
@@ -322,7 +322,7 @@ def _read_stage_ring(data: dict, stages: list[StageInfo], nested: bool) -> Progr
         ring = program_from_json(raw, nested=True)
     except ImportError_ as error:
         raise ImportError_(f"in \"stage_ring\": {error.message}") from None
-    if ring.rings is None:
+    if not runs_in_stages(ring):
         raise ImportError_("field \"stage_ring\" must be a sequence-ring program (with \"rings\")")
     for info in sequence:
         if len(info.placement.ranks) != ring.num_ranks:

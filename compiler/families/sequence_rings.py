@@ -37,9 +37,14 @@ class SequenceRings(Family):
     exact_times = True
     keeps_own_ops = True
     counts_activations = False
+    runs_in_stages = True
+    writes_own_steps = True
 
     def plan_of(self, program):
         return program.rings
+
+    def written_step(self, program, rank, index):
+        return program.rings.step_of(rank, index, len(program.ranks[rank]))
 
     def plan_to_json(self, program):
         plan = program.rings

@@ -9,12 +9,16 @@ form for it. A program file's ``owners`` and ``weights`` are read here.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipec.compiler.build import compute_program
 from pipec.compiler.family import Family, register
 from pipec.compiler.guarded_read import read_int_list
 from pipec.compiler.ir import GRADIENT_ROUTES, WEIGHT_ROUTES, WeightPlan
 from pipec.compiler.lower_weights import insert_weight_exchanges
 from pipec.compiler.memory_counts import peak_weight_buffers
+from pipec.compiler.mesh_placement import ContextParallel
+from pipec.compiler.weight_placement import place_weights_on_mesh, shard_refusal
 from pipec.compiler.ops import ACTIVATION_PASSING, WEIGHT_PASSING
 from pipec.errors import ImportError_
 
@@ -66,6 +70,18 @@ class WeightPassing(Family):
 
     def borrowed_buffers(self, program):
         return peak_weight_buffers(program)
+
+    def refuse_mesh_policy(self, program, data):
+        name = program.name or "this pipeline"
+        if isinstance(data, ContextParallel):
+            return (f"{name} passes weights; a context axis composes with an activation-passing pipeline (gpipe, "
+                    "1f1b, interleaved_1f1b): weight passing x CP is not built")
+        return shard_refusal(name, data.axis) if data.sharded else None
+
+    def place_composed(self, compute, program, mesh, pp_axis, data, name):
+        """The placed program stands for both: its compute-only form is its computes (``weight_placement``)."""
+        placed = place_weights_on_mesh(program, mesh, pp_axis, data, name=name)
+        return replace(placed, ranks=[[a for a in row if a.is_compute] for row in placed.ranks]), placed
 
     def proof_text(self, program, memory_text):
         return (f"{super().proof_text(program, memory_text)}; weights where every task runs, gradients folded into "
