@@ -71,9 +71,16 @@ def test_written_order_checks_and_recompiles_to_the_searched_order():
     assert simulate(compiled.program).makespan == result.makespan
 
 
-def test_searched_order_trains_like_one_process(tmp_path):
-    P, N = 2, 4
-    compute, result = _search("1f1b", P, N, _one_f_one_b_memory(P))
+@pytest.mark.parametrize("target,P,N,costs", [("1f1b", 2, 4, None), ("zb_h1", 4, 4, {"latency": 1})])
+def test_searched_order_trains_like_one_process(tmp_path, target, P, N, costs):
+    """P = 2 (1F1B's placement) and P = 4 (split backward, searched under a link latency at twice 1F1B's
+    memory, so the order is not ZB-H1's): each trains like one process on gloo."""
+    from pipec.compiler.costs import costs_from_json
+
+    model = costs_from_json({"links": costs}) if costs else None
+    compute, _ = lower_spec(resolve_target(target).evaluate({"P": str(P), "N": str(N)}), model)
+    memory = [2 * limit for limit in _one_f_one_b_memory(P)] if costs else _one_f_one_b_memory(P)
+    result = search_order(compute, model, memory, time_limit=20, workers=2)
     path = tmp_path / "searched.pipe"
     path.write_text(order_to_pipe(compute, result.order))
     save = tmp_path / "model.pt"
@@ -81,7 +88,23 @@ def test_searched_order_trains_like_one_process(tmp_path):
                          P, 120.0)
     assert run.ok, run.describe()
     want = reference_run(ModelConfig(), 2, N, SEED).state_dict
-    assert_same_parameters(torch.load(save), want, "searched 1f1b P=2")
+    assert_same_parameters(torch.load(save), want, f"searched {target} P={P}")
+
+
+@pytest.mark.parametrize("P,N", [(4, 8), (4, 12), (8, 16)])
+def test_twice_1f1b_memory_reaches_the_zero_bubble_bound(P, N):
+    """ZB-H2's claim, proven: under a link latency L = 1, ZB-H1's memory (rank r: P - r) leaves ranks idle
+    waiting on each microbatch's round trip (the optimum is 39, 53, 87), while twice it reaches
+    3N + (P - 1)(F + L), the least any order can take: the last rank's first forward cannot start earlier
+    and it then has 3N of work. (With free links both limits give ZB-H1's 3N + P - 1.)"""
+    from pipec.compiler.costs import costs_from_json
+
+    costs = costs_from_json({"links": {"latency": 1}})
+    compute, _ = lower_spec(resolve_target("zb_h1").evaluate({"P": str(P), "N": str(N)}), costs)
+    once = search_order(compute, costs, _one_f_one_b_memory(P), time_limit=20, workers=2)
+    twice = search_order(compute, costs, [2 * m for m in _one_f_one_b_memory(P)], time_limit=20, workers=2)
+    assert once.status == twice.status == OPTIMAL
+    assert twice.makespan == 3 * N + (P - 1) * (1 + 1) < once.makespan
 
 
 def test_cli_prints_status_bound_and_simulated_makespan(tmp_path, capsys):
