@@ -53,6 +53,7 @@ class SearchResult:
         makespan: the model's makespan of ``order``, in the cost model's units.
         bound: the solver's best lower bound on the makespan (== makespan when optimal).
         seconds: the solver's wall time.
+        recomputed (property): the stages the order recomputes.
     """
 
     order: list[list[Action]]
@@ -247,8 +248,8 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     makespan = model.NewIntVar(0, horizon, "makespan")
     for task in tasks:
         model.Add(makespan >= end[task.key]).OnlyEnforceIf(present(task))
-    # the fewest recomputed stages among the fastest orders: a recompute costs time the model may not see
-    # (a tie broken below one tick of the makespan)
+    # among the fastest orders, one with the fewest recomputed stages (a recompute the makespan does not need
+    # only spends compute); the count weighs less than one tick of the makespan, so it only breaks ties
     weight = len(choice) + 1
     model.Minimize(makespan * weight + sum(choice.values()) if choice else makespan)
     solver = cp_model.CpSolver()
@@ -260,8 +261,8 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
             f"no order found within {time_limit} s"
         raise UsageError(f"pipec search: {what}")
     chosen = [t for t in tasks if all(solver.BooleanValue(lit) for lit in present(t))]
-    order = [sorted((t.action for t in chosen if t.rank == rank), key=lambda a: solver.Value(start[(a.op, a.stage, a.mb)]))
-             for rank in range(program.num_ranks)]
+    order = [sorted((t.action for t in chosen if t.rank == rank),
+                    key=lambda a: solver.Value(start[(a.op, a.stage, a.mb)])) for rank in range(program.num_ranks)]
     found = Fraction(solver.Value(makespan), scale)
     # objective = makespan * weight + recomputed stages (< weight): floor(bound / weight) bounds the makespan
     bound = Fraction(int(round(solver.BestObjectiveBound())) // weight, scale)
