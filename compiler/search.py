@@ -299,6 +299,9 @@ def _byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
             cap += 1
         while cap > 0 and cap * size > limit:
             cap -= 1
+        if cap == 0:  # each task set's count rises above 0 somewhere: no order fits
+            raise UsageError(f"pipec search: a budget of {limit} bytes for {size_class} holds no value of it "
+                             f"({size} bytes each)")
         caps[size_class] = min(cap, len(tasks))  # more than every value at once limits nothing
     return caps
 

@@ -77,6 +77,24 @@ def test_byte_budget_binds_and_the_written_order_passes_it():
     assert makespans[0] == (N + P - 1) * 3 < makespans[1]
 
 
+def test_the_shipped_orders_own_peaks_do_not_slow_the_search():
+    """At the count and bytes the shipped recomputed ZB-H1 holds (the checks' counts), the model admits an
+    order as fast: it counts no more than the checks do."""
+    P, N = 3, 6
+    shipped = compile_target("zb_h1", {"P": P, "N": N, "remat": True}, costs=SIZED).program
+    activations = peak_activations(shipped)
+    budget = {size_class: max(peaks[size_class] for peaks in peak_bytes(shipped, SIZED.sizes))
+              for size_class in ("activation", "boundary")}
+    assert budget == {"activation": 7.5, "boundary": 1.5}  # a saved activation or a stash, and W's stashes
+    compute = _compute("zb_h1", P, N, remat=True, costs=SIZED)
+    result = search_order(compute, SIZED, activations, byte_budget=budget, time_limit=20, workers=2)
+    written = _written(compute, result, SIZED, memory_budget=max(activations), byte_budget=budget)
+    assert result.status == OPTIMAL
+    assert result.makespan == simulate(written.program, SIZED).makespan == simulate(shipped, SIZED).makespan
+    with pytest.raises(UsageError, match=r"budget of 2 bytes for activation holds no value of it \(2.5 bytes each"):
+        search_order(compute, SIZED, byte_budget={"activation": 2}, time_limit=20, workers=2)
+
+
 def test_a_boundary_budget_limits_the_kept_inputs_of_recomputed_stages():
     """One kept input per rank (0.5 bytes): each recomputed forward's R comes before the next forward."""
     P, N = 2, 4
