@@ -299,7 +299,8 @@ def _byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
             cap += 1
         while cap > 0 and cap * size > limit:
             cap -= 1
-        if cap == 0:  # each task set's count rises above 0 somewhere: no order fits
+        rises = any(SIZE_CLASS_DELTAS[size_class].get(t.action.op, 0) > 0 for t in tasks if t.recomputes is None)
+        if cap == 0 and rises:  # a value every order makes: none fits (an optional one is left out instead)
             raise UsageError(f"pipec search: a budget of {limit} bytes for {size_class} holds no value of it "
                              f"({size} bytes each)")
         caps[size_class] = min(cap, len(tasks))  # more than every value at once limits nothing

@@ -121,6 +121,10 @@ def test_choose_recomputes_only_where_it_buys_time():
     written = compile_spec(resolve_target_text(text), memory_budget=1)
     assert [list(row) for row in written.compute.ranks] == chosen.order
     assert simulate(written.program).makespan == chosen.makespan
+    # no byte for a kept input: the choice is not to recompute, and memory forces F, B, F, B, ...
+    kept_none = search_order(compute, SIZED, [1, 1], byte_budget={"boundary": 0}, recompute=CHOOSE, time_limit=20,
+                             workers=2)
+    assert kept_none.recomputed == [] and kept_none.makespan == plain.makespan
 
 
 def test_cli_byte_budget_and_choice(tmp_path, capsys):
