@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program
-from pipec.compiler.ops import ACTIVATION_PASSING, CHECKPOINTS
+from pipec.compiler.driver import task_kinds
+from pipec.compiler.ops import ACTIVATION_PASSING
 from pipec.errors import UsageError
 
 # ops a backward-split program runs (I: input gradient) and that the language writes as is
 _SPLIT_OPS = frozenset({"I", "W"})
 
 
-# a recomputed stage's forward (FC) is written as the plain one (F) it becomes there; its recompute (R) as is
-_WRITTEN_AS = {keeping: plain for plain, (keeping, _) in CHECKPOINTS.items()}
-_RECOMPUTES = frozenset(remaking for _, remaking in CHECKPOINTS.values())
+# the language's words: a recomputed stage's forward (FC) is written as the plain one (F) it becomes there,
+# its recompute (R) as is
+_WRITTEN_AS = task_kinds().checkpointed
+_RECOMPUTES = frozenset(task_kinds().recomputes)
 _WRITTEN_OPS = frozenset({"F", "B"}) | _SPLIT_OPS | frozenset(_WRITTEN_AS) | _RECOMPUTES
 
 
