@@ -1,16 +1,20 @@
-"""Exact order search for activation passing (issue 27, first slice): a CP-SAT job-shop model.
+"""Exact order search for activation passing (issue 27): a CP-SAT job-shop model.
 
 Given a compiled compute-only program (its placement and task set: F and B, or F, I and W, per
-stage x microbatch), a cost model and a per-rank limit on live activations, ``search_order`` finds
-the per-rank order that minimises the makespan of the model below, or the best order found and the
-solver's lower bound when the time limit ends first.
+stage x microbatch; on a recomputed stage FC and R in F's place), a cost model and limits on live
+memory per rank, ``search_order`` finds the per-rank order that minimises the makespan of the model
+below, or the best order found and the solver's lower bound when the time limit ends first.
 
 The model (docs/search.md): one interval per task, sized by ``CostModel.compute``; per rank, no two
 intervals overlap; a task starts after each input's producer (``ops.DEPENDENCIES``, at the stage
 ``StageTables.neighbour`` names) ends, plus ``CostModel.transfer`` when the producer is on another
-device; per rank, the activations alive at once (from the task that makes one, ``ACTIVATION_DELTA``
-+1, to the end of the task that ends it, -1) stay within the limit. Times are integers: every cost
-is scaled by the least common denominator of the exact costs.
+device; per rank, the values a memory count counts (``memory_counts``: saved activations for
+``memory``, each size class's counted values for ``byte_budget``) stay within the limit. Times are
+integers: every cost is scaled by the least common denominator of the exact costs.
+
+With ``recompute=CHOOSE`` the solver also chooses, per stage, the forward's alternative of the
+per-stage task set (``ops.CHECKPOINTS``: F, or FC then R): each alternative's tasks are optional
+intervals present exactly when their stage's choice is theirs.
 
 OR-Tools is imported only when a search runs, so pipec works without it.
 """
@@ -19,19 +23,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 from math import lcm
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
 from pipec.compiler.ir import Action, Program, stage_tables
-from pipec.compiler.memory_counts import ACTIVATION_DELTA
+from pipec.compiler.memory_counts import ACTIVATION_DELTA, SIZE_CLASS_DELTAS, Number, check_sizes
 from pipec.errors import UsageError
 
 # The largest time scale accepted: costs whose exact denominators need more are not a small grid.
 MAX_SCALE = 10**6
 OPTIMAL, FEASIBLE = "OPTIMAL", "FEASIBLE"
-# the ops that carry a microbatch forward: they read their PREV stage's value (F)
+# What ``recompute`` takes: the target's own recomputed stages, or the solver's choice per stage.
+TARGET, CHOOSE = "target", "choose"
+# the ops that carry a microbatch forward: they read their PREV stage's value (F, FC)
 _ENTRY_OPS = frozenset(op for op, deps in ops.DEPENDENCIES.items() if any(dep.where == ops.PREV for dep in deps))
+# the per-stage alternatives of the forward (ops.CHECKPOINTS, F -> (FC, R)), both ways
+_PLAIN_OF = {op: plain for plain, checkpointed in ops.CHECKPOINTS.items() for op in checkpointed}
+_CHECKPOINTED_OPS = frozenset(_PLAIN_OF)
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class SearchResult:
         makespan: the model's makespan of ``order``, in the cost model's units.
         bound: the solver's best lower bound on the makespan (== makespan when optimal).
         seconds: the solver's wall time.
+        recomputed (property): the stages the order recomputes.
     """
 
     order: list[list[Action]]
@@ -56,6 +66,25 @@ class SearchResult:
     def gap(self) -> Fraction:
         """(makespan - bound) / makespan: 0 when proven optimal."""
         return (self.makespan - self.bound) / self.makespan if self.makespan else Fraction(0)
+
+    @property
+    def recomputed(self) -> list[int]:
+        """The stages whose forward keeps only its input in ``order`` (FC, then R), ascending."""
+        return sorted({a.stage for row in self.order for a in row if a.op in _CHECKPOINTED_OPS})
+
+
+@dataclass(frozen=True)
+class _Task:
+    """A task of the model: its rank, its action, and the choice of its stage it belongs to (None: every
+    choice; True: only when the stage recomputes; False: only when it does not)."""
+
+    rank: int
+    action: Action
+    recomputes: bool | None = None
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.action.op, self.action.stage, self.action.mb
 
 
 def _cp_model():
@@ -70,11 +99,24 @@ def _refuse_unsupported(program: Program) -> None:
     if program.mesh is not None or any(stage.placement is not None for stage in program.stages):
         raise UsageError("pipec search orders a plain pipeline: a composition (mesh or group placement) is not "
                          "searched yet")
+    refuse_weight_versions(program)
     known = set(ops.DEPENDENCIES) - set(ops.IN_ORDER_COMPUTE_OPS)
     for row in program.ranks:
         for action in row:
             if action.op not in known:
                 raise UsageError(f"pipec search orders activation passing's computes; {action.op} is not one")
+
+
+def refuse_weight_versions(program: Program) -> None:
+    """Raise UsageError when ``program``'s order holds optimizer updates (``ops.UPDATE_OPS``: PipeDream's U).
+
+    Where an update stands decides which weight version each later forward runs on, so reordering it
+    changes the gradients, not only the time: a makespan-only search would change the training."""
+    updates = sorted({a.op for row in program.ranks for a in row if a.op in ops.UPDATE_OPS})
+    if updates:
+        raise UsageError(f"pipec search does not reorder optimizer updates ({', '.join(updates)}): where an update "
+                         "stands decides which weight version each later forward runs on, so another order trains "
+                         "another model, not the same one faster (docs/search.md, weight versions)")
 
 
 def _exact(value) -> Fraction:
@@ -89,42 +131,72 @@ def _scale(values: Sequence) -> int:
     return scale
 
 
+def _task_set(program: Program, recompute: str) -> list[_Task]:
+    """The model's tasks: the program's, or with ``CHOOSE`` both forward alternatives of every stage.
+
+    Under ``CHOOSE`` a plain forward (F) or a checkpointed one (FC) of (stage, mb) becomes the plain
+    forward, present when the stage does not recompute, and the checkpointed alternative's ops (FC, R),
+    present when it does; the program's own recomputes are dropped and remade from its forwards."""
+    if recompute == TARGET:
+        return [_Task(rank, action) for rank, row in enumerate(program.ranks) for action in row]
+    if recompute != CHOOSE:
+        raise UsageError(f"recompute takes {TARGET!r} or {CHOOSE!r}, not {recompute!r}")
+    tasks = []
+    for rank, row in enumerate(program.ranks):
+        for action in row:
+            plain = _PLAIN_OF.get(action.op, action.op)
+            if plain not in ops.CHECKPOINTS:
+                tasks.append(_Task(rank, action))
+            elif action.op == plain or action.op == ops.CHECKPOINTS[plain][0]:  # one forward, however written
+                tasks.append(_Task(rank, action._replace(op=plain), False))
+                tasks += [_Task(rank, action._replace(op=op), True) for op in ops.CHECKPOINTS[plain]]
+    return tasks
+
+
 def search_order(program: Program, costs: CostModel | None = None, memory: Sequence[int] | None = None, *,
+                 byte_budget: Mapping[str, Number] | None = None, recompute: str = TARGET,
                  time_limit: float = 30.0, workers: int = 2) -> SearchResult:
-    """The fastest per-rank order of ``program``'s tasks under ``costs`` and ``memory``.
+    """The fastest per-rank order of ``program``'s tasks under ``costs``, ``memory`` and ``byte_budget``.
 
     Args:
         program: a compute-only activation-passing program (``lower_spec``'s first result); its orders
             are ignored, only its tasks and placement are read.
-        costs: the cost model (default: unit costs).
-        memory: per rank, the most live activations (None: unlimited).
+        costs: the cost model (default: unit costs); its ``sizes`` price ``byte_budget``.
+        memory: per rank, the most live saved activations (what ``pipec check --budget`` counts; None:
+            unlimited).
+        byte_budget: size class -> the most bytes of live counted values of that class per rank (what
+            ``pipec check --budget-bytes`` counts; None: unlimited).
+        recompute: ``TARGET`` (the program's recomputed stages) or ``CHOOSE`` (the solver chooses per
+            stage; among the fastest orders, one with the fewest recomputed stages).
         time_limit: the solver's limit in seconds.
         workers: CP-SAT's worker threads.
     Raises:
-        UsageError: OR-Tools missing, an unsupported program, or no order found within the limit.
+        UsageError: OR-Tools missing, an unsupported program, a byte budget for a class the costs do not
+            size, or no order found within the limit.
     """
     cp_model = _cp_model()
     _refuse_unsupported(program)
     costs = costs or CostModel.unit()
     tables = stage_tables(program)
     devices = program.devices or list(range(program.num_ranks))
-    tasks = [(rank, action) for rank, row in enumerate(program.ranks) for action in row]
-    where = {(a.op, a.stage, a.mb): (rank, a) for rank, a in tasks}
-    durations = [costs.compute(a.op, tables.chunk[a.stage]) for _, a in tasks]
-    # each task's inputs: (producer key, delay after its end)
+    tasks = _task_set(program, recompute)
+    where = {task.key: task for task in tasks}
+    durations = [costs.compute(task.action.op, tables.chunk[task.action.stage]) for task in tasks]
+    # each task's inputs: (producer keys, in ops.DEPENDENCIES order, the first present wins; delay after its end)
     inputs = []
-    for rank, a in tasks:
-        mine = []
+    for task in tasks:
+        a, mine = task.action, []
         for dep in ops.DEPENDENCIES[a.op]:
             stage = tables.neighbour(dep.where)[a.stage]
             if stage < 0:
                 continue  # no neighbour at a pipeline's end: nothing to wait for
-            maker = next((key for key in ((op, stage, a.mb) for op in dep.made_by) if key in where), None)
-            if maker is None:
+            makers = [key for key in ((op, stage, a.mb) for op in dep.made_by) if key in where]
+            if not makers:
                 continue
-            source = where[maker][0]
-            delay = 0 if devices[source] == devices[rank] else costs.transfer(devices[source], devices[rank], dep.kind)
-            mine.append((maker, delay))
+            source = where[makers[0]].rank  # every alternative of a value is made on its stage's rank
+            delay = 0 if devices[source] == devices[task.rank] else costs.transfer(devices[source], devices[task.rank],
+                                                                                      dep.kind)
+            mine.append((makers, delay))
         inputs.append(mine)
     scale = _scale([*durations, *(delay for mine in inputs for _, delay in mine)])
 
@@ -133,55 +205,180 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
 
     horizon = sum(ticks(d) for d in durations) + sum(ticks(delay) for mine in inputs for _, delay in mine)
     model = cp_model.CpModel()
+    choice = {stage: model.NewBoolVar(f"recompute{stage}")
+              for stage in sorted({t.action.stage for t in tasks if t.recomputes is not None})}
+
+    def present(task: _Task) -> list:
+        return _present(choice, task.action.stage, task.recomputes)
+
     start, end, interval = {}, {}, {}
-    for (rank, a), duration in zip(tasks, durations):
-        key = (a.op, a.stage, a.mb)
+    for task, duration in zip(tasks, durations):
+        key = task.key
         start[key] = model.NewIntVar(0, horizon, f"s{key}")
         end[key] = model.NewIntVar(0, horizon, f"e{key}")
-        interval[key] = model.NewIntervalVar(start[key], ticks(duration), end[key], f"i{key}")
-    for (rank, a), mine in zip(tasks, inputs):
-        for maker, delay in mine:
-            model.Add(start[(a.op, a.stage, a.mb)] >= end[maker] + ticks(delay))
-    for rank, row in enumerate(program.ranks):
-        model.AddNoOverlap([interval[(a.op, a.stage, a.mb)] for a in row])
+        if task.recomputes is None:
+            interval[key] = model.NewIntervalVar(start[key], ticks(duration), end[key], f"i{key}")
+        else:
+            interval[key] = model.NewOptionalIntervalVar(start[key], ticks(duration), end[key], *present(task),
+                                                         f"i{key}")
+    for task, mine in zip(tasks, inputs):
+        for makers, delay in mine:
+            earlier = []  # makers listed first that are present win
+            for maker in makers:
+                model.Add(start[task.key] >= end[maker] + ticks(delay)).OnlyEnforceIf(
+                    present(task) + present(where[maker]) + [lit.Not() for lit in earlier])
+                if not present(where[maker]):
+                    break  # always made: the makers after it never count
+                earlier += present(where[maker])
+    for rank in range(program.num_ranks):
+        model.AddNoOverlap([interval[t.key] for t in tasks if t.rank == rank])
     # microbatches of one pipeline are interchangeable: they enter its first stage in order (symmetry breaking)
-    for row in program.ranks:
-        firsts = sorted((a for a in row if a.op in _ENTRY_OPS and tables.prev[a.stage] < 0), key=lambda a: (a.stage, a.mb))
-        for a, b in zip(firsts, firsts[1:]):
-            if a.stage == b.stage:
-                model.Add(start[(a.op, a.stage, a.mb)] <= start[(b.op, b.stage, b.mb)])
+    firsts = sorted((t for t in tasks if t.action.op in _ENTRY_OPS and tables.prev[t.action.stage] < 0),
+                    key=lambda t: (t.action.stage, t.action.op, t.action.mb))
+    for a, b in zip(firsts, firsts[1:]):
+        if (a.action.stage, a.action.op) == (b.action.stage, b.action.op):
+            model.Add(start[a.key] <= start[b.key]).OnlyEnforceIf(present(a))
     if memory is not None:
-        _add_memory(model, program, memory, start, end, horizon)
+        if len(memory) != program.num_ranks:
+            raise UsageError(f"--memory gives {len(memory)} limits for {program.num_ranks} ranks")
+        _add_count_limit(model, tasks, ACTIVATION_DELTA, memory, start, choice, horizon, "activations")
+    for size_class, limit in _byte_caps(tasks, byte_budget, costs.sizes).items():
+        _add_count_limit(model, tasks, SIZE_CLASS_DELTAS[size_class], [limit] * program.num_ranks, start, choice,
+                         horizon, size_class)
     makespan = model.NewIntVar(0, horizon, "makespan")
-    model.AddMaxEquality(makespan, list(end.values()))
-    model.Minimize(makespan)
+    for task in tasks:
+        model.Add(makespan >= end[task.key]).OnlyEnforceIf(present(task))
+    # among the fastest orders, one with the fewest recomputed stages (a recompute the makespan does not need
+    # only spends compute); the count weighs less than one tick of the makespan, so it only breaks ties
+    weight = len(choice) + 1
+    model.Minimize(makespan * weight + sum(choice.values()) if choice else makespan)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = int(workers)
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        what = "no order meets the memory limit" if status == cp_model.INFEASIBLE else \
+        what = "no order meets the memory limits" if status == cp_model.INFEASIBLE else \
             f"no order found within {time_limit} s"
         raise UsageError(f"pipec search: {what}")
-    order = [sorted(row, key=lambda a: solver.Value(start[(a.op, a.stage, a.mb)])) for row in program.ranks]
-    found = Fraction(int(solver.ObjectiveValue()), scale)
-    bound = Fraction(int(round(solver.BestObjectiveBound())), scale)
+    chosen = [t for t in tasks if all(solver.BooleanValue(lit) for lit in present(t))]
+    order = [sorted((t.action for t in chosen if t.rank == rank),
+                    key=lambda a: solver.Value(start[(a.op, a.stage, a.mb)])) for rank in range(program.num_ranks)]
+    found = Fraction(solver.Value(makespan), scale)
+    # objective = makespan * weight + recomputed stages (< weight): floor(bound / weight) bounds the makespan
+    bound = Fraction(int(round(solver.BestObjectiveBound())) // weight, scale)
     return SearchResult(order, OPTIMAL if status == cp_model.OPTIMAL else FEASIBLE, found, min(bound, found),
                         solver.WallTime())
 
 
-def _add_memory(model, program: Program, memory: Sequence[int], start, end, horizon: int) -> None:
-    """Per rank, a cumulative over the activations' lifetimes: from the start of the task that makes one
-    (delta +1: F, or R on a recomputed stage) to the end of the task that ends it (delta -1: B, or W when
-    split), the span over which the list walk of ``memory_counts.live_counts`` counts it."""
-    if len(memory) != program.num_ranks:
-        raise UsageError(f"--memory gives {len(memory)} limits for {program.num_ranks} ranks")
-    for rank, row in enumerate(program.ranks):
-        made = {(a.stage, a.mb): (a.op, a.stage, a.mb) for a in row if ACTIVATION_DELTA.get(a.op, 0) > 0}
-        ended = {(a.stage, a.mb): (a.op, a.stage, a.mb) for a in row if ACTIVATION_DELTA.get(a.op, 0) < 0}
-        lives = []
-        for chunk, maker in made.items():
-            size = model.NewIntVar(0, horizon, f"life{maker}")
-            lives.append(model.NewIntervalVar(start[maker], size, end[ended[chunk]], f"live{maker}"))
-        if lives:
-            model.AddCumulative(lives, [1] * len(lives), memory[rank])
+def _byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
+               sizes: Mapping[str, Number]) -> dict[str, int]:
+    """Size class -> the most live counted values of it a rank may hold under ``byte_budget``.
+
+    Every value of a class weighs its class's size (``memory_counts.peak_bytes``), so a budget of B bytes
+    is a count: the largest k with k * size <= B, compared as the check compares (``live * size > limit``),
+    which keeps the model's integers exact. Classes no task here counts, and free ones, need no limit.
+
+    Raises:
+        UsageError: a budgeted class that the tasks count and ``sizes`` does not size.
+    """
+    if not byte_budget:
+        return {}
+    check_sizes(byte_budget)
+    counted = {t.action.op for t in tasks}
+    caps = {}
+    for size_class, limit in byte_budget.items():
+        if not counted & set(SIZE_CLASS_DELTAS[size_class]):
+            continue
+        if size_class not in sizes:
+            raise UsageError(f"a byte budget for {size_class!r} needs its size: the cost model gives none (sizes)")
+        size = sizes[size_class]
+        if not size:
+            continue
+        cap = int(_exact(limit) / _exact(size))
+        while (cap + 1) * size <= limit:  # the check's own arithmetic decides at the edge
+            cap += 1
+        while cap > 0 and cap * size > limit:
+            cap -= 1
+        rises = any(SIZE_CLASS_DELTAS[size_class].get(t.action.op, 0) > 0 for t in tasks if t.recomputes is None)
+        if cap == 0 and rises:  # a value every order makes: none fits (an optional one is left out instead)
+            raise UsageError(f"pipec search: a budget of {limit} bytes for {size_class} holds no value of it "
+                             f"({size} bytes each)")
+        caps[size_class] = min(cap, len(tasks))  # more than every value at once limits nothing
+    return caps
+
+
+def _add_count_limit(model, tasks: Sequence[_Task], delta: Mapping[str, int], limits: Sequence[int], start,
+                     choice: Mapping[int, object], horizon: int, what: str) -> None:
+    """Per rank, a cumulative over the spans in which the values ``delta`` counts are alive (``_lifetimes``),
+    at most ``limits[rank]`` at once: exactly the count ``memory_counts.live_counts`` walks."""
+    for rank, limit in enumerate(limits):
+        spans, demands = [], []
+        for first, then, count, stage, recomputes in _lifetimes([t for t in tasks if t.rank == rank], delta):
+            stop = start[then] if then is not None else horizon  # never ended: alive to the list's end
+            size = model.NewIntVar(0, horizon, f"{what}{first}")
+            when = _present(choice, stage, recomputes)
+            if when:
+                spans.append(model.NewOptionalIntervalVar(start[first], size, stop, when[0], f"{what}{first}"))
+            else:
+                spans.append(model.NewIntervalVar(start[first], size, stop, f"{what}{first}"))
+            demands.append(count)
+        if spans:
+            model.AddCumulative(spans, demands, limit)
+
+
+def _lifetimes(row: Sequence[_Task], delta: Mapping[str, int]):
+    """The spans over which one rank's values counted by ``delta`` are alive, as (task key, the key of the
+    task that ends the span or None, live count, stage, the stage's choice the span belongs to or None).
+
+    A value lives on its stage's rank, so the count of one (stage, mb) changes only at its own tasks,
+    which its dataflow orders (FC, R, I, W): after each task that changes it, the count holds until the
+    start of the next such task. The list walk counts a value from its maker's step up to its ender's,
+    which in time is [start of the maker, start of the ender), since tasks on a rank never overlap; an I
+    that ends a saved activation and makes a stash of the same class (net 0) changes nothing. Under
+    ``CHOOSE`` each choice of the stage has its own spans, present with it.
+    """
+    chunks: dict[tuple[int, int], list[_Task]] = {}
+    for task in row:
+        chunks.setdefault((task.action.stage, task.action.mb), []).append(task)
+    for (stage, _), chunk in chunks.items():
+        for recomputes in sorted({t.recomputes for t in chunk} - {None}) or [None]:
+            tasks = [t for t in chunk if t.recomputes in (None, recomputes)]
+            chain = _dataflow_order([t for t in tasks if delta.get(t.action.op, 0)], {t.action.op for t in tasks})
+            count = 0
+            for task, following in zip(chain, chain[1:] + [None]):
+                count += delta[task.action.op]
+                if count > 0:
+                    yield task.key, following.key if following else None, count, stage, recomputes
+
+
+def _dataflow_order(tasks: list[_Task], ran: set[str]) -> list[_Task]:
+    """``tasks`` (of one stage and microbatch, whose ops are ``ran``) in the order their own-stage inputs
+    (``ops.DEPENDENCIES`` at SELF, the first maker that ran) force.
+
+    Raises:
+        UsageError: two of them the dataflow leaves unordered (then no span follows from the rule table).
+    """
+    def before(op: str) -> set[str]:
+        out = set()
+        for dep in ops.DEPENDENCIES[op]:
+            maker = next((m for m in dep.made_by if m in ran and m != op), None) if dep.where == ops.SELF else None
+            if maker is not None:
+                out |= {maker} | before(maker)
+        return out
+
+    ancestors = {t.action.op: before(t.action.op) for t in tasks}
+    chain = sorted(tasks, key=lambda t: len(ancestors[t.action.op]))
+    for a, b in zip(chain, chain[1:]):
+        if a.action.op not in ancestors[b.action.op]:
+            raise UsageError(f"pipec search counts memory along each microbatch's dataflow: {a.action.op} and "
+                             f"{b.action.op} of one stage and microbatch are not ordered by it")
+    return chain
+
+
+def _present(choice: Mapping[int, object], stage: int, recomputes: bool | None) -> list:
+    """The literals under which a task (or span) of ``stage`` that belongs to ``recomputes`` is in the
+    order: none when it belongs to every choice."""
+    if recomputes is None:
+        return []
+    chosen = choice[stage]
+    return [chosen if recomputes else chosen.Not()]

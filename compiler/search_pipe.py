@@ -2,12 +2,15 @@
 
 The text fixes P and N with ``require`` (the order lists tasks literally, for these sizes only) and
 writes the placement stage by stage, so ``pipec check`` proves it and it compiles to exactly the
-order given. A single pipeline without recomputation (what ``compiler/search.py`` orders today).
+order given. A single pipeline (what ``compiler/search.py`` orders today). A recomputed stage's
+forward (FC) is written as the plain forward it replaces (F) under ``recompute stage s when s == k
+or ...``, and its recompute (R) where the search put it, so the compiler places no recompute of its own.
 """
 from __future__ import annotations
 
 from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program
+from pipec.compiler.driver import task_kinds
 from pipec.compiler.ops import ACTIVATION_PASSING
 from pipec.errors import UsageError
 
@@ -15,7 +18,11 @@ from pipec.errors import UsageError
 _SPLIT_OPS = frozenset({"I", "W"})
 
 
-_WRITTEN_OPS = frozenset({"F", "B"}) | _SPLIT_OPS
+# the language's words: a recomputed stage's forward (FC) is written as the plain one (F) it becomes there,
+# its recompute (R) as is
+_WRITTEN_AS = task_kinds().checkpointed
+_RECOMPUTES = frozenset(task_kinds().recomputes)
+_WRITTEN_OPS = frozenset({"F", "B"}) | _SPLIT_OPS | frozenset(_WRITTEN_AS) | _RECOMPUTES
 
 
 def refuse_unwritable(program: Program, final: Program | None = None) -> None:
@@ -32,8 +39,8 @@ def refuse_unwritable(program: Program, final: Program | None = None) -> None:
         raise UsageError("pipec search writes one pipeline's orders: several pipelines are not written yet")
     extra = {a.op for row in program.ranks for a in row} - _WRITTEN_OPS
     if extra:
-        raise UsageError(f"pipec search writes F, B, I and W tasks: this program has {', '.join(sorted(extra))} "
-                         "(recomputation and other families are not searched yet)")
+        raise UsageError(f"pipec search writes F, B, I and W tasks (FC and R on recomputed stages): this program has "
+                         f"{', '.join(sorted(extra))}")
 
 
 def order_to_pipe(program: Program, order: list[list[Action]], name: str = "searched") -> str:
@@ -51,9 +58,12 @@ def order_to_pipe(program: Program, order: list[list[Action]], name: str = "sear
     lines += [f"  place stage s on rank {stage.rank} when s == {stage.id}" for stage in program.stages]
     if ops & _SPLIT_OPS:
         lines.append("  backward split")
+    recomputed = sorted({a.stage for row in order for a in row if a.op in _WRITTEN_AS})
+    if recomputed:
+        lines.append("  recompute stage s when " + " or ".join(f"s == {stage}" for stage in recomputed))
     lines.append("  order rank r {")
     for rank, row in enumerate(order):
-        tasks = " ".join(f"{a.op}({a.stage}, {a.mb})" for a in row)
+        tasks = " ".join(f"{_WRITTEN_AS.get(a.op, a.op)}({a.stage}, {a.mb})" for a in row)
         lines.append(f"    {'if' if rank == 0 else '} else if'} r == {rank} {{ {tasks}")
     lines += ["    }", "  }", "}", ""]
     return "\n".join(lines)

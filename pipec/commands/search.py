@@ -4,7 +4,7 @@ found exactly with OR-Tools CP-SAT (``compiler/search.py``), written as an expli
 """
 from __future__ import annotations
 
-from pipec.commands._common import load_costs, number_text, write_output
+from pipec.commands._common import byte_budget_from_args, load_costs, number_text, parse_byte_budget, write_output
 from pipec.errors import UsageError
 
 
@@ -16,6 +16,13 @@ def register(sub) -> None:
     parser.add_argument("--costs", metavar="FILE", help="a JSON cost file (default: unit costs F=1 B=2 I=W=1)")
     parser.add_argument("--memory", metavar="N[,N...]",
                         help="the most live activations per rank: one N for every rank, or one per rank")
+    parser.add_argument("--budget-bytes", dest="budget_bytes", action="append", default=[], metavar="CLASS=BYTES",
+                        help="the most bytes of live values of size class CLASS per rank, as `pipec check "
+                             "--budget-bytes` counts them; the cost file's \"sizes\" gives the bytes of one value "
+                             "(repeatable)")
+    parser.add_argument("--recompute", choices=("target", "choose"), default="target",
+                        help="target: recompute the stages TARGET recomputes (default); choose: the solver "
+                             "chooses per stage whether its forward keeps only its input and recomputes")
     parser.add_argument("--time-limit", dest="time_limit", type=float, default=30.0, metavar="S",
                         help="the solver's limit in seconds (default 30)")
     parser.add_argument("--workers", type=int, default=2, metavar="K", help="CP-SAT worker threads (default 2)")
@@ -40,27 +47,36 @@ def _memory(text: str | None, ranks: int) -> list[int] | None:
 def run(args) -> int:
     from pipec.commands._common import parse_defines
     from pipec.compiler.driver import compile_spec, lower_spec, resolve_target
-    from pipec.compiler.search import search_order
+    from pipec.compiler.memory_counts import peak_activations
+    from pipec.compiler.search import refuse_weight_versions, search_order
     from pipec.compiler.search_pipe import order_to_pipe, refuse_unwritable
     from pipec.compiler.simulate import simulate
 
     if args.workers < 1 or not args.time_limit > 0:
         raise UsageError("--workers takes at least 1 and --time-limit a positive number of seconds")
+    parse_byte_budget(args.budget_bytes)  # a mistake here is named before the cost file is read
     costs = load_costs(args)
+    byte_budget = byte_budget_from_args(args, costs)
     spec = resolve_target(args.target).evaluate(parse_defines(args.defines))
     compute, program = lower_spec(spec, costs)
+    refuse_weight_versions(compute)  # named for what it is, before the writer's list of the ops it writes
     refuse_unwritable(compute, program)  # the final program holds the family plans
-    result = search_order(compute, costs, _memory(args.memory, compute.num_ranks), time_limit=args.time_limit,
-                          workers=args.workers)
+    memory = _memory(args.memory, compute.num_ranks)
+    result = search_order(compute, costs, memory, byte_budget=byte_budget, recompute=args.recompute,
+                          time_limit=args.time_limit, workers=args.workers)
     text = order_to_pipe(compute, result.order)
-    # the written order, proved and priced by the real simulator
-    written = compile_spec(resolve_target_text(text), costs=costs)
+    # the written order, proved (at the byte budget too) and priced by the real simulator
+    written = compile_spec(resolve_target_text(text), costs=costs, byte_budget=byte_budget)
     simulated = simulate(written.program, costs).makespan
     if [list(row) for row in written.compute.ranks] != result.order:
         raise UsageError("pipec search: the written order does not compile to the searched one (a pipec bug)")
+    if memory is not None and any(peak > limit for peak, limit in zip(peak_activations(written.program), memory)):
+        raise UsageError("pipec search: the written order holds more activations than --memory (a pipec bug)")
     print(f"status {result.status}, makespan {number_text(result.makespan)}, lower bound "
           f"{number_text(result.bound)}, gap {float(result.gap):.1%}, simulated makespan {number_text(simulated)} "
           f"({result.seconds:.2f} s)")
+    if result.recomputed:
+        print("recomputed stages " + ", ".join(map(str, result.recomputed)))
     if args.output:
         write_output(text, args.output)
     return 0
