@@ -153,28 +153,37 @@ def _task_set(program: Program, recompute: str) -> list[_Task]:
     return tasks
 
 
-def search_order(program: Program, costs: CostModel | None = None, memory: Sequence[int] | None = None, *,
-                 byte_budget: Mapping[str, Number] | None = None, recompute: str = TARGET,
-                 time_limit: float = 30.0, workers: int = 2) -> SearchResult:
-    """The fastest per-rank order of ``program``'s tasks under ``costs``, ``memory`` and ``byte_budget``.
+@dataclass(frozen=True)
+class SearchProblem:
+    """The model's data, shared by the exact search and by every evaluator of an order.
 
-    Args:
-        program: a compute-only activation-passing program (``lower_spec``'s first result); its orders
-            are ignored, only its tasks and placement are read.
-        costs: the cost model (default: unit costs); its ``sizes`` price ``byte_budget``.
-        memory: per rank, the most live saved activations (what ``pipec check --budget`` counts; None:
-            unlimited).
-        byte_budget: size class -> the most bytes of live counted values of that class per rank (what
-            ``pipec check --budget-bytes`` counts; None: unlimited).
-        recompute: ``TARGET`` (the program's recomputed stages) or ``CHOOSE`` (the solver chooses per
-            stage; among the fastest orders, one with the fewest recomputed stages).
-        time_limit: the solver's limit in seconds.
-        workers: CP-SAT's worker threads.
-    Raises:
-        UsageError: OR-Tools missing, an unsupported program, a byte budget for a class the costs do not
-            size, or no order found within the limit.
+    Attributes:
+        program: the compute-only program whose tasks are ordered.
+        tasks: the model's tasks (``_task_set``).
+        durations: per task, its length in ticks.
+        inputs: per task, its inputs as (producer keys in ``ops.DEPENDENCIES`` order, the first present
+            wins; the delay in ticks after that producer's end).
+        scale: ticks per cost unit (the least common denominator of the exact costs and delays).
     """
-    cp_model = _cp_model()
+
+    program: Program
+    tasks: list[_Task]
+    durations: list[int]
+    inputs: list[list[tuple[list[tuple[str, int, int]], int]]]
+    scale: int
+
+    @property
+    def horizon(self) -> int:
+        """An upper bound on any order's makespan in ticks: every task and delay one after another."""
+        return sum(self.durations) + sum(delay for mine in self.inputs for _, delay in mine)
+
+
+def search_problem(program: Program, costs: CostModel | None = None, recompute: str = TARGET) -> SearchProblem:
+    """The model's tasks, their lengths and their inputs for ``program`` under ``costs`` (unit when None).
+
+    Raises:
+        UsageError: an unsupported program, an unknown ``recompute``, or costs too fine for the time grid.
+    """
     _refuse_unsupported(program)
     costs = costs or CostModel.unit()
     tables = stage_tables(program)
@@ -182,7 +191,6 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     tasks = _task_set(program, recompute)
     where = {task.key: task for task in tasks}
     durations = [costs.compute(task.action.op, tables.chunk[task.action.stage]) for task in tasks]
-    # each task's inputs: (producer keys, in ops.DEPENDENCIES order, the first present wins; delay after its end)
     inputs = []
     for task in tasks:
         a, mine = task.action, []
@@ -203,7 +211,103 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     def ticks(value) -> int:
         return int(_exact(value) * scale)
 
-    horizon = sum(ticks(d) for d in durations) + sum(ticks(delay) for mine in inputs for _, delay in mine)
+    return SearchProblem(program, tasks, [ticks(d) for d in durations],
+                         [[(makers, ticks(delay)) for makers, delay in mine] for mine in inputs], scale)
+
+
+def order_starts(problem: SearchProblem, order: Sequence[Sequence[Action]]) -> dict[tuple[str, int, int], int] | None:
+    """Each task's earliest start in ticks when every rank runs ``order``'s row in its order, or None when
+    the order deadlocks (a task waits on one that its own rank or a waiting rank runs later).
+
+    A task starts when its rank's previous task ends and each input's producer (the first of its makers
+    that ``order`` holds) has ended plus the link's delay: the model's timing of a fixed order, which the
+    solver's optimum meets and the simulator re-prices. Each task is placed once; a pass over the waiting
+    ranks places at least one, so the walk is at most tasks x ranks steps.
+
+    Raises:
+        UsageError: ``order`` holds a task the problem does not, or one twice.
+    """
+    index = {task.key: i for i, task in enumerate(problem.tasks)}
+    held = [(a.op, a.stage, a.mb) for row in order for a in row]
+    unknown = [key for key in held if key not in index]
+    if unknown or len(set(held)) != len(held):
+        what = f"{unknown[0][0]}({unknown[0][1]}, {unknown[0][2]})" if unknown else "a task twice"
+        raise UsageError(f"the order holds {what}: not a task of the searched target")
+    present = set(held)
+    end: dict[tuple[str, int, int], int] = {}
+    starts: dict[tuple[str, int, int], int] = {}
+    heads, free_at = [0] * len(order), [0] * len(order)
+    waiting = list(range(len(order)))
+    while waiting:
+        placed, still = sum(heads), []
+        for rank in waiting:
+            row = order[rank]
+            while heads[rank] < len(row):
+                a = row[heads[rank]]
+                i = index[(a.op, a.stage, a.mb)]
+                ready = free_at[rank]
+                for makers, delay in problem.inputs[i]:
+                    maker = next((m for m in makers if m in present), None)
+                    if maker is None:
+                        continue
+                    if maker not in end:
+                        break
+                    ready = max(ready, end[maker] + delay)
+                else:
+                    key = (a.op, a.stage, a.mb)
+                    starts[key] = ready
+                    end[key] = free_at[rank] = ready + problem.durations[i]
+                    heads[rank] += 1
+                    continue
+                still.append(rank)
+                break
+        if still and sum(heads) == placed:
+            return None  # a full pass placed nothing: every waiting rank waits on another
+        waiting = still
+    return starts
+
+
+def order_makespan(problem: SearchProblem, order: Sequence[Sequence[Action]]) -> Fraction | None:
+    """The model's makespan of ``order`` (``order_starts``' latest end) in cost units; None when it deadlocks."""
+    starts = order_starts(problem, order)
+    if starts is None:
+        return None
+    index = {task.key: i for i, task in enumerate(problem.tasks)}
+    return Fraction(max((s + problem.durations[index[k]] for k, s in starts.items()), default=0), problem.scale)
+
+
+def search_order(program: Program, costs: CostModel | None = None, memory: Sequence[int] | None = None, *,
+                 byte_budget: Mapping[str, Number] | None = None, recompute: str = TARGET,
+                 time_limit: float = 30.0, workers: int = 2,
+                 hint: Sequence[Sequence[Action]] | None = None) -> SearchResult:
+    """The fastest per-rank order of ``program``'s tasks under ``costs``, ``memory`` and ``byte_budget``.
+
+    Args:
+        program: a compute-only activation-passing program (``lower_spec``'s first result); its orders
+            are ignored, only its tasks and placement are read.
+        costs: the cost model (default: unit costs); its ``sizes`` price ``byte_budget``.
+        memory: per rank, the most live saved activations (what ``pipec check --budget`` counts; None:
+            unlimited).
+        byte_budget: size class -> the most bytes of live counted values of that class per rank (what
+            ``pipec check --budget-bytes`` counts; None: unlimited).
+        recompute: ``TARGET`` (the program's recomputed stages) or ``CHOOSE`` (the solver chooses per
+            stage; among the fastest orders, one with the fewest recomputed stages).
+        time_limit: the solver's limit in seconds.
+        workers: CP-SAT's worker threads.
+        hint: an order of the same tasks to start from (a known schedule's, or a heuristic's): the solver
+            is given its times (``order_starts``) as a first solution, which it keeps when it finds no
+            better one within the limit; an order that breaks the limits is only a hint the solver repairs.
+    Raises:
+        UsageError: OR-Tools missing, an unsupported program, a byte budget for a class the costs do not
+            size, a hint with tasks the target does not have or that deadlocks, or no order found within
+            the limit.
+    """
+    cp_model = _cp_model()
+    costs = costs or CostModel.unit()
+    problem = search_problem(program, costs, recompute)
+    tasks, horizon = problem.tasks, problem.horizon
+    where = {task.key: task for task in tasks}
+    tables = stage_tables(program)
     model = cp_model.CpModel()
     choice = {stage: model.NewBoolVar(f"recompute{stage}")
               for stage in sorted({t.action.stage for t in tasks if t.recomputes is not None})}
@@ -212,20 +316,19 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
         return _present(choice, task.action.stage, task.recomputes)
 
     start, end, interval = {}, {}, {}
-    for task, duration in zip(tasks, durations):
+    for task, duration in zip(tasks, problem.durations):
         key = task.key
         start[key] = model.NewIntVar(0, horizon, f"s{key}")
         end[key] = model.NewIntVar(0, horizon, f"e{key}")
         if task.recomputes is None:
-            interval[key] = model.NewIntervalVar(start[key], ticks(duration), end[key], f"i{key}")
+            interval[key] = model.NewIntervalVar(start[key], duration, end[key], f"i{key}")
         else:
-            interval[key] = model.NewOptionalIntervalVar(start[key], ticks(duration), end[key], *present(task),
-                                                         f"i{key}")
-    for task, mine in zip(tasks, inputs):
+            interval[key] = model.NewOptionalIntervalVar(start[key], duration, end[key], *present(task), f"i{key}")
+    for task, mine in zip(tasks, problem.inputs):
         for makers, delay in mine:
             earlier = []  # makers listed first that are present win
             for maker in makers:
-                model.Add(start[task.key] >= end[maker] + ticks(delay)).OnlyEnforceIf(
+                model.Add(start[task.key] >= end[maker] + delay).OnlyEnforceIf(
                     present(task) + present(where[maker]) + [lit.Not() for lit in earlier])
                 if not present(where[maker]):
                     break  # always made: the makers after it never count
@@ -248,6 +351,8 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     makespan = model.NewIntVar(0, horizon, "makespan")
     for task in tasks:
         model.Add(makespan >= end[task.key]).OnlyEnforceIf(present(task))
+    if hint is not None:
+        _add_hint(model, problem, hint, start, end, choice, makespan)
     # among the fastest orders, one with the fewest recomputed stages (a recompute the makespan does not need
     # only spends compute); the count weighs less than one tick of the makespan, so it only breaks ties
     weight = len(choice) + 1
@@ -263,11 +368,33 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     chosen = [t for t in tasks if all(solver.BooleanValue(lit) for lit in present(t))]
     order = [sorted((t.action for t in chosen if t.rank == rank),
                     key=lambda a: solver.Value(start[(a.op, a.stage, a.mb)])) for rank in range(program.num_ranks)]
-    found = Fraction(solver.Value(makespan), scale)
+    found = Fraction(solver.Value(makespan), problem.scale)
     # objective = makespan * weight + recomputed stages (< weight): floor(bound / weight) bounds the makespan
-    bound = Fraction(int(round(solver.BestObjectiveBound())) // weight, scale)
+    bound = Fraction(int(round(solver.BestObjectiveBound())) // weight, problem.scale)
     return SearchResult(order, OPTIMAL if status == cp_model.OPTIMAL else FEASIBLE, found, min(bound, found),
                         solver.WallTime())
+
+
+def _add_hint(model, problem: SearchProblem, hint: Sequence[Sequence[Action]], start, end, choice, makespan) -> None:
+    """Give the solver ``hint``'s times as a first solution: every start, end and stage choice, and its makespan.
+
+    Raises:
+        UsageError: the hint holds a task the problem does not, or deadlocks.
+    """
+    try:
+        starts = order_starts(problem, hint)
+    except UsageError as error:
+        raise UsageError(f"the hint: {error}") from None
+    if starts is None:
+        raise UsageError("the hint's order deadlocks: a task waits on one its rank or a waiting rank runs later")
+    index = {task.key: i for i, task in enumerate(problem.tasks)}
+    for key, at in starts.items():
+        model.AddHint(start[key], at)
+        model.AddHint(end[key], at + problem.durations[index[key]])
+    recomputed = {k[1] for k in starts if k[0] in _CHECKPOINTED_OPS}
+    for stage, chosen in choice.items():
+        model.AddHint(chosen, stage in recomputed)
+    model.AddHint(makespan, max((at + problem.durations[index[k]] for k, at in starts.items()), default=0))
 
 
 def _byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,

@@ -155,3 +155,40 @@ def test_a_target_of_another_family_is_refused_by_its_family(target, family, cap
 
     assert main(["search", target]) == 1
     assert f"pipec search orders activation passing on one pipeline; not {family}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target,P,N,links", [("1f1b", 4, 8, None), ("zb_h1", 4, 8, {"latency": 0.5}),
+                                              ("zbv", 4, 8, {"latency": 0.5}), ("interleaved_1f1b", 4, 8, None)])
+def test_the_models_timing_of_a_fixed_order_is_the_simulators(target, P, N, links):
+    """``order_makespan`` (what a heuristic and a hint are priced by) equals the simulator's makespan of the
+    shipped order, at unit costs and under a link latency."""
+    from pipec.compiler.costs import costs_from_json
+    from pipec.compiler.search import order_makespan, search_problem
+
+    costs = costs_from_json({"links": links}) if links else None
+    compiled = compile_target(target, {"P": P, "N": N}, costs=costs)
+    problem = search_problem(compiled.compute, costs)
+    assert order_makespan(problem, compiled.compute.ranks) == simulate(compiled.program, costs).makespan
+
+
+def test_a_deadlocking_order_is_priced_as_none_and_refused_as_a_hint():
+    from pipec.compiler.search import order_makespan, search_problem
+
+    compute, _ = lower_spec(resolve_target("1f1b").evaluate({"P": "2", "N": "2"}))
+    problem = search_problem(compute)
+    stuck = [list(compute.ranks[0]), list(reversed(compute.ranks[1]))]  # rank 1 starts with a backward
+    assert order_makespan(problem, stuck) is None
+    with pytest.raises(UsageError, match="deadlocks"):
+        search_order(compute, hint=stuck, time_limit=5)
+    foreign = [list(compute.ranks[0]) + [compute.ranks[0][0]._replace(mb=9)], list(compute.ranks[1])]
+    with pytest.raises(UsageError, match=r"F\(0, 9\): not a task"):
+        order_makespan(problem, foreign)
+
+
+def test_cli_hint_of_another_size_is_named(capsys):
+    from pipec.cli import main
+
+    assert main(["search", "1f1b", "-D", "P=2", "-D", "N=2", "--hint", "gpipe", "--time-limit", "5"]) == 0
+    capsys.readouterr()
+    assert main(["search", "1f1b", "-D", "P=2", "-D", "N=2", "--hint", "zbv", "--time-limit", "5"]) == 1
+    assert "the hint: the order holds F(3, 0): not a task of the searched target" in capsys.readouterr().err

@@ -25,6 +25,9 @@ def register(sub) -> None:
                              "chooses per stage whether its forward keeps only its input and recomputes")
     parser.add_argument("--time-limit", dest="time_limit", type=float, default=30.0, metavar="S",
                         help="the solver's limit in seconds (default 30)")
+    parser.add_argument("--hint", metavar="TARGET",
+                        help="a .pipe file or shipped schedule (compiled with the same -D) whose order of the same "
+                             "tasks the solver starts from (default: TARGET's own order; 'none' for no hint)")
     parser.add_argument("--workers", type=int, default=2, metavar="K", help="CP-SAT worker threads (default 2)")
     parser.add_argument("-o", dest="output", metavar="FILE", help="write the searched order as a .pipe file")
     parser.set_defaults(func=run)
@@ -42,6 +45,22 @@ def _memory(text: str | None, ranks: int) -> list[int] | None:
     if len(limits) == 1:
         return limits * ranks
     return limits
+
+
+def _hint(args, compute, costs):
+    """The order the solver starts from: TARGET's own (``compute``), another target's compiled with the same
+    defines, or None for ``--hint none``."""
+    from pipec.commands._common import parse_defines
+    from pipec.compiler.driver import lower_spec, resolve_target
+
+    if args.hint is None:
+        return compute.ranks
+    if args.hint == "none":
+        return None
+    hinted, _ = lower_spec(resolve_target(args.hint).evaluate(parse_defines(args.defines)), costs)
+    if hinted.num_ranks != compute.num_ranks:
+        raise UsageError(f"--hint {args.hint} has {hinted.num_ranks} ranks; the target has {compute.num_ranks}")
+    return hinted.ranks
 
 
 def run(args) -> int:
@@ -62,8 +81,9 @@ def run(args) -> int:
     refuse_weight_versions(compute)  # named for what it is, before the writer's list of the ops it writes
     refuse_unwritable(compute, program)  # the final program holds the family plans
     memory = _memory(args.memory, compute.num_ranks)
+    hint = _hint(args, compute, costs)
     result = search_order(compute, costs, memory, byte_budget=byte_budget, recompute=args.recompute,
-                          time_limit=args.time_limit, workers=args.workers)
+                          time_limit=args.time_limit, workers=args.workers, hint=hint)
     text = order_to_pipe(compute, result.order)
     # the written order, proved (at the byte budget too) and priced by the real simulator
     written = compile_spec(resolve_target_text(text), costs=costs, byte_budget=byte_budget)
