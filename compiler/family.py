@@ -23,7 +23,10 @@ from pipec.compiler.ops import RULES
 if TYPE_CHECKING:  # types only: the family modules import the passes, not the other way round
     from fractions import Fraction
 
+    from typing import Sequence
+
     from pipec.compiler.costs import CostModel
+    from pipec.compiler.family_search import FamilySearch
     from pipec.compiler.ir import Action, Mesh, Program
     from pipec.dsl.spec import ScheduleSpec
 
@@ -49,6 +52,9 @@ class Family:
             stage, as a composition's ``Program.stage_ring`` (a sequence ring).
         writes_own_steps: whether its schedules write steps of their own (a ring's ``at step``), so that
             an error names a list position an "instruction" and gives the written step beside it.
+        searches_itself: whether ``pipec search`` asks the family's own ``search`` (its candidates priced
+            by the simulator) instead of the exact job-shop model of activation passing
+            (``compiler/search.py``).
     """
 
     name: str = ""
@@ -60,6 +66,7 @@ class Family:
     counts_activations: bool = True
     runs_in_stages: bool = False
     writes_own_steps: bool = False
+    searches_itself: bool = False
 
     def spec_plan(self, spec: "ScheduleSpec") -> object | None:
         """The family's declarations in an evaluated schedule, or None when it has none."""
@@ -168,6 +175,28 @@ class Family:
 
         placed = place_on_mesh(program, mesh, pp_axis, data, name=name)  # first: its plans say why it cannot be
         return place_on_mesh(compute, mesh, pp_axis, data, name=name), placed
+
+    def refuse_search(self, program: "Program") -> str | None:
+        """Why ``pipec search`` does not search ``program``'s order, or None when it does.
+
+        A composition (a program on a mesh) is refused here for every family: its order is its pipeline's,
+        placed on groups whose collectives no search prices; the pipeline is searched alone."""
+        if program.mesh is None:
+            return None
+        return (f"{program.name or 'this program'} is a composition on a mesh: pipec search orders one family's "
+                "program, not a pipeline placed on groups (its stages' collectives are not priced); search the "
+                "pipeline it places on its own and compose the written .pipe")
+
+    def search(self, spec: "ScheduleSpec", program: "Program", costs: "CostModel | None",
+               memory: "Sequence[int] | None", *, time_limit: float, candidates: int | None) -> "FamilySearch":
+        """The family's own search of ``spec``'s free choices (``searches_itself``); ``program`` is ``spec``
+        compiled, ``memory`` the most live activations per rank (None: unlimited), ``candidates`` a cap on
+        the candidates priced (None: the family's default).
+
+        Raises:
+            UsageError: a choice the family does not search, or no candidate within the limits.
+        """
+        raise NotImplementedError(self.name)
 
     def proof_text(self, program: "Program", memory_text: Callable[[], str]) -> str:
         """What ``pipec check`` says it proved; ``memory_text()`` says the activation and byte peaks."""

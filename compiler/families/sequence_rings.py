@@ -21,7 +21,7 @@ from pipec.compiler.ops import (
     PART_RECV, PART_SEND, RING_PART_OPS, RULES, SEQUENCE_RING, SHARED, SIZE_KV, VALUE_KINDS,
 )
 from pipec.dsl.limits import MAX_CHUNKS, MAX_TASKS
-from pipec.errors import ImportError_
+from pipec.errors import ImportError_, UsageError
 
 # What a ring program's file may hold: the family's ops and the exchanges every family shares, that post
 # and wait its parts; a KV or dK, dV move names a bundle (``stage`` its holder rank, ``mb`` its piece).
@@ -39,6 +39,7 @@ class SequenceRings(Family):
     counts_activations = False
     runs_in_stages = True
     writes_own_steps = True
+    searches_itself = True
 
     def plan_of(self, program):
         return program.rings
@@ -73,6 +74,15 @@ class SequenceRings(Family):
     def lower(self, spec, costs):
         program = lower_rings(spec)
         return replace(program, ranks=[[a for a in row if a.is_compute] for row in program.ranks]), program
+
+    def search(self, spec, program, costs, memory, *, time_limit, candidates):
+        """The rings KV travels, relabelled (``ring_search``); memory limits are refused before (KV buffers)."""
+        from pipec.compiler.families.ring_search import refuse_ring_search, search_rings  # it compiles candidates
+
+        refusal = refuse_ring_search(spec)
+        if refusal is not None:
+            raise UsageError(f"pipec search: {refusal}")
+        return search_rings(spec, program, costs, time_limit=time_limit, candidates=candidates)
 
     def refuse_memory_budget(self, name):
         return (f"'{name}' is a sequence ring: its memory is KV buffers, which the ring check bounds "

@@ -133,6 +133,13 @@ class TensorParallel(Family):
         return (f"'{name}' is tensor-parallel: every rank keeps one microbatch's activations of every layer; "
                 "activation and byte budgets do not apply to it")
 
+    def refuse_search(self, program):
+        # The one choice there is, interleaving microbatches so that one's all-reduce overlaps another's
+        # task, needs an order the schedule writes, and the family takes none (``tensor_order`` derives it).
+        return (f"{program.name or 'this program'} is tensor-parallel: its order is derived (per microbatch, the "
+                "forwards up the layers and the backwards down, each waiting on an all-reduce of every rank) and "
+                "its schedules write none, so pipec search has no order to choose or write")
+
     def refuse_torch_csv(self, name):
         return (f"{name} is tensor-parallel (every rank computes a slice of every layer); torch's schedule CSV "
                 "moves activations between the stages of one pipeline and has no form for it")

@@ -26,6 +26,7 @@ from pipec.errors import ImportError_
 class WeightPassing(Family):
     name = WEIGHT_PASSING
     runs_ops_of = (WEIGHT_PASSING, ACTIVATION_PASSING)
+    searches_itself = True
 
     def plan_of(self, program):
         return program.weights
@@ -48,6 +49,12 @@ class WeightPassing(Family):
     def lower(self, spec, costs):
         compute = compute_program(spec, costs)
         return compute, insert_weight_exchanges(compute, spec)
+
+    def search(self, spec, program, costs, memory, *, time_limit, candidates):
+        """The step grid and prefetch distance, by a walk of moves (``weight_search``)."""
+        from pipec.compiler.families.weight_search import search_grid  # it compiles candidates
+
+        return search_grid(spec, program, costs, memory, time_limit=time_limit, candidates=candidates)
 
     def refuse_torch_csv(self, name):
         return (f"{name} passes weights between ranks (weight passing); torch's schedule CSV moves activations "

@@ -1,6 +1,10 @@
 """``pipec search``: the fastest per-rank order of TARGET's tasks under a cost model and a memory limit,
 found exactly with OR-Tools CP-SAT (``compiler/search.py``), written as an explicit-order ``.pipe``
 (``compiler/search_pipe.py``) that is compiled, proved and re-simulated before it is reported.
+
+TARGET's family is asked first (``Family.refuse_search``, ``Family.searches_itself``): a family that
+searches its own choices (sequence rings' rings, weight passing's step grid) prices its candidates with
+the simulator (``Family.search``); its answer is compiled, proved and re-simulated here the same way.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ def register(sub) -> None:
                         help="a .pipe file or shipped schedule (compiled with the same -D) whose order of the same "
                              "tasks the solver starts from (default: TARGET's own order; 'none' for no hint)")
     parser.add_argument("--workers", type=int, default=2, metavar="K", help="CP-SAT worker threads (default 2)")
+    parser.add_argument("--candidates", type=int, metavar="K",
+                        help="for a family that searches its own candidates (sequence rings, weight passing): the "
+                             "most candidates to price (default: every ring set; 2000 step grids)")
     parser.add_argument("-o", dest="output", metavar="FILE", help="write the searched order as a .pipe file")
     parser.set_defaults(func=run)
 
@@ -66,6 +73,7 @@ def _hint(args, compute, costs):
 def run(args) -> int:
     from pipec.commands._common import parse_defines
     from pipec.compiler.driver import compile_spec, lower_spec, resolve_target
+    from pipec.compiler.family import first_answer, first_refusal, families_of
     from pipec.compiler.memory_counts import peak_activations
     from pipec.compiler.search import refuse_weight_versions, search_order
     from pipec.compiler.search_pipe import order_to_pipe, refuse_unwritable
@@ -73,11 +81,22 @@ def run(args) -> int:
 
     if args.workers < 1 or not args.time_limit > 0:
         raise UsageError("--workers takes at least 1 and --time-limit a positive number of seconds")
+    if args.candidates is not None and args.candidates < 1:
+        raise UsageError("--candidates takes at least 1")
     parse_byte_budget(args.budget_bytes)  # a mistake here is named before the cost file is read
     costs = load_costs(args)
     byte_budget = byte_budget_from_args(args, costs)
     spec = resolve_target(args.target).evaluate(parse_defines(args.defines))
     compute, program = lower_spec(spec, costs)
+    refusal = first_refusal(program, lambda family: family.refuse_search(program))
+    if refusal is not None:
+        raise UsageError(f"pipec search: {refusal}")
+    searcher = first_answer(families_of(program), lambda family: family if family.searches_itself else None)
+    if searcher is not None:
+        return _family_search(args, searcher, spec, program, costs)
+    if args.candidates is not None:
+        raise UsageError("--candidates caps a family's own search (sequence rings, weight passing); activation "
+                         "passing is searched exactly by CP-SAT (--time-limit bounds it)")
     refuse_weight_versions(compute)  # named for what it is, before the writer's list of the ops it writes
     refuse_unwritable(compute, program)  # the final program holds the family plans
     memory = _memory(args.memory, compute.num_ranks)
@@ -99,6 +118,42 @@ def run(args) -> int:
         print("recomputed stages " + ", ".join(map(str, result.recomputed)))
     if args.output:
         write_output(text, args.output)
+    return 0
+
+
+def _family_search(args, family, spec, program, costs) -> int:
+    """``family``'s own search of TARGET (``Family.search``), its written answer compiled, proved and re-simulated
+    before it is printed and written."""
+    from pipec.compiler.driver import compile_spec
+    from pipec.compiler.family import first_refusal
+    from pipec.compiler.memory_counts import peak_activations
+    from pipec.compiler.simulate import simulate
+
+    exact_only = [flag for flag, given in (("--budget-bytes", args.budget_bytes), ("--hint", args.hint is not None),
+                                           ("--recompute choose", args.recompute != "target")) if given]
+    if exact_only:
+        raise UsageError(f"pipec search: only activation passing's exact search takes {', '.join(exact_only)}; "
+                         f"{spec.name} is a {family.name} schedule, searched over its own candidates")
+    memory = _memory(args.memory, program.num_ranks)
+    if memory is not None:
+        refusal = first_refusal(program, lambda each: each.refuse_memory_budget(spec.name))
+        if refusal is not None:
+            raise UsageError(f"pipec search: {refusal}")
+    result = family.search(spec, program, costs, memory, time_limit=args.time_limit, candidates=args.candidates)
+    written = compile_spec(resolve_target_text(result.text), costs=costs)
+    simulated = simulate(written.program, costs).makespan
+    if simulated != result.makespan:
+        raise UsageError("pipec search: the written schedule does not simulate to the searched makespan (a pipec bug)")
+    if memory is not None and any(peak > limit for peak, limit in zip(peak_activations(written.program), memory)):
+        raise UsageError("pipec search: the written schedule holds more activations than --memory (a pipec bug)")
+    bound = "none" if result.bound is None else number_text(result.bound)
+    of = "" if result.total is None else f" of {result.total:,}"
+    print(f"status {result.status}, makespan {number_text(result.makespan)}, shipped {number_text(result.shipped)}, "
+          f"lower bound {bound}, candidates {result.tried:,}{of}, simulated makespan {number_text(simulated)} "
+          f"({result.seconds:.2f} s)")
+    print(result.choice)
+    if args.output:
+        write_output(result.text, args.output)
     return 0
 
 
