@@ -87,9 +87,13 @@ def _in_order(cells: Sequence[Cell], before: Sequence[Cell]) -> tuple[Cell, ...]
 
 def _moved_row(row: tuple[Cell, ...], kind: int, i: int) -> tuple[Cell, ...] | None:
     """``row`` after move ``kind`` at its task ``i`` (0, 1: that task a step earlier, later; 2, 3: it and every
-    later task; 4: swapped with the next task of its step), or None when the move is not valid there."""
+    later task; 4: swapped with the next task of its step; 5, 6: every task of its microbatch), or None when the
+    move is not valid there."""
     if i >= len(row):
         return None
+    if kind >= 5:
+        mb, delta = row[i][2], (-1, 1)[kind - 5]
+        return _in_order([(op, layer, m, step + delta if m == mb else step) for op, layer, m, step in row], row)
     if kind == 4:
         if i + 1 < len(row) and row[i][3] == row[i + 1][3] and row[i][2] != row[i + 1][2]:
             return row[:i] + (row[i + 1], row[i]) + row[i + 2:]
@@ -103,10 +107,11 @@ def _moved_row(row: tuple[Cell, ...], kind: int, i: int) -> tuple[Cell, ...] | N
 def _moves(grid: Grid, most_prefetch: int, rng: random.Random) -> Iterator[Grid]:
     """Random neighbours of ``grid``, endlessly: on every rank at once (the i-th task of each) or on one rank,
     a task a step earlier or later, a task and every later one a step earlier or later, a task swapped with
-    the next one of its step; or another prefetch distance. Only valid grids are yielded."""
+    the next one of its step, a microbatch's tasks a step earlier or later; or another prefetch distance. Only
+    valid grids are yielded."""
     while True:
-        kind = rng.randrange(6)
-        if kind == 5:
+        kind = rng.randrange(8)
+        if kind == 7:
             prefetch = rng.randrange(most_prefetch + 1)
             if prefetch != grid.prefetch:
                 yield Grid(grid.rows, prefetch)

@@ -1,0 +1,110 @@
+"""``pipec search`` beyond activation passing (issue 27, item 4): sequence rings' rings, weight passing's grids.
+
+A ring search on one slow link pair finds a ring that avoids it, as fast as the ring on uniform links, and
+claims the optimum only when every ring set was priced; a step-grid search beats TawPipe's grid under a link
+latency and its written file is proved and trains on gloo like one process; what a family cannot search or
+meet is refused with the reason.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipec.commands.search import resolve_target_text
+from pipec.compiler.costs import costs_from_json
+from pipec.compiler.driver import compile_spec, compile_target, lower_spec, resolve_target
+from pipec.compiler.family import families_of
+from pipec.compiler.family_search import FEASIBLE, OPTIMAL
+from pipec.compiler.simulate import simulate
+from pipec.runtime.model import ModelConfig
+from pipec.runtime.reference import reference_run
+from runtime_util import assert_same_parameters, launch_workers
+
+SEED = 7
+SLOW_PAIR = costs_from_json({"links": {"pairs": {"1-2": {"latency": 5}}}})  # the link 1 <-> 2, both ways
+LATENCY = costs_from_json({"links": {"latency": 0.5}})
+
+
+def _family_search(target: str, defines: dict, costs, memory=None, candidates=None, time_limit=60.0):
+    spec = resolve_target(target).evaluate({k: str(v) for k, v in defines.items()})
+    _, program = lower_spec(spec, costs)
+    (family,) = families_of(program)
+    return family.search(spec, program, costs, memory, time_limit=time_limit, candidates=candidates)
+
+
+def _written(result, costs):
+    """The searched file compiled (every check) and simulated."""
+    compiled = compile_spec(resolve_target_text(result.text), costs=costs)
+    return compiled, simulate(compiled.program, costs).makespan
+
+
+def test_ring_search_avoids_a_slow_pair_and_proves_it_optimal():
+    """Of the 3! rings from rank 0 on 4 ranks, 4 use the slow pair; the best avoids it and is exactly as fast
+    as the shipped ring on uniform links."""
+    result = _family_search("ring_attention", {"P": 4}, SLOW_PAIR)
+    uniform = simulate(compile_target("ring_attention", {"P": 4}).program).makespan
+    assert result.shipped == simulate(compile_target("ring_attention", {"P": 4}, costs=SLOW_PAIR).program,
+                                      SLOW_PAIR).makespan
+    assert (result.status, result.tried, result.total) == (OPTIMAL, 6, 6)
+    assert result.makespan == uniform < result.shipped
+    compiled, simulated = _written(result, SLOW_PAIR)
+    (ring,) = compiled.program.rings.rings
+    arcs = {(ring[i], ring[(i + 1) % 4]) for i in range(4)}
+    assert not arcs & {(1, 2), (2, 1)}
+    assert simulated == result.makespan
+
+
+def test_an_unfinished_enumeration_claims_no_optimum():
+    capped = _family_search("zigzag_ring", {"P": 4}, SLOW_PAIR, candidates=2)
+    full = _family_search("zigzag_ring", {"P": 4}, SLOW_PAIR)
+    assert (capped.status, capped.tried, capped.total) == (FEASIBLE, 2, 6)
+    assert (full.status, full.tried) == (OPTIMAL, 6)
+    assert full.makespan < full.shipped == capped.shipped
+
+
+def test_grid_search_beats_tawpipe_and_the_written_grid_trains_like_one_process(tmp_path):
+    """TawPipe on 2 groups of 1 rank, 2 microbatches each, under a link latency: the walk (60 grids, seeded)
+    finds a faster grid and prefetch; the written file is proved, re-simulates to the search's makespan and
+    trains 2 steps on gloo within 1e-5 of one process."""
+    P, N = 2, 4
+    result = _family_search("tawpipe", {"P": P, "G": 2, "N": N}, LATENCY, candidates=60)
+    assert result.status == FEASIBLE and result.bound is None and result.tried == 60
+    assert result.makespan < result.shipped == simulate(
+        compile_target("tawpipe", {"P": P, "G": 2, "N": N}, costs=LATENCY).program, LATENCY).makespan
+    compiled, simulated = _written(result, LATENCY)
+    assert simulated == result.makespan
+    path = tmp_path / "searched.pipe"
+    path.write_text(result.text)
+    save = tmp_path / "model.pt"
+    run = launch_workers([str(path), "--steps", "2", "--seed", str(SEED), "--save", str(save), "--timeout", "60"],
+                         P, 120.0)
+    assert run.ok, run.describe()
+    assert_same_parameters(torch.load(save), reference_run(ModelConfig(), 2, N, SEED).state_dict, "searched tawpipe")
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["tawpipe", "--memory", "2"], "--memory 2 on rank 0 cannot be met: under weight passing a rank runs all 4 "
+                                   "layers' forwards of a microbatch"),
+    (["zigzag_ring", "--memory", "2"], "'zigzag_ring' is a sequence ring: its memory is KV buffers"),
+    (["weipipe", "--recompute", "choose"], "only activation passing's exact search takes --recompute choose"),
+    (["1f1b", "--candidates", "3"], "--candidates caps a family's own search"),
+])
+def test_what_a_family_search_cannot_do_is_refused_with_the_reason(argv, reason, capsys):
+    from pipec.cli import main
+
+    assert main(["search", *argv]) == 1
+    assert reason in capsys.readouterr().err
+
+
+def test_cli_prints_the_shipped_makespan_and_the_candidates(tmp_path, capsys):
+    from pipec.cli import main
+
+    costs = tmp_path / "slow.json"
+    costs.write_text('{"links": {"pairs": {"1-2": {"latency": 5}}}}')
+    out = tmp_path / "rings.pipe"
+    assert main(["search", "ring_attention", "-D", "P=4", "--costs", str(costs), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("status OPTIMAL, makespan 10.5, shipped 40, lower bound none, candidates 6 of 6, "
+                              "simulated makespan 10.5")
+    assert "rings cycle (0, " in out.read_text()
+    assert main(["check", str(out)]) == 0
