@@ -20,7 +20,7 @@ from pipec.compiler.driver import compile_spec
 from pipec.compiler.memory_counts import peak_activations
 from pipec.compiler.simulate import simulate
 from pipec.dsl.spec import ScheduleSpec
-from pipec.errors import PipecError, UsageError
+from pipec.errors import PipecError
 
 OPTIMAL, FEASIBLE = "OPTIMAL", "FEASIBLE"
 
@@ -75,11 +75,10 @@ def price(spec: ScheduleSpec, costs: CostModel | None, memory: Sequence[int] | N
 
 @dataclass(frozen=True)
 class Walk:
-    """What ``best_candidate`` saw: the best priced candidate (None when none fits), the first one's makespan
-    (the target's, when it fits), how many were priced, and whether the candidates ran out."""
+    """What ``best_candidate`` saw: the best priced candidate (None when none fits), how many were priced, and
+    whether the candidates ran out."""
 
     best: Priced | None
-    first: Priced | None
     tried: int
     exhausted: bool
     seconds: float
@@ -94,7 +93,7 @@ def best_candidate(candidates: Iterable[ScheduleSpec], costs: CostModel | None, 
     strictly faster. ``on_priced`` is told each result (a generator that walks from its best so far reads it).
     """
     began = time.monotonic()
-    best = first = None
+    best = None
     tried = 0
     exhausted = True
     for spec in candidates:
@@ -103,20 +102,14 @@ def best_candidate(candidates: Iterable[ScheduleSpec], costs: CostModel | None, 
             break
         priced = price(spec, costs, memory)
         tried += 1
-        if tried == 1:
-            first = priced
         if priced is not None and (best is None or priced.makespan < best.makespan):
             best = priced
         if on_priced is not None:
             on_priced(priced)
-    return Walk(best, first, tried, exhausted, time.monotonic() - began)
+    return Walk(best, tried, exhausted, time.monotonic() - began)
 
 
 def shipped_makespan(spec: ScheduleSpec, costs: CostModel | None) -> Fraction:
-    """The simulated makespan of the target's own schedule (compiled and checked as every command does)."""
+    """The simulated makespan of the target's own schedule, compiled and checked as every command does (so a
+    target that breaks a rule is refused with the check's own error, before any candidate is priced)."""
     return Fraction(simulate(compile_spec(spec, costs=costs).program, costs).makespan)
-
-
-def no_fit(walk: Walk, what: str) -> UsageError:
-    """The error when no candidate fitted: the memory limits (or the family's rules) left none."""
-    return UsageError(f"pipec search: none of the {walk.tried} {what} tried fits the memory limits")

@@ -20,10 +20,11 @@ from math import factorial
 from typing import Iterator, Sequence
 
 from pipec.compiler.costs import CostModel
-from pipec.compiler.family_search import FEASIBLE, OPTIMAL, FamilySearch, best_candidate, no_fit
+from pipec.compiler.family_search import FEASIBLE, OPTIMAL, FamilySearch, best_candidate, shipped_makespan
 from pipec.compiler.ir import Program, RingPlan
 from pipec.compiler.pipe_literals import lookup_expression, tuple_text
 from pipec.dsl.spec import ScheduleSpec
+from pipec.errors import UsageError
 
 Rings = tuple[tuple[int, ...], ...]
 # Up to this many ranks the distinct ring sets are counted before the search (P! relabellings to walk).
@@ -77,16 +78,18 @@ def search_rings(spec: ScheduleSpec, program: Program, costs: CostModel | None, 
     """The fastest ring set for ``spec`` (compiled: ``program``) among ``ring_sets``, under ``costs``.
 
     Raises:
+        PipecError: the target breaks a rule of its family (its own check's error).
         UsageError: no candidate compiled (a pipec bug: the target's own rings are the first).
     """
     plan = program.rings
+    shipped = shipped_makespan(spec, costs)
     walk = best_candidate((with_rings(spec, plan, rings) for rings in ring_sets(plan.rings)), costs, None,
                           time_limit=time_limit, cap=candidates)
-    if walk.best is None or walk.first is None:
-        raise no_fit(walk, "ring sets")
+    if walk.best is None:
+        raise UsageError("pipec search: not even the target's own rings compiled as `rings cycle` (a pipec bug)")
     best_rings = walk.best.spec.rings.ring_args
     total = count_ring_sets(plan.rings)
-    return FamilySearch(OPTIMAL if walk.exhausted else FEASIBLE, walk.best.makespan, None, walk.first.makespan,
+    return FamilySearch(OPTIMAL if walk.exhausted else FEASIBLE, walk.best.makespan, None, shipped,
                         rings_to_pipe(spec, plan, best_rings), walk.tried, total,
                         "rings cycle " + ", ".join(map(tuple_text, best_rings)), walk.seconds)
 

@@ -1,21 +1,20 @@
 """A weight-passing schedule's step grid, searched (issue 27, item 4; docs/search.md).
 
 What is free in a weight-passing schedule (docs/weights.md): every rank runs every layer on its own
-microbatches, so the tasks are fixed; the placement (homes, owners, groups, routes) stays as the target
-says. The grid is the choice: the step each task runs in (weights move between steps), the order of
-a step's tasks, and how far ahead weights are fetched (``prefetch``). Two tasks of one layer in one step
-share one fetch; a step left empty is a step every rank still waits through.
+microbatches, so the tasks are fixed, and the placement (homes, owners, groups, routes) stays as the
+target says. The grid is the choice: the step each task runs in (weights move between steps), the order
+of a step's tasks, and how far ahead weights are fetched (``prefetch``). Two tasks of one layer in one
+step share one fetch; a step moved later may let a fetch arrive in time.
 
-The grid is searched as one pattern: the shipped grids give every rank rank 0's grid, shifted by the
-rank's first step and run on its own microbatches (WeiPipe, TawPipe, FSDP), so a move applies to the
-pattern and every rank follows it. That keeps what the routes need of every rank at once (under
-``staged`` a group's ranks run the same layer in a step; under ``all_gather`` every rank does). The moves:
-one task to the step before or after, a task with every later one, two tasks of a step swapped, and
-the prefetch distance; a move
-that puts a microbatch's tasks out of their order is not priced. From the target's grid, a walk takes
-random moves from the best grid so far (ties move it), each grid compiled, proved and simulated
-(``family_search.best_candidate``) until ``candidates`` or the time limit: a heuristic, so the answer is
-FEASIBLE and has no bound.
+The moves (``_moves``), on every rank at once (the i-th task of each, so a grid whose ranks run one
+pattern, as the shipped ones do, keeps it: a group's ranks run the same layer in a step under ``staged``,
+every rank under ``all_gather``) or on one rank: a task a step earlier or later, a task and every later
+one, a microbatch's tasks, a task swapped with the next of its step, or another prefetch distance. A move
+that puts a microbatch's tasks out of their order is not priced; one that breaks a route is refused by
+the checks. From the target's grid (and the same with its empty steps removed, at every prefetch
+distance), a seeded walk takes random moves from the best grid so far, ties moving it on, each grid
+compiled, proved and simulated (``family_search.best_candidate``) until ``candidates``, the time limit,
+or every neighbour of the best was priced: a heuristic, so the answer is FEASIBLE and has no bound.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 from pipec.compiler.costs import CostModel
-from pipec.compiler.family_search import FEASIBLE, FamilySearch, Priced, best_candidate, no_fit, shipped_makespan
+from pipec.compiler.family_search import FEASIBLE, FamilySearch, Priced, best_candidate, shipped_makespan
 from pipec.compiler.ir import Program
 from pipec.compiler.pipe_literals import lookup_expression
 from pipec.dsl.spec import ScheduleSpec
@@ -145,6 +144,7 @@ def search_grid(spec: ScheduleSpec, program: Program, costs: CostModel | None, m
     if refusal is not None:
         raise UsageError(f"pipec search: {refusal}")
     _refuse_unmeetable(spec, memory)
+    shipped = shipped_makespan(spec, costs)  # priced without the memory limits, which it may break
     target = target_grid(spec)
     most_prefetch = MOST_PREFETCH.get(spec.weights.route, DEFAULT_MOST_PREFETCH)
     rng = random.Random(SEED)
@@ -176,10 +176,8 @@ def search_grid(spec: ScheduleSpec, program: Program, costs: CostModel | None, m
     cap = candidates if candidates is not None else DEFAULT_CANDIDATES
     walk = best_candidate(grids(), costs, memory, time_limit=time_limit, cap=cap, on_priced=on_priced)
     if walk.best is None:
-        raise no_fit(walk, "step grids")
+        raise UsageError(f"pipec search: none of the {walk.tried} step grids tried fits the memory limits")
     found = walk.best.spec
-    # the target's own grid, priced without the memory limits when it breaks them
-    shipped = walk.first.makespan if walk.first is not None else shipped_makespan(spec, costs)
     steps = 1 + max(step - row[0] for row in found.task_steps for step in row)
     return FamilySearch(FEASIBLE, walk.best.makespan, None, shipped, grid_to_pipe(found), walk.tried, None,
                         f"prefetch {found.weights.prefetch}, {steps} steps per rank", walk.seconds)
@@ -200,7 +198,7 @@ def _refuse_unmeetable(spec: ScheduleSpec, memory: Sequence[int] | None) -> None
     if memory is None:
         return
     least = spec.num_stages
-    short = [rank for rank, limit in enumerate(memory) if limit < least]
+    short = [rank for rank, limit in enumerate(memory) if limit < least and spec.order[rank]]
     if short:
         raise UsageError(f"pipec search: --memory {memory[short[0]]} on rank {short[0]} cannot be met: under weight "
                          f"passing a rank runs all {least} layers' forwards of a microbatch before the last layer's "
