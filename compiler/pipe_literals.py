@@ -2,8 +2,9 @@
 
 A searched schedule is written for fixed sizes, so its tables (chunk -> holder, microbatch -> home,
 layer -> owner, rank -> group) are literal. ``lookup_expression`` writes one as nested conditionals that
-halve the index range at each level (the identity as the index itself), so the nesting grows with the logarithm of the table's length and
-stays far inside the parser's limit (``dsl.limits.MAX_NESTING``); runs of one value are one leaf.
+halve the index range at each level, so the nesting grows with the logarithm of the table's length and
+stays far inside the parser's limit (``dsl.limits.MAX_NESTING``); runs of one value are one leaf, and the
+identity is the index itself.
 """
 from __future__ import annotations
 

@@ -108,3 +108,18 @@ def test_cli_prints_the_shipped_makespan_and_the_candidates(tmp_path, capsys):
                               "simulated makespan 10.5")
     assert "rings cycle (0, " in out.read_text()
     assert main(["check", str(out)]) == 0
+
+
+def test_a_written_table_reads_back_as_the_table():
+    """``lookup_expression`` (how a searched file writes holders, homes, owners, groups) evaluated by pipec's own
+    evaluator gives the table back, for a shuffled one and the identity."""
+    import random
+
+    from pipec.compiler.pipe_literals import lookup_expression
+
+    holders = [rank for rank in range(4) for _ in range(3)]
+    random.Random(3).shuffle(holders)
+    for table in (holders, list(range(4))):
+        text = (f"schedule t(P: ranks = 4) {{\n  sequence chunks {len(table)}\n  hold chunk c on rank "
+                f"{lookup_expression('c', table)}\n  mask full\n  rings shift 1\n}}\n")
+        assert list(resolve_target_text(text).rings.holders) == table
