@@ -38,6 +38,7 @@ def test_a_family_that_overrides_nothing_answers_as_activation_passing():
     assert family.instruction_bounds(None, "F", (2, 2, 2)) == (2, 2, 2)
     assert family.instruction_bounds(None, "AF", (2, 2, 2)) is None  # a ring's op, kept to ring programs
     assert family.counts_activations and not family.keeps_own_ops
+    assert family.refuse_search(program) is None and not family.searches_itself  # CP-SAT's exact model
 
 
 def test_the_families_answer_from_their_plans():
