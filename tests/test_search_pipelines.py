@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from pipec.commands.search import resolve_target_text
-from pipec.compiler.driver import compile_spec, compile_target, lower_spec, resolve_target
+from pipec.compiler.costs import costs_from_json
+from pipec.compiler.driver import compile_spec, compile_target, lower_spec, resolve_target, task_kinds
 from pipec.compiler.memory_counts import peak_activations
 from pipec.compiler.search import CHOOSE, OPTIMAL, search_order
 from pipec.compiler.search_pipe import order_to_pipe
 from pipec.compiler.simulate import simulate
+from pipec.dsl import parse, resolve
 from pipec.errors import UsageError
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
@@ -164,3 +166,24 @@ def test_searched_two_pipeline_order_trains_like_one_process(tmp_path):
     assert run.ok, run.describe()
     want = reference_run(ModelConfig(), 2, N, SEED).state_dict
     assert_same_parameters(torch.load(save), want, "searched bitpipe P=2")
+
+
+def test_a_single_pipelines_device_map_is_written_too():
+    """The writer keeps the target's device map whatever its pipelines (it dropped it before), so the
+    written file runs on, and is priced between, the devices the search was given."""
+    source = """schedule mapped(P: ranks = 3, N: microbatches = 3) {
+  stages P
+  place stage s on rank s
+  map rank r to device r == 0 ? 1 : r == 1 ? 0 : 2
+  order rank r { for m in 0 .. N { F(r, m) } for m in 0 .. N { B(r, m) } }
+}
+"""
+    spec = resolve(parse(source, "<mapped>").schedules[0], "<mapped>", source, task_kinds()).evaluate({})
+    costs = costs_from_json({"links": {"latency": 1}})
+    compute = lower_spec(spec, costs)[0]
+    result = search_order(compute, costs, time_limit=10, workers=2)
+    text = order_to_pipe(compute, result.order)
+    assert "map rank r to device r < 1 ? 1 : (r < 2 ? 0 : 2)" in text
+    written = compile_spec(resolve_target_text(text), costs=costs)
+    assert written.program.devices == compute.devices == [1, 0, 2]
+    assert simulate(written.program, costs).makespan == result.makespan
