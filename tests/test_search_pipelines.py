@@ -133,6 +133,21 @@ def test_recompute_is_chosen_per_chunk_for_every_replica():
     assert simulate(written.program).makespan == result.makespan
 
 
+def test_cli_prints_the_recomputed_positions_it_writes(tmp_path, capsys):
+    """Positions along a pipeline (0 .. stages - 1), as the written `recompute stage s when ...` names them,
+    not global stage ids (Chimera's pipeline 1 has ids 4 .. 7 at P = 4)."""
+    from pipec.cli import main
+
+    out = tmp_path / "best.pipe"
+    assert main(["search", "chimera", "-D", "P=4", "-D", "N=4", "-D", "remat=true", "--memory", "2",
+                 "--recompute", "choose", "--time-limit", "20", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()[-1]
+    assert printed.startswith("recomputed stages ")
+    positions = [int(p) for p in printed.removeprefix("recomputed stages ").split(", ")]
+    assert all(p < 4 for p in positions)
+    assert "recompute stage s when " + " or ".join(f"s == {p}" for p in positions) in out.read_text()
+
+
 def test_a_model_the_solver_rejects_is_named_not_reported_as_no_order(monkeypatch):
     """A variable hinted twice makes CP-SAT reject the model: the error says so."""
     from pipec.compiler import search
