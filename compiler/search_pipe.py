@@ -12,9 +12,8 @@ chunk), and its recompute (R) where the search put it, so the compiler places no
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 from pipec.compiler.family import families_of
+from pipec.compiler.pipe_literals import lookup_expression
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.driver import task_kinds
 from pipec.compiler.ops import ACTIVATION_PASSING
@@ -69,13 +68,13 @@ def order_to_pipe(program: Program, order: list[list[Action]], name: str = "sear
     ]
     if len(program.pipelines) > 1:
         lines += [f"  pipelines {len(program.pipelines)}",
-                  f"  route microbatch m to pipeline {table_expression('m', program.mb_pipeline)}"]
+                  f"  route microbatch m to pipeline {lookup_expression('m', program.mb_pipeline)}"]
         lines += [f"  place stage s of pipeline p on rank {stage.rank} when p == {stage.pipeline} and s == "
                   f"{stage.position}" for stage in program.stages]
     else:
         lines += [f"  place stage s on rank {stage.rank} when s == {stage.position}" for stage in program.stages]
     if program.devices is not None and list(program.devices) != list(range(P)):
-        lines.append(f"  map rank r to device {table_expression('r', program.devices)}")
+        lines.append(f"  map rank r to device {lookup_expression('r', program.devices)}")
     if ops & _SPLIT_OPS:
         lines.append("  backward split")
     position = [stage.position for stage in program.stages]
@@ -89,32 +88,3 @@ def order_to_pipe(program: Program, order: list[list[Action]], name: str = "sear
     lines += ["    }", "  }", "}", ""]
     return "\n".join(lines)
 
-
-def table_expression(variable: str, values: Sequence[int]) -> str:
-    """An expression of ``variable`` (0 .. len(values) - 1) whose value at v is ``values[v]``.
-
-    Short and shallow whatever the length, so that it stays within the language's nesting limit
-    (docs/language.md, limits): the table is read modulo its shortest period T (``m % 4`` for BitPipe's
-    route), its runs of equal values become a balanced tree of ``v < k ? ... : ...`` (depth log2 of the
-    runs), e.g. ``m % 4 < 2 ? 0 : 1``.
-
-    Args:
-        variable: the name the expression reads.
-        values: the table, at least one value.
-    """
-    count = len(values)
-    period = next(t for t in range(1, count + 1) if count % t == 0
-                  and all(values[i] == values[i % t] for i in range(count)))
-    read = variable if period == count else f"{variable} % {period}"
-    runs = [i for i in range(period) if i == 0 or values[i] != values[i - 1]]  # where each run starts
-
-    def tree(first: int, stop: int) -> str:  # runs[first:stop]
-        if stop - first == 1:
-            return str(values[runs[first]])
-        middle = (first + stop) // 2
-        low, high = tree(first, middle), tree(middle, stop)
-        low = low if middle - first == 1 else f"({low})"
-        high = high if stop - middle == 1 else f"({high})"
-        return f"{read} < {runs[middle]} ? {low} : {high}"
-
-    return tree(0, len(runs))
