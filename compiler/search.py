@@ -426,7 +426,7 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
         if len(memory) != program.num_ranks:
             raise UsageError(f"--memory gives {len(memory)} limits for {program.num_ranks} ranks")
         _add_count_limit(model, tasks, ACTIVATION_DELTA, memory, start, choice, horizon, "activations")
-    for size_class, limit in _byte_caps(tasks, byte_budget, costs.sizes).items():
+    for size_class, limit in byte_caps(tasks, byte_budget, costs.sizes).items():
         _add_count_limit(model, tasks, SIZE_CLASS_DELTAS[size_class], [limit] * program.num_ranks, start, choice,
                          horizon, size_class)
     makespan = model.NewIntVar(0, horizon, "makespan")
@@ -478,7 +478,7 @@ def _add_hint(model, problem: SearchProblem, hint: Sequence[Sequence[Action]], s
     model.AddHint(makespan, max((at + problem.durations[index[k]] for k, at in starts.items()), default=0))
 
 
-def _byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
+def byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
                sizes: Mapping[str, Number]) -> dict[str, int]:
     """Size class -> the most live counted values of it a rank may hold under ``byte_budget``.
 
