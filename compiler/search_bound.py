@@ -47,7 +47,7 @@ def lower_bound(problem: SearchProblem, limits: Sequence[CountLimit] = ()) -> Lo
     Assumes every task of ``problem`` runs (the target's task set, not ``recompute=choose``'s alternatives).
     """
     timing = order_timing(problem)
-    topo = _topological(timing)
+    topo = topological(timing)
     heads, tails = _heads(timing, topo), _tails(timing, topo)
     duration = timing.duration
     best = (max((heads[t] + duration[t] + tails[t] for t in topo), default=0), "critical path")
@@ -63,10 +63,10 @@ def lower_bound(problem: SearchProblem, limits: Sequence[CountLimit] = ()) -> Lo
     return LowerBound(Fraction(best[0], problem.scale), best[1])
 
 
-def _topological(timing: OrderTiming) -> list[int]:
+def topological(timing: OrderTiming) -> list[int]:
     """The tasks in an order where every input's producer comes first (Kahn's)."""
     waits = [len(mine) for mine in timing.inputs]
-    consumers = _consumers(timing)
+    consumers = consumers_of(timing)
     order = [t for t, count in enumerate(waits) if count == 0]
     for t in order:  # grows while walked
         for consumer, _ in consumers[t]:
@@ -76,7 +76,7 @@ def _topological(timing: OrderTiming) -> list[int]:
     return order
 
 
-def _consumers(timing: OrderTiming) -> list[list[tuple[int, int]]]:
+def consumers_of(timing: OrderTiming) -> list[list[tuple[int, int]]]:
     """Per task, (consumer, delay) for every task that takes one of its outputs as an input."""
     consumers: list[list[tuple[int, int]]] = [[] for _ in timing.inputs]
     for t, mine in enumerate(timing.inputs):
@@ -95,7 +95,7 @@ def _heads(timing: OrderTiming, topo: list[int]) -> list[int]:
 
 def _tails(timing: OrderTiming, topo: list[int]) -> list[int]:
     """Per task, the longest path of consumers (delays and lengths) that must follow its end."""
-    tail, duration, consumers = [0] * len(topo), timing.duration, _consumers(timing)
+    tail, duration, consumers = [0] * len(topo), timing.duration, consumers_of(timing)
     for t in reversed(topo):
         tail[t] = max((delay + duration[c] + tail[c] for c, delay in consumers[t]), default=0)
     return tail
@@ -148,7 +148,7 @@ def _values(timing: OrderTiming, topo: list[int], limit: CountLimit, rank: int):
         if timing.rank[t] == rank and limit.delta[t]:
             _, stage, mb = timing.keys[t]
             chains.setdefault((stage, mb), []).append(t)
-    consumers = _consumers(timing)
+    consumers = consumers_of(timing)
     values = []
     for chain in chains.values():
         for i, maker in enumerate(chain):
