@@ -108,7 +108,7 @@ def heuristic_search(program: Program, costs: CostModel | None = None, memory: S
         rows, makespan = annealer.anneal(start_rows, min(evaluations, annealer.tried + per_restart))
         if makespan < best:
             best, best_rows, best_name = makespan, rows, start_name
-    order = [[Action(*timing.keys[t]) for t in row] for row in best_rows]
+    order = [[problem.tasks[t].action for t in row] for row in best_rows]
     found = Fraction(best, problem.scale)
     return HeuristicResult(order, OPTIMAL if best <= bound_ticks else FEASIBLE, found, min(bound.makespan, found),
                            time.monotonic() - began, annealer.tried, HEURISTIC, best_name, bound.reason,

@@ -100,7 +100,7 @@ def _list_scheduled(timing: OrderTiming, limits: Sequence[CountLimit], spec: Sch
             except PipecError:
                 out.append((label, None))  # a limit this placement cannot meet by this policy
                 continue
-            out.append((label, _rows_of(timing, [[Action(op, sid, mb) for op, sid, mb in row] for row in order])))
+            out.append((label, _rows_of(timing, [[Action(sid, op, mb) for op, sid, mb in row] for row in order])))
     return out
 
 
