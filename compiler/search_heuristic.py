@@ -38,8 +38,8 @@ HEURISTIC = "heuristic"
 DEFAULT_EVALUATIONS = 20_000
 # The longest single move, in positions along a row: far enough to carry a forward across a warm-up.
 _REACH = 8
-# The share of moves drawn from a critical path's rank-order arcs; the rest go anywhere.
-_CRITICAL_SHARE = 0.7
+# The share of moves drawn from a critical path's rank-order arcs.
+_CRITICAL_SHARE = 0.6
 # The annealing's temperature, in units of the mean task length: from hot to cold over each restart.
 _HOT, _COLD = 0.5, 0.005
 _RESTARTS = 6
@@ -103,7 +103,7 @@ def heuristic_search(program: Program, costs: CostModel | None = None, memory: S
     for restart in range(_RESTARTS):
         if best <= bound_ticks or annealer.stopped(evaluations):
             break
-        pick = priced[restart // 2][1] if restart % 2 == 0 and restart // 2 < len(priced) else None
+        pick = priced[(restart // 2) % len(priced)][1] if restart % 2 == 0 else None
         start_name, start_rows = seeds[pick] if pick is not None else (best_name, best_rows)
         rows, makespan = annealer.anneal(start_rows, min(evaluations, annealer.tried + per_restart))
         if makespan < best:

@@ -7,7 +7,7 @@ and meets the limits (``search_limits``); one that does not is dropped, so a cal
 from __future__ import annotations
 
 import dataclasses
-from itertools import permutations
+from itertools import permutations, product
 from typing import Callable, Sequence
 
 from pipec.compiler.costs import CostModel
@@ -28,6 +28,16 @@ PRIORITIES: tuple[tuple[str, Callable[[str, int, int], tuple]], ...] = (
     ("mb, deeper stage", lambda kind, s, m: (m, -s)),
     ("mb, shallower stage", lambda kind, s, m: (m, s)),
     ("deeper stage, mb", lambda kind, s, m: (-s, m)),
+)
+
+# How many weight gradients a rank may leave waiting (split backward; the list scheduler's ``deferred``):
+# (name, per rank for P ranks). Unbounded; ZB-V's r + 1; torch's ZB-V 2r + 1; P everywhere. Waiting W's fill
+# the bubbles a link's latency leaves, so the best bound differs with the costs.
+DEFERRALS: tuple[tuple[str, Callable[[int], list[int] | None]], ...] = (
+    ("W unbounded", lambda P: None),
+    ("W waiting <= r + 1", lambda P: [r + 1 for r in range(P)]),
+    ("W waiting <= 2r + 1", lambda P: [2 * r + 1 for r in range(P)]),
+    ("W waiting <= P", lambda P: [P] * P),
 )
 
 
@@ -85,22 +95,24 @@ def _rows_of(timing: OrderTiming, order: Sequence[Sequence[Action]]) -> Rows | N
 
 def _list_scheduled(timing: OrderTiming, limits: Sequence[CountLimit], spec: ScheduleSpec,
                     costs: CostModel | None) -> list[tuple[str, Rows | None]]:
-    """The list scheduler's orders of ``spec``'s placement: each kind preference x ``PRIORITIES``, the
-    in-flight limit at the activation cap (``None`` where there is none; other limits are checked after)."""
+    """The list scheduler's orders of ``spec``'s placement: each kind preference x ``PRIORITIES`` x
+    ``DEFERRALS`` (split backward), the in-flight limit at the activation cap (``None`` where there is none;
+    other limits are checked after)."""
     P = spec.num_ranks
     caps = next((limit.caps for limit in limits if limit.what == "activations"), [None] * P)
     kinds = ("F",) + tuple(spec.backward_kinds)
     out = []
-    for prefer in _preferences(kinds):
-        for name, priority in PRIORITIES:
-            policy = GreedyPolicy(inflight=list(caps), warmup=[None] * P, prefer=prefer, priority=priority)
-            label = f"list scheduler: prefer {', '.join(prefer)}; {name}"
-            try:
-                order = greedy_order(dataclasses.replace(spec, order=None, policy=policy), costs)
-            except PipecError:
-                out.append((label, None))  # a limit this placement cannot meet by this policy
-                continue
-            out.append((label, _rows_of(timing, [[Action(sid, op, mb) for op, sid, mb in row] for row in order])))
+    deferrals = DEFERRALS if spec.split_backward else DEFERRALS[:1]
+    for prefer, (name, priority), (waiting, deferred) in product(_preferences(kinds), PRIORITIES, deferrals):
+        policy = GreedyPolicy(inflight=list(caps), warmup=[None] * P, prefer=prefer, priority=priority,
+                              deferred=deferred(P))
+        label = f"list scheduler: prefer {', '.join(prefer)}; {name}; {waiting}"
+        try:
+            order = greedy_order(dataclasses.replace(spec, order=None, policy=policy), costs)
+        except PipecError:
+            out.append((label, None))  # a limit this placement cannot meet by this policy
+            continue
+        out.append((label, _rows_of(timing, [[Action(sid, op, mb) for op, sid, mb in row] for row in order])))
     return out
 
 
