@@ -56,11 +56,17 @@ def seed_orders(timing: OrderTiming, limits: Sequence[CountLimit], ranks: int, *
         spec: the target's evaluated schedule: the list scheduler runs on its placement under every
             permutation of its kinds (``prefer``) and every ``PRIORITIES`` key, at the activation limit.
         costs: the cost model the list scheduler times tasks by.
+    Raises:
+        UsageError: ``hint`` holds a task the problem does not, or one twice.
     """
     tried: list[tuple[str, Rows | None]] = []
-    for name, order in (("target", own), ("hint", hint)):
-        if order is not None:
-            tried.append((name, _rows_of(timing, order)))
+    if own is not None:
+        tried.append(("target", _rows_of(timing, own)))
+    if hint is not None:
+        try:
+            tried.append(("hint", timing.rows(hint)))
+        except UsageError as error:
+            raise UsageError(f"the hint: {error}") from None
     if spec is not None:
         tried += _list_scheduled(timing, limits, spec, costs)
     for prefer in _preferences(tuple(dict.fromkeys(op for op, _, _ in timing.keys))):
