@@ -1,7 +1,9 @@
 """Exact order search for activation passing (issue 27): a CP-SAT job-shop model.
 
 Given a compiled compute-only program (its placement and task set: F and B, or F, I and W, per
-stage x microbatch; on a recomputed stage FC and R in F's place), a cost model and limits on live
+stage x microbatch, on one pipeline or several (BitPipe, Chimera: each pipeline's stages are stages
+of their own, placed on their ranks, and each microbatch rides its route's pipeline); on a
+recomputed stage FC and R in F's place), a cost model and limits on live
 memory per rank, ``search_order`` finds the per-rank order that minimises the makespan of the model
 below, or the best order found and the solver's lower bound when the time limit ends first.
 
@@ -12,9 +14,11 @@ device; per rank, the values a memory count counts (``memory_counts``: saved act
 ``memory``, each size class's counted values for ``byte_budget``) stay within the limit. Times are
 integers: every cost is scaled by the least common denominator of the exact costs.
 
-With ``recompute=CHOOSE`` the solver also chooses, per stage, the forward's alternative of the
+With ``recompute=CHOOSE`` the solver also chooses, per model chunk, the forward's alternative of the
 per-stage task set (``ops.CHECKPOINTS``: F, or FC then R): each alternative's tasks are optional
-intervals present exactly when their stage's choice is theirs.
+intervals present exactly when their chunk's choice is theirs. One choice per chunk, not per stage:
+the replicas of a chunk (one stage per pipeline) recompute together, as ``recompute stage s`` says
+it of the position s along every pipeline.
 
 OR-Tools is imported only when a search runs, so pipec works without it.
 """
@@ -98,8 +102,8 @@ def _cp_model():
 
 def _refuse_unsupported(program: Program) -> None:
     if program.mesh is not None or any(stage.placement is not None for stage in program.stages):
-        raise UsageError("pipec search orders a plain pipeline: a composition (mesh or group placement) is not "
-                         "searched yet")
+        raise UsageError("pipec search orders plain pipelines (one or several, stages on single ranks): a "
+                         "composition (mesh or group placement) is not searched yet")
     refuse_weight_versions(program)
     known = set(ops.DEPENDENCIES) - set(ops.IN_ORDER_COMPUTE_OPS)
     for row in program.ranks:
@@ -137,7 +141,8 @@ def _task_set(program: Program, recompute: str) -> list[_Task]:
 
     Under ``CHOOSE`` a plain forward (F) or a checkpointed one (FC) of (stage, mb) becomes the plain
     forward, present when the stage does not recompute, and the checkpointed alternative's ops (FC, R),
-    present when it does; the program's own recomputes are dropped and remade from its forwards."""
+    present when it does (the choice is its chunk's: ``search_order``); the program's own recomputes are
+    dropped and remade from its forwards."""
     if recompute == TARGET:
         return [_Task(rank, action) for rank, row in enumerate(program.ranks) for action in row]
     if recompute != CHOOSE:
@@ -372,7 +377,8 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
         byte_budget: size class -> the most bytes of live counted values of that class per rank (what
             ``pipec check --budget-bytes`` counts; None: unlimited).
         recompute: ``TARGET`` (the program's recomputed stages) or ``CHOOSE`` (the solver chooses per
-            stage; among the fastest orders, one with the fewest recomputed stages).
+            model chunk, for every replica of it at once; among the fastest orders, one with the fewest
+            recomputed chunks).
         time_limit: the solver's limit in seconds.
         workers: CP-SAT's worker threads.
         hint: an order of the same tasks to start from (a known schedule's, or a heuristic's): the solver
@@ -381,7 +387,7 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     Raises:
         UsageError: OR-Tools missing, an unsupported program, a byte budget for a class the costs do not
             size, a hint with tasks the target does not have or that deadlocks, or no order found within
-            the limit.
+            the limit; the solver rejecting the model (a pipec bug), named as such.
     """
     cp_model = _cp_model()
     costs = costs or CostModel.unit()
@@ -390,11 +396,13 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     where = {task.key: task for task in tasks}
     tables = stage_tables(program)
     model = cp_model.CpModel()
-    choice = {stage: model.NewBoolVar(f"recompute{stage}")
-              for stage in sorted({t.action.stage for t in tasks if t.recomputes is not None})}
+    # one choice per model chunk: its replicas (a stage of each pipeline) recompute together, as the language's
+    # `recompute stage s` names positions along every pipeline, so the written file says what was searched
+    choice = {chunk: model.NewBoolVar(f"recompute{chunk}")
+              for chunk in sorted({tables.chunk[t.action.stage] for t in tasks if t.recomputes is not None})}
 
     def present(task: _Task) -> list:
-        return _present(choice, task.action.stage, task.recomputes)
+        return _present(choice, tables.chunk[task.action.stage], task.recomputes)
 
     start, end, interval = {}, {}, {}
     for task, duration in zip(tasks, problem.durations):
@@ -416,7 +424,9 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
                 earlier += present(where[maker])
     for rank in range(program.num_ranks):
         model.AddNoOverlap([interval[t.key] for t in tasks if t.rank == rank])
-    # microbatches of one pipeline are interchangeable: they enter its first stage in order (symmetry breaking)
+    # microbatches of one pipeline are interchangeable: they enter its first stage in order (symmetry breaking).
+    # Each pipeline's first stage is a stage of its own, so this orders each pipeline's microbatches apart;
+    # two microbatches of different pipelines are not interchangeable (other stages, other ranks).
     firsts = sorted((t for t in tasks if t.action.op in _ENTRY_OPS and tables.prev[t.action.stage] < 0),
                     key=lambda t: (t.action.stage, t.action.op, t.action.mb))
     for a, b in zip(firsts, firsts[1:]):
@@ -425,16 +435,17 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     if memory is not None:
         if len(memory) != program.num_ranks:
             raise UsageError(f"--memory gives {len(memory)} limits for {program.num_ranks} ranks")
-        _add_count_limit(model, tasks, ACTIVATION_DELTA, memory, start, choice, horizon, "activations")
+        _add_count_limit(model, tasks, ACTIVATION_DELTA, memory, start, choice, tables.chunk, horizon,
+                         "activations")
     for size_class, limit in byte_caps(tasks, byte_budget, costs.sizes).items():
         _add_count_limit(model, tasks, SIZE_CLASS_DELTAS[size_class], [limit] * program.num_ranks, start, choice,
-                         horizon, size_class)
+                         tables.chunk, horizon, size_class)
     makespan = model.NewIntVar(0, horizon, "makespan")
     for task in tasks:
         model.Add(makespan >= end[task.key]).OnlyEnforceIf(present(task))
     if hint is not None:
-        _add_hint(model, problem, hint, start, end, choice, makespan)
-    # among the fastest orders, one with the fewest recomputed stages (a recompute the makespan does not need
+        _add_hint(model, problem, hint, start, end, choice, tables.chunk, makespan)
+    # among the fastest orders, one with the fewest recomputed chunks (a recompute the makespan does not need
     # only spends compute); the count weighs less than one tick of the makespan, so it only breaks ties
     weight = len(choice) + 1
     model.Minimize(makespan * weight + sum(choice.values()) if choice else makespan)
@@ -442,6 +453,9 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = int(workers)
     status = solver.Solve(model)
+    if status == cp_model.MODEL_INVALID:  # the model pipec built is wrong: say so, not "no order found"
+        raise UsageError(f"pipec search: the solver rejected the model it was given (a pipec bug): "
+                         f"{model.Validate() or solver.StatusName(status)}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         what = "no order meets the memory limits" if status == cp_model.INFEASIBLE else \
             f"no order found within {time_limit} s"
@@ -450,14 +464,18 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     order = [sorted((t.action for t in chosen if t.rank == rank),
                     key=lambda a: solver.Value(start[(a.op, a.stage, a.mb)])) for rank in range(program.num_ranks)]
     found = Fraction(solver.Value(makespan), problem.scale)
-    # objective = makespan * weight + recomputed stages (< weight): floor(bound / weight) bounds the makespan
+    # objective = makespan * weight + recomputed chunks (< weight): floor(bound / weight) bounds the makespan
     bound = Fraction(int(round(solver.BestObjectiveBound())) // weight, problem.scale)
     return SearchResult(order, OPTIMAL if status == cp_model.OPTIMAL else FEASIBLE, found, min(bound, found),
                         solver.WallTime())
 
 
-def _add_hint(model, problem: SearchProblem, hint: Sequence[Sequence[Action]], start, end, choice, makespan) -> None:
-    """Give the solver ``hint``'s times as a first solution: every start, end and stage choice, and its makespan.
+def _add_hint(model, problem: SearchProblem, hint: Sequence[Sequence[Action]], start, end,
+              choice: Mapping[int, object], chunk_of: Sequence[int], makespan) -> None:
+    """Give the solver ``hint``'s times as a first solution: every start, end and chunk choice, and its makespan.
+
+    Each variable is hinted once (CP-SAT rejects a model whose hint names a variable twice): the values are
+    gathered per variable first, a chunk's choice from every stage of it the hint recomputes.
 
     Raises:
         UsageError: the hint holds a task the problem does not, or deadlocks.
@@ -469,13 +487,20 @@ def _add_hint(model, problem: SearchProblem, hint: Sequence[Sequence[Action]], s
     if starts is None:
         raise UsageError("the hint's order deadlocks: a task waits on one its rank or a waiting rank runs later")
     index = {task.key: i for i, task in enumerate(problem.tasks)}
+    values: dict[int, tuple[object, int]] = {}  # variable index -> (variable, value)
+
+    def give(variable, value: int) -> None:
+        values.setdefault(variable.Index(), (variable, value))
+
     for key, at in starts.items():
-        model.AddHint(start[key], at)
-        model.AddHint(end[key], at + problem.durations[index[key]])
-    recomputed = {k[1] for k in starts if k[0] in _CHECKPOINTED_OPS}
-    for stage, chosen in choice.items():
-        model.AddHint(chosen, stage in recomputed)
-    model.AddHint(makespan, max((at + problem.durations[index[k]] for k, at in starts.items()), default=0))
+        give(start[key], at)
+        give(end[key], at + problem.durations[index[key]])
+    recomputed = {chunk_of[k[1]] for k in starts if k[0] in _CHECKPOINTED_OPS}
+    for chunk, chosen in choice.items():
+        give(chosen, int(chunk in recomputed))
+    give(makespan, max((at + problem.durations[index[k]] for k, at in starts.items()), default=0))
+    for variable, value in values.values():
+        model.AddHint(variable, value)
 
 
 def byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
@@ -516,15 +541,16 @@ def byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
 
 
 def _add_count_limit(model, tasks: Sequence[_Task], delta: Mapping[str, int], limits: Sequence[int], start,
-                     choice: Mapping[int, object], horizon: int, what: str) -> None:
+                     choice: Mapping[int, object], chunk_of: Sequence[int], horizon: int, what: str) -> None:
     """Per rank, a cumulative over the spans in which the values ``delta`` counts are alive (``_lifetimes``),
-    at most ``limits[rank]`` at once: exactly the count ``memory_counts.live_counts`` walks."""
+    at most ``limits[rank]`` at once: exactly the count ``memory_counts.live_counts`` walks. A rank counts the
+    values of every stage it runs, of whichever pipeline; a span of a choice is present with its chunk's."""
     for rank, limit in enumerate(limits):
         spans, demands = [], []
         for first, then, count, stage, recomputes in _lifetimes([t for t in tasks if t.rank == rank], delta):
             stop = start[then] if then is not None else horizon  # never ended: alive to the list's end
             size = model.NewIntVar(0, horizon, f"{what}{first}")
-            when = _present(choice, stage, recomputes)
+            when = _present(choice, chunk_of[stage], recomputes)
             if when:
                 spans.append(model.NewOptionalIntervalVar(start[first], size, stop, when[0], f"{what}{first}"))
             else:
@@ -583,10 +609,10 @@ def _dataflow_order(tasks: list[_Task], ran: set[str]) -> list[_Task]:
     return chain
 
 
-def _present(choice: Mapping[int, object], stage: int, recomputes: bool | None) -> list:
-    """The literals under which a task (or span) of ``stage`` that belongs to ``recomputes`` is in the
-    order: none when it belongs to every choice."""
+def _present(choice: Mapping[int, object], chunk: int, recomputes: bool | None) -> list:
+    """The literals under which a task (or span) of a stage of ``chunk`` that belongs to ``recomputes`` is in
+    the order: none when it belongs to every choice."""
     if recomputes is None:
         return []
-    chosen = choice[stage]
+    chosen = choice[chunk]
     return [chosen if recomputes else chosen.Not()]

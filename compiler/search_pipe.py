@@ -2,11 +2,17 @@
 
 The text fixes P and N with ``require`` (the order lists tasks literally, for these sizes only) and
 writes the placement stage by stage, so ``pipec check`` proves it and it compiles to exactly the
-order given. A single pipeline (what ``compiler/search.py`` orders today). A recomputed stage's
-forward (FC) is written as the plain forward it replaces (F) under ``recompute stage s when s == k
-or ...``, and its recompute (R) where the search put it, so the compiler places no recompute of its own.
+order given. One pipeline or several (BitPipe, Chimera): with several it declares ``pipelines K``,
+the route of every microbatch and the placement of each pipeline's stages, and a task is written
+with its stage's position along its microbatch's pipeline, as the language reads ``F(s, m)``. A
+device map (``map rank r to device``) is written whenever the target has one, so links are priced
+between the same devices. A recomputed stage's forward (FC) is written as the plain forward it
+replaces (F) under ``recompute stage s when s == k or ...`` (positions, so every replica of a
+chunk), and its recompute (R) where the search put it, so the compiler places no recompute of its own.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 from pipec.compiler.family import families_of
 from pipec.compiler.ir import Action, Program
@@ -33,10 +39,8 @@ def refuse_unwritable(program: Program, final: Program | None = None) -> None:
     whole = final if final is not None else program
     others = sorted({family.name for family in families_of(whole)} - {ACTIVATION_PASSING})
     if others or whole.mesh is not None:
-        raise UsageError(f"pipec search orders activation passing on one pipeline; not {', '.join(others) or 'a mesh'} "
-                         "(issue 27's later slices)")
-    if len(program.pipelines) > 1 or any(s.pipeline for s in program.stages):
-        raise UsageError("pipec search writes one pipeline's orders: several pipelines are not written yet")
+        raise UsageError(f"pipec search orders activation passing (one pipeline or several); not "
+                         f"{', '.join(others) or 'a mesh'} (issue 27's later slices)")
     extra = {a.op for row in program.ranks for a in row} - _WRITTEN_OPS
     if extra:
         raise UsageError(f"pipec search writes F, B, I and W tasks (FC and R on recomputed stages): this program has "
@@ -44,7 +48,15 @@ def refuse_unwritable(program: Program, final: Program | None = None) -> None:
 
 
 def order_to_pipe(program: Program, order: list[list[Action]], name: str = "searched") -> str:
-    """The ``.pipe`` text of ``program``'s placement with ``order`` as its explicit order."""
+    """The ``.pipe`` text of ``program``'s placement with ``order`` as its explicit order.
+
+    Args:
+        program: the compute-only program searched (its stages, pipelines, routes and device map are written).
+        order: per rank, its compute tasks (global stage ids, as ``Program`` holds them).
+        name: the schedule's name.
+    Returns:
+        the text of one schedule that compiles to ``program``'s placement with exactly ``order``.
+    """
     refuse_unwritable(program)
     ops = {a.op for row in order for a in row}
     P, N = program.num_ranks, program.num_microbatches
@@ -53,17 +65,56 @@ def order_to_pipe(program: Program, order: list[list[Action]], name: str = "sear
         f"schedule {name}(P: ranks = {P}, N: microbatches = {N}) {{",
         f'  require P == {P} : "this order was searched for P = {P}"',
         f'  require N == {N} : "this order was searched for N = {N}"',
-        f"  stages {len(program.stages)}",
+        f"  stages {program.num_chunks}",
     ]
-    lines += [f"  place stage s on rank {stage.rank} when s == {stage.id}" for stage in program.stages]
+    if len(program.pipelines) > 1:
+        lines += [f"  pipelines {len(program.pipelines)}",
+                  f"  route microbatch m to pipeline {table_expression('m', program.mb_pipeline)}"]
+        lines += [f"  place stage s of pipeline p on rank {stage.rank} when p == {stage.pipeline} and s == "
+                  f"{stage.position}" for stage in program.stages]
+    else:
+        lines += [f"  place stage s on rank {stage.rank} when s == {stage.position}" for stage in program.stages]
+    if program.devices is not None and list(program.devices) != list(range(P)):
+        lines.append(f"  map rank r to device {table_expression('r', program.devices)}")
     if ops & _SPLIT_OPS:
         lines.append("  backward split")
-    recomputed = sorted({a.stage for row in order for a in row if a.op in _WRITTEN_AS})
+    position = [stage.position for stage in program.stages]
+    recomputed = sorted({position[a.stage] for row in order for a in row if a.op in _WRITTEN_AS})
     if recomputed:
-        lines.append("  recompute stage s when " + " or ".join(f"s == {stage}" for stage in recomputed))
+        lines.append("  recompute stage s when " + " or ".join(f"s == {chunk}" for chunk in recomputed))
     lines.append("  order rank r {")
     for rank, row in enumerate(order):
-        tasks = " ".join(f"{_WRITTEN_AS.get(a.op, a.op)}({a.stage}, {a.mb})" for a in row)
+        tasks = " ".join(f"{_WRITTEN_AS.get(a.op, a.op)}({position[a.stage]}, {a.mb})" for a in row)
         lines.append(f"    {'if' if rank == 0 else '} else if'} r == {rank} {{ {tasks}")
     lines += ["    }", "  }", "}", ""]
     return "\n".join(lines)
+
+
+def table_expression(variable: str, values: Sequence[int]) -> str:
+    """An expression of ``variable`` (0 .. len(values) - 1) whose value at v is ``values[v]``.
+
+    Short and shallow whatever the length, so that it stays within the language's nesting limit
+    (docs/language.md, limits): the table is read modulo its shortest period T (``m % 4`` for BitPipe's
+    route), its runs of equal values become a balanced tree of ``v < k ? ... : ...`` (depth log2 of the
+    runs), e.g. ``m % 4 < 2 ? 0 : 1``.
+
+    Args:
+        variable: the name the expression reads.
+        values: the table, at least one value.
+    """
+    count = len(values)
+    period = next(t for t in range(1, count + 1) if count % t == 0
+                  and all(values[i] == values[i % t] for i in range(count)))
+    read = variable if period == count else f"{variable} % {period}"
+    runs = [i for i in range(period) if i == 0 or values[i] != values[i - 1]]  # where each run starts
+
+    def tree(first: int, stop: int) -> str:  # runs[first:stop]
+        if stop - first == 1:
+            return str(values[runs[first]])
+        middle = (first + stop) // 2
+        low, high = tree(first, middle), tree(middle, stop)
+        low = low if middle - first == 1 else f"({low})"
+        high = high if stop - middle == 1 else f"({high})"
+        return f"{read} < {runs[middle]} ? {low} : {high}"
+
+    return tree(0, len(runs))

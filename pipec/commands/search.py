@@ -112,8 +112,9 @@ def run(args) -> int:
           f"{number_text(result.bound)}, gap {float(result.gap):.1%}, simulated makespan {number_text(simulated)} "
           f"({result.seconds:.2f} s)")
     print(_method_line(searched))
-    if result.recomputed:
-        print("recomputed stages " + ", ".join(map(str, result.recomputed)))
+    if result.recomputed:  # as the language names them: positions along a pipeline (every replica of a chunk)
+        chunks = sorted({compute.stages[stage].position for stage in result.recomputed})
+        print("recomputed stages " + ", ".join(map(str, chunks)))
     if args.output:
         write_output(text, args.output)
     return 0
