@@ -170,30 +170,47 @@ class _Annealer:
         return best_rows, best
 
     def _propose(self, rows: Rows, arcs: list[tuple[int, int]]) -> tuple[int, list[int] | None]:
-        """A rank and its row after one move (None: no move drawn): on a critical arc (swap its two tasks, or
-        carry the later one earlier, or the earlier one later) or anywhere (one task shifted)."""
+        """A rank and its row after one move (None: no move drawn): on a critical arc (swap its two tasks, carry
+        the later one earlier or the earlier one later, or exchange the later one with an earlier task of its
+        kind) or anywhere (one task shifted, or two of a kind exchanged). Two tasks of one kind change every
+        count alike, so exchanging them keeps the limits: the move left where memory is tight."""
         rng = self.rng
         if arcs and rng.random() < _CRITICAL_SHARE:
             rank, i = arcs[rng.randrange(len(arcs))]
             row = rows[rank][:]
             way = rng.random()
-            if way < 0.5:
+            if way < 0.4:
                 row[i - 1], row[i] = row[i], row[i - 1]
-            elif way < 0.75:
+            elif way < 0.6:
                 row.insert(max(0, i - 1 - rng.randrange(_REACH)), row.pop(i))
-            else:
+            elif way < 0.8:
                 row.insert(min(len(row), i + rng.randrange(_REACH)), row.pop(i - 1))
+            else:
+                return rank, self._exchange(row, i, range(i - 1, max(-1, i - 1 - 4 * _REACH), -1))
             return rank, row
         rank = rng.randrange(len(rows))
         row = rows[rank][:]
         if len(row) < 2:
             return rank, None
         i = rng.randrange(len(row))
+        if rng.random() < 0.3:
+            return rank, self._exchange(row, i, range(i + 1, min(len(row), i + 1 + 4 * _REACH)))
         j = min(len(row) - 1, max(0, i + rng.choice((-1, 1)) * (1 + rng.randrange(_REACH))))
         if i == j:
             return rank, None
         row.insert(j, row.pop(i))
         return rank, row
+
+    def _exchange(self, row: list[int], i: int, places: range) -> list[int] | None:
+        """``row`` (a copy, changed) with ``row[i]`` and the first task of its kind at ``places`` exchanged;
+        None when there is none."""
+        keys = self.timing.keys
+        kind = keys[row[i]][0]
+        j = next((j for j in places if keys[row[j]][0] == kind), None)
+        if j is None:
+            return None
+        row[i], row[j] = row[j], row[i]
+        return row
 
 
 def _positions(rows: Rows, tasks: int) -> list[int]:

@@ -113,7 +113,7 @@ def _list_scheduled(timing: OrderTiming, limits: Sequence[CountLimit], spec: Sch
     for prefer, (name, priority), (waiting, deferred) in product(_preferences(kinds), PRIORITIES, deferrals):
         policy = GreedyPolicy(inflight=list(caps), warmup=[None] * P, prefer=prefer, priority=priority,
                               deferred=deferred(P))
-        label = f"list scheduler: prefer {', '.join(prefer)}; {name}; {waiting}"
+        label = f"list scheduler: prefer {', '.join(prefer)}; {name}" + (f"; {waiting}" if spec.split_backward else "")
         try:
             order = greedy_order(dataclasses.replace(spec, order=None, policy=policy), costs)
         except PipecError:
