@@ -362,6 +362,15 @@ def order_timing(problem: SearchProblem) -> OrderTiming:
 _TIMINGS: dict[int, tuple[weakref.ref, OrderTiming]] = {}
 
 
+def consumers_of(timing: OrderTiming) -> list[list[tuple[int, int]]]:
+    """Per task, (consumer, delay) for every task that takes one of its outputs as an input."""
+    consumers: list[list[tuple[int, int]]] = [[] for _ in timing.inputs]
+    for t, mine in enumerate(timing.inputs):
+        for maker, delay in mine:
+            consumers[maker].append((t, delay))
+    return consumers
+
+
 def search_order(program: Program, costs: CostModel | None = None, memory: Sequence[int] | None = None, *,
                  byte_budget: Mapping[str, Number] | None = None, recompute: str = TARGET,
                  time_limit: float = 30.0, workers: int = 2,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
 
-from pipec.compiler.search import OrderTiming, SearchProblem, order_timing
+from pipec.compiler.search import OrderTiming, SearchProblem, consumers_of, order_timing
 from pipec.compiler.search_limits import CountLimit
 
 
@@ -74,15 +74,6 @@ def topological(timing: OrderTiming) -> list[int]:
             if waits[consumer] == 0:
                 order.append(consumer)
     return order
-
-
-def consumers_of(timing: OrderTiming) -> list[list[tuple[int, int]]]:
-    """Per task, (consumer, delay) for every task that takes one of its outputs as an input."""
-    consumers: list[list[tuple[int, int]]] = [[] for _ in timing.inputs]
-    for t, mine in enumerate(timing.inputs):
-        for maker, delay in mine:
-            consumers[maker].append((t, delay))
-    return consumers
 
 
 def _heads(timing: OrderTiming, topo: list[int]) -> list[int]:

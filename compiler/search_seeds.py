@@ -13,8 +13,7 @@ from typing import Callable, Sequence
 from pipec.compiler.costs import CostModel
 from pipec.compiler.ir import Action
 from pipec.compiler.list_schedule import greedy_order
-from pipec.compiler.search import OrderTiming
-from pipec.compiler.search_bound import consumers_of
+from pipec.compiler.search import OrderTiming, consumers_of
 from pipec.compiler.search_limits import CountLimit, order_fits
 from pipec.dsl.spec import GreedyPolicy, ScheduleSpec
 from pipec.errors import PipecError, UsageError
