@@ -13,7 +13,7 @@ from pipec.compiler.costs import CostModel
 from pipec.compiler.ir import Action, Program
 from pipec.compiler.memory_counts import Number
 from pipec.compiler.search import CHOOSE, FEASIBLE, OPTIMAL, TARGET, SearchResult, search_order
-from pipec.compiler.search_heuristic import DEFAULT_EVALUATIONS, HEURISTIC, HeuristicResult, heuristic_search
+from pipec.compiler.search_heuristic import DEFAULT_EVALUATIONS, HEURISTIC, heuristic_search
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import UsageError
 

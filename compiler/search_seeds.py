@@ -72,7 +72,8 @@ def seed_orders(timing: OrderTiming, limits: Sequence[CountLimit], ranks: int, *
         for name, priority in PRIORITIES[:2]:
             rank_of = {kind: i for i, kind in enumerate(prefer)}
             keys = [(rank_of[op], *priority(op, stage, mb)) for op, stage, mb in timing.keys]
-            tried.append((f"own list: prefer {', '.join(prefer)}; {name}", memory_list_rows(timing, limits, ranks, keys)))
+            label = f"own list: prefer {', '.join(prefer)}; {name}"
+            tried.append((label, memory_list_rows(timing, limits, ranks, keys)))
     seeds, seen = [], set()
     for name, rows in tried:
         if rows is None or timing.ends(rows) is None or not order_fits(limits, rows):
