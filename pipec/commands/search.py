@@ -128,7 +128,7 @@ def _method_line(searched) -> str:
     if not isinstance(result, HeuristicResult):
         return f"method {searched.method}"
     return (f"method {searched.method}: {result.evaluations} moves from {result.seed_name} "
-            f"({number_text(result.seeds[0][1])} best of {len(result.seeds)} seed{"s" if len(result.seeds) > 1 else ""}); bound: {result.bound_reason}")
+            f"({number_text(result.seeds[0][1])} best of {len(result.seeds)} seed{'s' if len(result.seeds) > 1 else ''}); bound: {result.bound_reason}")
 
 
 def resolve_target_text(text: str):
