@@ -127,8 +127,9 @@ def _method_line(searched) -> str:
     result = searched.result
     if not isinstance(result, HeuristicResult):
         return f"method {searched.method}"
+    seeds = f"{len(result.seeds)} seed" + ("s" if len(result.seeds) > 1 else "")
     return (f"method {searched.method}: {result.evaluations} moves from {result.seed_name} "
-            f"({number_text(result.seeds[0][1])} best of {len(result.seeds)} seed{'s' if len(result.seeds) > 1 else ''}); bound: {result.bound_reason}")
+            f"({number_text(result.seeds[0][1])} best of {seeds}); bound: {result.bound_reason}")
 
 
 def resolve_target_text(text: str):
