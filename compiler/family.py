@@ -188,10 +188,12 @@ class Family:
                 "pipeline it places on its own and compose the written .pipe")
 
     def search(self, spec: "ScheduleSpec", program: "Program", costs: "CostModel | None",
-               memory: "Sequence[int] | None", *, time_limit: float, candidates: int | None) -> "FamilySearch":
+               memory: "Sequence[int] | None", *, time_limit: float, candidates: int | None,
+               seed: int = 0) -> "FamilySearch":
         """The family's own search of ``spec``'s free choices (``searches_itself``); ``program`` is ``spec``
         compiled, ``memory`` the most live activations per rank (None: unlimited), ``candidates`` a cap on
-        the candidates priced (None: the family's default).
+        the candidates priced (None: the family's default), ``seed`` the seed of any random choice (the same
+        seed and cap give the same answer).
 
         Raises:
             UsageError: a choice the family does not search, or no candidate within the limits.

@@ -24,6 +24,7 @@ OR-Tools is imported only when a search runs, so pipec works without it.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from fractions import Fraction
 from math import lcm
@@ -226,59 +227,148 @@ def order_starts(problem: SearchProblem, order: Sequence[Sequence[Action]]) -> d
 
     A task starts when its rank's previous task ends and each input's producer (the first of its makers
     that ``order`` holds) has ended plus the link's delay: the model's timing of a fixed order, which the
-    solver's optimum meets and the simulator re-prices. Each task is placed once; a pass over the waiting
-    ranks places at least one, so the walk is at most tasks x ranks steps.
+    solver's optimum meets and the simulator re-prices. Priced on ``order_timing``'s integer arrays, in
+    O(tasks) for an order whose ranks wait on one another a bounded number of times (``OrderTiming.ends``).
 
     Raises:
         UsageError: ``order`` holds a task the problem does not, or one twice.
     """
-    index = {task.key: i for i, task in enumerate(problem.tasks)}
-    held = [(a.op, a.stage, a.mb) for row in order for a in row]
-    unknown = [key for key in held if key not in index]
-    if unknown or len(set(held)) != len(held):
-        what = f"{unknown[0][0]}({unknown[0][1]}, {unknown[0][2]})" if unknown else "a task twice"
-        raise UsageError(f"the order holds {what}: not a task of the searched target")
-    present = set(held)
-    end: dict[tuple[str, int, int], int] = {}
-    starts: dict[tuple[str, int, int], int] = {}
-    heads, free_at = [0] * len(order), [0] * len(order)
-    waiting = list(range(len(order)))
-    while waiting:
-        placed, still = sum(heads), []
-        for rank in waiting:
-            row = order[rank]
-            while heads[rank] < len(row):
-                a = row[heads[rank]]
-                i = index[(a.op, a.stage, a.mb)]
-                ready = free_at[rank]
-                for makers, delay in problem.inputs[i]:
-                    maker = next((m for m in makers if m in present), None)
-                    if maker is None:
-                        continue
-                    if maker not in end:
-                        break
-                    ready = max(ready, end[maker] + delay)
-                else:
-                    key = (a.op, a.stage, a.mb)
-                    starts[key] = ready
-                    end[key] = free_at[rank] = ready + problem.durations[i]
-                    heads[rank] += 1
-                    continue
-                still.append(rank)
-                break
-        if still and sum(heads) == placed:
-            return None  # a full pass placed nothing: every waiting rank waits on another
-        waiting = still
-    return starts
+    timing = order_timing(problem)
+    rows = timing.rows(order)
+    ends = timing.ends(rows, timing.inputs_of_present(rows))
+    if ends is None:
+        return None
+    duration, keys = timing.duration, timing.keys
+    return {keys[t]: ends[t] - duration[t] for row in rows for t in row}
 
 
 def order_makespan(problem: SearchProblem, order: Sequence[Sequence[Action]]) -> Fraction | None:
     """The model's makespan of ``order`` (``order_starts``' latest end) in cost units; None when it deadlocks."""
-    starts = order_starts(problem, order)
-    if starts is None:
-        return None
-    index = {task.key: i for i, task in enumerate(problem.tasks)}
-    return Fraction(max((s + problem.durations[index[k]] for k, s in starts.items()), default=0), problem.scale)
+    timing = order_timing(problem)
+    rows = timing.rows(order)
+    ends = timing.ends(rows, timing.inputs_of_present(rows))
+    return None if ends is None else Fraction(max((ends[t] for row in rows for t in row), default=0), problem.scale)
+
+
+@dataclass(frozen=True)
+class OrderTiming:
+    """A ``SearchProblem`` as integer arrays, for pricing many orders of its tasks (``order_timing``).
+
+    Tasks are numbered as ``problem.tasks``; an order is given as ``rows``: per rank, task numbers.
+
+    Attributes:
+        keys: per task, its (op, stage, mb).
+        index: (op, stage, mb) -> task number.
+        rank: per task, its rank.
+        duration: per task, its length in ticks.
+        makers: per task, per input: (the producers' numbers, ``ops.DEPENDENCIES`` order; the delay in ticks).
+        inputs: per task, (producer, delay) per input when the order holds every task (each input's first maker).
+    """
+
+    keys: list[tuple[str, int, int]]
+    index: dict[tuple[str, int, int], int]
+    rank: list[int]
+    duration: list[int]
+    makers: list[tuple[tuple[tuple[int, ...], int], ...]]
+    inputs: list[tuple[tuple[int, int], ...]]
+
+    def rows(self, order: Sequence[Sequence[Action]]) -> list[list[int]]:
+        """``order`` as task numbers.
+
+        Raises:
+            UsageError: ``order`` holds a task the problem does not, or one twice.
+        """
+        index = self.index
+        try:
+            rows = [[index[(a.op, a.stage, a.mb)] for a in row] for row in order]
+        except KeyError as missing:
+            op, stage, mb = missing.args[0]
+            raise UsageError(f"the order holds {op}({stage}, {mb}): not a task of the searched target") from None
+        if sum(map(len, rows)) != len(set().union(*rows)):
+            raise UsageError("the order holds a task twice: not a task of the searched target")
+        return rows
+
+    def inputs_of_present(self, rows: Sequence[Sequence[int]]) -> list[tuple[tuple[int, int], ...]]:
+        """Per task, (producer, delay) per input, the producer the first maker ``rows`` holds (an input none of
+        whose makers it holds is not waited for): ``inputs`` when ``rows`` holds every task."""
+        if sum(map(len, rows)) == len(self.keys):
+            return self.inputs
+        held = set().union(*rows)
+        return [tuple((next(m for m in makers if m in held), delay) for makers, delay in mine
+                      if any(m in held for m in makers)) for mine in self.makers]
+
+    def ends(self, rows: Sequence[Sequence[int]], inputs: Sequence[tuple[tuple[int, int], ...]] | None = None
+             ) -> list[int] | None:
+        """Per task, its end in ticks when each rank runs its row in order and every task starts as early as its
+        rank and its inputs allow (-1 for a task ``rows`` does not hold); None when the order deadlocks.
+
+        Each pass runs every rank as far as its inputs have ended; a pass that ends no task is a deadlock.
+        A pipeline's ranks wait on one another about once per microbatch and stage, so a walk costs a few
+        passes over the ranks beyond one visit of each task.
+        """
+        inputs = self.inputs if inputs is None else inputs
+        duration = self.duration
+        end = [-1] * len(duration)
+        heads = [0] * len(rows)
+        free = [0] * len(rows)
+        left = sum(map(len, rows))
+        while left:
+            placed = left
+            for r, row in enumerate(rows):
+                h, at, size = heads[r], free[r], len(row)
+                while h < size:
+                    t = row[h]
+                    ready = at
+                    for maker, delay in inputs[t]:
+                        done = end[maker]
+                        if done < 0:
+                            break
+                        if done + delay > ready:
+                            ready = done + delay
+                    else:
+                        at = end[t] = ready + duration[t]
+                        h += 1
+                        continue
+                    break
+                left -= h - heads[r]
+                heads[r], free[r] = h, at
+            if left == placed:
+                return None
+        return end
+
+    def makespan(self, rows: Sequence[Sequence[int]]) -> int | None:
+        """The latest end of ``rows`` (holding every task) in ticks; None when it deadlocks."""
+        end = self.ends(rows)
+        return None if end is None else max(end, default=0)
+
+
+def order_timing(problem: SearchProblem) -> OrderTiming:
+    """``problem``'s ``OrderTiming``, built once per problem and kept while the problem lives."""
+    key = id(problem)
+    kept = _TIMINGS.get(key)
+    if kept is not None and kept[0]() is problem:
+        return kept[1]
+    keys = [task.key for task in problem.tasks]
+    index = {k: i for i, k in enumerate(keys)}
+    makers = [tuple((tuple(index[m] for m in producers), delay) for producers, delay in mine)
+              for mine in problem.inputs]
+    timing = OrderTiming(keys, index, [task.rank for task in problem.tasks], list(problem.durations), makers,
+                         [tuple((producers[0], delay) for producers, delay in mine) for mine in makers])
+    _TIMINGS[key] = (weakref.ref(problem, lambda _, key=key: _TIMINGS.pop(key, None)), timing)
+    return timing
+
+
+# id(problem) -> (a weak reference to it, its timing): a SearchProblem holds lists, so it is not hashable
+_TIMINGS: dict[int, tuple[weakref.ref, OrderTiming]] = {}
+
+
+def consumers_of(timing: OrderTiming) -> list[list[tuple[int, int]]]:
+    """Per task, (consumer, delay) for every task that takes one of its outputs as an input."""
+    consumers: list[list[tuple[int, int]]] = [[] for _ in timing.inputs]
+    for t, mine in enumerate(timing.inputs):
+        for maker, delay in mine:
+            consumers[maker].append((t, delay))
+    return consumers
 
 
 def search_order(program: Program, costs: CostModel | None = None, memory: Sequence[int] | None = None, *,
@@ -356,7 +446,7 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
             raise UsageError(f"--memory gives {len(memory)} limits for {program.num_ranks} ranks")
         _add_count_limit(model, tasks, ACTIVATION_DELTA, memory, start, choice, tables.chunk, horizon,
                          "activations")
-    for size_class, limit in _byte_caps(tasks, byte_budget, costs.sizes).items():
+    for size_class, limit in byte_caps(tasks, byte_budget, costs.sizes).items():
         _add_count_limit(model, tasks, SIZE_CLASS_DELTAS[size_class], [limit] * program.num_ranks, start, choice,
                          tables.chunk, horizon, size_class)
     makespan = model.NewIntVar(0, horizon, "makespan")
@@ -422,7 +512,7 @@ def _add_hint(model, problem: SearchProblem, hint: Sequence[Sequence[Action]], s
         model.AddHint(variable, value)
 
 
-def _byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
+def byte_caps(tasks: Sequence[_Task], byte_budget: Mapping[str, Number] | None,
                sizes: Mapping[str, Number]) -> dict[str, int]:
     """Size class -> the most live counted values of it a rank may hold under ``byte_budget``.
 

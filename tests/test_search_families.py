@@ -86,7 +86,7 @@ def test_grid_search_beats_tawpipe_and_the_written_grid_trains_like_one_process(
     (["tawpipe", "--memory", "2"], "--memory 2 on rank 0 cannot be met: under weight passing a rank runs all 4 "
                                    "layers' forwards of a microbatch"),
     (["zigzag_ring", "--memory", "2"], "'zigzag_ring' is a sequence ring: its memory is KV buffers"),
-    (["weipipe", "--recompute", "choose"], "only activation passing's exact search takes --recompute choose"),
+    (["weipipe", "--recompute", "choose"], "only activation passing's search takes --recompute choose"),
     (["1f1b", "--candidates", "3"], "--candidates caps a family's own search"),
 ])
 def test_what_a_family_search_cannot_do_is_refused_with_the_reason(argv, reason, capsys):

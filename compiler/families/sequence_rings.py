@@ -75,8 +75,9 @@ class SequenceRings(Family):
         program = lower_rings(spec)
         return replace(program, ranks=[[a for a in row if a.is_compute] for row in program.ranks]), program
 
-    def search(self, spec, program, costs, memory, *, time_limit, candidates):
-        """The rings KV travels, relabelled (``ring_search``); memory limits are refused before (KV buffers)."""
+    def search(self, spec, program, costs, memory, *, time_limit, candidates, seed=0):
+        """The rings KV travels, relabelled (``ring_search``; an enumeration in a fixed order, so ``seed`` is not
+        read); memory limits are refused before (KV buffers)."""
         from pipec.compiler.families.ring_search import refuse_ring_search, search_rings  # it compiles candidates
 
         refusal = refuse_ring_search(spec)

@@ -50,11 +50,11 @@ class WeightPassing(Family):
         compute = compute_program(spec, costs)
         return compute, insert_weight_exchanges(compute, spec)
 
-    def search(self, spec, program, costs, memory, *, time_limit, candidates):
+    def search(self, spec, program, costs, memory, *, time_limit, candidates, seed=0):
         """The step grid and prefetch distance, by a walk of moves (``weight_search``)."""
         from pipec.compiler.families.weight_search import search_grid  # it compiles candidates
 
-        return search_grid(spec, program, costs, memory, time_limit=time_limit, candidates=candidates)
+        return search_grid(spec, program, costs, memory, time_limit=time_limit, candidates=candidates, seed=seed)
 
     def refuse_torch_csv(self, name):
         return (f"{name} passes weights between ranks (weight passing); torch's schedule CSV moves activations "

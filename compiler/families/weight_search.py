@@ -35,8 +35,6 @@ Cell = tuple[str, int, int, int]
 # post a weight's last leg up to this many steps ahead (more costs buffers and, measured, no time).
 MOST_PREFETCH = {"ring": 1}
 DEFAULT_MOST_PREFETCH = 3
-# The walk's random moves are drawn from this seed, so a search with a candidate cap repeats itself.
-SEED = 0
 # The default cap on the candidates a walk prices, when the command gives none.
 DEFAULT_CANDIDATES = 2000
 # The walk ends when this many moves in a row from the best grid gave grids already priced.
@@ -133,7 +131,7 @@ def _closed(grid: Grid) -> Grid:
 
 
 def search_grid(spec: ScheduleSpec, program: Program, costs: CostModel | None, memory: Sequence[int] | None, *,
-                time_limit: float, candidates: int | None) -> FamilySearch:
+                time_limit: float, candidates: int | None, seed: int = 0) -> FamilySearch:
     """A fast step grid for ``spec`` (compiled: ``program``) under ``costs`` and ``memory``, by a walk of
     random moves from the target's grid (``Grid``, ``_moves``).
 
@@ -147,7 +145,7 @@ def search_grid(spec: ScheduleSpec, program: Program, costs: CostModel | None, m
     shipped = shipped_makespan(spec, costs)  # priced without the memory limits, which it may break
     target = target_grid(spec)
     most_prefetch = MOST_PREFETCH.get(spec.weights.route, DEFAULT_MOST_PREFETCH)
-    rng = random.Random(SEED)
+    rng = random.Random(seed)  # so that a search with a candidate cap repeats itself
     state = {"best": None, "last": None}  # the best priced grid so far, and the grid just handed out
 
     def on_priced(priced: Priced | None) -> None:

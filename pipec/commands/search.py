@@ -1,6 +1,7 @@
 """``pipec search``: the fastest per-rank order of TARGET's tasks under a cost model and a memory limit,
-found exactly with OR-Tools CP-SAT (``compiler/search.py``), written as an explicit-order ``.pipe``
-(``compiler/search_pipe.py``) that is compiled, proved and re-simulated before it is reported.
+found exactly with OR-Tools CP-SAT (``compiler/search.py``) or by a heuristic against a lower bound
+(``compiler/search_heuristic.py``; ``--method``, ``compiler/search_method.py``), written as an explicit-order
+``.pipe`` (``compiler/search_pipe.py``) that is compiled, proved and re-simulated before it is reported.
 
 TARGET's family is asked first (``Family.refuse_search``, ``Family.searches_itself``): a family that
 searches its own choices (sequence rings' rings, weight passing's step grid) prices its candidates with
@@ -36,6 +37,14 @@ def register(sub) -> None:
     parser.add_argument("--candidates", type=int, metavar="K",
                         help="for a family that searches its own candidates (sequence rings, weight passing): the "
                              "most candidates to price (default: every ring set; 2000 step grids)")
+    parser.add_argument("--method", choices=("exact", "heuristic", "auto"), default="auto",
+                        help="exact: CP-SAT; heuristic: local search from the target's, the hint's and list-scheduled "
+                             "orders, against an analytic lower bound; auto (default): exact up to 200 tasks, past "
+                             "them the heuristic for half the time, then CP-SAT hinted with its order")
+    parser.add_argument("--seed", type=int, default=0, help="the heuristic's random seed (default 0)")
+    parser.add_argument("--evaluations", type=int, default=None, metavar="K",
+                        help="the most moves the heuristic tries (default 20000); with --seed it fixes the result, "
+                             "--time-limit only stops it early")
     parser.add_argument("-o", dest="output", metavar="FILE", help="write the searched order as a .pipe file")
     parser.set_defaults(func=run)
 
@@ -75,7 +84,9 @@ def run(args) -> int:
     from pipec.compiler.driver import compile_spec, lower_spec, resolve_target
     from pipec.compiler.family import first_answer, first_refusal, families_of
     from pipec.compiler.memory_counts import peak_activations
-    from pipec.compiler.search import refuse_weight_versions, search_order
+    from pipec.compiler.search import refuse_weight_versions
+    from pipec.compiler.search_heuristic import DEFAULT_EVALUATIONS
+    from pipec.compiler.search_method import search_by_method
     from pipec.compiler.search_pipe import order_to_pipe, refuse_unwritable
     from pipec.compiler.simulate import simulate
 
@@ -83,6 +94,9 @@ def run(args) -> int:
         raise UsageError("--workers takes at least 1 and --time-limit a positive number of seconds")
     if args.candidates is not None and args.candidates < 1:
         raise UsageError("--candidates takes at least 1")
+    evaluations = DEFAULT_EVALUATIONS if args.evaluations is None else args.evaluations
+    if evaluations < 1:
+        raise UsageError("--evaluations takes at least 1")
     parse_byte_budget(args.budget_bytes)  # a mistake here is named before the cost file is read
     costs = load_costs(args)
     byte_budget = byte_budget_from_args(args, costs)
@@ -101,8 +115,10 @@ def run(args) -> int:
     refuse_unwritable(compute, program)  # the final program holds the family plans
     memory = _memory(args.memory, compute.num_ranks)
     hint = _hint(args, compute, costs)
-    result = search_order(compute, costs, memory, byte_budget=byte_budget, recompute=args.recompute,
-                          time_limit=args.time_limit, workers=args.workers, hint=hint)
+    searched = search_by_method(args.method, compute, costs, memory, byte_budget=byte_budget,
+                                recompute=args.recompute, time_limit=args.time_limit, workers=args.workers,
+                                hint=hint, spec=spec, seed=args.seed, evaluations=evaluations)
+    result = searched.result
     text = order_to_pipe(compute, result.order)
     # the written order, proved (at the byte budget too) and priced by the real simulator
     written = compile_spec(resolve_target_text(text), costs=costs, byte_budget=byte_budget)
@@ -114,6 +130,7 @@ def run(args) -> int:
     print(f"status {result.status}, makespan {number_text(result.makespan)}, lower bound "
           f"{number_text(result.bound)}, gap {float(result.gap):.1%}, simulated makespan {number_text(simulated)} "
           f"({result.seconds:.2f} s)")
+    print(_method_line(searched))
     if result.recomputed:  # as the language names them: positions along a pipeline (every replica of a chunk)
         chunks = sorted({compute.stages[stage].position for stage in result.recomputed})
         print("recomputed stages " + ", ".join(map(str, chunks)))
@@ -131,16 +148,19 @@ def _family_search(args, family, spec, program, costs) -> int:
     from pipec.compiler.simulate import simulate
 
     exact_only = [flag for flag, given in (("--budget-bytes", args.budget_bytes), ("--hint", args.hint is not None),
-                                           ("--recompute choose", args.recompute != "target")) if given]
+                                           ("--recompute choose", args.recompute != "target"),
+                                           (f"--method {args.method}", args.method != "auto"),
+                                           ("--evaluations", args.evaluations is not None)) if given]
     if exact_only:
-        raise UsageError(f"pipec search: only activation passing's exact search takes {', '.join(exact_only)}; "
+        raise UsageError(f"pipec search: only activation passing's search takes {', '.join(exact_only)}; "
                          f"{spec.name} is a {family.name} schedule, searched over its own candidates")
     memory = _memory(args.memory, program.num_ranks)
     if memory is not None:
         refusal = first_refusal(program, lambda each: each.refuse_memory_budget(spec.name))
         if refusal is not None:
             raise UsageError(f"pipec search: {refusal}")
-    result = family.search(spec, program, costs, memory, time_limit=args.time_limit, candidates=args.candidates)
+    result = family.search(spec, program, costs, memory, time_limit=args.time_limit, candidates=args.candidates,
+                           seed=args.seed)
     written = compile_spec(resolve_target_text(result.text), costs=costs)
     simulated = simulate(written.program, costs).makespan
     if simulated != result.makespan:
@@ -156,6 +176,16 @@ def _family_search(args, family, spec, program, costs) -> int:
     if args.output:
         write_output(result.text, args.output)
     return 0
+def _method_line(searched) -> str:
+    """Which method produced the order and, for the heuristic, its moves, its best seed and its bound's reason."""
+    from pipec.compiler.search_heuristic import HeuristicResult
+
+    result = searched.result
+    if not isinstance(result, HeuristicResult):
+        return f"method {searched.method}"
+    seeds = f"{len(result.seeds)} seed" + ("s" if len(result.seeds) > 1 else "")
+    return (f"method {searched.method}: {result.evaluations} moves from {result.seed_name} "
+            f"({number_text(result.seeds[0][1])} best of {seeds}); bound: {result.bound_reason}")
 
 
 def resolve_target_text(text: str):
