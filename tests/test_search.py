@@ -2,15 +2,14 @@
 
 The proven optima are held to the shipped hand-made schedules' simulated makespans (1F1B's
 (N + P - 1)(F + B) is optimal at its memory; ZB-H1 at 1F1B's memory); every written order is
-proved by the checks, compiles to the searched order, re-simulates to the solver's makespan, and
-one trains like one process on gloo.
+proved by the checks, compiles to the searched order, re-simulates to the solver's makespan (tests/test_search_training.py trains
+searched orders on gloo).
 """
 from __future__ import annotations
 
 import builtins
 
 import pytest
-import torch
 
 from pipec.compiler.driver import compile_spec, compile_target, lower_spec, resolve_target
 from pipec.compiler.search import OPTIMAL, search_order
@@ -18,13 +17,8 @@ from pipec.compiler.search_pipe import order_to_pipe
 from pipec.compiler.simulate import simulate
 from pipec.commands.search import resolve_target_text
 from pipec.errors import UsageError
-from pipec.runtime.model import ModelConfig
-from pipec.runtime.reference import reference_run
-from runtime_util import assert_same_parameters, launch_workers
 
 pytest.importorskip("ortools")
-
-SEED = 7
 
 
 def _search(name: str, P: int, N: int, memory):
@@ -69,26 +63,6 @@ def test_written_order_checks_and_recompiles_to_the_searched_order():
     compiled = compile_spec(resolve_target_text(text), memory_budget=P)  # proved by every check
     assert [list(row) for row in compiled.compute.ranks] == result.order
     assert simulate(compiled.program).makespan == result.makespan
-
-
-@pytest.mark.parametrize("target,P,N,costs", [("1f1b", 2, 4, None), ("zb_h1", 4, 4, {"latency": 1})])
-def test_searched_order_trains_like_one_process(tmp_path, target, P, N, costs):
-    """P = 2 (1F1B's placement) and P = 4 (split backward, searched under a link latency at twice 1F1B's
-    memory, so the order is not ZB-H1's): each trains like one process on gloo."""
-    from pipec.compiler.costs import costs_from_json
-
-    model = costs_from_json({"links": costs}) if costs else None
-    compute, _ = lower_spec(resolve_target(target).evaluate({"P": str(P), "N": str(N)}), model)
-    memory = [2 * limit for limit in _one_f_one_b_memory(P)] if costs else _one_f_one_b_memory(P)
-    result = search_order(compute, model, memory, time_limit=20, workers=2)
-    path = tmp_path / "searched.pipe"
-    path.write_text(order_to_pipe(compute, result.order))
-    save = tmp_path / "model.pt"
-    run = launch_workers([str(path), "--steps", "2", "--seed", str(SEED), "--save", str(save), "--timeout", "60"],
-                         P, 120.0)
-    assert run.ok, run.describe()
-    want = reference_run(ModelConfig(), 2, N, SEED).state_dict
-    assert_same_parameters(torch.load(save), want, f"searched {target} P={P}")
 
 
 @pytest.mark.parametrize("P,N", [(4, 8), (4, 12), (8, 16)])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from pipec.compiler.costs import costs_from_json
 from pipec.compiler.driver import compile_spec, lower_spec, resolve_target
@@ -20,9 +19,6 @@ from pipec.compiler.search_pipe import order_to_pipe
 from pipec.compiler.search_seeds import memory_list_rows
 from pipec.compiler.simulate import simulate
 from pipec.commands.search import resolve_target_text
-from pipec.runtime.model import ModelConfig
-from pipec.runtime.reference import reference_run
-from runtime_util import assert_same_parameters, launch_workers
 
 LATENCY = {"latency": 0.5}
 
@@ -123,16 +119,3 @@ def test_cli_heuristic_writes_a_checked_order_and_labels_it(tmp_path, capsys):
     assert "method exact" in capsys.readouterr().out
     assert main(["search", "1f1b", "-D", "P=2", "-D", "N=2", "--method", "heuristic", "--recompute", "choose"]) == 1
     assert "--recompute choose needs --method exact" in capsys.readouterr().err
-
-
-def test_a_heuristic_order_trains_like_one_process(tmp_path):
-    """Searched under a link latency at twice 1F1B's memory (so not ZB-H1's own order), trained on gloo at P = 2."""
-    P, N = 2, 4
-    spec, compute, costs = _lowered("zb_h1", P, N, {"latency": 1})
-    result = heuristic_search(compute, costs, _one_f_one_b_memory(P, 2), spec=spec, evaluations=500)
-    path = tmp_path / "searched.pipe"
-    path.write_text(order_to_pipe(compute, result.order))
-    save = tmp_path / "model.pt"
-    run = launch_workers([str(path), "--steps", "2", "--seed", "7", "--save", str(save), "--timeout", "60"], P, 120.0)
-    assert run.ok, run.describe()
-    assert_same_parameters(torch.load(save), reference_run(ModelConfig(), 2, N, 7).state_dict, "heuristic zb_h1 P=2")

@@ -4,13 +4,12 @@ A recomputed target's tasks (FC, R) are searched and written back so that the fi
 same tasks in the same order, passes ``pipec check`` at the count and byte limits the search held
 (the limits the checks count: saved activations; bytes per size class), and re-simulates to the
 solver's makespan; a byte budget binds; ``--recompute choose`` recomputes only the stages that buy
-time; optimizer updates are refused, with the reason; one recomputed searched order trains like one
-process on gloo.
+time; optimizer updates are refused, with the reason (tests/test_search_training.py trains a recomputed
+searched order on gloo).
 """
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pipec.commands.search import resolve_target_text
 from pipec.compiler.costs import costs_from_json
@@ -20,13 +19,9 @@ from pipec.compiler.search import CHOOSE, OPTIMAL, search_order
 from pipec.compiler.search_pipe import order_to_pipe
 from pipec.compiler.simulate import simulate
 from pipec.errors import BudgetError, UsageError
-from pipec.runtime.model import ModelConfig
-from pipec.runtime.reference import reference_run
-from runtime_util import assert_same_parameters, launch_workers
 
 pytest.importorskip("ortools")
 
-SEED = 7
 # unit times; a saved activation weighs 2.5 bytes, a recomputed stage's kept input (one boundary) 0.5
 SIZED = costs_from_json({"compute": {"F": 1, "B": 2, "I": 1, "W": 1}, "sizes": {"activation": 2.5, "boundary": 0.5}})
 
@@ -161,18 +156,3 @@ def test_optimizer_updates_are_refused_with_the_reason(target, capsys):
     compute, _ = lower_spec(resolve_target(target).evaluate({"P": "2", "N": "4"}))
     with pytest.raises(UsageError, match="trains another model"):
         search_order(compute)
-
-
-def test_recomputed_searched_order_trains_like_one_process(tmp_path):
-    P, N = 2, 4
-    compute = _compute("1f1b", P, N, remat=True)
-    result = search_order(compute, memory=[1, 1], time_limit=20, workers=2)
-    assert result.recomputed == [0, 1]
-    path = tmp_path / "searched.pipe"
-    path.write_text(order_to_pipe(compute, result.order))
-    save = tmp_path / "model.pt"
-    run = launch_workers([str(path), "--steps", "2", "--seed", str(SEED), "--save", str(save), "--timeout", "60"],
-                         P, 120.0)
-    assert run.ok, run.describe()
-    want = reference_run(ModelConfig(), 2, N, SEED).state_dict
-    assert_same_parameters(torch.load(save), want, "searched recomputed 1f1b P=2")
