@@ -23,7 +23,7 @@ pytest.importorskip("ortools")
 
 def _search(name: str, P: int, N: int, memory):
     compute, _ = lower_spec(resolve_target(name).evaluate({"P": str(P), "N": str(N)}))
-    return compute, search_order(compute, memory=memory, time_limit=20, workers=2)
+    return compute, search_order(compute, memory=memory, time_limit=120, workers=2)
 
 
 def _one_f_one_b_memory(P: int) -> list[int]:
@@ -75,8 +75,8 @@ def test_twice_1f1b_memory_reaches_the_zero_bubble_bound(P, N):
 
     costs = costs_from_json({"links": {"latency": 1}})
     compute, _ = lower_spec(resolve_target("zb_h1").evaluate({"P": str(P), "N": str(N)}), costs)
-    once = search_order(compute, costs, _one_f_one_b_memory(P), time_limit=20, workers=2)
-    twice = search_order(compute, costs, [2 * m for m in _one_f_one_b_memory(P)], time_limit=20, workers=2)
+    once = search_order(compute, costs, _one_f_one_b_memory(P), time_limit=120, workers=2)
+    twice = search_order(compute, costs, [2 * m for m in _one_f_one_b_memory(P)], time_limit=120, workers=2)
     assert once.status == twice.status == OPTIMAL
     assert twice.makespan == 3 * N + (P - 1) * (1 + 1) < once.makespan
 
@@ -85,7 +85,7 @@ def test_cli_prints_status_bound_and_simulated_makespan(tmp_path, capsys):
     from pipec.cli import main
 
     out = tmp_path / "best.pipe"
-    assert main(["search", "zb_h1", "-D", "P=2", "-D", "N=4", "--memory", "2,1", "--time-limit", "10",
+    assert main(["search", "zb_h1", "-D", "P=2", "-D", "N=4", "--memory", "2,1", "--time-limit", "120",
                  "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "status OPTIMAL" in printed and "gap 0.0%" in printed and "simulated makespan 13" in printed
@@ -114,7 +114,7 @@ def test_measured_costs_and_latency_resimulate_to_the_solvers_makespan():
     P, N = 4, 8
     costs = costs_from_json({"compute": {"F": 0.52, "B": 0.72, "I": 0.36, "W": 0.36}, "links": {"latency": 0.01}})
     compute, _ = lower_spec(resolve_target("zb_h1").evaluate({"P": str(P), "N": str(N)}), costs)
-    result = search_order(compute, costs, _one_f_one_b_memory(P), time_limit=20, workers=2)
+    result = search_order(compute, costs, _one_f_one_b_memory(P), time_limit=120, workers=2)
     written = compile_spec(resolve_target_text(order_to_pipe(compute, result.order)), costs=costs)
     assert result.status == OPTIMAL
     assert simulate(written.program, costs).makespan == pytest.approx(float(result.makespan), abs=1e-9)

@@ -39,7 +39,7 @@ def _written(compute, result, costs=None, **budgets):
 def test_recomputed_target_is_written_back_to_its_tasks_and_proved_at_the_limit():
     P, N, limit = 4, 8, 2
     compute = _compute("zb_h1", P, N, remat=True)
-    result = search_order(compute, memory=[limit] * P, time_limit=20, workers=2)
+    result = search_order(compute, memory=[limit] * P, time_limit=120, workers=2)
     assert result.status == OPTIMAL and result.recomputed == list(range(P))
     text = order_to_pipe(compute, result.order)
     assert "recompute stage s when s == 0 or s == 1 or s == 2 or s == 3" in text
@@ -60,7 +60,7 @@ def test_byte_budget_binds_and_the_written_order_passes_it():
     compute = _compute("1f1b", P, N, remat=False, costs=SIZED)
     makespans = []
     for budget in (7.5, 5):
-        result = search_order(compute, SIZED, byte_budget={"activation": budget}, time_limit=20, workers=2)
+        result = search_order(compute, SIZED, byte_budget={"activation": budget}, time_limit=120, workers=2)
         assert result.status == OPTIMAL
         written = _written(compute, result, SIZED, byte_budget={"activation": budget})
         peak = max(peaks["activation"] for peaks in peak_bytes(written.program, SIZED.sizes))
@@ -82,19 +82,19 @@ def test_the_shipped_orders_own_peaks_do_not_slow_the_search():
               for size_class in ("activation", "boundary")}
     assert budget == {"activation": 7.5, "boundary": 1.5}  # a saved activation or a stash, and W's stashes
     compute = _compute("zb_h1", P, N, remat=True, costs=SIZED)
-    result = search_order(compute, SIZED, activations, byte_budget=budget, time_limit=20, workers=2)
+    result = search_order(compute, SIZED, activations, byte_budget=budget, time_limit=120, workers=2)
     written = _written(compute, result, SIZED, memory_budget=max(activations), byte_budget=budget)
     assert result.status == OPTIMAL
     assert result.makespan == simulate(written.program, SIZED).makespan == simulate(shipped, SIZED).makespan
     with pytest.raises(UsageError, match=r"budget of 2 bytes for activation holds no value of it \(2.5 bytes each"):
-        search_order(compute, SIZED, byte_budget={"activation": 2}, time_limit=20, workers=2)
+        search_order(compute, SIZED, byte_budget={"activation": 2}, time_limit=120, workers=2)
 
 
 def test_a_boundary_budget_limits_the_kept_inputs_of_recomputed_stages():
     """One kept input per rank (0.5 bytes): each recomputed forward's R comes before the next forward."""
     P, N = 2, 4
     compute = _compute("1f1b", P, N, remat=True, costs=SIZED)
-    result = search_order(compute, SIZED, byte_budget={"boundary": 0.5}, time_limit=20, workers=2)
+    result = search_order(compute, SIZED, byte_budget={"boundary": 0.5}, time_limit=120, workers=2)
     written = _written(compute, result, SIZED, byte_budget={"boundary": 0.5})
     for row in written.compute.ranks:
         forwards = [a.op for a in row if a.op in ("FC", "R")]
@@ -105,10 +105,10 @@ def test_a_boundary_budget_limits_the_kept_inputs_of_recomputed_stages():
 def test_choose_recomputes_only_where_it_buys_time():
     P, N = 2, 4
     compute = _compute("1f1b", P, N, remat=False)
-    free = search_order(compute, recompute=CHOOSE, time_limit=20, workers=2)
+    free = search_order(compute, recompute=CHOOSE, time_limit=120, workers=2)
     assert free.recomputed == [] and free.makespan == (N + P - 1) * 3  # nothing to gain: no recompute
-    plain = search_order(compute, memory=[1, 1], time_limit=20, workers=2)
-    chosen = search_order(compute, memory=[1, 1], recompute=CHOOSE, time_limit=20, workers=2)
+    plain = search_order(compute, memory=[1, 1], time_limit=120, workers=2)
+    chosen = search_order(compute, memory=[1, 1], recompute=CHOOSE, time_limit=120, workers=2)
     assert chosen.status == OPTIMAL and chosen.recomputed == [0]  # the last stage's B follows its F at once
     assert chosen.makespan == 16 < plain.makespan == 24
     text = order_to_pipe(compute, chosen.order)
@@ -117,7 +117,7 @@ def test_choose_recomputes_only_where_it_buys_time():
     assert [list(row) for row in written.compute.ranks] == chosen.order
     assert simulate(written.program).makespan == chosen.makespan
     # no byte for a kept input: the choice is not to recompute, and memory forces F, B, F, B, ...
-    kept_none = search_order(compute, SIZED, [1, 1], byte_budget={"boundary": 0}, recompute=CHOOSE, time_limit=20,
+    kept_none = search_order(compute, SIZED, [1, 1], byte_budget={"boundary": 0}, recompute=CHOOSE, time_limit=120,
                              workers=2)
     assert kept_none.recomputed == [] and kept_none.makespan == plain.makespan
 
@@ -129,7 +129,7 @@ def test_cli_byte_budget_and_choice(tmp_path, capsys):
     costs.write_text('{"sizes": {"activation": 4, "boundary": 1}}')
     out = tmp_path / "best.pipe"
     assert main(["search", "1f1b", "-D", "P=2", "-D", "N=4", "--costs", str(costs), "--budget-bytes", "activation=4",
-                 "--recompute", "choose", "--time-limit", "10", "-o", str(out)]) == 0
+                 "--recompute", "choose", "--time-limit", "120", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "status OPTIMAL, makespan 16," in printed and "simulated makespan 16" in printed
     assert "recomputed stages 0" in printed

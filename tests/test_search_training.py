@@ -43,12 +43,12 @@ def _one_f_one_b(P: int, times: int = 1) -> list[int]:
 
 def _exact_1f1b() -> str:
     _, compute = _lowered("1f1b", 2)
-    return order_to_pipe(compute, search_order(compute, memory=_one_f_one_b(2), time_limit=20, workers=2).order)
+    return order_to_pipe(compute, search_order(compute, memory=_one_f_one_b(2), time_limit=120, workers=2).order)
 
 
 def _recomputed_1f1b() -> str:
     _, compute = _lowered("1f1b", 2, remat="true")
-    result = search_order(compute, memory=[1, 1], time_limit=20, workers=2)
+    result = search_order(compute, memory=[1, 1], time_limit=120, workers=2)
     assert result.recomputed == [0, 1]
     return order_to_pipe(compute, result.order)
 
@@ -57,7 +57,7 @@ def _two_pipelines() -> str:
     """BitPipe within 4 activations per rank, where its own order holds 6, as fast as its own order."""
     _, compute = _lowered("bitpipe", 2)
     shipped = compile_target("bitpipe", {"P": 2, "N": N}).program
-    result = search_order(compute, memory=[4, 4], time_limit=20, workers=2)
+    result = search_order(compute, memory=[4, 4], time_limit=120, workers=2)
     assert result.status == OPTIMAL and result.makespan == simulate(shipped).makespan
     assert max(peak_activations(shipped)) > 4
     return order_to_pipe(compute, result.order)
@@ -81,7 +81,7 @@ def _weight_grid() -> str:
 
 def _exact_zb_h1_under_latency() -> str:
     _, compute = _lowered("zb_h1", 4, LATENCY)
-    return order_to_pipe(compute, search_order(compute, LATENCY, _one_f_one_b(4, 2), time_limit=20,
+    return order_to_pipe(compute, search_order(compute, LATENCY, _one_f_one_b(4, 2), time_limit=120,
                                                workers=2).order)
 
 
