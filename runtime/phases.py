@@ -88,6 +88,7 @@ class Watch:
         self.phase, self.since, self.deadline = START_UP, time.monotonic(), join_timeout
         self._stop_at = _stop_hook(rank)
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pipec-phase-watch", daemon=True)
 
     def start(self) -> Watch:
@@ -111,9 +112,13 @@ class Watch:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    def stop(self) -> None:
+        """End the watch: its thread returns and ends nothing (``launcher_checks`` stops the watch it started)."""
+        self._stopped.set()
+        self._thread.join()
+
     def _watch(self) -> None:
-        while True:
-            time.sleep(_TICK_S)
+        while not self._stopped.wait(_TICK_S):
             with self._lock:
                 phase, since, deadline = self.phase, self.since, self.deadline
             waited = time.monotonic() - since
@@ -152,15 +157,24 @@ def start_watch(rank: int | None, timeout: float, join_timeout: float, folder: s
 @contextlib.contextmanager
 def launcher_checks(timeout: float):
     """Watch ``pipec run``'s own checks before launching (reading ``--resume``, importing and trying the
-    model spec): inside, ``announce`` gives each phase its deadline; after, nothing is watched."""
+    model spec): inside, ``announce`` gives each phase its deadline; after, nothing is watched.
+
+    A watch this started is stopped and forgotten at the end: ``pipec run`` called in a process that goes
+    on (``pipec.cli.main`` from Python, a test) must leave no watch that a later ``announce`` in that
+    process (an in-process training's checkpoint save, say) would arm, to end the process when it is overdue."""
     global _current
-    if _current is None:
+    started = _current is None
+    if started:
         _current = Watch(None, timeout, timeout).start()
     _current.timeout = timeout
     try:
         yield
     finally:
-        _current.enter(START_UP, None)
+        if started:
+            _current.stop()
+            _current = None
+        else:
+            _current.enter(START_UP, None)
 
 
 def announce(phase: str, *, deadline: float | None = -1.0) -> None:

@@ -118,3 +118,23 @@ def test_the_test_hook_names_a_phase_the_worker_announces():
         assert phase in phases.PHASES
     assert phases.step_phase(1) == "step 1"
     assert sys.modules["pipec.runtime.phases"] is phases
+
+
+LEFTOVER_WATCH = textwrap.dedent("""\
+    import time
+    from pipec.runtime import phases
+
+    with phases.launcher_checks(0.1):  # what `pipec run` called from Python does before it launches
+        phases.announce(phases.MODEL_BUILD)
+    phases.announce(phases.CHECKPOINT_SAVE)  # later in the same process: an in-process training's save
+    time.sleep(phases.MARGIN_S + 1.0)  # past the deadline a leftover watch would have given that phase
+    print("alive", phases._current is None)
+""")
+
+
+def test_pipec_runs_own_watch_ends_with_its_checks():
+    # before this, the watch `pipec run` started for its checks stayed in the process: a later announce armed
+    # it, and it ended the process (os._exit) when that phase outlived --timeout + MARGIN_S (it killed pytest
+    # workers that had run `pipec run` in-process)
+    done = run_command_line(["-c", LEFTOVER_WATCH], 60)
+    assert done.status == 0 and done.stdout.strip() == "alive True", done.describe()
