@@ -138,12 +138,17 @@ def json_type(value: Any) -> str:
 
 def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
     """``value`` as an error message may show it: ``repr`` (non-printable
-    characters escaped), cut to about ``limit`` characters with the length said."""
+    characters escaped), cut to about ``limit`` characters with the length said.
+
+    A string keeps both ends (``'/tmp/a/b...c/d/file.csv' (95 characters)``): where it is a path, its
+    end names the file, the part a reader needs."""
     text = repr(value) if isinstance(value, str) else _short_repr(value, limit)
     if len(text) <= limit:
         return text
-    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters shown"
-    return f"{text[:limit - 3]}...({size})"
+    if isinstance(value, str):
+        keep = (limit - 3) // 2
+        return f"{text[:keep]}...{text[-keep:]} ({len(value)} characters)"
+    return f"{text[:limit - 3]}...({len(text)} characters shown)"
 
 
 def read_int_list(values: list, what: str, bound: int | None) -> list[int]:
