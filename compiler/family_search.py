@@ -18,11 +18,10 @@ from typing import Callable, Iterable, Sequence
 from pipec.compiler.costs import CostModel
 from pipec.compiler.driver import compile_spec
 from pipec.compiler.memory_counts import peak_activations
+from pipec.compiler.search import FEASIBLE, OPTIMAL  # one status vocabulary for every search
 from pipec.compiler.simulate import simulate
 from pipec.dsl.spec import ScheduleSpec
 from pipec.errors import PipecError
-
-OPTIMAL, FEASIBLE = "OPTIMAL", "FEASIBLE"
 
 
 @dataclass(frozen=True)

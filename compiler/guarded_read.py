@@ -146,7 +146,7 @@ def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
     if len(text) <= limit:
         return text
     if isinstance(value, str):
-        keep = (limit - 3) // 2
+        keep = max(1, (limit - 3) // 2)
         return f"{text[:keep]}...{text[-keep:]} ({len(value)} characters)"
     return f"{text[:limit - 3]}...({len(text)} characters shown)"
 
@@ -250,7 +250,10 @@ def regular_file_size(path: str, kind: Kind, error: type[PipecError] = UsageErro
 
 def shown_path(path: str) -> str:
     """A path as messages show it: as given when printable, else escaped (it may come from a file: a trace)."""
-    return path if path.isprintable() and len(path) <= 400 else quote(path, 400)[1:-1]
+    if path.isprintable() and len(path) <= 400:
+        return path
+    text = repr(path)[1:-1]  # escaped, without the quotes a message puts around it
+    return text if len(text) <= 400 else f"{text[:190]}...({len(path)} characters)...{text[-190:]}"
 
 
 def read_text(path: str, kind: Kind, error: type[PipecError] = UsageError) -> str:

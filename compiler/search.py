@@ -34,7 +34,7 @@ from pipec.compiler import ops
 from pipec.compiler.costs import CostModel
 from pipec.compiler.ir import Action, Program, stage_tables
 from pipec.compiler.memory_counts import ACTIVATION_DELTA, SIZE_CLASS_DELTAS, Number, check_sizes
-from pipec.errors import UsageError
+from pipec.errors import NoOrderFound, UsageError
 
 # The largest time scale accepted: costs whose exact denominators need more are not a small grid.
 MAX_SCALE = 10**6
@@ -468,7 +468,7 @@ def search_order(program: Program, costs: CostModel | None = None, memory: Seque
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         what = "no order meets the memory limits" if status == cp_model.INFEASIBLE else \
             f"no order found within {time_limit} s"
-        raise UsageError(f"pipec search: {what}")
+        raise NoOrderFound(f"pipec search: {what}")
     chosen = [t for t in tasks if all(solver.BooleanValue(lit) for lit in present(t))]
     order = [sorted((t.action for t in chosen if t.rank == rank),
                     key=lambda a: solver.Value(start[(a.op, a.stage, a.mb)])) for rank in range(program.num_ranks)]
@@ -565,8 +565,8 @@ def _add_count_limit(model, tasks: Sequence[_Task], delta: Mapping[str, int], li
             else:
                 spans.append(model.NewIntervalVar(start[first], size, stop, f"{what}{first}"))
             demands.append(count)
-        if spans:
-            model.AddCumulative(spans, demands, limit)
+        if spans:  # a limit past every value the rank makes binds nothing (and stays within the solver's int64)
+            model.AddCumulative(spans, demands, min(limit, sum(demands)))
 
 
 def _lifetimes(row: Sequence[_Task], delta: Mapping[str, int]):

@@ -93,19 +93,20 @@ def heuristic_search(program: Program, costs: CostModel | None = None, memory: S
     seeds = seed_orders(timing, limits, program.num_ranks, own=program.ranks, hint=hint, spec=spec, costs=costs)
     if not seeds:
         raise UsageError("pipec search: no starting order meets the memory limits (the target's, the list "
-                         "scheduler's and the memory-keeping list schedule all break them); try --method exact")
+                         "scheduler's and the memory-keeping list schedule all break them); --method exact may "
+                         "find one, or prove that none exists")
     priced = sorted(((timing.makespan(rows), i) for i, (_, rows) in enumerate(seeds)))
     annealer = _Annealer(timing, limits, random.Random(seed), began + time_limit, bound_ticks)
     best_name = seeds[priced[0][1]][0]
     best_rows = seeds[priced[0][1]][1]
     best = priced[0][0]
-    per_restart = evaluations // _RESTARTS
     for restart in range(_RESTARTS):
         if best <= bound_ticks or annealer.stopped(evaluations):
             break
         pick = priced[(restart // 2) % len(priced)][1] if restart % 2 == 0 else None
         start_name, start_rows = seeds[pick] if pick is not None else (best_name, best_rows)
-        rows, makespan = annealer.anneal(start_rows, min(evaluations, annealer.tried + per_restart))
+        # restart r may have tried (r + 1)/_RESTARTS of the moves by its end: every move is spent, even when few
+        rows, makespan = annealer.anneal(start_rows, evaluations * (restart + 1) // _RESTARTS)
         if makespan < best:
             best, best_rows, best_name = makespan, rows, start_name
     order = [[problem.tasks[t].action for t in row] for row in best_rows]

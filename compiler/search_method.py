@@ -15,7 +15,7 @@ from pipec.compiler.memory_counts import Number
 from pipec.compiler.search import CHOOSE, FEASIBLE, OPTIMAL, TARGET, SearchResult, search_order
 from pipec.compiler.search_heuristic import DEFAULT_EVALUATIONS, HEURISTIC, heuristic_search
 from pipec.dsl.spec import ScheduleSpec
-from pipec.errors import UsageError
+from pipec.errors import NoOrderFound, UsageError
 
 EXACT, AUTO = "exact", "auto"
 METHODS = (EXACT, HEURISTIC, AUTO)
@@ -63,8 +63,11 @@ def search_by_method(method: str, program: Program, costs: CostModel | None = No
                              evaluations=evaluations, time_limit=share)
     if method == HEURISTIC or found.status == OPTIMAL or importlib.util.find_spec("ortools") is None:
         return MethodResult(found, HEURISTIC)  # (auto without OR-Tools: the heuristic alone)
-    exact = search_order(program, costs, memory, byte_budget=byte_budget, workers=workers, hint=found.order,
-                         time_limit=max(1.0, time_limit - found.seconds))
+    try:
+        exact = search_order(program, costs, memory, byte_budget=byte_budget, workers=workers, hint=found.order,
+                             time_limit=max(1.0, time_limit - found.seconds))
+    except NoOrderFound:  # CP-SAT ran out of time before it had read the hint into an order: the heuristic's stands
+        return MethodResult(found, HEURISTIC)
     better = exact.makespan < found.makespan
     makespan = min(exact.makespan, found.makespan)
     bound = max(exact.bound, found.bound)

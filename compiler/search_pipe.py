@@ -38,8 +38,9 @@ def refuse_unwritable(program: Program, final: Program | None = None) -> None:
     whole = final if final is not None else program
     others = sorted({family.name for family in families_of(whole)} - {ACTIVATION_PASSING})
     if others or whole.mesh is not None:
-        raise UsageError(f"pipec search orders activation passing (one pipeline or several); not "
-                         f"{', '.join(others) or 'a mesh'} (issue 27's later slices)")
+        raise UsageError(f"order_to_pipe writes activation passing's orders (one pipeline or several); not "
+                         f"{', '.join(others) or 'a mesh'} (a family that searches itself writes its own answer: "
+                         f"Family.search)")
     extra = {a.op for row in program.ranks for a in row} - _WRITTEN_OPS
     if extra:
         raise UsageError(f"pipec search writes F, B, I and W tasks (FC and R on recomputed stages): this program has "

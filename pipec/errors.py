@@ -79,6 +79,10 @@ class Span:
     end_col: int = 0
 
 
+class NoOrderFound(UsageError):
+    """A search ended without an order (the time limit, or no order meets the limits)."""
+
+
 class SourceError(PipecError):
     """An error located in a ``.pipe`` source file."""
 

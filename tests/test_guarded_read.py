@@ -312,3 +312,14 @@ def test_byte_budgets_are_bounded_numbers(tmp_path, capsys):
     assert "outside pipec's integer range" in err
     err = refused(capsys, "check", "1f1b", "--costs", str(path), "--budget-bytes", "activation=1" + "0" * 400 + ".5")
     assert "write at most 40" in err
+
+
+def test_a_long_string_is_quoted_with_both_ends():
+    """A path's end names its file: a long one keeps it, with its length said."""
+    path = "/tmp/" + "a" * 200 + "/schedule.csv"
+    shown = guarded_read.quote(path)
+    assert shown.startswith("'/tmp/aaa") and shown.endswith("/schedule.csv' (218 characters)") and len(shown) < 100
+    long_path = "/tmp/" + "b" * 600 + "/c.json"
+    shown = guarded_read.shown_path(long_path)
+    assert shown.startswith("/tmp/bbb") and shown.endswith("bbb/c.json") and "...(612 characters)..." in shown
+    assert len(shown) < 420

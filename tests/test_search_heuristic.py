@@ -11,9 +11,9 @@ import pytest
 from pipec.compiler.costs import costs_from_json
 from pipec.compiler.driver import compile_spec, lower_spec, resolve_target
 from pipec.compiler.memory_counts import peak_activations
-from pipec.compiler.search import OPTIMAL, order_makespan, order_timing, search_problem
+from pipec.compiler.search import OPTIMAL, order_makespan, order_timing, search_order, search_problem
 from pipec.compiler.search_bound import lower_bound
-from pipec.compiler.search_heuristic import heuristic_search
+from pipec.compiler.search_heuristic import HEURISTIC, heuristic_search
 from pipec.compiler.search_limits import search_limits
 from pipec.compiler.search_pipe import order_to_pipe
 from pipec.compiler.search_seeds import memory_list_rows
@@ -119,3 +119,45 @@ def test_cli_heuristic_writes_a_checked_order_and_labels_it(tmp_path, capsys):
     assert "method exact" in capsys.readouterr().out
     assert main(["search", "1f1b", "-D", "P=2", "-D", "N=2", "--method", "heuristic", "--recompute", "choose"]) == 1
     assert "--recompute choose needs --method exact" in capsys.readouterr().err
+
+
+def test_a_few_evaluations_are_all_spent():
+    """Six restarts share the moves: 5 of them are 5 moves tried, not 5 // 6 = 0 per restart."""
+    spec, compute, costs = _lowered("zb_h1", 2, 4, LATENCY)
+    result = heuristic_search(compute, costs, [2, 1], spec=spec, evaluations=5)
+    assert result.evaluations == 5
+
+
+def test_auto_keeps_the_heuristics_order_when_cp_sat_finds_none_in_its_time(monkeypatch):
+    """Past EXACT_TASKS, ``auto`` hands CP-SAT the rest of the time; should CP-SAT end without an order (its share
+    too short to read the hint), the heuristic's order is the answer, not an error."""
+    from pipec.compiler import search_method
+    from pipec.errors import NoOrderFound
+
+    def no_order(*args, **kwargs):
+        raise NoOrderFound("pipec search: no order found within 1.0 s")
+
+    monkeypatch.setattr(search_method, "EXACT_TASKS", 0)
+    monkeypatch.setattr(search_method, "search_order", no_order)
+    spec, compute, costs = _lowered("zb_h1", 2, 4, LATENCY)
+    searched = search_method.search_by_method("auto", compute, costs, [2, 1], spec=spec, evaluations=50)
+    assert searched.method == HEURISTIC and searched.result.order
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["weipipe", "-D", "P=2", "--memory", "4,4,4"], "--memory gives 3 limits for 2 ranks"),
+    (["zb_h1", "-D", "P=2", "--workers", "100000"], "--workers takes 1 to 64"),
+    (["zb_h1", "-D", "P=2", "-o", "/nonexistent-folder/best.pipe"], "the folder '/nonexistent-folder' does not exist"),
+])
+def test_bad_arguments_are_named_before_any_search(argv, said, capsys):
+    from pipec.cli import main
+
+    assert main(["search", *argv]) == 1
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
+def test_a_memory_limit_past_every_value_binds_nothing():
+    """A limit beyond the solver's int64 is no limit, not a crash."""
+    _, compute, _ = _lowered("1f1b", 2, 4)
+    assert search_order(compute, memory=[10**20, 10**20], time_limit=120).makespan == (4 + 2 - 1) * 3

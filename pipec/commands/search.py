@@ -10,7 +10,11 @@ the simulator (``Family.search``); its answer is compiled, proved and re-simulat
 from __future__ import annotations
 
 from pipec.commands._common import byte_budget_from_args, load_costs, number_text, parse_byte_budget, write_output
+from pipec.compiler.atomic_write import check_writable
 from pipec.errors import UsageError
+
+# CP-SAT's worker threads: more than a machine's cores only share them (and the solver refuses absurd counts).
+MOST_WORKERS = 64
 
 
 def register(sub) -> None:
@@ -60,6 +64,8 @@ def _memory(text: str | None, ranks: int) -> list[int] | None:
         raise UsageError(f"--memory limits must be at least 1: {text!r}")
     if len(limits) == 1:
         return limits * ranks
+    if len(limits) != ranks:
+        raise UsageError(f"--memory gives {len(limits)} limits for {ranks} ranks: give one, or one per rank")
     return limits
 
 
@@ -90,8 +96,10 @@ def run(args) -> int:
     from pipec.compiler.search_pipe import order_to_pipe, refuse_unwritable
     from pipec.compiler.simulate import simulate
 
-    if args.workers < 1 or not args.time_limit > 0:
-        raise UsageError("--workers takes at least 1 and --time-limit a positive number of seconds")
+    if not 1 <= args.workers <= MOST_WORKERS or not args.time_limit > 0:
+        raise UsageError(f"--workers takes 1 to {MOST_WORKERS} and --time-limit a positive number of seconds")
+    if args.output:
+        check_writable(args.output, "the searched order (-o)")  # before the search, not after it
     if args.candidates is not None and args.candidates < 1:
         raise UsageError("--candidates takes at least 1")
     evaluations = DEFAULT_EVALUATIONS if args.evaluations is None else args.evaluations
