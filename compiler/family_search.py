@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Sequence
 
 from pipec.compiler.costs import CostModel
 from pipec.compiler.driver import compile_spec
-from pipec.compiler.memory_counts import peak_activations
+from pipec.compiler.memory_counts import holds_more_activations
 from pipec.compiler.search import FEASIBLE, OPTIMAL  # one status vocabulary for every search
 from pipec.compiler.simulate import simulate
 from pipec.dsl.spec import ScheduleSpec
@@ -67,7 +67,7 @@ def price(spec: ScheduleSpec, costs: CostModel | None, memory: Sequence[int] | N
         compiled = compile_spec(spec, costs=costs)
     except PipecError:
         return None  # the candidate breaks a rule of its family: not a schedule
-    if memory is not None and any(peak > limit for peak, limit in zip(peak_activations(compiled.program), memory)):
+    if holds_more_activations(compiled.program, memory):
         return None
     return Priced(spec, Fraction(simulate(compiled.program, costs).makespan))
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import operator
 from itertools import accumulate, repeat
-from typing import Iterable, Iterator, Mapping, Union
+from typing import Iterable, Iterator, Mapping, Sequence, Union
 
 from pipec.compiler import ops
 from pipec.compiler.family import families_of
@@ -123,6 +123,12 @@ def peak_activations(program: Program) -> list[int]:
         one int per rank, 0 for a rank with no forward.
     """
     return [peak_count(row, ACTIVATION_DELTA) for row in program.ranks]
+
+
+def holds_more_activations(program: Program, limits: Sequence[int] | None) -> bool:
+    """Whether some rank of ``program`` holds more saved activations at once than its limit (None: no limits):
+    the check every searched order is held to after it is written."""
+    return limits is not None and any(peak > limit for peak, limit in zip(peak_activations(program), limits))
 
 
 def peak_waiting_w(row: Iterable[Action]) -> int:
@@ -286,6 +292,7 @@ __all__ = [
     "WAITING_W_DELTA",
     "check_sizes",
     "first_step_over",
+    "holds_more_activations",
     "live_counts",
     "peak_activations",
     "peak_bytes",

@@ -89,7 +89,7 @@ def run(args) -> int:
     from pipec.commands._common import parse_defines
     from pipec.compiler.driver import compile_spec, lower_spec, resolve_target
     from pipec.compiler.family import first_answer, first_refusal, families_of
-    from pipec.compiler.memory_counts import peak_activations
+    from pipec.compiler.memory_counts import holds_more_activations
     from pipec.compiler.search import refuse_weight_versions
     from pipec.compiler.search_heuristic import DEFAULT_EVALUATIONS
     from pipec.compiler.search_method import search_by_method
@@ -133,7 +133,7 @@ def run(args) -> int:
     simulated = simulate(written.program, costs).makespan
     if [list(row) for row in written.compute.ranks] != result.order:
         raise UsageError("pipec search: the written order does not compile to the searched one (a pipec bug)")
-    if memory is not None and any(peak > limit for peak, limit in zip(peak_activations(written.program), memory)):
+    if holds_more_activations(written.program, memory):
         raise UsageError("pipec search: the written order holds more activations than --memory (a pipec bug)")
     print(f"status {result.status}, makespan {number_text(result.makespan)}, lower bound "
           f"{number_text(result.bound)}, gap {float(result.gap):.1%}, simulated makespan {number_text(simulated)} "
@@ -152,7 +152,7 @@ def _family_search(args, family, spec, program, costs) -> int:
     before it is printed and written."""
     from pipec.compiler.driver import compile_spec
     from pipec.compiler.family import first_refusal
-    from pipec.compiler.memory_counts import peak_activations
+    from pipec.compiler.memory_counts import holds_more_activations
     from pipec.compiler.simulate import simulate
 
     exact_only = [flag for flag, given in (("--budget-bytes", args.budget_bytes), ("--hint", args.hint is not None),
@@ -173,7 +173,7 @@ def _family_search(args, family, spec, program, costs) -> int:
     simulated = simulate(written.program, costs).makespan
     if simulated != result.makespan:
         raise UsageError("pipec search: the written schedule does not simulate to the searched makespan (a pipec bug)")
-    if memory is not None and any(peak > limit for peak, limit in zip(peak_activations(written.program), memory)):
+    if holds_more_activations(written.program, memory):
         raise UsageError("pipec search: the written schedule holds more activations than --memory (a pipec bug)")
     bound = "none" if result.bound is None else number_text(result.bound)
     of = "" if result.total is None else f" of {result.total:,}"
