@@ -233,9 +233,7 @@ def order_starts(problem: SearchProblem, order: Sequence[Sequence[Action]]) -> d
     Raises:
         UsageError: ``order`` holds a task the problem does not, or one twice.
     """
-    timing = order_timing(problem)
-    rows = timing.rows(order)
-    ends = timing.ends(rows, timing.inputs_of_present(rows))
+    timing, rows, ends = _priced(problem, order)
     if ends is None:
         return None
     duration, keys = timing.duration, timing.keys
@@ -244,10 +242,15 @@ def order_starts(problem: SearchProblem, order: Sequence[Sequence[Action]]) -> d
 
 def order_makespan(problem: SearchProblem, order: Sequence[Sequence[Action]]) -> Fraction | None:
     """The model's makespan of ``order`` (``order_starts``' latest end) in cost units; None when it deadlocks."""
+    _, rows, ends = _priced(problem, order)
+    return None if ends is None else Fraction(max((ends[t] for row in rows for t in row), default=0), problem.scale)
+
+
+def _priced(problem: SearchProblem, order: Sequence[Sequence[Action]]):
+    """(the problem's arrays, ``order`` as task numbers, each task's end in ticks or None on a deadlock)."""
     timing = order_timing(problem)
     rows = timing.rows(order)
-    ends = timing.ends(rows, timing.inputs_of_present(rows))
-    return None if ends is None else Fraction(max((ends[t] for row in rows for t in row), default=0), problem.scale)
+    return timing, rows, timing.ends(rows, timing.inputs_of_present(rows))
 
 
 @dataclass(frozen=True)
