@@ -162,6 +162,18 @@ class Placement:
             microbatch (data parallel), or ``SEQUENCE_SHARE``, ring rank i's chunks of every sequence
             of each microbatch (context parallel): the stage runs every attention of its forward and
             backward through ``Program.stage_ring`` over the group, member i as ring rank i.
+        shares: each member's role in the data, in ``ranks`` order: the share (of k) of every microbatch's
+            rows or tokens it takes; the runtime reads a member's rows (or tokens) and loss targets by it,
+            and the prover routes each hand-off by it. Not given: member i takes share i.
+        shards: a sharded stage's: the shard (of the members its weights are cut over) each member holds,
+            in ``ranks`` order; empty for whole weights. Not given: its index in the communicator its
+            weights are gathered on (the whole group, or under HSDP its shard group: given by
+            ``mesh_placement`` and the program file's reader, which know the groups).
+        saver: the member that writes the stage's parameters to a checkpoint and counts its replicated
+            gradient once in the global norm. Not given: the first member.
+
+    A member's roles are facts of the program: the runtime acts on them and ``checks/placement.py``
+    proves them (docs/ir.md, "Roles").
     """
 
     ranks: tuple[int, ...]
@@ -170,11 +182,31 @@ class Placement:
     split: str = "rows"
     shard_groups: tuple[int, ...] = ()
     replica_groups: tuple[int, ...] = ()
+    shares: tuple[int, ...] = ()
+    shards: tuple[int, ...] = ()
+    saver: int | None = None
+
+    def __post_init__(self) -> None:
+        # what a placement states when its maker states nothing: the plain roles (never left to the runtime)
+        if not self.shares:
+            object.__setattr__(self, "shares", tuple(range(len(self.ranks))))
+        if not self.shards and self.sharded and not self.shard_groups:
+            object.__setattr__(self, "shards", tuple(range(len(self.ranks))))
+        if self.saver is None and self.ranks:
+            object.__setattr__(self, "saver", self.ranks[0])
 
     @property
     def hybrid(self) -> bool:
         """Whether the weights are sharded over parts of the group and replicated across them (HSDP)."""
         return bool(self.shard_groups)
+
+    def share_of(self, rank: int) -> int:
+        """The share of each microbatch ``rank`` (a member) takes, as the program states it."""
+        return self.shares[self.ranks.index(rank)]
+
+    def shard_of(self, rank: int) -> int:
+        """The shard of the stage's weights ``rank`` (a member of a sharded stage) holds, as stated."""
+        return self.shards[self.ranks.index(rank)]
 
 
 # The shares a placed stage's members may split a value into (``Placement.split``).
@@ -600,11 +632,13 @@ class Program:
     def share_peers(self, stage: int, rank: int, other: int) -> tuple[int, ...]:
         """The ranks of stage ``other`` that hold some of ``rank``'s share of a value ``stage`` hands to
         ``other`` (or takes from it): share i of k covers [i/k, (i+1)/k) of the value, and a member of
-        ``other``'s group of k' the same with k', so two shares meet where their intervals overlap.
-        A group of k hands to a group of k member i to member i; to one rank, every member to it."""
-        mine, theirs = self.stages[stage].ranks, self.stages[other].ranks
-        i, k, n = mine.index(rank), len(mine), len(theirs)
-        return tuple(theirs[j] for j in range(n) if i * n < (j + 1) * k and j * k < (i + 1) * n)
+        ``other``'s group of k' the same with k', so two shares meet where their intervals overlap (shares as
+        the placements state them, ``Placement.shares``). A group of k hands to a group of k the holder of
+        share i to the holder of share i; to one rank, every member to it."""
+        mine, theirs = self.stages[stage], self.stages[other]
+        i, k, n = _share(mine, rank), len(mine.ranks), len(theirs.ranks)
+        return tuple(peer for peer in theirs.ranks
+                     if i * n < ((j := _share(theirs, peer)) + 1) * k and j * k < (i + 1) * n)
 
     def replicas(self, stage: int) -> list[int]:
         """Every stage (this one included) that holds the same model chunk."""
@@ -657,6 +691,11 @@ class Program:
 
     def instruction_count(self) -> int:
         return sum(len(row) for row in self.ranks)
+
+
+def _share(info: StageInfo, rank: int) -> int:
+    """The share ``rank`` takes of the values of stage ``info`` (0 on a stage of one rank)."""
+    return 0 if info.placement is None else info.placement.share_of(rank)
 
 
 def resize_hint(program: Program) -> str:

@@ -183,8 +183,10 @@ def _place_hybrid(program: Program, mesh: Mesh, pp_axis: str, data: DataParallel
                            ops.STAGE_GROUP, p) for r in range(mesh.axis_size(data.replicas)))
         replicas = tuple(add(mesh.members(mesh.rank_at(dict(corner, **{data.axis: s})), (data.replicas,)),
                              ops.SHARD_REPLICAS, p) for s in range(mesh.axis_size(data.axis)))
-        placements.append(Placement(mesh.members(mesh.rank_at(corner), data.axes), -1, True, shard_groups=shards,
-                                    replica_groups=replicas))
+        members = mesh.members(mesh.rank_at(corner), data.axes)
+        # a member holds the shard of its place along the shard axis: its index in its shard group
+        placements.append(Placement(members, -1, True, shard_groups=shards, replica_groups=replicas,
+                                    shards=tuple(mesh.coords(r)[data.axis] for r in members)))
     stages = [StageInfo(info.id, placements[info.rank].ranks[0], info.pipeline, info.position, placements[info.rank])
               for info in program.stages]
     rows = [_member_row(program.ranks[mesh.coords(rank)[pp_axis]], _peer_mover(mesh, pp_axis, rank), data)

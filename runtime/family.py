@@ -230,12 +230,13 @@ def _context_refusal(program: Program, where: str, members: int) -> str | None:
 
 
 def share_of(program: Program, rank: int) -> tuple[int, int] | None:
-    """(i, k): ``rank`` is member i of its stages' groups of k (the same i for all of them), or None."""
+    """(i, k): ``rank`` takes share i of k of every microbatch, as its stages' placements state it
+    (``Placement.shares``; the prover proved a rank's stages state one share), or None."""
     if not program.placed_on_groups:
         return None
     for info in program.stages:
         if rank in info.ranks:
-            return info.ranks.index(rank), len(info.ranks)
+            return info.placement.share_of(rank), len(info.ranks)
     return None
 
 

@@ -195,12 +195,12 @@ def _shard_place(program: Program, info, rank: int, groups: dict) -> tuple[tuple
     """((i, k): this rank is member i of the k its stage's weights are sharded over, their process group, the
     process group of the members holding its shard or None): the whole group, or under HSDP its shard and
     replica groups (``Program.communicator_on``)."""
+    shard = info.placement.shard_of(rank)  # as stated: the prover proved it is the member's place in the group
     if not info.placement.hybrid:
-        return share_of(program, rank), groups[info.placement.communicator], None
+        return (shard, len(info.ranks)), groups[info.placement.communicator], None
     shard_group = program.communicator_on(Action(info.id, ops.GATHER), rank)
     replica_group = program.communicator_on(Action(info.id, ops.SYNC_SHARD), rank)
-    return ((shard_group.ranks.index(rank), len(shard_group.ranks)), groups[shard_group.id],
-            groups.get(replica_group.id))
+    return (shard, len(shard_group.ranks)), groups[shard_group.id], groups.get(replica_group.id)
 
 
 def _first_of_replicas(program: Program, info, rank: int) -> bool:
@@ -465,15 +465,15 @@ def whole_optimizer_state(context, stage: int) -> dict[str, dict]:
 def checkpoint_part(context, stages: dict) -> dict:
     """This rank's part of a checkpoint of a composed program (CPU copies); collective over each group.
 
-    A stage's state is given by its group's first member only (a replicated stage's members hold equal
-    weights; a sharded stage's shards are all-gathered first, ``whole_state``), so that the merge keeps
-    one copy of each.
+    A stage's state is given by its saver only (``Placement.saver``, as the program states it: a replicated
+    stage's members hold equal weights; a sharded stage's shards are all-gathered first, ``whole_state``), so
+    that the merge keeps one copy of each.
     """
     model, optimizer = {}, {}
     own = context.placed
     names = {id(p): name for module in stages.values() for name, p in module.named_parameters()}
     for stage in sorted(stages):
-        module, first = stages[stage], own.share[0] == 0
+        module, first = stages[stage], context.program.stages[stage].placement.saver == context.rank
         if stage in own.sharded:
             state = whole_state(context, module, stage)
             moments = whole_optimizer_state(context, stage)
@@ -504,14 +504,14 @@ def optimizer_names(context, stages: dict, saved: dict) -> tuple[dict[int, str],
 
 
 def counted_gradients(context) -> list[torch.Tensor]:
-    """The gradients this rank counts in the global norm: a replicated stage's by its group's first member,
+    """The gradients this rank counts in the global norm: a replicated stage's by its saver (``Placement.saver``),
     a sharded stage's shard by every member (the shards are disjoint, their padding zero), under HSDP by the
     first member of its replica group (``ShardedStage.counted``)."""
-    own = context.placed
+    own, program = context.placed, context.program
     counted = [s.shard.grad for s in own.sharded.values() if s.counted]
-    if own.share[0] == 0:
-        sharded_chunks = {context.program.stages[stage].position for stage in own.sharded}
-        counted += [flat for chunk, flat in context.flat_grads.items() if chunk not in sharded_chunks]
+    saved = {program.stages[stage].position for stage in own.stage_group
+             if stage not in own.sharded and program.stages[stage].placement.saver == context.rank}
+    counted += [flat for chunk, flat in context.flat_grads.items() if chunk in saved]
     return counted
 
 

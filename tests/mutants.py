@@ -3,7 +3,9 @@
 What ``check_all`` accepts runs, and trains exactly; what the runtime faults on, ``check_all`` rejects. From
 a small compiled program of each family (``BASES``), ``family_mutants`` derives seeded mutants, each made of
 one or more edits (``EDITS``: swap two adjacent instructions of a rank, move one a few places, drop one,
-duplicate one, change a message's peer, swap two parts of a batch or exchange). ``verdict`` checks each: a
+duplicate one, change a message's peer, swap two parts of a batch or exchange; ``ROLE_EDITS``, on a
+composition: exchange a member between two groups of one kind, swap two members' shares or shards, give a
+stage another saver, permute the mesh's axes). ``verdict`` checks each: a
 rejection must be a ``ProgramError``, never another exception. ``run_programs`` then trains, on gloo, the
 unmutated programs, every distinct accepted mutant and a sample of the rejected ones, from the program
 file the runtime reads, without rank 0's check (``runtime_util.launch_isolated``: each job in processes of
@@ -72,6 +74,9 @@ BASES: tuple[Base, ...] = (
     Base("weight passing", "tawpipe", (("P", "2"), ("N", "2")), 2),
     Base("sequence ring", "zigzag_ring", (("P", "2"),), 2),
     Base("composition", "1f1b_dp", (("P", "2"), ("N", "2")), 4),
+    Base("composition", "zbv_dp", (("P", "2"), ("N", "2")), 4),
+    Base("composition", "1f1b_fsdp", (("P", "2"), ("N", "2")), 4),
+    Base("composition", "1f1b_cp", (("P", "2"), ("N", "2")), 4),
 )
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(base.family for base in BASES))
 
@@ -181,6 +186,79 @@ EDITS: tuple[Callable[[Rows, random.Random, int], str | None], ...] = (
     swap_adjacent, move, drop, duplicate, change_peer, swap_parts)
 
 
+# Role edits change what the program states of its ranks (``Placement``'s roles, its communicators, its mesh):
+# (program, rng) -> (the changed program, what was done), or None where the program has nothing to change.
+
+def _placed(program: Program, rng: random.Random, usable=lambda placement: True):
+    found = [info for info in program.stages if info.placement is not None and usable(info.placement)]
+    return rng.choice(found) if found else None
+
+
+def _with_placement(program: Program, info, **change) -> Program:
+    stages = list(program.stages)
+    stages[info.id] = dataclasses.replace(info, placement=dataclasses.replace(info.placement, **change))
+    return dataclasses.replace(program, stages=stages)
+
+
+def _swapped(values: tuple[int, ...], rng: random.Random) -> tuple[tuple[int, ...], int, int]:
+    i, j = rng.sample(range(len(values)), 2)
+    out = list(values)
+    out[i], out[j] = out[j], out[i]
+    return tuple(out), i, j
+
+
+def exchange_members(program: Program, rng: random.Random):
+    pairs = [(a, b) for a in program.communicators for b in program.communicators if a.id < b.id
+             and a.purpose == b.purpose and len(a.ranks) == len(b.ranks) > 1 and not set(a.ranks) & set(b.ranks)]
+    if not pairs:
+        return None
+    a, b = rng.choice(pairs)
+    x, y = rng.choice(a.ranks), rng.choice(b.ranks)
+    groups = list(program.communicators)
+    groups[a.id] = dataclasses.replace(a, ranks=tuple(sorted({*a.ranks} - {x} | {y})))
+    groups[b.id] = dataclasses.replace(b, ranks=tuple(sorted({*b.ranks} - {y} | {x})))
+    return (dataclasses.replace(program, communicators=groups),
+            f"communicators {a.id} and {b.id} exchange ranks {x} and {y}")
+
+
+def swap_shares(program: Program, rng: random.Random):
+    info = _placed(program, rng)
+    if info is None:
+        return None
+    shares, i, j = _swapped(info.placement.shares, rng)
+    return _with_placement(program, info, shares=shares), f"stage {info.id}: members {i} and {j} swap shares"
+
+
+def swap_shards(program: Program, rng: random.Random):
+    info = _placed(program, rng, lambda placement: len(placement.shards) > 1)
+    if info is None:
+        return None
+    shards, i, j = _swapped(info.placement.shards, rng)
+    return _with_placement(program, info, shards=shards), f"stage {info.id}: members {i} and {j} swap shards"
+
+
+def change_saver(program: Program, rng: random.Random):
+    info = _placed(program, rng)
+    if info is None:
+        return None
+    saver = rng.choice([r for r in range(program.num_ranks) if r != info.placement.saver])
+    return _with_placement(program, info, saver=saver), f"stage {info.id}: saved by rank {saver}"
+
+
+def permute_mesh(program: Program, rng: random.Random):
+    if program.mesh is None or len(program.mesh.axes) < 2:
+        return None
+    axes = list(program.mesh.axes)
+    while axes == list(program.mesh.axes):
+        rng.shuffle(axes)
+    return (dataclasses.replace(program, mesh=dataclasses.replace(program.mesh, axes=tuple(axes))),
+            f"mesh {' x '.join(f'{name} {size}' for name, size in axes)}")
+
+
+ROLE_EDITS: tuple[Callable[[Program, random.Random], tuple[Program, str] | None], ...] = (
+    exchange_members, swap_shares, swap_shards, change_saver, permute_mesh)
+
+
 # -------------------------------------------------------------------------- mutants
 
 @dataclasses.dataclass
@@ -194,8 +272,10 @@ class Mutant:
 
     @property
     def text(self) -> str:
-        """The program's instructions, one line per rank: what tells two mutants apart."""
-        return program_text(self.program)
+        """The program's instructions, one line per rank, and what it states of its ranks: what tells two
+        mutants apart."""
+        return program_text(self.program) + "\n" + repr((self.program.stages, self.program.communicators,
+                                                         self.program.mesh))
 
     def describe(self) -> str:
         return f"{self.base.label}: " + "; ".join(self.edits)
@@ -221,7 +301,14 @@ def mutate(base: Base, rng: random.Random, num_edits: int) -> Mutant | None:
     rows = [list(row) for row in program.ranks]
     edits = []
     for _ in range(num_edits):
-        said = rng.choice(EDITS)(rows, rng, program.num_ranks)
+        edit = rng.choice(EDITS + (ROLE_EDITS if program.placed_on_groups else ()))
+        if edit in ROLE_EDITS:
+            changed = edit(program, rng)
+            if changed is None:
+                return None
+            program, said = changed
+        else:
+            said = edit(rows, rng, program.num_ranks)
         if said is None:
             return None
         edits.append(said)
@@ -233,7 +320,7 @@ def family_mutants(family: str, count: int, seed: int, max_edits: int = 1) -> li
     1 to ``max_edits`` edits; the same for the same arguments. Fewer when the bases hold fewer."""
     bases = [base for base in BASES if base.family == family]
     rng = random.Random(f"{family}/{seed}")
-    seen = {(base, program_text(base_program(base))) for base in bases}
+    seen = {(base, Mutant(base, (), base_program(base)).text) for base in bases}
     out: list[Mutant] = []
     tries = 0
     while len(out) < count and tries < 50 * count:

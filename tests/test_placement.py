@@ -69,7 +69,8 @@ def test_a_stage_on_a_group_with_a_sub_step_before_its_forward_is_proved():
 def test_the_program_file_carries_the_group_and_the_sub_steps_and_reads_back_proved():
     program = placed()
     data = _through_json(program)
-    assert data["stages"][0]["placement"] == {"ranks": [0, 1], "communicator": 0, "sharded": True}
+    assert data["stages"][0]["placement"] == {"ranks": [0, 1], "communicator": 0, "sharded": True,
+                                              "shares": [0, 1], "shards": [0, 1], "saver": 0}
     assert "placement" not in data["stages"][1]  # one rank: as every file before
     assert data["ranks"][0][0] == {"op": "F", "text": "(0GATHER0)0F0", "stage": 0, "mb": 0, "parts": [
         {"op": "GATHER", "text": "0GATHER0", "stage": 0, "mb": 0}]}

@@ -17,6 +17,8 @@
   every partial all-reduced once). A family whose programs do
   not speak of stages and microbatches (rings: ``Family.stage_checks``) is
   proved by this run alone.
+* ``check_mesh`` (``checks/mesh.py``): a composed program's mesh agrees with
+  its placements and messages, so the coordinates it is labelled with are true.
 * ``check_placed`` (``checks/placement.py``): a program with stages on rank
   groups is proved per member instead of by the single-home checks above
   (groups real, each member's tasks once, sub-steps alike; ``checks/sharding.py``:
@@ -44,6 +46,7 @@ from pipec.compiler.checks.conflict import check_conflict
 from pipec.compiler.checks.deadlock import ASYNC, RENDEZVOUS, SEMANTICS, check_deadlock
 from pipec.compiler.checks.matching import MessageLog, check_matching, describe_tensor, scan_messages
 from pipec.compiler.checks.memory import check_memory, peak_activations
+from pipec.compiler.checks.mesh import check_mesh
 from pipec.compiler.checks.placement import check_placed
 from pipec.compiler.checks.sharding import check_no_group_ops
 from pipec.compiler.checks.rings import RingReport, check_rings
@@ -89,6 +92,7 @@ def check_all(
     """
     if semantics not in SEMANTICS:
         raise ValueError(f"unknown semantics {semantics!r}; expected one of {SEMANTICS}")
+    check_mesh(program)
     if program.stage_ring is not None:
         _check_stage_ring(program.stage_ring, semantics)
     stage_checks = all(family.stage_checks for family in families_of(program))
@@ -134,6 +138,7 @@ __all__ = [
     "check_deadlock",
     "check_matching",
     "check_memory",
+    "check_mesh",
     "check_placed",
     "check_rings",
     "check_weights",

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from pipec.compiler import ops
 from pipec.compiler.checks.sharding import check_sharding
-from pipec.compiler.checks.symbolic import Part, RankState, Semantics, register_semantics
+from pipec.compiler.checks.symbolic import Part, RankState, Semantics, communicator_text, register_semantics
 from pipec.compiler.checks.wellformed import task_problem
 from pipec.compiler.ir import SEQUENCE_SHARE, Action, Program, stage_tables
 from pipec.errors import ConflictError, MatchError, WellFormedError
@@ -65,6 +65,7 @@ def check_placed(program: Program) -> None:
         ConflictError: a free of a member's stored values before their last use (``_check_frees``).
     """
     _check_groups(program)
+    _check_roles(program)
     tasks = _locate(program)
     _check_complete(program, tasks)
     _check_substeps_agree(program, tasks)
@@ -109,6 +110,81 @@ def _check_groups(program: Program) -> None:
         else:
             continue
         raise _error(program, message, where, None)
+
+
+def _check_roles(program: Program) -> None:
+    """Every member's stated roles (``Placement.shares``, ``shards``, ``saver``) are ones the runtime can act on
+    and train exactly by: each stage's shares cut every microbatch once, a rank takes one share in all its stages
+    (the runtime reads its rows once), a context-parallel member's share is its place in the group (ring rank i is
+    group rank i of the ring's all_to_all), a shard is the member's place in the communicator its weights are
+    gathered on (an all-gather puts group rank j's piece j-th), a replica group joins holders of one shard, and
+    each stage's parameters are saved by one of its members.
+
+    Raises:
+        WellFormedError: at the first member whose role breaks one, naming the stage, the communicator and why.
+    """
+    taken: dict[int, tuple[int, int, int]] = {}  # rank -> (share, of k, in stage): its first stage's
+    for info in program.stages:
+        placement = info.placement
+        if placement is None:
+            continue
+        ranks, k, where = placement.ranks, len(placement.ranks), f"stage {info.id} (on {ranks_text(placement.ranks)})"
+        shares = placement.shares
+        if len(shares) != k or sorted(shares) != list(range(k)):
+            raise _error(program, f"{where} gives its members the shares {list(shares)}: a stage's members take "
+                         f"shares 0..{k - 1} of every microbatch, each once, so each row (or token) is computed once",
+                         ranks[0], None)
+        for rank, share in zip(ranks, shares):
+            if placement.split == SEQUENCE_SHARE and share != ranks.index(rank):
+                raise _error(program, f"rank {rank} takes share {share} of every sequence in {where}, but is member "
+                             f"{ranks.index(rank)} of its group: a context-parallel member runs ring rank i of the "
+                             "stage ring, which meets its group as group rank i, so member i takes share i",
+                             rank, None)
+            first = taken.setdefault(rank, (share, k, info.id))
+            if first[:2] != (share, k):
+                raise _error(program, f"rank {rank} takes share {share} of {k} of every microbatch in {where}, but "
+                             f"share {first[0]} of {first[1]} in stage {first[2]}: a rank takes one share in all its "
+                             "stages (it reads its rows, or tokens, and its loss's targets once), so its roles "
+                             "must agree", rank, None)
+        problem = _shard_problem(program, info)
+        if problem is not None:
+            rank, message = problem
+            raise _error(program, message, rank, None)
+        if placement.saver not in ranks:
+            raise _error(program, f"{where} is saved by rank {placement.saver}, which is not one of its members: "
+                         f"no rank saves its parameters (a checkpoint would lack chunk {info.position})", ranks[0],
+                         None)
+
+
+def _shard_problem(program: Program, info) -> tuple[int, str] | None:
+    """(the rank, what is wrong) with a stage's stated shards, or None: none for whole weights; for sharded
+    weights one per member, each the member's index in the communicator its weights are gathered on; under
+    HSDP every replica group (``SYNC_SHARD``'s) joining members that hold the same shard."""
+    placement = info.placement
+    where = f"stage {info.id} (on {ranks_text(placement.ranks)})"
+    if not placement.sharded:
+        return None if not placement.shards else (placement.ranks[0], f"{where} holds whole weights but states "
+                                                  f"shards {list(placement.shards)} for its members")
+    if len(placement.shards) != len(placement.ranks):
+        return (placement.ranks[0], f"{where} is sharded, but states {len(placement.shards)} shards for its "
+                f"{len(placement.ranks)} members: each member holds one")
+    for rank, shard in zip(placement.ranks, placement.shards):
+        group = program.communicator_on(Action(info.id, ops.GATHER), rank)
+        if group is None or shard != group.ranks.index(rank):
+            place = "none" if group is None else f"member {group.ranks.index(rank)} of {communicator_text(group)}"
+            return (rank, f"rank {rank} holds shard {shard} of {where}'s weights, but is {place}, where they are "
+                    f"gathered: an all-gather puts the piece of the group's j-th rank j-th, so a member holds the "
+                    f"shard of its place")
+    for group_id in placement.replica_groups:
+        group = program.communicators[group_id]
+        held = {rank: placement.shard_of(rank) for rank in group.ranks}
+        a = group.ranks[0]
+        b = next((rank for rank in group.ranks if held[rank] != held[a]), None)
+        if b is not None:
+            return (b, f"{communicator_text(group)} all-reduces the shard of {where}'s weights its members hold "
+                    f"(SYNC_SHARD), but rank {a} holds shard {held[a]} and rank {b} shard {held[b]}: a replica "
+                    "group joins holders of the same shard (it would sum different pieces of the weights)")
+    return None
 
 
 def _hybrid_problem(program: Program, info) -> str | None:
@@ -327,15 +403,16 @@ class PlacedStages(Semantics):
             return action.parts
         return ()
 
-    def rendezvous(self, action: Action, rank: int) -> tuple[tuple, tuple[int, ...], str] | None:
-        """A compute of a stage split by sequence meets its group: its attention's ring (``Program.stage_ring``)
-        exchanges KV among the members, each running the compute of the same stage and microbatch."""
+    def rendezvous(self, action: Action, rank: int) -> tuple[int, str] | None:
+        """A compute of a stage split by sequence is an operation of its group's communicator: its attention's
+        ring (``Program.stage_ring``) exchanges KV among the members on that communicator, each running the
+        compute of the same stage and microbatch, in the same count as the stage's gradient reductions there."""
         if ops.RULES[action.op].category != ops.COMPUTE:
             return None
         placement = self.program.stages[action.stage].placement  # in range: check_placed proved it
         if placement is None or placement.split != SEQUENCE_SHARE:
             return None
-        return ((placement.communicator, action.stage, action.op, action.mb), placement.ranks,
+        return (placement.communicator,
                 f"the stage ring of {action.text()} over its group ({ranks_text(placement.ranks)})")
 
     def value(self, action: Action) -> tuple:

@@ -20,11 +20,13 @@ The contract, for every family:
   stream: two communicators met in different orders hang here as on NCCL); an
   EXCHANGE_WAIT blocks until its parts complete. An instruction a family makes
   a rendezvous (``Semantics.rendezvous``: a context-parallel stage's compute,
-  whose attention runs a ring over the stage's group) blocks until every rank
-  of its group has reached the same instruction: the meeting is the
-  instruction itself, so members that take them in different orders wait on
-  each other. Ranks that cannot finish are a
-  ``DeadlockError`` naming the cycle of waits.
+  whose attention runs a ring over the stage's group) is one operation of its
+  communicator, counted with the collectives posted there (the ring's
+  exchanges share the communicator with the stage's gradient reductions, and
+  gloo, like NCCL, matches a communicator's operations by issue order): every
+  member's k-th operation is the same, and the rank blocks until every member
+  has reached it. Ranks that cannot finish are a ``DeadlockError`` naming the
+  cycle of waits.
 * At the end every exchange is waited and every part matched; then each
   family's own end checks (``Semantics.finish``).
 
@@ -45,7 +47,7 @@ class Part:
     """One posted part of an exchange: its rank, where it was posted, its action, and whether it completed."""
 
     __slots__ = ("rank", "step", "action", "exchange", "done", "content", "peer_part", "sent_slot", "inside",
-                 "meeting")
+                 "meeting", "words")
 
     def __init__(self, rank: int, step: int, action: Action, exchange: int, inside: Part | None = None):
         self.rank, self.step, self.action, self.exchange = rank, step, action, exchange
@@ -55,6 +57,7 @@ class Part:
         self.peer_part = None    # the matching part of a point-to-point, or what a collective handed back
         self.sent_slot = None    # the family's key of a buffer this part sends from
         self.meeting = None      # a collective's meeting
+        self.words = None        # a rendezvous instruction's stand-in: what it meets for, in words
 
 
 class Meeting:
@@ -74,19 +77,6 @@ class Meeting:
         return [r for r in self.communicator.ranks if r not in self.joined]
 
 
-class Rendezvous:
-    """An instruction every rank of a group must reach before any passes it (``Semantics.rendezvous``)."""
-
-    __slots__ = ("ranks", "text", "arrived")
-
-    def __init__(self, ranks, text: str):
-        self.ranks, self.text = tuple(ranks), text
-        self.arrived: set[int] = set()
-
-    def absent(self) -> list[int]:
-        return [r for r in self.ranks if r not in self.arrived]
-
-
 class RankState:
     """One rank's progress through its list and its open exchanges (the families keep their holdings)."""
 
@@ -99,6 +89,7 @@ class RankState:
         self.open: dict[int, tuple[int, list[Part]]] = {}   # exchange -> (posted at, its parts)
         self.count: Counter = Counter()   # communicator id -> collectives joined
         self.waiting_on: tuple[Part, list[int]] | None = None   # for the deadlock report: (part, ranks)
+        self.turn: Part | None = None     # the rendezvous instruction it joined its communicator's count with
 
 
 class Semantics:
@@ -137,9 +128,10 @@ class Semantics:
     def step(self, state: RankState, action: Action) -> None:
         """A non-exchange instruction of ``state``'s rank (every family sees each one; most skip it)."""
 
-    def rendezvous(self, action: Action, rank: int) -> tuple[tuple, tuple[int, ...], str] | None:
-        """Whether the non-exchange instruction ``action`` of ``rank`` is a meeting of a group: (its key, equal on
-        every member, the group's ranks, what it is in words), or None (a plain step)."""
+    def rendezvous(self, action: Action, rank: int) -> tuple[int, str] | None:
+        """Whether the non-exchange instruction ``action`` of ``rank`` is an operation of a communicator that
+        every member runs (its signature, ``signature`` of its stand-in part, equal on every member):
+        (the communicator's id, what it is in words), or None (a plain step)."""
         return None
 
     def post(self, state: RankState, part: Part) -> None:
@@ -212,6 +204,11 @@ def _ranks_text(ranks: Iterable[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+def _turn_text(part: Part) -> str:
+    """How an operation of a communicator is named: its instruction, and a rendezvous's meaning."""
+    return part.action.text() if part.words is None else f"{part.action.text()} ({part.words})"
+
+
 def communicator_text(communicator) -> str:
     return (f"communicator {communicator.id} ({communicator.purpose} {communicator.key}: ranks "
             f"{', '.join(map(str, communicator.ranks))})")
@@ -236,7 +233,6 @@ class SymbolicRun:
         self.ranks = [RankState(r) for r in range(program.num_ranks)]
         self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
         self.meetings: dict[tuple[int, int], Meeting] = {}
-        self.rendezvous: dict[tuple, Rendezvous] = {}
         # A family whose schedules write steps of their own (a ring's `at step`): the list index is an "instruction".
         self.writes_steps = [family for family in families if family.writes_own_steps]
         self.index_word = "instruction" if self.writes_steps else "step"
@@ -318,17 +314,23 @@ class SymbolicRun:
         return self.post_parts(state, number, action.parts)
 
     def meet(self, state: RankState, action: Action) -> bool:
-        """Whether ``state``'s rank may run ``action``: not a rendezvous, or every rank of its group reached it."""
-        found = next((found for found in (s.rendezvous(action, state.rank) for s in self.semantics) if found), None)
-        if found is None:
-            return True
-        key, ranks, text = found
-        meeting = self.rendezvous.setdefault(key, Rendezvous(ranks, text))
-        meeting.arrived.add(state.rank)
-        absent = meeting.absent()
+        """Whether ``state``'s rank may run ``action``: not a rendezvous, or every member of its communicator
+        reached it as the same operation of the communicator's count (``Semantics.rendezvous``)."""
+        part = state.turn
+        if part is None or part.step != state.pc:
+            found = next(((s, found) for s in self.semantics for found in (s.rendezvous(action, state.rank),)
+                          if found), None)
+            if found is None:
+                return True
+            semantics, (communicator_id, words) = found
+            part = Part(state.rank, state.pc, action, -1)
+            part.words, state.turn = words, part
+            self.take_turn(state, self.program.communicators[communicator_id], part, semantics.signature(part))
+        absent = part.meeting.absent()
         if absent:
-            state.waiting_on = (meeting, absent)
+            state.waiting_on = (part, absent)
             return False
+        part.meeting.done = part.done = True
         return True
 
     def post_inline(self, state: RankState, action: Action) -> bool:
@@ -433,20 +435,7 @@ class SymbolicRun:
         if communicator is None or state.rank not in communicator.ranks:
             raise self.error(MatchError, f"{action.text()} meets on no communicator of the program that has rank "
                              f"{state.rank}", state.rank, part.step)
-        k = state.count[communicator.id]
-        state.count[communicator.id] += 1
-        meeting = self.meetings.setdefault((communicator.id, k), Meeting(communicator, k))
-        part.meeting = meeting
-        signature = semantics.signature(part)
-        for other, (other_part, other_signature) in meeting.joined.items():
-            if other_signature != signature:
-                raise self.error(
-                    MatchError, f"the {_ordinal(k + 1)} collective on {communicator_text(communicator)} is "
-                    f"{action.text()} here but {other_part.action.text()} on rank {other} ({self.index_word} "
-                    f"{other_part.step}): every member must meet its collectives in the same order",
-                    state.rank, part.step, [(other, other_part.step)])
-            break
-        meeting.joined[state.rank] = (part, signature)
+        meeting = self.take_turn(state, communicator, part, semantics.signature(part))
         semantics.post(state, part)  # what the member brings, taken once its place in the order is proven
         if len(meeting.joined) == len(communicator.ranks):
             self.match_inside(meeting)
@@ -454,6 +443,24 @@ class SymbolicRun:
             semantics.complete(meeting)
             for member in meeting.parts().values():
                 member.done = True
+
+    def take_turn(self, state: RankState, communicator, part: Part, signature: tuple) -> Meeting:
+        """``part`` joins its rank's next operation on ``communicator``: the same (``signature``) as every other
+        member's operation of that count, or a ``MatchError`` naming the first disagreement."""
+        k = state.count[communicator.id]
+        state.count[communicator.id] += 1
+        meeting = self.meetings.setdefault((communicator.id, k), Meeting(communicator, k))
+        part.meeting = meeting
+        for other, (other_part, other_signature) in meeting.joined.items():
+            if other_signature != signature:
+                raise self.error(
+                    MatchError, f"the {_ordinal(k + 1)} collective on {communicator_text(communicator)} is "
+                    f"{_turn_text(part)} here but {_turn_text(other_part)} on rank {other} ({self.index_word} "
+                    f"{other_part.step}): every member must meet its collectives in the same order",
+                    state.rank, part.step, [(other, other_part.step)])
+            break
+        meeting.joined[state.rank] = (part, signature)
+        return meeting
 
     def match_inside(self, meeting: Meeting) -> None:
         """Inside one collective (an all_to_all): every send meets its peer's receive from this rank, in order."""
@@ -565,9 +572,9 @@ class SymbolicRun:
             part, others = state.waiting_on or (None, [])
             if part is None:
                 lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) is stuck at {action.text()}")
-            elif isinstance(part, Rendezvous):
+            elif part.words is not None:
                 lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) waits in {action.text()} for "
-                             f"{_ranks_text(others)} to join {part.text}")
+                             f"{_ranks_text(others)} to join {part.words}")
             elif part.meeting is not None:
                 lines.append(f"rank {state.rank} ({self.index_word} {state.pc}) waits in {action.text()} for "
                              f"{_ranks_text(others)} to join {part.action.text()}")

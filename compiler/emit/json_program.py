@@ -21,6 +21,7 @@ silently believed.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, TextIO
 
 from pipec.compiler import ops
@@ -181,6 +182,11 @@ def _stage_to_json(info: StageInfo) -> dict:
         if info.placement.hybrid:  # HSDP only: every other placement is written as before
             out["placement"]["shard_groups"] = list(info.placement.shard_groups)
             out["placement"]["replica_groups"] = list(info.placement.replica_groups)
+        # each member's roles (``Placement``): the facts the runtime acts on, written whatever they are
+        out["placement"]["shares"] = list(info.placement.shares)
+        if info.placement.sharded:
+            out["placement"]["shards"] = list(info.placement.shards)
+        out["placement"]["saver"] = info.placement.saver
     return out
 
 
@@ -277,6 +283,7 @@ def program_from_json(data: dict, *, nested: bool = False) -> Program:
         raise ImportError_(f"\"mb_pipeline\" has {len(mb_pipeline)} entries for {num_microbatches} microbatches")
     devices = _read_devices(data, num_ranks)
     communicators = _read_communicators(data, stages, num_ranks)
+    stages = _stated_hybrid_shards(stages, communicators)
     header = {"num_ranks": num_ranks, "num_microbatches": num_microbatches, "stages": stages, "pipelines": pipelines,
               "communicators": communicators}
     plans = [(family, plan) for family in all_families()  # each family reads its own fields
@@ -472,7 +479,33 @@ def _read_placement(entry: dict, i: int, rank: int, num_ranks: int) -> Placement
     if split not in SHARE_SPLITS:
         raise ImportError_(f"stages[{i}].placement.split must be one of {', '.join(map(quote, SHARE_SPLITS))}, "
                            f"got {quote(split)}")
-    return Placement(tuple(ranks), communicator, sharded, split, **groups)
+    roles = {}
+    for key in ("shares", "shards"):  # absent (files written before roles): the plain ones (``Placement``)
+        if key in raw:
+            if not isinstance(raw[key], list) or len(raw[key]) != len(ranks):
+                raise ImportError_(f"stages[{i}].placement.{key} must list one integer per member ({len(ranks)}), "
+                                   f"got {quote(raw[key])}")
+            roles[key] = tuple(_read_int_list(raw[key], f"stages[{i}].placement.{key}", len(ranks)))
+    if "saver" in raw:
+        if type(raw["saver"]) is not int or not 0 <= raw["saver"] < num_ranks:
+            raise ImportError_(f"stages[{i}].placement.saver must be a rank of the program (0..{num_ranks - 1}), "
+                               f"got {quote(raw['saver'])}")
+        roles["saver"] = raw["saver"]
+    return Placement(tuple(ranks), communicator, sharded, split, **groups, **roles)
+
+
+def _stated_hybrid_shards(stages: list[StageInfo], communicators: list[Communicator]) -> list[StageInfo]:
+    """``stages`` with every HSDP placement that states no shards given the plain ones: each member's index in
+    its shard group (what ``mesh_placement`` states; a file written before roles holds none)."""
+    out = []
+    for info in stages:
+        placement = info.placement
+        if placement is not None and placement.hybrid and not placement.shards:
+            groups = [communicators[c].ranks for c in placement.shard_groups]
+            shards = tuple(next((g.index(r) for g in groups if r in g), -1) for r in placement.ranks)
+            info = replace(info, placement=replace(placement, shards=shards))
+        out.append(info)
+    return out
 
 
 def _read_pipelines(raw: list, stages: list[StageInfo]) -> list[list[int]]:

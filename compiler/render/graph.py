@@ -157,10 +157,11 @@ def _data_edges(program: Program, where: dict) -> list[tuple]:
 
 
 def _share_of(program: Program, stage: int, rank: int) -> int:
-    """Which member of ``stage``'s group ``rank`` is (0 on one rank, or for a rank outside it): member i
-    reads share i of its neighbours' values (groups of one size)."""
-    ranks = program.stages[stage].ranks if 0 <= stage < len(program.stages) else ()
-    return ranks.index(rank) if rank in ranks else 0
+    """The share of ``stage``'s values ``rank`` takes, as its placement states it (0 on one rank, or for a rank
+    outside it): the holder of share i reads share i of its neighbours' values (groups of one size)."""
+    info = program.stages[stage] if 0 <= stage < len(program.stages) else None
+    return info.placement.share_of(rank) if info is not None and info.placement is not None \
+        and rank in info.ranks else 0
 
 
 def _wait_edges(cycle: Sequence[tuple[int, int, str]]) -> list[tuple]:

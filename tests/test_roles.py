@@ -1,0 +1,263 @@
+"""What runs is what is proven: every member's roles written in the program, proven, and read by the runtime.
+
+A stage placed on a group states each member's share of the microbatches, its shard of the weights and the
+member that saves the stage (``ir.Placement``); the prover proves them (``checks/placement.py``), orders every
+operation of a communicator, a context-parallel stage's ring included (``checks/symbolic.py``), and proves the
+mesh against the placements (``checks/mesh.py``). Each class of hazard a user can write into a program file is
+refused with the communicator or stage, the rank, the instruction and the reason; and a program whose roles are
+not the plain ones (a stage whose members take their shares the other way round, with the hand-offs following)
+is proved and trains to the parameters of a plain one-process torch loop, so the runtime reads the roles it
+was given instead of deriving them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import payload_model
+from pipec.cli import main
+from pipec.compiler import ops
+from pipec.compiler.checks import check_all
+from pipec.compiler.driver import compile_target
+from pipec.compiler.emit.json_program import program_from_json, program_to_json, write_program_json
+from pipec.compiler.ir import Action
+from pipec.errors import MatchError, WellFormedError
+from runtime_util import assert_same_parameters, launch_batch
+
+
+def compiled(name: str, **params):
+    return compile_target(name, {key: str(value) for key, value in params.items()}).program
+
+
+def through_file(program, change):
+    """``program`` written as its JSON file, edited by ``change`` (as a user edits one), and read back."""
+    data = json.loads(json.dumps(program_to_json(program)))
+    change(data)
+    return program_from_json(data)
+
+
+def refused(program, cls):
+    with pytest.raises(cls) as caught:
+        check_all(program)
+    return caught.value
+
+
+# ------------------------------------------------------------------ the hazards, one of each class
+
+
+def test_a_replica_group_joining_holders_of_different_shards_is_refused_naming_its_communicator():
+    program = compiled("1f1b_hsdp", P=1)  # 4 ranks: shard groups (0, 1), (2, 3); replica groups (0, 2), (1, 3)
+
+    def cross(data):  # replica groups that still cross every shard group once, but join shard 0 with shard 1
+        for entry in data["stages"]:
+            entry["placement"].pop("shards")  # a file written before roles: the plain shards are read
+        data["communicators"][2]["ranks"], data["communicators"][3]["ranks"] = [0, 3], [1, 2]
+
+    error = refused(through_file(program, cross), WellFormedError)
+    assert error.rank == 3
+    assert error.message == (f"communicator 2 ({ops.SHARD_REPLICAS} 0: ranks 0, 3) all-reduces the shard of stage 0 "
+                             "(on ranks 0, 1, 2, 3)'s weights its members hold (SYNC_SHARD), but rank 0 holds shard 0 "
+                             "and rank 3 shard 1: a replica group joins holders of the same shard (it would sum "
+                             "different pieces of the weights)")
+
+
+def test_a_rank_that_takes_different_shares_in_two_stages_is_refused():
+    program = compiled("zbv_dp")  # rank 0 is in stage 0 and stage 3, both on ranks 0, 1
+
+    def other_way(data):
+        data["stages"][3]["placement"]["shares"] = [1, 0]
+        data.pop("mesh")  # without a mesh, so that the mesh's own check does not name it first
+
+    error = refused(through_file(program, other_way), WellFormedError)
+    assert error.rank == 0
+    assert error.message == ("rank 0 takes share 1 of 2 of every microbatch in stage 3 (on ranks 0, 1), but share 0 "
+                             "of 2 in stage 0: a rank takes one share in all its stages (it reads its rows, or "
+                             "tokens, and its loss's targets once), so its roles must agree")
+
+
+def test_a_gradient_reduction_moved_across_a_ring_on_one_member_of_a_context_parallel_stage_is_refused():
+    # interleaved 1F1B x CP: stages 0 and 2 share the group (0, 1) and its communicator, where the rings of
+    # their computes run beside their gradients' all-reduces; rank 1 posts stage 2's all-reduce after 0B2
+    program = compiled("interleaved_1f1b_cp")
+    row = list(program.ranks[1])
+    reduction = next(a for a in row if a.op == ops.EXCHANGE and a.parts[0].op == ops.SYNC_GRAD and a.stage < 0
+                     and a.parts[0].stage == 2)
+    row.remove(reduction)
+    row.insert([a.text() for a in row].index("0B2") + 1, reduction)
+    error = refused(replace(program, ranks=[program.ranks[0], row, *program.ranks[2:]]), MatchError)
+    assert (error.rank, error.step) == (1, [a.text() for a in row].index("0B2"))
+    assert error.message.startswith(f"the 15th collective on communicator 0 ({ops.STAGE_GROUP} 0: ranks 0, 1) is 0B2 "
+                                    "(the stage ring of 0B2 over its group (ranks 0, 1)) here but 2SYNC_GRAD on rank 0 "
+                                    "(step 40): every member must meet its collectives in the same order")
+
+
+TASP_CP = """\
+schedule interleaved_tasp(P: int = 2, C: int = 3, N: microbatches = 4, v: chunks = 2) {
+  mesh pp = P, cp = C
+  pipeline interleaved_1f1b(P = P, N = N, v = v) from "interleaved_1f1b"
+  context over cp ring "tasp"
+}
+"""
+
+
+def test_under_tasp_a_reduction_crossing_a_rings_all_to_all_is_refused(tmp_path):
+    # TASP's ring is an all_to_all on the group's communicator (gloo and NCCL match it with the all-reduce)
+    path = tmp_path / "interleaved_tasp.pipe"
+    path.write_text(TASP_CP)
+    program = compile_target(str(path)).program
+    check_all(program)
+    row = list(program.ranks[2])
+    reduction = next(a for a in row if a.op == ops.EXCHANGE and a.parts[0].op == ops.SYNC_GRAD
+                     and a.parts[0].stage == 2)
+    row.remove(reduction)
+    row.insert([a.text() for a in row].index("0B2") + 1, reduction)
+    error = refused(replace(program, ranks=[*program.ranks[:2], row, *program.ranks[3:]]), MatchError)
+    assert error.rank == 2 and "0B2 (the stage ring of 0B2 over its group (ranks 0, 1, 2))" in error.message
+    assert "communicator 0" in error.message and "2SYNC_GRAD on rank" in error.message
+
+
+def test_a_mesh_that_contradicts_the_placements_is_refused_naming_the_first_rank():
+    program = compiled("1f1b_cp")
+
+    def permute(data):
+        data["mesh"] = data["mesh"][::-1]  # cp outermost: ranks 0, 1 would be pp 0 and pp 1
+
+    error = refused(through_file(program, permute), WellFormedError)
+    assert error.rank == 1
+    assert error.message == ("the mesh (cp 2 x pp 2) contradicts the placements: rank 1 is at cp 0, pp 1 and is one "
+                             "of the ranks stage 0 is placed on (0, 1), but a stage's group is every rank at one pp "
+                             "coordinate, and the ranks at pp 0 are 0, 2")
+
+
+def test_a_mesh_whose_coordinates_do_not_say_a_members_share_is_refused():
+    program = compiled("1f1b_dp")
+    stage = program.stages[1]
+    swapped = replace(stage, placement=replace(stage.placement, shares=(1, 0)))
+    error = refused(replace(program, stages=[program.stages[0], swapped]), WellFormedError)
+    assert error.rank == 2
+    assert error.message.startswith("the mesh (pp 2 x dp 2) contradicts the roles: rank 2 is at pp 1, dp 0, place 0 "
+                                    "of stage 1's group along dp, but takes share 1 of its values")
+
+
+def test_a_parameter_that_no_rank_saves_is_refused():
+    program = compiled("1f1b_dp")
+
+    def nobody(data):
+        data["stages"][1]["placement"]["saver"] = 0  # rank 0 holds stage 0 only
+
+    error = refused(through_file(program, nobody), WellFormedError)
+    assert error.rank == 2
+    assert error.message == ("stage 1 (on ranks 2, 3) is saved by rank 0, which is not one of its members: no rank "
+                             "saves its parameters (a checkpoint would lack chunk 1)")
+
+
+@pytest.mark.parametrize("shares,words", [((0, 0), "gives its members the shares [0, 0]"),
+                                          ((0, 2), "gives its members the shares [0, 2]")])
+def test_shares_that_do_not_cut_every_microbatch_once_are_refused(shares, words):
+    program = compiled("1f1b_dp")
+    stage = program.stages[0]
+    program = replace(program, mesh=None,
+                      stages=[replace(stage, placement=replace(stage.placement, shares=shares)), program.stages[1]])
+    assert words in refused(program, WellFormedError).message
+
+
+def test_a_shard_that_is_not_the_members_place_in_its_gather_is_refused():
+    program = compiled("1f1b_fsdp")
+    stage = program.stages[0]
+    program = replace(program, stages=[replace(stage, placement=replace(stage.placement, shards=(1, 0))),
+                                       program.stages[1]])
+    error = refused(program, WellFormedError)
+    assert error.rank == 0 and error.message.startswith(
+        f"rank 0 holds shard 1 of stage 0 (on ranks 0, 1)'s weights, but is member 0 of communicator 0 "
+        f"({ops.STAGE_GROUP} 0: ranks 0, 1), where they are gathered")
+
+
+def test_the_cli_names_a_hazard_in_a_program_file(tmp_path, capsys):
+    path = tmp_path / "crossed.json"
+    program = through_file(compiled("1f1b_hsdp", P=1), lambda data: data["communicators"][2].update(ranks=[0, 3])
+                           or data["communicators"][3].update(ranks=[1, 2]))
+    with open(path, "w") as out:
+        write_program_json(program, out)
+    assert main(["check", str(path)]) == 1
+    assert "a replica group joins holders of the same shard" in capsys.readouterr().err
+
+
+def test_the_roles_are_in_the_program_file_and_read_back():
+    for name in ("1f1b_dp", "1f1b_fsdp", "1f1b_cp"):
+        program = compiled(name)
+        data = program_to_json(program)
+        assert all({"shares", "saver"} <= set(entry["placement"]) for entry in data["stages"])
+        assert program_from_json(json.loads(json.dumps(data))) == program
+    hsdp = program_to_json(compiled("1f1b_hsdp", P=1))["stages"][0]["placement"]
+    assert (hsdp["shares"], hsdp["shards"], hsdp["saver"]) == ([0, 1, 2, 3], [0, 1, 0, 1], 0)
+
+
+# ------------------------------------------------------------------ stated roles, trained
+
+STEPS, SEED, N, ROWS = 3, 7, 4, 4
+PEERS = {0: {2: 3, 3: 2}, 1: {2: 3, 3: 2}, 2: {0: 1}, 3: {1: 0}}  # rank -> its hand-offs' new peers
+
+
+def turned(saver: int) -> object:
+    """1f1b_dp (P = 2, D = 2) without its mesh, stage 1's members taking their shares the other way round
+    (rank 2 share 1, rank 3 share 0) and every hand-off going to the holder of the same share; stage 0
+    saved by ``saver``."""
+    program = compiled("1f1b_dp", N=N)
+    first, second = program.stages
+
+    def moved(action: Action, rank: int) -> Action:
+        parts = tuple(moved(part, rank) for part in action.parts)
+        return action._replace(peer=PEERS[rank].get(action.peer, action.peer), parts=parts)
+
+    return replace(program, mesh=None,
+                   stages=[replace(first, placement=replace(first.placement, saver=saver)),
+                           replace(second, placement=replace(second.placement, shares=(1, 0)))],
+                   ranks=[[moved(a, rank) for a in row] for rank, row in enumerate(program.ranks)])
+
+
+def test_hand_offs_that_do_not_follow_the_stated_shares_are_refused():
+    program = turned(saver=0)
+    check_all(program)
+    plain = compiled("1f1b_dp", N=N)
+    error = refused(replace(program, ranks=plain.ranks), MatchError)
+    assert "share" in error.message and error.rank == 0
+
+
+def one_process(clip: float | None) -> dict[str, torch.Tensor]:
+    """The same training written as a plain torch loop: the whole model, N microbatches of ROWS rows, the mean
+    squared error averaged over the batch, SGD with momentum."""
+    config = replace(payload_model.Config(), rows=ROWS)
+    model = payload_model.build_model(config, SEED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        inputs, targets = payload_model.synthetic_batch(config, step, N, SEED)
+        optimizer.zero_grad()
+        for m in range(N):
+            rows = slice(m * ROWS, (m + 1) * ROWS)
+            (torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows]) / N).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return {name: value.detach() for name, value in model.state_dict().items()}
+
+
+def test_stated_roles_train_like_a_plain_torch_loop(tmp_path):
+    jobs = []
+    for name, saver, clip in (("turned", 0, []), ("turned-saved-by-1-clipped", 1, ["--clip-grad-norm", "0.5"])):
+        path = tmp_path / f"{name}.json"
+        with open(path, "w") as out:
+            write_program_json(turned(saver), out)
+        jobs.append(["1f1b", "--program", str(path), "--steps", str(STEPS), "--seed", str(SEED), "--timeout", "90",
+                     "--model", "payload_model:SPEC", "--config", f"rows={ROWS}", "--save", str(tmp_path / f"{name}.pt"),
+                     *clip])
+    run = launch_batch(jobs, 4, 240.0)
+    assert run.ok, run.describe()
+    for name, clip in (("turned", None), ("turned-saved-by-1-clipped", 0.5)):
+        want = one_process(clip)
+        saved = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        assert_same_parameters(saved, want, name)
+        initial = payload_model.build_model(replace(payload_model.Config(), rows=ROWS), SEED).state_dict()
+        assert any((want[k] - initial[k]).abs().max() > 1e-3 for k in initial)
