@@ -15,10 +15,11 @@ every accepted mutant's run ends on every rank and saves the unmutated program's
 ``--timeout``, wrong parameters, or even train exactly: the checks may refuse what happens to work), which
 is counted, not judged.
 
-Run as a script, it checks at least ``--per-family`` mutants (1,000 by default) of each family and runs
-every distinct accepted one; ``tests/test_prover_runtime_agree.py`` runs a seeded subset:
+Run as a script, it checks ``--per-base`` mutants (1,000 by default) of each base program (the family's
+bases take turns) and runs every distinct accepted one, then prints a row per base; ``--per-family`` sets
+a family's count instead. ``tests/test_prover_runtime_agree.py`` runs a seeded subset:
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/mutants.py [--per-family 1000] [--rejected-runs 10] [--seed 0]
+    OMP_NUM_THREADS=1 .venv/bin/python tests/mutants.py [--per-base 1000] [--rejected-runs 10] [--seed 0]
 """
 from __future__ import annotations
 
@@ -44,21 +45,28 @@ from pipec.errors import ProgramError
 from pipec.runtime.model import ModelConfig
 from pipec.runtime.reference import reference_run
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: runtime_util beside it
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))  # run as a script: runtime_util beside it
 from runtime_util import TOLERANCE, launch_isolated  # noqa: E402
 
 
 class Base(NamedTuple):
-    """An unmutated program: its family (for the counts), the schedule and its parameters, its world size."""
+    """An unmutated program: its family (for the counts), the schedule (a shipped name or a file beside this
+    one) and its parameters, its world size, and the built-in model's config fields it trains with."""
 
     family: str
     target: str
     params: tuple[tuple[str, str], ...]
     world: int
+    config: tuple[tuple[str, int], ...] = ()
 
     @property
     def label(self) -> str:
-        return self.target + "".join(f" {k}={v}" for k, v in self.params)
+        return os.path.basename(self.target) + "".join(f" {k}={v}" for k, v in self.params)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**dict(self.config))
 
     @property
     def microbatches(self) -> int:
@@ -76,7 +84,13 @@ BASES: tuple[Base, ...] = (
     Base("composition", "1f1b_dp", (("P", "2"), ("N", "2")), 4),
     Base("composition", "zbv_dp", (("P", "2"), ("N", "2")), 4),
     Base("composition", "1f1b_fsdp", (("P", "2"), ("N", "2")), 4),
+    Base("composition", "1f1b_zero2", (("P", "2"), ("N", "2")), 4),
+    # HSDP at P = 1 on 4 ranks (2 shard groups x 2 replicas): a microbatch's rows split over 4 members
+    Base("composition", "1f1b_hsdp", (("P", "1"), ("N", "2")), 4, (("microbatch_size", 4),)),
     Base("composition", "1f1b_cp", (("P", "2"), ("N", "2")), 4),
+    Base("composition", str(_HERE / "ring_attention_cp.pipe"), (("N", "2"),), 4),
+    Base("composition", str(_HERE / "tasp_cp.pipe"), (("N", "2"),), 4),
+    Base("composition", "tawpipe_dp", (("P", "2"), ("N", "2")), 4),
 )
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(base.family for base in BASES))
 
@@ -373,7 +387,8 @@ def run_programs(chosen: dict[Base, list[Mutant]], folder: Path) -> dict[Base, t
                 path.write_text(json.dumps(program_to_json(base_program(base) if mutant is None else mutant.program)))
                 timeout = ACCEPTED_TIMEOUT_S if mutant is None or mutant.error is None else REJECTED_TIMEOUT_S
                 jobs.append([base.target, "--program", str(path), "--steps", str(STEPS), "--seed", str(SEED),
-                             "--timeout", str(timeout), "--save", str(folder / f"state-{index}-{world}.pt")])
+                             "--timeout", str(timeout), "--save", str(folder / f"state-{index}-{world}.pt"),
+                             *[arg for key, value in base.config for arg in ("--config", f"{key}={value}")]])
                 owners.append(base)
         stores = folder / f"stores-{world}"
         stores.mkdir()
@@ -393,7 +408,7 @@ def run_programs(chosen: dict[Base, list[Mutant]], folder: Path) -> dict[Base, t
                 got = torch.load(saved)
                 if base not in want:  # a base's first job is its unmutated program: it trains like one process
                     want[base] = got
-                    got = reference_run(ModelConfig(), STEPS, base.microbatches, SEED).state_dict
+                    got = reference_run(base.model_config, STEPS, base.microbatches, SEED).state_dict
                 outcome = _compare(got, want[base])
             if base not in out:
                 out[base] = (outcome, [])
@@ -443,7 +458,8 @@ def runs_for(mutants: list[Mutant], rejected_runs: int, seed: int) -> dict[Base,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--per-family", type=int, default=1000, help="mutants checked per family")
+    parser.add_argument("--per-base", type=int, default=1000, help="mutants checked per base program")
+    parser.add_argument("--per-family", type=int, help="mutants checked per family (instead of --per-base)")
     parser.add_argument("--max-edits", type=int, default=3, help="edits per mutant, at most")
     parser.add_argument("--rejected-runs", type=int, default=10, help="rejected mutants run per base program")
     parser.add_argument("--seed", type=int, default=0)
@@ -451,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     mutants = []
     for family in FAMILIES:
-        mine = [verdict(m) for m in family_mutants(family, args.per_family, args.seed, args.max_edits)]
+        count = args.per_family or args.per_base * sum(base.family == family for base in BASES)
+        mine = [verdict(m) for m in family_mutants(family, count, args.seed, args.max_edits)]
         errors = collections.Counter(type(m.error).__name__ for m in mine if m.error is not None)
         print(f"{family}: {len(mine)} distinct mutants checked, {sum(m.error is None for m in mine)} accepted, "
               f"{sum(errors.values())} rejected ({', '.join(f'{k} {v}' for k, v in errors.most_common())})",
@@ -478,6 +495,16 @@ def main(argv: list[str] | None = None) -> int:
             counts = kinds[family, accepted]
             print(f"{family}, {'accepted' if accepted else 'rejected'} runs: "
                   + (", ".join(f"{k} {v}" for k, v in counts.most_common()) or "none"))
+    print("base | checked | accepted | rejected | accepted runs | rejected runs")
+    for base in BASES:
+        mine = [m for m in mutants if m.base == base]
+        pairs = list(zip(chosen.get(base, []), ran[base][1] if base in ran else []))
+        ends = {accepted: collections.Counter(o.kind for m, o in pairs if (m.error is None) == accepted)
+                for accepted in (True, False)}
+        print(f"{base.label} | {len(mine)} | {sum(m.error is None for m in mine)} | "
+              f"{sum(m.error is not None for m in mine)} | "
+              + " | ".join(", ".join(f"{k} {v}" for k, v in ends[accepted].most_common()) or "none"
+                           for accepted in (True, False)))
     for line in rejected_exact:
         print(f"rejected, yet trained exactly: {line}")
     for line in failures:

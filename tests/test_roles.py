@@ -58,9 +58,9 @@ def test_a_replica_group_joining_holders_of_different_shards_is_refused_naming_i
 
     error = refused(through_file(program, cross), WellFormedError)
     assert error.rank == 3
-    assert error.message == (f"communicator 2 ({ops.SHARD_REPLICAS} 0: ranks 0, 3) all-reduces the shard of stage 0 "
-                             "(on ranks 0, 1, 2, 3)'s weights its members hold (SYNC_SHARD), but rank 0 holds shard 0 "
-                             "and rank 3 shard 1: a replica group joins holders of the same shard (it would sum "
+    assert error.message == (f"communicator 2 ({ops.SHARD_REPLICAS} 0: ranks 0, 3) all-reduces the shard of the weights "
+                             "of stage 0 (on ranks 0, 1, 2, 3) that its members hold (SYNC_SHARD), but rank 0 holds "
+                             "shard 0 and rank 3 shard 1: a replica group joins holders of the same shard (it would sum "
                              "different pieces of the weights)")
 
 
@@ -171,7 +171,7 @@ def test_a_shard_that_is_not_the_members_place_in_its_gather_is_refused():
                                        program.stages[1]])
     error = refused(program, WellFormedError)
     assert error.rank == 0 and error.message.startswith(
-        f"rank 0 holds shard 1 of stage 0 (on ranks 0, 1)'s weights, but is member 0 of communicator 0 "
+        f"rank 0 holds shard 1 of the weights of stage 0 (on ranks 0, 1), but is member 0 of communicator 0 "
         f"({ops.STAGE_GROUP} 0: ranks 0, 1), where they are gathered")
 
 

@@ -8,7 +8,10 @@ member's share:
 * ``check_placed``: every group is real (ranks of the program, two or more,
   its communicator of exactly its members; under HSDP no whole-group
   communicator, its shard and replica groups each splitting its ranks evenly
-  and crossing in one member); every compute runs on a member of
+  and crossing in one member); every member's stated roles (``_check_roles``:
+  shares that cut each microbatch once and agree across a rank's stages, shards
+  at the member's place in its gather's group and one per replica group, a
+  saver among the members); every compute runs on a member of
   its stage; each member runs each of its stage's tasks exactly once (the
   family's task sets, per member); a compute's sub-steps (its ``parts``) are
   sub-step ops of its own stage and microbatch, on a stage on a group, and
@@ -24,10 +27,11 @@ member's share:
   meetings of the same communicator posted by an EXCHANGE and completed at its
   wait, counted with the sub-steps (under HSDP the member's shard group, and
   SYNC_SHARD a meeting of its replica group, ``Program.communicator_on``);
-  every compute of a stage split by sequence (``SEQUENCE_SHARE``, PP x CP) a
-  rendezvous of its group, since its attention runs the stage's ring over the
-  group (so members that take the stage's computes in different orders are
-  named as the cycle of their crossing ring exchanges); a message goes between
+  every compute of a stage split by sequence (``SEQUENCE_SHARE``, PP x CP) an
+  operation of its group's communicator, counted with the reductions there,
+  since its attention runs the stage's ring over the group on it (so members
+  that take the stage's computes, or a reduction and a compute, in different
+  orders are named at their first disagreement); a message goes between
   the members whose shares meet (``Program.share_peers``: a hand-off stays at
   its cp coordinate); a compute reads only shares this rank made
   or received before it, a send ships only what this rank made.
@@ -172,7 +176,7 @@ def _shard_problem(program: Program, info) -> tuple[int, str] | None:
         group = program.communicator_on(Action(info.id, ops.GATHER), rank)
         if group is None or shard != group.ranks.index(rank):
             place = "none" if group is None else f"member {group.ranks.index(rank)} of {communicator_text(group)}"
-            return (rank, f"rank {rank} holds shard {shard} of {where}'s weights, but is {place}, where they are "
+            return (rank, f"rank {rank} holds shard {shard} of the weights of {where}, but is {place}, where they are "
                     f"gathered: an all-gather puts the piece of the group's j-th rank j-th, so a member holds the "
                     f"shard of its place")
     for group_id in placement.replica_groups:
@@ -181,8 +185,8 @@ def _shard_problem(program: Program, info) -> tuple[int, str] | None:
         a = group.ranks[0]
         b = next((rank for rank in group.ranks if held[rank] != held[a]), None)
         if b is not None:
-            return (b, f"{communicator_text(group)} all-reduces the shard of {where}'s weights its members hold "
-                    f"(SYNC_SHARD), but rank {a} holds shard {held[a]} and rank {b} shard {held[b]}: a replica "
+            return (b, f"{communicator_text(group)} all-reduces the shard of the weights of {where} that its "
+                    f"members hold (SYNC_SHARD), but rank {a} holds shard {held[a]} and rank {b} shard {held[b]}: a replica "
                     "group joins holders of the same shard (it would sum different pieces of the weights)")
     return None
 
