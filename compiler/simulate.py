@@ -499,14 +499,18 @@ class _Simulation:
     def _neighbours(self) -> dict[str, list[int]]:
         """ops.SELF / PREV / NEXT -> per member stage, that member stage (-1: none): the stage the
         stages' own (pipeline, position) say (``Program.prev_stage`` / ``next_stage``), the member with
-        the same share (groups of one size hand member i to member i)."""
+        the same share (groups of one size hand the holder of share i to the holder of share i, as the
+        placements state the shares)."""
         program, members = self.program, self.member_stages
-        first = {}  # stage -> its first member stage
-        for m, (stage, _) in enumerate(members):
-            first.setdefault(stage, m)
+        holder = {}  # (stage, share) -> its member stage
+        for m, (stage, rank) in enumerate(members):
+            placement = program.stages[stage].placement
+            holder[stage, 0 if placement is None else placement.share_of(rank)] = m
 
         def member_of(other: int, m: int) -> int:
-            return -1 if other < 0 else first[other] + m - first[members[m][0]]
+            stage, rank = members[m]
+            placement = program.stages[stage].placement
+            return -1 if other < 0 else holder[other, 0 if placement is None else placement.share_of(rank)]
 
         every = range(len(members))
         return {ops.SELF: list(every), ops.PREV: [member_of(program.prev_stage(members[m][0]), m) for m in every],

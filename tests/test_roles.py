@@ -24,6 +24,7 @@ from pipec.compiler.checks import check_all
 from pipec.compiler.driver import compile_target
 from pipec.compiler.emit.json_program import program_from_json, program_to_json, write_program_json
 from pipec.compiler.ir import Action
+from pipec.compiler.simulate import simulate
 from pipec.errors import MatchError, WellFormedError
 from runtime_util import assert_same_parameters, launch_batch
 
@@ -78,17 +79,24 @@ def test_a_rank_that_takes_different_shares_in_two_stages_is_refused():
                              "tokens, and its loss's targets once), so its roles must agree")
 
 
+def reduction_moved(program, rank: int):
+    """``program`` with ``rank`` posting stage 2's gradient all-reduce (SYNC_GRAD) right after 0B2 (its other
+    members post it after 2B3, before 0B2); and the step of 0B2 on ``rank``."""
+    row = list(program.ranks[rank])
+    reduction = next(a for a in row if a.op == ops.EXCHANGE and a.parts[0].op == ops.SYNC_GRAD
+                     and a.parts[0].stage == 2)
+    row.remove(reduction)
+    step = [a.text() for a in row].index("0B2")
+    row.insert(step + 1, reduction)
+    return replace(program, ranks=[*program.ranks[:rank], row, *program.ranks[rank + 1:]]), step
+
+
 def test_a_gradient_reduction_moved_across_a_ring_on_one_member_of_a_context_parallel_stage_is_refused():
     # interleaved 1F1B x CP: stages 0 and 2 share the group (0, 1) and its communicator, where the rings of
     # their computes run beside their gradients' all-reduces; rank 1 posts stage 2's all-reduce after 0B2
-    program = compiled("interleaved_1f1b_cp")
-    row = list(program.ranks[1])
-    reduction = next(a for a in row if a.op == ops.EXCHANGE and a.parts[0].op == ops.SYNC_GRAD and a.stage < 0
-                     and a.parts[0].stage == 2)
-    row.remove(reduction)
-    row.insert([a.text() for a in row].index("0B2") + 1, reduction)
-    error = refused(replace(program, ranks=[program.ranks[0], row, *program.ranks[2:]]), MatchError)
-    assert (error.rank, error.step) == (1, [a.text() for a in row].index("0B2"))
+    program, step = reduction_moved(compiled("interleaved_1f1b_cp"), 1)
+    error = refused(program, MatchError)
+    assert (error.rank, error.step) == (1, step)
     assert error.message.startswith(f"the 15th collective on communicator 0 ({ops.STAGE_GROUP} 0: ranks 0, 1) is 0B2 "
                                     "(the stage ring of 0B2 over its group (ranks 0, 1)) here but 2SYNC_GRAD on rank 0 "
                                     "(step 40): every member must meet its collectives in the same order")
@@ -109,12 +117,7 @@ def test_under_tasp_a_reduction_crossing_a_rings_all_to_all_is_refused(tmp_path)
     path.write_text(TASP_CP)
     program = compile_target(str(path)).program
     check_all(program)
-    row = list(program.ranks[2])
-    reduction = next(a for a in row if a.op == ops.EXCHANGE and a.parts[0].op == ops.SYNC_GRAD
-                     and a.parts[0].stage == 2)
-    row.remove(reduction)
-    row.insert([a.text() for a in row].index("0B2") + 1, reduction)
-    error = refused(replace(program, ranks=[*program.ranks[:2], row, *program.ranks[3:]]), MatchError)
+    error = refused(reduction_moved(program, 2)[0], MatchError)
     assert error.rank == 2 and "0B2 (the stage ring of 0B2 over its group (ranks 0, 1, 2))" in error.message
     assert "communicator 0" in error.message and "2SYNC_GRAD on rank" in error.message
 
@@ -223,7 +226,16 @@ def test_hand_offs_that_do_not_follow_the_stated_shares_are_refused():
     check_all(program)
     plain = compiled("1f1b_dp", N=N)
     error = refused(replace(program, ranks=plain.ranks), MatchError)
-    assert "share" in error.message and error.rank == 0
+    assert (error.rank, error.step) == (0, 1)
+    assert error.message == ("0SEND_F0 sends rank 0's share of the activation of 0F0 to rank 2, but stage 1 (on ranks "
+                             "2, 3) takes that share on rank 3")
+
+
+def test_the_simulator_hands_each_share_to_its_stated_holder():
+    # the hand-offs follow the shares, so the turned program's timeline is the plain one's, rank by rank
+    turned_run, plain_run = simulate(turned(saver=0)), simulate(compiled("1f1b_dp", N=N))
+    assert turned_run.makespan == plain_run.makespan == 7.5  # PP2 x DP2 1F1B, N = 4: half of the 15 of P = 2
+    assert [r.busy for r in turned_run.ranks] == [r.busy for r in plain_run.ranks]
 
 
 def one_process(clip: float | None) -> dict[str, torch.Tensor]:
