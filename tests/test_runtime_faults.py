@@ -49,7 +49,9 @@ def test_a_killed_worker_ends_the_run_with_its_peers_message():
 
 
 def test_a_hung_worker_ends_the_run_at_the_timeout_with_the_waiters_message():
-    timeout = 1.5
+    # the phases before the fault (model build, ...) have until --timeout + 3 s: 3 s of timeout gives them 6 s on
+    # a loaded machine, where 1.5 s gave 4.5 s and a slow model build ended the run before the hang was reached
+    timeout = 3.0
     # rank 1 hangs before sending microbatch 0's gradient
     done = run_pipec("run", *GPIPE_2, "--timeout", str(timeout), "--inject", "hang:1:6", deadline_s=DEADLINE_S)
     match = assert_clean_failure(done)
@@ -63,7 +65,7 @@ def test_a_hung_worker_ends_the_run_at_the_timeout_with_the_waiters_message():
 
 
 def test_a_worker_hung_after_its_last_instruction_ends_the_run_at_the_loss_reduce():
-    timeout = 1.5
+    timeout = 3.0  # room for the phases before the fault, as above
     # rank 1 hangs after its whole list: rank 0 finishes the step (9 instructions, indices 0-8)
     # and waits in the loss reduce, "step 9" of its list
     done = run_pipec("run", *GPIPE_2, "--timeout", str(timeout), "--inject", "hang:1:99", deadline_s=DEADLINE_S)
