@@ -125,12 +125,13 @@ class StageRing:
     """A context-parallel member's ring: what every attention of its stages' forwards runs.
 
     Attributes:
-        context: ``stage_ring``'s row of this member's ring rank over its stages' group (one for all of the
-            rank's stages: they share the group).
+        contexts: communicator id -> ``stage_ring``'s row of this member's ring rank over that communicator's
+            group: a stage's attentions run on its own group's communicator, where the prover counts them
+            (``checks/placement.py``), whatever communicator the rank's other stages meet on.
         positions: the global positions of the member's tokens (on the run's device), ``positions=`` of every call.
     """
 
-    context: RingContext
+    contexts: dict[int, RingContext]
     positions: torch.Tensor
 
 
@@ -222,12 +223,15 @@ def start_ring(placed: PlacedContext, program: Program, rank: int, seq_len: int 
     if seq_len is None:
         raise UsageError(f"{program.name or 'this program'} splits each sequence over its stages' groups: its "
                          "ranks need the model's seq_len (ring_model(config))")
-    member, _ = placed.share
-    info = next(info for info in program.stages if rank in info.ranks)
-    context = RingContext(ring, member, timeout=timeout, members=info.placement.ranks,
-                          group=placed.groups[info.placement.communicator].group)
-    context.synchronize = synchronize
-    placed.ring = StageRing(context, token_positions(ring.rings, member, seq_len).to(device))
+    member, _ = placed.share  # ring rank i is the member of share i: the prover proved it is group rank i
+    contexts = {}
+    for info in program.stages:
+        communicator = info.placement.communicator
+        if rank in info.ranks and communicator not in contexts:
+            contexts[communicator] = RingContext(ring, member, timeout=timeout, members=info.placement.ranks,
+                                                 group=placed.groups[communicator].group)
+            contexts[communicator].synchronize = synchronize
+    placed.ring = StageRing(contexts, token_positions(ring.rings, member, seq_len).to(device))
 
 
 def sequence_arguments(step, stage: int, mb: int) -> dict:
@@ -236,7 +240,8 @@ def sequence_arguments(step, stage: int, mb: int) -> dict:
     placed = step.ctx.placed
     if placed is None or placed.ring is None:
         return {}
-    attend = ring_attend(placed.ring.context, step.ctx.iteration, f"stage {stage}, microbatch {mb}, ")
+    attend = ring_attend(placed.ring.contexts[placed.stage_group[stage]], step.ctx.iteration,
+                         f"stage {stage}, microbatch {mb}, ")
     return {"positions": placed.ring.positions, "attend": attend}
 
 

@@ -26,6 +26,7 @@ from pipec.compiler.emit.json_program import program_from_json, program_to_json,
 from pipec.compiler.ir import Action
 from pipec.compiler.simulate import simulate
 from pipec.errors import MatchError, WellFormedError
+from pipec.runtime.model import LLAMA, ModelConfig
 from runtime_util import assert_same_parameters, launch_batch
 
 
@@ -238,18 +239,37 @@ def test_the_simulator_hands_each_share_to_its_stated_holder():
     assert [r.busy for r in turned_run.ranks] == [r.busy for r in plain_run.ranks]
 
 
-def one_process(clip: float | None) -> dict[str, torch.Tensor]:
-    """The same training written as a plain torch loop: the whole model, N microbatches of ROWS rows, the mean
-    squared error averaged over the batch, SGD with momentum."""
-    config = replace(payload_model.Config(), rows=ROWS)
-    model = payload_model.build_model(config, SEED)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def own_communicators():
+    """interleaved_1f1b_cp (P = C = 2) with stages 2 and 3 meeting on communicators of their own (the same ranks
+    as stages 0 and 1), and rank 1 posting stage 2's gradient all-reduce after 0B2, across stage 0's ring: on
+    another communicator than that ring's, so the prover accepts it. The prover counts each stage's ring on the
+    stage's own communicator, and the runtime runs it there (``placed.StageRing.contexts``)."""
+    program = compiled("interleaved_1f1b_cp", N=N)
+    groups = [*program.communicators, *(replace(c, id=len(program.communicators) + i, key=c.key + 2)
+                                        for i, c in enumerate(program.communicators))]
+    stages = [info if info.id < 2 else replace(info, placement=replace(info.placement,
+                                                                       communicator=info.placement.communicator + 2))
+              for info in program.stages]
+    return reduction_moved(replace(program, communicators=groups, stages=stages), 1)[0]
+
+
+def test_a_reduction_on_another_communicator_may_cross_a_ring():
+    check_all(own_communicators())
+    error = refused(reduction_moved(compiled("interleaved_1f1b_cp", N=N), 1)[0], MatchError)  # one communicator
+    assert "2SYNC_GRAD" in error.message
+
+
+def one_process(spec, config, rows: int, clip: float | None = None) -> dict[str, torch.Tensor]:
+    """The same training written as a plain torch loop: ``spec``'s whole model, N microbatches of ``rows`` rows of
+    each step's batch, each microbatch's loss over N, the spec's optimizer, the gradients' norm clipped."""
+    model = spec.build_model(config, SEED)
+    optimizer = spec.make_optimizer(model.parameters())
     for step in range(STEPS):
-        inputs, targets = payload_model.synthetic_batch(config, step, N, SEED)
+        inputs, targets = spec.synthetic_batch(config, step, N, SEED)
         optimizer.zero_grad()
         for m in range(N):
-            rows = slice(m * ROWS, (m + 1) * ROWS)
-            (torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows]) / N).backward()
+            part = slice(m * rows, (m + 1) * rows)
+            (spec.loss_fn(model(inputs[part]), targets[part]) / N).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
@@ -257,19 +277,26 @@ def one_process(clip: float | None) -> dict[str, torch.Tensor]:
 
 
 def test_stated_roles_train_like_a_plain_torch_loop(tmp_path):
+    config = replace(payload_model.Config(), rows=ROWS)
+    cases = {"turned": (turned(0), ["--model", "payload_model:SPEC", "--config", f"rows={ROWS}"]),
+             "turned-saved-by-1-clipped": (turned(1), ["--model", "payload_model:SPEC", "--config", f"rows={ROWS}",
+                                                       "--clip-grad-norm", "0.5"]),
+             "cp-own-communicators": (own_communicators(), [])}
     jobs = []
-    for name, saver, clip in (("turned", 0, []), ("turned-saved-by-1-clipped", 1, ["--clip-grad-norm", "0.5"])):
+    for name, (program, extra) in cases.items():
         path = tmp_path / f"{name}.json"
         with open(path, "w") as out:
-            write_program_json(turned(saver), out)
+            write_program_json(program, out)
         jobs.append(["1f1b", "--program", str(path), "--steps", str(STEPS), "--seed", str(SEED), "--timeout", "90",
-                     "--model", "payload_model:SPEC", "--config", f"rows={ROWS}", "--save", str(tmp_path / f"{name}.pt"),
-                     *clip])
-    run = launch_batch(jobs, 4, 240.0)
+                     "--save", str(tmp_path / f"{name}.pt"), *extra])
+    run = launch_batch(jobs, 4, 300.0)
     assert run.ok, run.describe()
-    for name, clip in (("turned", None), ("turned-saved-by-1-clipped", 0.5)):
-        want = one_process(clip)
+    llama = ModelConfig()
+    wanted = {"turned": one_process(payload_model.SPEC, config, ROWS),
+              "turned-saved-by-1-clipped": one_process(payload_model.SPEC, config, ROWS, clip=0.5),
+              "cp-own-communicators": one_process(LLAMA, llama, llama.microbatch_size)}
+    for name, want in wanted.items():
         saved = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         assert_same_parameters(saved, want, name)
-        initial = payload_model.build_model(replace(payload_model.Config(), rows=ROWS), SEED).state_dict()
-        assert any((want[k] - initial[k]).abs().max() > 1e-3 for k in initial)
+    initial = payload_model.build_model(config, SEED).state_dict()
+    assert any((wanted["turned"][k] - initial[k]).abs().max() > 1e-3 for k in initial)
