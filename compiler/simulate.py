@@ -510,7 +510,8 @@ class _Simulation:
         def member_of(other: int, m: int) -> int:
             stage, rank = members[m]
             placement = program.stages[stage].placement
-            return -1 if other < 0 else holder[other, 0 if placement is None else placement.share_of(rank)]
+            share = 0 if placement is None else placement.share_of(rank)
+            return -1 if other < 0 else holder.get((other, share), -1)  # -1: shares the prover refuses
 
         every = range(len(members))
         return {ops.SELF: list(every), ops.PREV: [member_of(program.prev_stage(members[m][0]), m) for m in every],

@@ -18,7 +18,8 @@
   not speak of stages and microbatches (rings: ``Family.stage_checks``) is
   proved by this run alone.
 * ``check_mesh`` (``checks/mesh.py``): a composed program's mesh agrees with
-  its placements and messages, so the coordinates it is labelled with are true.
+  its placements and its members' shares, so the coordinates it is labelled
+  with are true.
 * ``check_placed`` (``checks/placement.py``): a program with stages on rank
   groups is proved per member instead of by the single-home checks above
   (groups real, each member's tasks once, sub-steps alike; ``checks/sharding.py``:

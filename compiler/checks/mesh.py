@@ -20,10 +20,11 @@ from pipec.errors import WellFormedError
 
 
 def check_mesh(program: Program) -> None:
-    """Prove ``program.mesh`` agrees with its placements and messages (module docstring); nothing without one.
+    """Prove ``program.mesh`` agrees with its placements and its members' shares (module docstring); nothing
+    without a mesh.
 
     Raises:
-        WellFormedError: at the first rank (and instruction) that contradicts the mesh.
+        WellFormedError: at the first rank that contradicts the mesh.
     """
     mesh = program.mesh
     if mesh is None:
@@ -38,6 +39,8 @@ def check_mesh(program: Program) -> None:
         if info.placement is None:
             continue
         ranks = info.placement.ranks
+        if not ranks or any(not 0 <= r < mesh.size for r in ranks):
+            continue  # no group of the program's ranks: the placement checks name it
         group = mesh.members(ranks[0], data_axes)
         stray = next((r for r in ranks if r not in group), None)
         if stray is not None or len(ranks) != len(group):
