@@ -1,4 +1,4 @@
-"""Workload families in the runtime: what the interpreter asks of a family, where it finds one, the one loop.
+"""Workload families in the runtime: what the interpreter asks of a family, where it finds one, the one loops.
 
 The runtime's side of ``compiler/family.py``. A family (activation passing,
 weight passing, sequence rings) is a module that builds one ``RuntimeFamily``
@@ -17,6 +17,11 @@ A handler is ``(state, action, index) -> None``; ``state`` is the family's
 per-rank state for the list being run (the interpreter's step, or a ring's
 attention call) and has ``waited``, the seconds it spent waiting so far.
 
+Every family's run goes through one training loop (``worker.train``): steps,
+the loss, reports, checkpoints, resume and the trace are the loop's; what a
+family builds on a rank and what one step runs there is its ``Trainer``
+(``RuntimeFamily.trainer``).
+
 The registry is filled when the family modules are imported; the lookups
 import them on first use, so a module that only asks need not know them.
 """
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 from time import perf_counter
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from pipec.compiler import ops
 from pipec.compiler.family import runs_in_stages
@@ -57,8 +62,6 @@ class RuntimeFamily:
         takes_partition: whether a partition file's stages can cut the model for its programs.
         reads_whole_batch: whether every rank reads each step's whole batch as one microbatch
             (a sequence ring, which cuts the batch along the sequence instead).
-        train: the family's own training loop ``(plan, rank, world, device) -> losses``, or None
-            for the worker's loop of interpreter steps (``worker.train``).
         trains_on_groups: whether it trains its programs' stages placed on rank groups (weight passing on
             a mesh, ``compiler/weight_placement.py``); activation passing's are ``runtime/placed.py``'s.
     """
@@ -71,8 +74,15 @@ class RuntimeFamily:
     runs_chunks: bool = True
     takes_partition: bool = True
     reads_whole_batch: bool = False
-    train: Callable | None = None
     trains_on_groups: bool = False
+
+    def trainer(self, plan, rank: int, world: int, device) -> Trainer:
+        """What this rank trains of ``plan`` (a ``worker.Plan``), built, with ``plan.checkpoint``'s model and
+        optimizer state restored; collective (the group is joined). By default the interpreter's steps of the
+        rank's instruction list (``runtime/list_trainer.py``: activation and weight passing, their compositions)."""
+        from pipec.runtime.list_trainer import ListTrainer
+
+        return ListTrainer(plan, rank, world, device)
 
     def refusal_outside(self, op: str) -> str | None:
         """Why ``op``, one of this family's, cannot run in another family's program; None: no handler."""
@@ -84,6 +94,58 @@ class RuntimeFamily:
     def refuse_run(self, run) -> str | None:
         """Why the family's runtime cannot take the run's options (a ``RunConfig``) yet, or None."""
         return None
+
+
+class StepOutcome(NamedTuple):
+    """What one training step of a rank gives the loop.
+
+    Attributes:
+        loss: what this rank adds to the batch's loss (the loop sums the ranks' onto rank 0): a 0-d tensor,
+            or None for nothing.
+        grad_norm: under ``--clip-grad-norm``, the global gradient norm before clipping; else None.
+        events: the step's trace events, ``(index, start, end, waited[, call])`` per instruction and the optimizer
+            step's with index ``len(row)`` (``runtime/trace.py``); empty when nothing is traced.
+    """
+
+    loss: Any
+    grad_norm: float | None
+    events: list
+
+
+class Trainer:
+    """One rank's part of a run, as its family trains it; ``worker.train``, the one loop, drives it.
+
+    A family's constructor ``(plan, rank, world, device)`` builds what the rank trains (its model or
+    chunks, optimizer and data source) and restores ``plan.checkpoint``'s model and optimizer state; the
+    loop restores the data position, then calls ``step`` once per training step and, when a checkpoint is
+    due, gathers every rank's ``checkpoint_part`` for rank 0's ``merged_parts``.
+
+    Attributes:
+        context: names the rank's instructions: ``program``, ``rank``, ``row`` (a copy: ``--inject`` plants
+            into it) and ``handlers`` (``worker.plant_injection``, ``worker.write_trace``).
+        data: the batches (``data.BatchSource`` or one alike): ``batch(step)``, ``state_after(steps)``,
+            ``restore(state)``, ``rows_per_microbatch``.
+        modules: chunk -> the module this rank holds of it (the ``build`` report).
+        batch_size: (samples, tokens) a step consumes, None where unknown (``report.batch_size``).
+    """
+
+    context: Any
+    data: Any
+    modules: dict
+    batch_size: tuple = (None, None)
+
+    def step(self, batch, iteration: int) -> StepOutcome:
+        """Train step ``iteration`` (from 1) on ``batch`` (``data.batch(iteration - 1)``), the optimizer's
+        step included."""
+        raise NotImplementedError
+
+    def checkpoint_part(self) -> dict:
+        """What this rank contributes to a checkpoint: ``{"model": ..., "optimizer": ...}`` (CPU copies)."""
+        raise NotImplementedError
+
+    def merged_parts(self, parts: list[dict]) -> tuple[dict, dict]:
+        """The whole model's state_dict and the named optimizer state from every rank's part (rank order)."""
+        raise NotImplementedError
 
 
 _BY_PLAN: dict[type, RuntimeFamily] = {}
@@ -258,6 +320,6 @@ def _shares(program: Program, split: str) -> int:
     return max((len(info.ranks) for info in program.stages if info.placement.split == split), default=1)
 
 
-__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "families", "load_families", "placed_refusal",
+__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "StepOutcome", "Trainer", "families", "load_families", "placed_refusal",
            "refusal_outside", "register", "row_shares", "share_of", "run_instructions", "runtime_family",
            "token_shares"]

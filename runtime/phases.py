@@ -35,11 +35,9 @@ FIRST_EXCHANGE = "first exchange"
 CHECKPOINT_SAVE = "checkpoint save"
 TRACE = "trace"
 GROUP_EXIT = "group exit"
-# A family with its own training loop (a sequence ring) is one phase.
-TRAINING = "training"
 # A worker's phases in the order it meets them; a training step is "step K".
 PHASES = (START_UP, CHECKPOINT_LOAD, MODEL_BUILD, GROUP_FORMATION, FIRST_EXCHANGE, "step K", CHECKPOINT_SAVE,
-          TRACE, GROUP_EXIT, TRAINING)
+          TRACE, GROUP_EXIT)
 # A phase's deadline is --timeout and this margin: a rank waiting on a stopped one must let the
 # launcher (at --timeout) name the stopped rank first, and a phase of work must not fail a loaded machine.
 MARGIN_S = 3.0
@@ -205,5 +203,5 @@ def read_phase(folder: str, rank: int) -> dict | None:
 
 
 __all__ = ["CHECKPOINT_LOAD", "CHECKPOINT_SAVE", "FIRST_EXCHANGE", "GROUP_EXIT", "GROUP_FORMATION", "MODEL_BUILD",
-           "MARGIN_S", "PHASES", "PHASE_DIR_ENV", "START_UP", "STOP_AT_ENV", "TRACE", "TRAINING", "Watch", "announce",
+           "MARGIN_S", "PHASES", "PHASE_DIR_ENV", "START_UP", "STOP_AT_ENV", "TRACE", "Watch", "announce",
            "launcher_checks", "phase_file", "phase_line", "read_phase", "start_watch", "step_phase", "who"]

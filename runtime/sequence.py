@@ -21,8 +21,9 @@ sequence, and a ``loss_fn`` that is a mean over tokens. docs/runtime.md,
 "Training with a sequence ring", says why each is needed.
 
 ``SequenceRings`` registers the family's hooks: its table (``rings.HANDLERS``),
-its model check and its training loop (``train_ring``: ``--trace``,
-``--inject``, ``--save``, ``--resume`` and ``--clip-grad-norm`` as every family).
+its model check and its trainer (``RingTrainer``), which the one training loop
+(``worker.train``) drives: ``--trace``, ``--inject``, ``--save``, ``--resume``
+and ``--clip-grad-norm`` as every family.
 """
 from __future__ import annotations
 
@@ -35,10 +36,10 @@ from pipec.compiler import ops
 from pipec.compiler.ir import RingPlan
 from pipec.errors import UsageError
 from pipec.runtime import checkpoint as checkpoints
-from pipec.runtime import comm, report, worker
+from pipec.runtime import comm, phases, report
 from pipec.runtime import model as builtin
 from pipec.runtime.data import BatchSource, data_needs
-from pipec.runtime.family import RuntimeFamily, register
+from pipec.runtime.family import RuntimeFamily, StepOutcome, Trainer, register
 from pipec.runtime.model import RingModel, call_spec_function, spec_label, spec_optimizer
 from pipec.runtime.rings import HANDLERS, PART_POSTERS, RingAttention, RingContext, token_positions
 
@@ -133,73 +134,46 @@ def check_ring_model(spec, config, program, name: str = "", why: str | None = No
     return declared
 
 
-def train_ring(plan, rank: int, world: int, device) -> list[float]:
-    """Run ``plan.run.steps`` sequence-parallel training steps of a ring program on this rank; the group is joined.
+class RingTrainer(Trainer):
+    """One rank of a sequence-ring program (``RuntimeFamily.trainer``): the whole model, built from the seed,
+    run on the rank's tokens of one whole batch a step, every attention through the ring.
 
-    Collective: every rank calls it with the same arguments. Rank 0 prints the
-    loss per step (the sum of the ranks' losses: the batch's mean loss) and,
-    with ``--save``, writes the whole model's state_dict; with ``--trace``,
-    every rank's ring instructions (each attention call's halves, ``args.call``)
-    and each step's all-reduce and optimizer step are gathered into one trace.
-
-    Returns:
-        on rank 0 the loss of each step; elsewhere an empty list.
+    Every rank holds the same replica (their gradients are summed, and every rank takes the same step), so
+    rank 0's is the checkpoint's. With ``--trace``, every rank's ring instructions (each attention call's
+    halves, ``args.call``) and each step's all-reduce and optimizer step are the step's events.
     """
-    program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
-    declared = check_ring_model(spec, config, program, run.model)
-    context = RingContext(program, rank, timeout=run.timeout)
-    if run.trace and device.type == "cuda":
-        context.synchronize = torch.cuda.synchronize
-    if plan.inject:
-        worker.plant_injection(context, plan.inject)
-    positions = token_positions(program.rings, rank, declared.seq_len).to(device)
-    # one whole batch a step (N = 1), the same on every rank: each keeps its tokens of it
-    data = BatchSource(spec, config, run.seed, 1, data_needs(program, rank), name=run.model)
-    model = spec.build_model(config, run.seed).to(device)
-    first, resumed = 1, plan.checkpoint
-    if resumed is not None:
-        checkpoints.load_modules([model], resumed.model, run.resume)
-    optimizer = spec_optimizer(run.model, spec.make_optimizer, list(model.parameters()))
-    names = checkpoints.parameter_names([model])
-    if resumed is not None:
-        checkpoints.load_optimizer_state(optimizer, names, resumed.optimizer)
-        data.restore(resumed.data)
-        first, plan.checkpoint = resumed.step + 1, None
-    step = _RingTraining(plan, context, model, optimizer, positions, device, world)
-    dist.barrier()
-    t0 = perf_counter()
-    clock = report.StepClock(rank, run.steps, device, *report.batch_size(config, 1, data.rows_per_microbatch))
-    losses: list[float] = []
-    recorded: list[list] = []
-    for iteration in range(first, run.steps + 1):
-        context.events = [] if run.trace else None
-        total, norm = step.run(data.batch(iteration - 1), iteration)
-        if run.trace:
-            recorded.append(context.events)
-        if rank == 0:
-            losses.append(total)
-        clock.done(iteration, total if rank == 0 else None, norm)
-        if worker.saves_after(run, iteration) and rank == 0:  # every rank holds the same replica: rank 0's
-            _save(plan, model, optimizer, names, data.state_after(iteration), world, iteration)
-    if run.trace:
-        worker.write_trace(run, context, recorded, t0, world)
-    return losses
 
+    def __init__(self, plan, rank: int, world: int, device):
+        program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
+        phases.announce(phases.MODEL_BUILD)
+        declared = check_ring_model(spec, config, program, run.model)
+        self.plan, self.device, self.rank = plan, device, rank
+        self.context = RingContext(program, rank, timeout=run.timeout)
+        if run.trace and device.type == "cuda":
+            self.context.synchronize = torch.cuda.synchronize
+        self.positions = token_positions(program.rings, rank, declared.seq_len).to(device)
+        # one whole batch a step (N = 1), the same on every rank: each keeps its tokens of it
+        self.data = BatchSource(spec, config, run.seed, 1, data_needs(program, rank), name=run.model)
+        self.batch_size = report.batch_size(config, 1, self.data.rows_per_microbatch)
+        self.model = spec.build_model(config, run.seed).to(device)
+        self.modules = {0: self.model}
+        resumed = plan.checkpoint
+        if resumed is not None:
+            phases.announce(phases.CHECKPOINT_LOAD)
+            checkpoints.load_modules([self.model], resumed.model, run.resume)
+        self.optimizer = spec_optimizer(run.model, spec.make_optimizer, list(self.model.parameters()))
+        self.names = checkpoints.parameter_names([self.model])
+        if resumed is not None:
+            checkpoints.load_optimizer_state(self.optimizer, self.names, resumed.optimizer)
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.others = tuple(r for r in range(world) if r != rank)
 
-class _RingTraining:
-    """One rank's training step of a ring program: the model on its tokens, attention through the ring."""
-
-    def __init__(self, plan, context: RingContext, model, optimizer, positions: torch.Tensor, device, world: int):
-        self.plan, self.context, self.model, self.optimizer = plan, context, model, optimizer
-        self.positions, self.device = positions, device
-        self.parameters = [p for p in model.parameters() if p.requires_grad]
-        self.others = tuple(r for r in range(world) if r != context.rank)
-
-    def run(self, batch, iteration: int) -> tuple[float, float | None]:
-        """Train on ``batch`` (one whole microbatch); returns (the ranks' summed loss, the gradient norm
-        before clipping or None). The step's end (all-reduce, clipping, optimizer) is the trace's
-        instruction ``len(row)``, as every family's optimizer step."""
+    def step(self, batch, iteration: int) -> StepOutcome:
+        """Train on ``batch`` (one whole microbatch). The loss this rank adds is its tokens' mean scaled to
+        their share of the batch, so the ranks' sum is the batch's mean. The step's end (all-reduce,
+        clipping, optimizer) is the trace's instruction ``len(row)``, as every family's optimizer step."""
         spec, run, context, positions = self.plan.spec, self.plan.run, self.context, self.positions
+        context.events = [] if run.trace else None
         self.optimizer.zero_grad(set_to_none=True)
         (inputs,), (targets,) = batch
         share = positions.numel() / targets.shape[1]  # a mean over this rank's tokens, scaled to the batch's
@@ -211,29 +185,40 @@ class _RingTraining:
         loss.backward()
         start = perf_counter()
         end = len(context.row)
-        total = _all_reduce_gradients(self.parameters, loss.detach(), run.timeout,
-                                      comm.Site(context.rank, end, "the step's gradient all-reduce", self.others,
-                                                iteration))
+        _all_reduce_gradients(self.parameters, run.timeout,
+                              comm.Site(context.rank, end, "the step's gradient all-reduce", self.others, iteration))
         norm = None
         if run.clip_grad_norm is not None:  # every replica holds the whole summed gradient: no message
             norm = torch.nn.utils.clip_grad_norm_(self.parameters, run.clip_grad_norm).item()
         self.optimizer.step()
         if context.synchronize is not None:
             context.synchronize()
+        events = context.events or []
         if context.events is not None:
-            context.events.append((end, start, perf_counter(), 0.0))
-        return total, norm
+            events.append((end, start, perf_counter(), 0.0))
+        return StepOutcome(loss.detach(), norm, events)
+
+    def checkpoint_part(self) -> dict:
+        if self.rank != 0:  # rank 0's replica is the checkpoint's (class docstring)
+            return {}
+        return {"model": {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()},
+                "optimizer": checkpoints.named_optimizer_state(self.optimizer, self.names)}
+
+    def merged_parts(self, parts: list[dict]) -> tuple[dict, dict]:
+        return parts[0]["model"], parts[0]["optimizer"]
 
 
-def _all_reduce_gradients(parameters, loss: torch.Tensor, timeout: float, site: comm.Site) -> float:
-    """Sum every parameter's gradient, and the loss, over all ranks (one flat all-reduce, waited within
-    ``timeout``); the gradients are replaced by the sums. Returns the summed loss."""
+def _all_reduce_gradients(parameters, timeout: float, site: comm.Site) -> None:
+    """Sum every parameter's gradient over all ranks (one flat all-reduce, waited within ``timeout``); the
+    gradients are replaced by the sums."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    dtype = grads[0].dtype if grads else loss.dtype
+    if not grads:
+        return
+    dtype = grads[0].dtype
     if any(g.dtype != dtype for g in grads):
         raise UsageError("sequence-ring training needs every parameter in one dtype (they are all-reduced as one "
                          "buffer)")
-    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(dtype)])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
     comm.settle([work], timeout, site)
     offset = 0
@@ -244,22 +229,10 @@ def _all_reduce_gradients(parameters, loss: torch.Tensor, timeout: float, site: 
             parameter.grad = summed.clone()
         else:
             parameter.grad.copy_(summed)
-    return flat[-1].item()
-
-
-def _save(plan, model, optimizer, names: dict, data_state: dict, world: int, iteration: int) -> None:
-    """Write the checkpoint after step ``iteration`` from this rank's replica (``checkpoint.write_checkpoint``),
-    with the data position ``data_state``."""
-    path = checkpoints.checkpoint_path(plan.run.save, iteration)
-    checkpoints.write_checkpoint(
-        path, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()},
-        checkpoints.named_optimizer_state(optimizer, names), step=iteration, seed=plan.run.seed,
-        data=data_state, meta=worker.checkpoint_meta(plan.program, world, plan.precision))
-    print(f"saved: {path}", flush=True)
 
 
 class SequenceRings(RuntimeFamily):
-    """The sequence-ring family's runtime hooks: its table, its model check, its training loop."""
+    """The sequence-ring family's runtime hooks: its table, its model check, its trainer."""
 
     name = ops.SEQUENCE_RING
     label = "sequence-ring"
@@ -273,12 +246,12 @@ class SequenceRings(RuntimeFamily):
     def check_model(self, spec, config, program, name: str) -> None:
         check_ring_model(spec, config, program, name)
 
-    def train(self, plan, rank: int, world: int, device) -> list[float]:
-        return train_ring(plan, rank, world, device)
+    def trainer(self, plan, rank: int, world: int, device) -> RingTrainer:
+        return RingTrainer(plan, rank, world, device)
 
 
 FAMILY = register(SequenceRings(), RingPlan)
 
 
-__all__ = ["FAMILY", "RingAttentionFunction", "SequenceRings", "check_ring_model", "ring_attend", "ring_model",
-           "token_positions", "train_ring"]
+__all__ = ["FAMILY", "RingAttentionFunction", "RingTrainer", "SequenceRings", "check_ring_model", "ring_attend",
+           "ring_model", "token_positions"]

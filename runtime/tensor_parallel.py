@@ -16,13 +16,16 @@ on the same data (``reference_parameters``).
 
 The family trains its own model (``MlpConfig``): a model spec's layers have
 no slices to cut, so ``--model`` is refused, and so are the options that
-this first runtime does not take yet (``--trace``, ``--resume``,
-``--clip-grad-norm``, a dtype other than fp32, NCCL, ...), by name, before
-any worker starts (``refuse_run``) and again in each worker.
+this runtime does not take yet (``--clip-grad-norm``, ``--config``, a dtype
+other than fp32, NCCL, ...), by name, before any worker starts
+(``refuse_run``) and again in each worker. ``TensorTrainer`` is what the one
+training loop (``worker.train``) drives: ``--save``, ``--save-every``,
+``--resume``, ``--trace`` and ``--inject`` as every family.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 import torch.distributed as dist
@@ -32,10 +35,10 @@ from pipec.compiler import ops
 from pipec.compiler.families.tensor_parallel import TensorPlan
 from pipec.compiler.ir import Action
 from pipec.errors import RuntimeFault, UsageError
-from pipec.runtime import comm, report
+from pipec.runtime import comm, phases
 from pipec.runtime import model as builtin
 from pipec.runtime.exchange import Exchange, check_all_waited, post_exchange, wait_exchange
-from pipec.runtime.family import RuntimeFamily, register, run_instructions
+from pipec.runtime.family import RuntimeFamily, StepOutcome, Trainer, register, run_instructions
 
 
 @dataclass(frozen=True)
@@ -100,24 +103,27 @@ def reference_parameters(layers: int, num_microbatches: int, steps: int, seed: i
 
 
 class TensorStep:
-    """One rank's state while it runs its list for one training step (the handlers' ``state``)."""
+    """One rank's state while it runs its list for one training step (the handlers' ``state``).
 
-    def __init__(self, program, rank: int, world: int, params: list[dict], config: MlpConfig, seed: int,
-                 timeout: float, backend: str):
-        self.program, self.rank, self.world, self.params = program, rank, world, params
-        self.config, self.seed, self.timeout = config, seed, timeout
-        self.row = program.ranks[rank]
+    Attributes:
+        row: the rank's list (a copy: ``--inject`` plants into it); handlers: the family's table (a copy, alike).
+    """
+
+    def __init__(self, program, rank: int, world: int, params: list[dict], timeout: float, backend: str):
+        self.program, self.rank, self.world, self.params, self.timeout = program, rank, world, params, timeout
+        self.row = list(program.ranks[rank])
+        self.handlers = dict(HANDLERS)
         self.num_microbatches = program.num_microbatches
         self.layers = len(program.stages)
         self.wait_fn, _ = comm.wait_rule(backend)
         self.iteration = 1
         self.waited = 0.0
         self.open: dict[int, Exchange] = {}
-        self.reset(1)
 
-    def reset(self, iteration: int) -> None:
+    def reset(self, iteration: int, batch) -> None:
+        """Start step ``iteration`` on ``batch``: (inputs, targets), one of each per microbatch."""
         self.iteration = iteration
-        self.inputs = {mb: microbatch(self.config, self.seed, iteration, mb) for mb in range(self.num_microbatches)}
+        self.inputs = dict(enumerate(zip(*batch)))
         self.whole: dict[tuple, torch.Tensor] = {}     # (op, layer, mb) -> the all-reduced tensor, residual added
         self.saved: dict[tuple, tuple] = {}            # (layer, mb) -> (input leaf, partial output)
         self.partials: dict[tuple, tuple] = {}         # (op, layer, mb) -> (partial, what to add to its sum)
@@ -192,68 +198,110 @@ PART_POSTERS = {ops.ALLREDUCE_TF: _all_reduce, ops.ALLREDUCE_TB: _all_reduce}
 
 def options_refusal(run) -> str | None:
     """Why this runtime cannot take the run's options yet (module docstring), or None."""
-    for given, words in ((run.trace, "--trace"), (run.resume, "--resume"), (run.clip_grad_norm, "--clip-grad-norm"),
-                         (run.inject, "--inject"), (run.partition, "--partition"),
-                         (run.config_overrides, "--config"), (run.save_every, "--save-every"),
+    for given, words in ((run.clip_grad_norm, "--clip-grad-norm"), (run.partition, "--partition"),
+                         (run.config_overrides, "--config"),
                          (run.dtype not in (None, "fp32"), f"--dtype {run.dtype}"),
                          (run.backend != "gloo", f"--backend {run.backend}")):
         if given:
             return (f"a tensor-parallel schedule does not take {words} yet (it trains on gloo ranks with --steps, "
-                    "--seed, --timeout and --save)")
+                    "--seed, --timeout, --save, --save-every, --resume, --trace and --inject)")
     return None
 
 
-def train_tensor(plan, rank: int, world: int, device) -> list[float]:
-    """Run ``plan.run.steps`` tensor-parallel training steps on this rank; the group is joined.
+class MlpBatches:
+    """The family's data (``Trainer.data``): step ``step``'s microbatches, drawn from the seed, the same on every
+    rank; its position is only the steps done, so a resumed run draws what the uninterrupted one would."""
 
-    Collective: every rank calls it with the same arguments. Rank 0 prints each step's loss and, with
-    ``--save``, writes the whole model (every rank's slices gathered): ``layers.L.w1`` and so on.
+    SOURCE = "tensor_parallel_mlp"
 
-    Returns:
-        on rank 0 the loss of each step; elsewhere an empty list.
-    """
-    program, run = plan.program, plan.run
-    refusal = options_refusal(run)
-    if refusal is not None:
-        raise UsageError(refusal)
-    config = MlpConfig()
-    params = [{name: t.requires_grad_() for name, t in slices(layer, rank, world).items()}
-              for layer in whole_model(len(program.stages), config, run.seed)]
-    optimizer = torch.optim.SGD([t for layer in params for t in layer.values()], lr=config.lr)
-    state = TensorStep(program, rank, world, params, config, run.seed, run.timeout, run.backend)
-    losses = []
-    clock = report.StepClock(rank, run.steps, device)
-    for iteration in range(1, run.steps + 1):
-        optimizer.zero_grad()
-        state.reset(iteration)
-        run_instructions(state, state.row, HANDLERS, 0, len(state.row))
+    def __init__(self, config: MlpConfig, seed: int, num_microbatches: int):
+        self.config, self.seed, self.num_microbatches = config, seed, num_microbatches
+        self.rows_per_microbatch = config.rows
+
+    def batch(self, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Step ``step``'s (from 0) inputs and targets, one of each per microbatch."""
+        pairs = [microbatch(self.config, self.seed, step + 1, mb) for mb in range(self.num_microbatches)]
+        return [x for x, _ in pairs], [target for _, target in pairs]
+
+    def state_after(self, steps_done: int) -> dict:
+        return {"source": self.SOURCE, "steps": steps_done}
+
+    def restore(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("source") != self.SOURCE or set(state) != {"source", "steps"}:
+            raise UsageError(f"--resume: the checkpoint's data position {state!r} is not a tensor-parallel run's")
+
+
+class TensorTrainer(Trainer):
+    """One rank of a tensor-parallel program (``RuntimeFamily.trainer``): its slices of every layer, cut from the
+    whole model every rank builds from the seed (or a resumed checkpoint's), stepped by SGD; a checkpoint joins
+    every rank's slices into the whole model (``layers.L.w1`` and so on)."""
+
+    def __init__(self, plan, rank: int, world: int, device):
+        program, run = plan.program, plan.run
+        refusal = options_refusal(run)
+        if refusal is not None:
+            raise UsageError(refusal)
+        phases.announce(phases.MODEL_BUILD)
+        config = MlpConfig()
+        whole = whole_model(len(program.stages), config, run.seed)
+        if plan.checkpoint is not None:
+            phases.announce(phases.CHECKPOINT_LOAD)
+            whole = _checkpoint_layers(plan.checkpoint.model, whole, run.resume)
+        self.params = [{name: t.requires_grad_() for name, t in slices(layer, rank, world).items()} for layer in whole]
+        self.optimizer = torch.optim.SGD([t for layer in self.params for t in layer.values()], lr=config.lr)
+        self.rank, self.record = rank, run.trace
+        self.context = TensorStep(program, rank, world, self.params, run.timeout, run.backend)
+        self.data = MlpBatches(config, run.seed, program.num_microbatches)
+        self.batch_size = (program.num_microbatches * config.rows, None)
+        self.modules = {}
+
+    def step(self, batch, iteration: int) -> StepOutcome:
+        """Every rank computes the whole loss; rank 0's is the batch's (the others add nothing)."""
+        state = self.context
+        events: list = []
+        self.optimizer.zero_grad()
+        state.reset(iteration, batch)
+        run_instructions(state, state.row, state.handlers, 0, len(state.row), events.append if self.record else None)
         check_all_waited(state.open, state.fault)
-        optimizer.step()
-        if rank == 0:
-            losses.append(state.loss)
-        clock.done(iteration, state.loss if rank == 0 else None)
-    if run.save:
-        _save(run.save.replace("{step}", str(run.steps)), params, rank, world)
-    return losses
+        start = perf_counter()
+        self.optimizer.step()
+        if self.record:
+            events.append((len(state.row), start, perf_counter(), 0.0))
+        return StepOutcome(torch.tensor(state.loss) if self.rank == 0 else None, None, events)
+
+    def checkpoint_part(self) -> dict:
+        return {"model": [{name: t.detach().clone() for name, t in layer.items()} for layer in self.params]}
+
+    def merged_parts(self, parts: list[dict]) -> tuple[dict, dict]:
+        """The whole layers, every rank's slices joined in rank order (W1, b1 by rows, W2 by columns); SGD keeps
+        no state."""
+        model = {}
+        for layer, pieces in enumerate(zip(*(part["model"] for part in parts))):
+            for name in pieces[0]:
+                model[f"layers.{layer}.{name}"] = torch.cat([piece[name] for piece in pieces],
+                                                            dim=1 if name == "w2" else 0)
+        return model, {}
 
 
-def _save(path: str, params: list[dict], rank: int, world: int) -> None:
-    """Gather every rank's slices and write the whole model's state_dict on rank 0 (atomically)."""
-    from pipec.runtime.checkpoint import save_atomically
-
-    model = {}
-    for layer, weights in enumerate(params):
-        for name, tensor in weights.items():
-            pieces = [torch.empty_like(tensor) for _ in range(world)]
-            dist.all_gather(pieces, tensor.detach().contiguous())
-            model[f"layers.{layer}.{name}"] = torch.cat(pieces, dim=1 if name == "w2" else 0)
-    if rank == 0:
-        save_atomically(model, path, "the saved model")
-        print(f"saved: {path}", flush=True)
+def _checkpoint_layers(model: dict, built: list[dict], source: str) -> list[dict]:
+    """The whole layers a checkpoint holds, each the shape of the one built (else a ``UsageError``)."""
+    layers = []
+    for index, layer in enumerate(built):
+        found = {}
+        for name, tensor in layer.items():
+            key = f"layers.{index}.{name}"
+            saved = model.get(key)
+            if saved is None or tuple(saved.shape) != tuple(tensor.shape):
+                raise UsageError(f"--resume: the checkpoint's '{key}' is "
+                                 f"{'missing' if saved is None else tuple(saved.shape)}, this model's is "
+                                 f"{tuple(tensor.shape)}: it was saved from another model ({source})")
+            found[name] = saved.clone()
+        layers.append(found)
+    return layers
 
 
 class TensorParallel(RuntimeFamily):
-    """The tensor-parallel family's runtime hooks: its table, its model check, its training loop."""
+    """The tensor-parallel family's runtime hooks: its table, its model check, its trainer."""
 
     name = ops.TENSOR_PARALLEL
     label = "tensor-parallel"
@@ -277,12 +325,12 @@ class TensorParallel(RuntimeFamily):
     def refuse_run(self, run) -> str | None:
         return options_refusal(run)
 
-    def train(self, plan, rank: int, world: int, device) -> list[float]:
-        return train_tensor(plan, rank, world, device)
+    def trainer(self, plan, rank: int, world: int, device) -> TensorTrainer:
+        return TensorTrainer(plan, rank, world, device)
 
 
 FAMILY = register(TensorParallel(), TensorPlan)
 
 
-__all__ = ["FAMILY", "HANDLERS", "MlpConfig", "PART_POSTERS", "TensorParallel", "microbatch", "reference_parameters",
-           "slices", "train_tensor", "whole_model"]
+__all__ = ["FAMILY", "HANDLERS", "MlpBatches", "MlpConfig", "PART_POSTERS", "TensorParallel", "TensorTrainer",
+           "microbatch", "reference_parameters", "slices", "whole_model"]

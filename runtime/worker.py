@@ -15,9 +15,10 @@ its microbatch losses). ``--save`` gathers the chunks' parameters to rank 0
 (one copy of replicated chunks; under weight passing each layer from its
 owner) and writes the whole model's state_dict;
 ``--trace`` gathers every instruction's timing to rank 0 as one Chrome trace.
-A family with its own training loop (``RuntimeFamily.train``: sequence rings,
-``runtime/sequence.py``, every rank running the whole model on its chunks of
-the sequence) trains through it instead, with the same options.
+Every family trains through this one loop (``train``); what differs is the
+family's ``Trainer`` (``runtime/family.py``): what a rank builds and what one
+step runs (a sequence ring, ``runtime/sequence.py``: every rank runs the whole
+model on its chunks of the sequence).
 
 A fault (a wait past ``--timeout``, a peer that died) prints
 ``rank R, step S (INSTR): waited T s for rank Q ...`` to stderr and ends the
@@ -690,7 +691,9 @@ def leave_group() -> None:
 
 
 def train(plan: Plan, rank: int, world: int, device) -> list[float]:
-    """Run ``plan.run.steps`` training steps of ``plan`` on this rank; the group is joined.
+    """Run ``plan.run.steps`` training steps of ``plan`` on this rank; the group is joined. The one loop of
+    every family and composition: the family builds what the rank trains (``RuntimeFamily.trainer``) and
+    runs each step; the loop owns the steps' phases, the loss, the reports, checkpoints, resume and the trace.
 
     Collective: every rank calls it with the same arguments. Rank 0 prints the
     loss per step, and writes the trace and the saved model when asked.
@@ -698,80 +701,41 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     Returns:
         on rank 0 the loss of each step; elsewhere an empty list.
     """
-    import torch
     import torch.distributed as dist
 
-    from pipec.runtime.data import BatchSource, data_needs
-    from pipec.runtime.checkpoint import load_modules, restore_optimizer
-    from pipec.runtime.family import runtime_family, share_of
-    from pipec.runtime.interpreter import make_context, run_step, stage_modules
+    from pipec.runtime.family import runtime_family
 
-    program, spec, config, run = plan.program, plan.spec, plan.config, plan.run
-    family = runtime_family(program)
-    if family.train is not None:  # the family's own loop (a sequence ring: the whole model on every rank)
-        phases.announce(phases.TRAINING, deadline=None)  # each of its waits has its own deadline
-        return family.train(plan, rank, world, device)
-    from pipec.runtime.model import call_spec_function
-
-    phases.announce(phases.MODEL_BUILD)
-    stages = stage_modules(program, rank, lambda chunk: call_spec_function(
-        run.model, f"build_chunk(config, {chunk}, {program.num_chunks}, seed)", spec.build_chunk, config, chunk,
-        program.num_chunks, run.seed).to(device))
-    checkpoint = plan.checkpoint
-    if checkpoint is not None:  # before the context: weight passing cuts its shards from the modules
-        phases.announce(phases.CHECKPOINT_LOAD)
-        load_modules(stages.values(), checkpoint.model, run.resume)
-    synchronize = torch.cuda.synchronize if (run.trace and device.type == "cuda") else None
-    seq_len, tokens = None, None
-    if program.stage_ring is not None:  # context parallel: each member runs its tokens of every sequence
-        from pipec.runtime.placed import stage_ring_model, token_share
-
-        seq_len = stage_ring_model(spec, config, program, run.model).seq_len
-        tokens = token_share(program, rank, seq_len)
-    context = make_context(
-        program, rank, stages,
-        loss_fn=spec.loss_fn, make_optimizer=spec.make_optimizer, layouts=plan.layouts or [],
-        precision=plan.precision, device=device, backend=run.backend, timeout=run.timeout, synchronize=synchronize,
-        clip_grad_norm=run.clip_grad_norm, seq_len=seq_len,
-    )
+    program, run = plan.program, plan.run
+    trainer = runtime_family(program).trainer(plan, rank, world, device)
     if plan.inject:
-        plant_injection(context, plan.inject)
+        plant_injection(trainer.context, plan.inject)
     first = 1
-    if checkpoint is not None:
-        restore_optimizer(context, stages, checkpoint.optimizer)
-        first, plan.checkpoint = checkpoint.step + 1, None  # what the modules and optimizer took is theirs now
-    # this rank reads only the inputs and targets its first and last stages use
-    data = BatchSource(spec, config, run.seed, program.num_microbatches, data_needs(program, rank),
-                       device=device, name=run.model, share=share_of(program, rank) if tokens is None else None,
-                       tokens=tokens)
-    if checkpoint is not None:
-        data.restore(checkpoint.data)
+    if plan.checkpoint is not None:  # the model and optimizer took theirs in the trainer; the data go on here
+        trainer.data.restore(plan.checkpoint.data)
+        first, plan.checkpoint = plan.checkpoint.step + 1, None
     if rank == 0:
         _print_staleness_note(program)
-    report.built(stages)
+    report.built(trainer.modules)
     phases.announce(phases.step_phase(first))  # the barrier has no deadline of its own
     dist.barrier()
     t0 = time.perf_counter()
-    clock = report.StepClock(rank, run.steps, device,
-                             *report.batch_size(config, program.num_microbatches, data.rows_per_microbatch))
+    clock = report.StepClock(rank, run.steps, device, *trainer.batch_size)
     recorded = []
     losses = []
     for iteration in range(first, run.steps + 1):
-        context.iteration = iteration
         phases.announce(phases.step_phase(iteration), deadline=None)  # each wait of a step has --timeout
-        batch = data.batch(iteration - 1)
-        loss, events = run_step(program, rank, stages, batch, context)
+        outcome = trainer.step(trainer.data.batch(iteration - 1), iteration)
         if run.trace:
-            recorded.append(events)
-        total = _reduced_loss(loss, rank, world, context, iteration, device)
+            recorded.append(outcome.events)
+        total = _reduced_loss(outcome.loss, rank, world, trainer.context, iteration, device)
         if rank == 0:
             losses.append(total)
-        clock.done(iteration, losses[-1] if rank == 0 else None, context.grad_norm)
+        clock.done(iteration, total, outcome.grad_norm)
         if saves_after(run, iteration):
-            _save_checkpoint(plan, context, stages, data.state_after(iteration), rank, world, iteration)
+            _save_checkpoint(plan, trainer, trainer.data.state_after(iteration), rank, world, iteration)
     if run.trace:
         phases.announce(phases.TRACE)
-        write_trace(run, context, recorded, t0, world)
+        write_trace(run, trainer.context, recorded, t0, world)
     return losses
 
 
@@ -802,20 +766,19 @@ def checkpoint_meta(program, world: int, precision) -> dict:
     return {"schedule": program.name, "params": dict(program.params), "ranks": world, "dtype": precision.name}
 
 
-def _save_checkpoint(plan: Plan, context, stages, data_state: dict, rank: int, world: int, iteration: int) -> None:
+def _save_checkpoint(plan: Plan, trainer, data_state: dict, rank: int, world: int, iteration: int) -> None:
     """Gather every rank's part of the checkpoint after step ``iteration`` on rank 0, which writes it
     (``checkpoint.write_checkpoint``: ``F.resume``, then F, the whole model's state_dict), with the data
     position ``data_state`` (``BatchSource.state_after``)."""
     from pipec.runtime import checkpoint
 
     phases.announce(phases.CHECKPOINT_SAVE)
-    gathered = _gather(checkpoint.rank_part(context, stages), rank, world)
+    gathered = _gather(trainer.checkpoint_part(), rank, world)
     if rank == 0:
-        model, optimizer = checkpoint.merged_parts(context, gathered)
+        model, optimizer = trainer.merged_parts(gathered)
         path = checkpoint.checkpoint_path(plan.run.save, iteration)
         checkpoint.write_checkpoint(path, model, optimizer, step=iteration, seed=plan.run.seed,
-                                    data=data_state,
-                                    meta=checkpoint_meta(context.program, world, plan.precision))
+                                    data=data_state, meta=checkpoint_meta(plan.program, world, plan.precision))
         print(f"saved: {path}", flush=True)
 
 
