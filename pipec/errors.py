@@ -141,12 +141,26 @@ class ScheduleError(SourceError):
     """The evaluated schedule is inconsistent (a stage with two homes, a task out of range)."""
 
 
-class SourceErrors(PipecError):
-    """Several source errors, collected and raised once."""
+class SourceErrors(SourceError):
+    """Several source errors, collected and raised once: a ``SourceError`` located at the first of them, so
+    that whoever catches source errors (the API's users) catches a file with several mistakes too.
+
+    Attributes:
+        errors: every error, in source order (at least one).
+    """
 
     def __init__(self, errors: Sequence[SourceError]):
         self.errors = list(errors)
-        super().__init__("\n".join(e.render() for e in self.errors))
+        if not self.errors:
+            raise ValueError("SourceErrors needs at least one error")
+        first = self.errors[0]
+        super().__init__("\n".join(e.render() for e in self.errors), first.span, first.source)
+
+    def with_source(self, source: str) -> "SourceErrors":
+        for error in self.errors:
+            error.with_source(source)
+        self.source = self.source if self.source is not None else source
+        return self
 
     def render(self) -> str:
         return "\n".join(e.render() for e in self.errors)

@@ -55,7 +55,7 @@ class RunConfig:
         dtype: ``--dtype``: the compute precision's name (``runtime.precision.PRECISIONS``).
         clip_grad_norm: ``--clip-grad-norm``: the gradients' largest global norm, or None.
         inject: ``--inject KIND:RANK:INDEX``: a test-only fault, unparsed, or None.
-        join_timeout: ``--join-timeout``: the deadline of start-up and group formation, seconds.
+        join_timeout: ``--join-timeout``: the deadline of getting ready (``phases.GETTING_READY``), seconds.
         program: ``--program``: the compiled program's JSON file to run instead of compiling
             TARGET, or None (always None for ``pipec run``, which writes that file itself).
     """

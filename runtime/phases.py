@@ -38,7 +38,14 @@ GROUP_EXIT = "group exit"
 # A worker's phases in the order it meets them; a training step is "step K".
 PHASES = (START_UP, CHECKPOINT_LOAD, MODEL_BUILD, GROUP_FORMATION, FIRST_EXCHANGE, "step K", CHECKPOINT_SAVE,
           TRACE, GROUP_EXIT)
-# A phase's deadline is --timeout and this margin: a rank waiting on a stopped one must let the
+# The phases of getting ready, whose work grows with the model and the machine's load (importing torch and
+# the user's module, reading a checkpoint, building the model, joining): their deadline is --join-timeout,
+# never a step's --timeout, which bounds one wait of a training step and says nothing of them. A phase that
+# waits for every rank to get ready (the barrier before the first step) is announced with ``JOIN_DEADLINE``.
+GETTING_READY = frozenset({START_UP, CHECKPOINT_LOAD, MODEL_BUILD, GROUP_FORMATION})
+# ``announce``'s deadline meaning "--join-timeout".
+JOIN_DEADLINE = -2.0
+# Any other phase's deadline is --timeout and this margin: a rank waiting on a stopped one must let the
 # launcher (at --timeout) name the stopped rank first, and a phase of work must not fail a loaded machine.
 MARGIN_S = 3.0
 # The folder where a worker keeps its phase file (set by ``pipec run``; unset under torchrun).
@@ -74,9 +81,9 @@ class Watch:
 
     Args:
         rank: the worker's global rank; None for ``pipec run``'s own checks.
-        timeout: ``--timeout``: with ``MARGIN_S``, the deadline of every phase but the two below.
-        join_timeout: the deadline of start-up and group formation (``--join-timeout``): ranks start
-            at different moments, on other machines.
+        timeout: ``--timeout``: with ``MARGIN_S``, the deadline of every phase but those of getting ready.
+        join_timeout: the deadline of the phases of getting ready (``GETTING_READY``, ``--join-timeout``):
+            ranks start at different moments, on other machines, and build models of any size.
         folder: where to keep the phase file for the launcher; None: keep none.
     """
 
@@ -153,7 +160,7 @@ def start_watch(rank: int | None, timeout: float, join_timeout: float, folder: s
 
 
 @contextlib.contextmanager
-def launcher_checks(timeout: float):
+def launcher_checks(timeout: float, join_timeout: float):
     """Watch ``pipec run``'s own checks before launching (reading ``--resume``, importing and trying the
     model spec): inside, ``announce`` gives each phase its deadline; after, nothing is watched.
 
@@ -163,8 +170,8 @@ def launcher_checks(timeout: float):
     global _current
     started = _current is None
     if started:
-        _current = Watch(None, timeout, timeout).start()
-    _current.timeout = timeout
+        _current = Watch(None, timeout, join_timeout).start()
+    _current.timeout, _current.join_timeout = timeout, join_timeout
     try:
         yield
     finally:
@@ -179,13 +186,16 @@ def announce(phase: str, *, deadline: float | None = -1.0) -> None:
     """Say that this process enters ``phase``; a no-op when no watch was started.
 
     Args:
-        deadline: seconds the phase may last; the default is ``--timeout`` plus ``MARGIN_S``;
+        deadline: seconds the phase may last; by default ``--join-timeout`` for a phase of getting ready
+            (``GETTING_READY``), else ``--timeout`` plus ``MARGIN_S``; ``JOIN_DEADLINE``: ``--join-timeout``;
             None: not watched by the process itself (each wait inside has its own deadline).
     """
     watch = _current
     if watch is None:
         return
-    watch.enter(phase, watch.timeout + MARGIN_S if deadline == -1.0 else deadline)
+    if deadline == -1.0:
+        deadline = JOIN_DEADLINE if phase in GETTING_READY else watch.timeout + MARGIN_S
+    watch.enter(phase, watch.join_timeout if deadline == JOIN_DEADLINE else deadline)
 
 
 def read_phase(folder: str, rank: int) -> dict | None:
@@ -202,6 +212,6 @@ def read_phase(folder: str, rank: int) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-__all__ = ["CHECKPOINT_LOAD", "CHECKPOINT_SAVE", "FIRST_EXCHANGE", "GROUP_EXIT", "GROUP_FORMATION", "MODEL_BUILD",
-           "MARGIN_S", "PHASES", "PHASE_DIR_ENV", "START_UP", "STOP_AT_ENV", "TRACE", "Watch", "announce",
+__all__ = ["CHECKPOINT_LOAD", "CHECKPOINT_SAVE", "FIRST_EXCHANGE", "GETTING_READY", "GROUP_EXIT", "GROUP_FORMATION",
+           "JOIN_DEADLINE", "MODEL_BUILD", "MARGIN_S", "PHASES", "PHASE_DIR_ENV", "START_UP", "STOP_AT_ENV", "TRACE", "Watch", "announce",
            "launcher_checks", "phase_file", "phase_line", "read_phase", "start_watch", "step_phase", "who"]

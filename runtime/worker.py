@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "compiling TARGET; TARGET, -D and --costs then only name, in the trace, what it was compiled from")
     parser.add_argument("--join-timeout", dest="join_timeout", type=seconds_arg, default=DEFAULT_JOIN_TIMEOUT_S,
                         metavar="SECONDS",
-                        help=f"deadline of start-up and group formation: ranks start at different moments, on other "
-                             f"machines (default {DEFAULT_JOIN_TIMEOUT_S:g})")
+                        help=f"deadline of getting ready: start-up, loading a checkpoint, building the model, joining "
+                             f"the group and waiting for every rank's build; ranks start at different moments, on "
+                             f"other machines, with models of any size (default {DEFAULT_JOIN_TIMEOUT_S:g})")
     return parser
 
 
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(error.render() + "\n")
         return 1
     signal.signal(signal.SIGTERM, lambda *_: die(f"rank {rank}: stopped by the launcher (another worker failed)"))
-    phases.announce(phases.GROUP_FORMATION, deadline=config.join_timeout)
+    phases.announce(phases.GROUP_FORMATION)
     if plan.inject and plan.inject.kind == _LATE and plan.inject.rank == rank:
         time.sleep(plan.inject.index)
     with fatal_errors(rank):
@@ -304,7 +305,7 @@ def make_plan(config: RunConfig, world: int) -> Plan:
     if not config.timeout > 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {config.timeout}")
     # importing torch and compiling take what they take on a loaded machine: part of joining, not --timeout's
-    phases.announce(phases.START_UP, deadline=config.join_timeout)
+    phases.announce(phases.START_UP)
     import torch  # noqa: F401
 
     program = load_program(config.program) if config.program else compile_program(config)
@@ -716,7 +717,8 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     if rank == 0:
         _print_staleness_note(program)
     report.built(trainer.modules)
-    phases.announce(phases.step_phase(first))  # the barrier has no deadline of its own
+    # the barrier waits for every rank to have built its model: getting ready, with --join-timeout
+    phases.announce(phases.step_phase(first), deadline=phases.JOIN_DEADLINE)
     dist.barrier()
     t0 = time.perf_counter()
     clock = report.StepClock(rank, run.steps, device, *trainer.batch_size)

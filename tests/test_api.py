@@ -101,3 +101,19 @@ def test_check_takes_other_budgets():
     program.check(memory_budget=4)
     with pytest.raises(ProgramError, match="over the budget of 2"):
         program.check(memory_budget=2)
+
+
+def test_a_file_with_several_mistakes_is_a_source_error_located_at_the_first(tmp_path):
+    """Every resolution error of a file is raised at once (``SourceErrors``), and it is a ``SourceError``: an API
+    user catching source errors catches a file with several mistakes too, located at the first of them."""
+    from pipec.errors import SourceError, SourceErrors
+
+    path = tmp_path / "two.pipe"
+    path.write_text("schedule s(P: int) {\n  stages 1\n  place stage s on rank 0\n}\n")
+    with pytest.raises(SourceError) as caught:
+        pipec.compile(path)
+    error = caught.value
+    assert isinstance(error, SourceErrors) and len(error.errors) >= 2, error.render()
+    assert (error.span.line, error.span.col) == (error.errors[0].span.line, error.errors[0].span.col)
+    assert str(error) == error.render() == "\n".join(each.render() for each in error.errors)
+    assert all(f"{path}:" in each.render() for each in error.errors), error.render()

@@ -216,6 +216,7 @@ def test_a_node_that_never_joins_ends_the_run_within_the_join_timeout(capsys, mo
     (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "no-such-host.invalid:29500"],
      "--rdzv-endpoint no-such-host.invalid:29500: cannot resolve 'no-such-host.invalid'"),
     (["--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29500"], "are for a run over several machines: pass --nnodes"),
+    (["--rdzv-endpoint", "127.0.0.1:29500", "--join-timeout", "5"], "are for a run over several machines"),
     (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29500", "--nproc", "4"],
      "--nproc 4 on each of 2 machines starts 8 workers, but 1f1b was compiled for 4 ranks: one worker runs one rank "
      "(pass --nproc 2"),

@@ -21,8 +21,13 @@ import pytest
 from test_run_cli import run_command_line, run_pipec
 
 from pipec.runtime.phases import STOP_AT_ENV, phase_file
+from slow_build_spec import SLOW_BUILD_S
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 TIMEOUT_S = 5
+# --join-timeout where a test waits for a phase of getting ready to overrun (start-up, under load, fits in it).
+JOIN_S = 15
 # How long after the stop the run may end (the issue's promise).
 GRACE_S = 10
 # Deadline of a whole run: start-up of three Pythons with torch on a loaded machine, plus the above.
@@ -93,21 +98,41 @@ def hanging_model(tmp_path, monkeypatch):
 
 
 def test_a_model_module_whose_import_hangs_is_named_by_pipec_run(hanging_model):
-    done = run_pipec("run", *ONE_F_ONE_B, "--model", hanging_model, deadline_s=DEADLINE_S)
+    # importing the user's module is getting ready: --join-timeout bounds it, not a step's --timeout
+    done = run_pipec("run", *ONE_F_ONE_B, "--model", hanging_model, "--join-timeout", str(JOIN_S),
+                     deadline_s=DEADLINE_S)
     assert done.status == 1 and "Traceback" not in done.stderr and not done.survivors, done.describe()
     assert re.search(r"^pipec run \(host .+\), phase model build: waited (\d+\.\d) s", done.stderr, re.M), \
         done.describe()
-    assert done.seconds < TIMEOUT_S + GRACE_S + 20, done.describe()  # + one Python's start-up
+    assert done.seconds < JOIN_S + GRACE_S + 20, done.describe()  # + one Python's start-up
 
 
 def test_a_model_module_whose_import_hangs_is_named_by_the_worker_itself(hanging_model):
     # the torchrun entry: the worker's own watch, no launcher watching it (alone, it is rank 0 of 1)
     done = run_command_line(["-m", "pipec.runtime", "1f1b", "-D", "P=1", "-D", "N=2", "--steps", "1",
-                             "--timeout", str(TIMEOUT_S), "--model", hanging_model], DEADLINE_S)
+                             "--timeout", str(TIMEOUT_S), "--join-timeout", str(JOIN_S), "--model", hanging_model],
+                            DEADLINE_S)
     assert done.status == 1 and "Traceback" not in done.stderr and not done.survivors, done.describe()
     named = PHASE_LINE.search(done.stderr)
     assert named and named.group(1, 2) == ("0", "model build"), done.describe()
-    assert TIMEOUT_S <= float(named.group(3)) < TIMEOUT_S + GRACE_S, done.describe()
+    assert JOIN_S <= float(named.group(3)) < JOIN_S + GRACE_S, done.describe()
+
+
+def test_a_slow_build_is_getting_ready_and_a_fault_after_it_is_named_at_the_steps_timeout(monkeypatch):
+    """Rank 1 builds its chunks for 6 s, past --timeout + 3 s, and rank 0 waits that long at the barrier: both
+    are getting ready, bounded by --join-timeout; then rank 1 hangs at its first instruction, and rank 0 names
+    it at the step's --timeout. (Before, the build's phase had --timeout + 3 s, and the run ended there naming
+    the model build: a fault's deadline depended on how fast the machine ran the phases before the fault.)"""
+    timeout = 1.5
+    assert SLOW_BUILD_S > timeout + 3
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    done = run_pipec("run", "1f1b", "-D", "P=2", "-D", "N=4", "--steps", "2", "--timeout", str(timeout),
+                     "--model", "slow_build_spec:SPEC", "--inject", "hang:1:0", deadline_s=DEADLINE_S)
+    assert done.status == 1 and "Traceback" not in done.stderr and not done.survivors, done.describe()
+    assert not PHASE_LINE.search(done.stderr), done.describe()  # no phase overran: the fault is the step's
+    match = re.search(r"^rank 0, step \d+ \(.*\): waited (\d+(?:\.\d+)?) s for rank 1: no answer within the "
+                      r"timeout.*training step 1$", done.stderr, re.M)
+    assert match and timeout <= float(match.group(1)) < timeout + 2.0, done.describe()
 
 
 def test_the_test_hook_names_a_phase_the_worker_announces():
@@ -124,7 +149,7 @@ LEFTOVER_WATCH = textwrap.dedent("""\
     import time
     from pipec.runtime import phases
 
-    with phases.launcher_checks(0.1):  # what `pipec run` called from Python does before it launches
+    with phases.launcher_checks(0.1, 0.1):  # what `pipec run` called from Python does before it launches
         phases.announce(phases.MODEL_BUILD)
     phases.announce(phases.CHECKPOINT_SAVE)  # later in the same process: an in-process training's save
     time.sleep(phases.MARGIN_S + 1.0)  # past the deadline a leftover watch would have given that phase

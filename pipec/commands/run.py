@@ -127,8 +127,9 @@ def register(sub) -> None:
     nodes.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", metavar="HOST:PORT",
                        help="node 0's address and a free port there: node 0 listens, the others join")
     nodes.add_argument("--join-timeout", dest="join_timeout", type=seconds_arg, default=None, metavar="SECONDS",
-                       help=f"how long the nodes wait for each other before the run starts "
-                            f"(default {DEFAULT_JOIN_TIMEOUT_S:g})")
+                       help=f"how long getting ready may take: the nodes waiting for each other, each worker "
+                            f"importing, loading a checkpoint and building its model, and the ranks waiting for "
+                            f"each other's build (default {DEFAULT_JOIN_TIMEOUT_S:g}); on one machine too")
     run_report.add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -246,7 +247,7 @@ def _checks_under_deadline(config: RunConfig, program) -> None:
 
     from pipec.runtime import phases
 
-    with phases.launcher_checks(config.timeout):
+    with phases.launcher_checks(config.timeout, config.join_timeout):
         phases.announce(phases.CHECKPOINT_LOAD)
         _check_resume(config)
         phases.announce(phases.MODEL_BUILD)
@@ -328,7 +329,8 @@ _REACH_EVERY_S = 0.2
 
 
 def nodes_of(args) -> Nodes | None:
-    """The parsed ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint`` and ``--join-timeout``; None for one machine.
+    """The parsed ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint`` and ``--join-timeout``; None for one machine
+    (where ``--join-timeout`` is only the workers' deadline of getting ready).
 
     Args:
         args: the parsed ``pipec run`` arguments (another command's have none of them: one machine).
@@ -336,15 +338,15 @@ def nodes_of(args) -> Nodes | None:
         this launcher's ``Nodes``, or None for a run on one machine.
     Raises:
         UsageError: a node rank outside 0 .. M-1, a missing node rank or endpoint
-            when M > 1 (or any of the three given when M is 1), an endpoint that is not HOST:PORT.
+            when M > 1 (or either given when M is 1), an endpoint that is not HOST:PORT.
     """
     count = getattr(args, "nnodes", 1) or 1
     rank, endpoint = getattr(args, "node_rank", None), getattr(args, "rdzv_endpoint", None)
     join_timeout = getattr(args, "join_timeout", None)
-    if count == 1:
-        if rank not in (None, 0) or endpoint is not None or join_timeout is not None:
-            raise UsageError("--node-rank, --rdzv-endpoint and --join-timeout are for a run over several machines: "
-                             "pass --nnodes M too")
+    if count == 1:  # --join-timeout still bounds getting ready (the workers take it as it is)
+        if rank not in (None, 0) or endpoint is not None:
+            raise UsageError("--node-rank and --rdzv-endpoint are for a run over several machines: pass --nnodes M "
+                             "too")
         return None
     if rank is None or endpoint is None:
         raise UsageError(f"--nnodes {count}: every machine needs its --node-rank (0 .. {count - 1}) and the same "
