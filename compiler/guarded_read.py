@@ -720,12 +720,13 @@ positive_decimal_arg = _decimal_arg(MAX_DECIMAL, "number", f"a decimal number ab
 def looks_like_program(path: str) -> bool:
     """True when ``path`` is a regular file whose first non-blank character is
     ``{`` or ``[``: a JSON document (a compiled program), never a ``.pipe`` source."""
-    return _first_byte(path) in (b"{", b"[")
+    head = _head(path)
+    return head is not None and head[:1] in (b"{", b"[")
 
 
-def _first_byte(path: str) -> bytes | None:
-    """The first non-blank byte of the regular file ``path`` (b"" when it has none), or None when
-    ``path`` is no regular file one can read. Opened without blocking: a FIFO is never waited on."""
+def _head(path: str) -> bytes | None:
+    """The first 4 KiB of the regular file ``path`` from its first non-blank byte (b"" when it has none), or
+    None when ``path`` is no regular file one can read. Opened without blocking: a FIFO is never waited on."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except (OSError, ValueError):
@@ -738,15 +739,20 @@ def _first_byte(path: str) -> bytes | None:
         return None
     finally:
         os.close(fd)
-    return head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1]
+    return head.lstrip(b" \t\r\n\xef\xbb\xbf")
+
+
+# The shape of a torch.distributed.pipelining action, a CSV's first cell: a stage, a type, a microbatch
+# (``0F0``, ``1SEND_B3``) or a group of them (``(0F0;1B1)OVERLAP_F_B``), up to the cell's end.
+_ACTION_CELL = re.compile(rb"(?:[0-9]+[A-Z][A-Z_]*[0-9]*|\([^()\r\n,]*\)[A-Z][A-Z_]*)[ \t]*(?:,|\r|\n|$)")
 
 
 def looks_like_torch_csv(path: str) -> bool:
-    """True when ``path`` is a regular file named ``*.csv``, or whose first non-blank character is a digit
-    or ``(``: a torch.distributed.pipelining schedule CSV (``0F0,0F1,...``), never a ``.pipe`` source
-    (which starts with a word or a comment)."""
-    first = _first_byte(path)
-    return first is not None and (path.lower().endswith(".csv") or first.isdigit() or first == b"(")
+    """True when ``path`` is a regular file named ``*.csv``, or whose first cell is a torch action
+    (``0F0``, ``(0F0;1B1)OVERLAP_F_B``): a torch.distributed.pipelining schedule CSV, never a ``.pipe``
+    source (which starts with a word or a comment) nor a text that happens to start with a digit."""
+    head = _head(path)
+    return head is not None and (path.lower().endswith(".csv") or _ACTION_CELL.match(head) is not None)
 
 
 def read_program(path: str, error: type[PipecError] = UsageError):

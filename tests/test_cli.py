@@ -126,3 +126,24 @@ def test_file_with_several_schedules_is_addressed_by_name(capsys, tmp_path):
     status, out, _ = run(capsys, "check", f"{path}:b")
     assert status == 0 and out.startswith("ok: b (P=2, N=1): 2 ranks")
     assert run(capsys, "check", f"{path}:c")[0] == 1
+
+
+@pytest.mark.parametrize("command", [["check"], ["simulate"], ["render", "-o", "out.svg"]])
+def test_a_text_that_starts_with_a_digit_is_no_torch_csv_to_any_command(capsys, tmp_path, monkeypatch, command):
+    """Every command takes a file for a torch CSV by its name (``*.csv``) or by a first cell that is a torch
+    action, so a note starting with a digit is read as a ``.pipe`` source (located, with a caret) by each
+    alike (was: ``simulate`` and ``render`` took any file whose first character is a digit for a CSV)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("1. my notes\n")
+    status, _, err = run(capsys, command[0], "notes.txt", *command[1:])
+    assert status == 1 and err.startswith("notes.txt:1:1: unexpected '1'; expected 'schedule'"), err
+    assert not (tmp_path / "out.svg").exists()
+
+
+@pytest.mark.parametrize("first", ["0F0,0F1,0B0,0B1", "(0F0;1B1)OVERLAP_F_B,0F1"])
+def test_a_torch_csv_with_another_name_is_still_known_by_its_first_action(capsys, tmp_path, first):
+    path = tmp_path / "schedule.dat"
+    path.write_text(first + "\n1F0,1B0,1F1,1B1\n")
+    _, out, err = run(capsys, "simulate", str(path))
+    # read as a CSV: simulated, or refused in the CSV's terms (rank, step, the grid), never parsed as a .pipe
+    assert "(a torch schedule CSV): makespan" in out or err.startswith("rank "), (out, err)

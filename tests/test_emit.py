@@ -241,7 +241,7 @@ def test_text_grid_has_a_header_and_aligned_columns():
     program.params = {"P": 2, "N": 2}
     text = format_text_grid(program)
     lines = text.rstrip("\n").split("\n")
-    assert lines[0].startswith("schedule 1f1b (N=2, P=2):")
+    assert lines[0].startswith("schedule 1f1b (P=2, N=2):")
     assert "2 ranks" in lines[0] and "2 microbatches" in lines[0]
     assert len(lines) == 1 + program.num_ranks
     assert lines[1].startswith("rank 0 | 0F0 ") and lines[2].startswith("rank 1 | 1RECV_F0 ")
@@ -257,3 +257,16 @@ def test_text_grid_has_a_header_and_aligned_columns():
         starts.append(positions)
     shared = min(len(p) for p in starts)
     assert starts[0][:shared] == starts[1][:shared]
+
+
+@pytest.mark.parametrize("target", ["1f1b", "1f1b_hsdp", "tasp"])
+def test_the_text_grid_names_the_parameters_as_check_and_simulate_do(target, capsys):
+    """In the schedule's order (P, N, ...), as ``pipec check`` and ``pipec simulate`` write them (was: sorted)."""
+    from pipec.cli import main
+
+    said = {}
+    for command in (["compile", target, "--format", "text"], ["check", target], ["simulate", target]):
+        assert main(command) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        said[command[0]] = first[first.index("(") + 1:first.index(")")]
+    assert said["compile"] == said["check"] == said["simulate"], said

@@ -1,6 +1,6 @@
 """A ``Program`` as a readable text grid: one line per rank, steps in columns.
 
-    schedule 1f1b (N=4, P=2): 2 ranks, 2 stages, 4 microbatches, 16 instructions
+    schedule 1f1b (P=2, N=4): 2 ranks, 2 stages, 4 microbatches, 16 instructions
     rank 0 | 0F0  0SEND_F0  0F1  ...
     rank 1 | 1RECV_F0  1F0  ...
 
@@ -14,6 +14,7 @@ timeline is what ``render`` draws.
 """
 from __future__ import annotations
 
+from pipec.compiler.defines import params_text
 from pipec.compiler.family import families_of
 from pipec.compiler.ir import Program
 
@@ -53,7 +54,7 @@ def rank_labels(program: Program) -> list[str]:
 
 
 def _header(program: Program) -> str:
-    params = ", ".join(f"{k}={_value(v)}" for k, v in sorted(program.params.items()))
+    params = params_text(program.params)  # in the schedule's order, as check and simulate write them
     name = program.name or "(unnamed)"
     if params:
         name += f" ({params})"
@@ -61,7 +62,3 @@ def _header(program: Program) -> str:
     shape = ", ".join(family.grid_shape_text(program) for family in families_of(program))
     return f"schedule {name}: {program.num_ranks} ranks, {shape}, {program.instruction_count()} instructions"
 
-
-def _value(value) -> str:
-    """A parameter as the language writes it (a ring schedule's ``causal`` is ``true``, not ``True``)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
