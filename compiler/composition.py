@@ -93,8 +93,11 @@ def _find_target(composing: str, target: str) -> str | None:
     return shipped_schedules().get(target)
 
 
-def _ring_program(spec: CompositionSpec, policy: ast.ContextPolicy, size: int, costs: CostModel | None) -> Program:
-    """The context policy's ring schedule compiled for ``size`` ranks (its ranks parameter), checked."""
+def _ring_program(spec: CompositionSpec, policy: ast.ContextPolicy, size: int,
+                  costs: CostModel | None) -> Program | None:
+    """The context policy's ring schedule compiled for ``size`` ranks (its ranks parameter), checked; None for an
+    axis of one rank, which splits no sequence (the pipeline runs as it is, as with a data axis of one), once
+    the ring is found to be a sequence-ring schedule given no ranks."""
     ring = _named_schedule(spec, policy.ring, policy.ring_span, policy.target, policy.target_span)
     called = policy.ring or ring.node.name
     if ring.family.field != _RING_FAMILY:
@@ -106,6 +109,8 @@ def _ring_program(spec: CompositionSpec, policy: ast.ContextPolicy, size: int, c
     if given is not None:
         raise EvalError(f"{ranks} is the ring's ranks: the size of axis {policy.axis}, given by the mesh; leave it "
                         "out", given.name_span, spec.source)
+    if size == 1:
+        return None
     arguments = dict(_arguments(spec, ring, policy), **{ranks: size})
     refusal = ring.argument_refusal(ranks, size)
     if refusal is not None:

@@ -19,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from pipec.compiler.ops import RULES
+from pipec.errors import counted
 
 if TYPE_CHECKING:  # types only: the family modules import the passes, not the other way round
     from fractions import Fraction
@@ -129,7 +130,7 @@ class Family:
 
     def shape_text(self, program: "Program") -> str:
         """What ``pipec check`` says the program is made of, after its ranks."""
-        return f"{len(program.stages)} stages, {program.num_microbatches} microbatches"
+        return f"{counted(len(program.stages), 'stage')}, {counted(program.num_microbatches, 'microbatch')}"
 
     def grid_shape_text(self, program: "Program") -> str:
         """What a text grid's header (``emit/text_grid.py``) says the program is made of, after its ranks."""

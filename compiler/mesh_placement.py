@@ -86,11 +86,12 @@ class ContextParallel:
 
     Attributes:
         axis: the mesh axis a stage's group spans (``cp``).
-        ring: a compiled sequence-ring program (``Program.rings`` set) of as many ranks as the axis.
+        ring: a compiled sequence-ring program (``Program.rings`` set) of as many ranks as the axis; None on an
+            axis of one rank, where no sequence is split and the pipeline runs as it is (as a data axis of one).
     """
 
     axis: str
-    ring: Program
+    ring: Program | None
     sharded = False
     reshard_after_forward = False
     replicas = None  # no second data axis (HSDP's, ``DataParallel.replicas``)
@@ -226,7 +227,7 @@ def _check_composable(program: Program, mesh: Mesh, pp_axis: str, data: DataPara
     if held:
         raise UsageError(f"{program.name or 'this program'} updates weights inside its order ({held[0]}); "
                          "a data axis composes with a synchronous pipeline")
-    if isinstance(data, ContextParallel):
+    if isinstance(data, ContextParallel) and data.ring is not None:
         _check_context(program, mesh, data, used)
 
 

@@ -41,6 +41,14 @@ def printable(text: str) -> str:
 _UNPRINTABLE_IN_NAME = re.compile(_UNPRINTABLE.pattern[:-1] + "\n\t]")
 
 
+def counted(number: int, noun: str) -> str:
+    """``1 rank``, ``4 ranks``, ``2 microbatches``: a count and its noun, singular for one (every summary line
+    pipec prints)."""
+    if number == 1:
+        return f"{number} {noun}"
+    return f"{number} {noun}{'es' if noun.endswith(('ch', 'sh', 's', 'x')) else 's'}"
+
+
 def printable_name(text) -> str:
     """A name read from user data (a program file's name or parameter, an attention file's, a layer's), as
     every table and line pipec prints shows it: ``printable``, and newlines and tabs escaped too (a name is

@@ -147,3 +147,14 @@ def test_a_torch_csv_with_another_name_is_still_known_by_its_first_action(capsys
     _, out, err = run(capsys, "simulate", str(path))
     # read as a CSV: simulated, or refused in the CSV's terms (rank, step, the grid), never parsed as a .pipe
     assert "(a torch schedule CSV): makespan" in out or err.startswith("rank "), (out, err)
+
+
+def test_a_count_of_one_is_singular_in_every_summary(capsys):
+    """``1 rank, 1 stage, 1 microbatch`` (was ``1 ranks, 1 stages, 1 microbatches``), in check's line and the grid's."""
+    status, out, _ = run(capsys, "check", "1f1b", "-D", "P=1", "-D", "N=1")
+    assert status == 0 and out.startswith("ok: 1f1b (P=1, N=1, remat=false): 1 rank, 1 stage, 1 microbatch, 3 "
+                                          "instructions;"), out
+    status, out, _ = run(capsys, "compile", "megatron_mlp", "-D", "L=1", "-D", "N=1", "--format", "text")
+    assert status == 0 and "2 ranks, 1 layer split across every rank, 1 microbatch, 8 instructions" in out, out
+    status, out, _ = run(capsys, "check", "tasp", "-D", "P=2")
+    assert status == 0 and "2 ranks, 4 chunks of 1 KV piece on 1 ring, 36 instructions" in out, out

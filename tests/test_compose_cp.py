@@ -66,8 +66,9 @@ def refusal(folder: Path, policy: str, **params) -> str:
      "or by rows (`replicate over` at line 5); drop one"),
     ('context over cp ring "zigzag_ring"\n  context over cp ring "tasp"', {}, "5:3",
      "a composition has one `context over`; another is at line 4"),
-    ('context over cp ring "zigzag_ring"', {"C": 1}, "4:3",
-     "the ring zigzag_ring on axis cp (1 rank): requirement failed: a ring needs at least two ranks"),
+    ('context over cp ring "1f1b"', {"C": 1}, "4:24", "one_f_one_b in '1f1b' is not a sequence-ring schedule"),
+    ('context over cp ring zigzag_ring(P = 1) from "zigzag_ring"', {"C": 1}, "4:36",
+     "P is the ring's ranks: the size of axis cp, given by the mesh; leave it out"),
     ('context over cp ring tasp_rails(M = 2) from "tasp"', {}, "4:3",
      "the ring tasp_rails on axis cp (2 ranks): requirement failed: P is the number of nodes times the ranks "
      "per node"),
@@ -82,6 +83,20 @@ def refusal(folder: Path, policy: str, **params) -> str:
 def test_a_mistake_in_a_context_policy_is_named_where_it_is_written(tmp_path, policy, params, where, words):
     shown = refusal(tmp_path, policy, **params)
     assert shown.startswith(f"{tmp_path / 'cp.pipe'}:{where}: ") and words in shown, shown
+
+
+@pytest.mark.parametrize("name,pipeline,args", [
+    ("1f1b_cp", "1f1b", {"P": 2, "N": 4}),
+    ("interleaved_1f1b_cp", "interleaved_1f1b", {"P": 2, "N": 4, "v": 2}),
+])
+def test_a_context_axis_of_one_rank_is_the_pipeline_as_it_is(name, pipeline, args):
+    """C = 1 splits no sequence: the pipeline's own program on its mesh, as a data axis of one gives (was: refused,
+    "a ring needs at least two ranks", where dp = 1 and HSDP's R = 1 fall back to the smaller program)."""
+    got = compile_target(name, {"C": 1}).program
+    plain = compile_target(pipeline, args).program
+    assert got.stage_ring is None and not got.placed_on_groups and got.num_ranks == plain.num_ranks
+    assert got.ranks == plain.ranks and got.stages == plain.stages
+    assert got.mesh is not None and dict(got.mesh.axes) == {"pp": 2, "cp": 1}
 
 
 def test_the_ring_takes_the_axis_size_its_own_arguments_and_a_file_beside_the_composition(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pipec.compiler.defines import params_text
 from pipec.compiler.family import families_of
 from pipec.compiler.ir import Program
+from pipec.errors import counted
 
 
 def format_text_grid(program: Program) -> str:
@@ -60,5 +61,6 @@ def _header(program: Program) -> str:
         name += f" ({params})"
     # what the program is made of, in its families' words (a sequence ring: chunks, pieces, rings, routes)
     shape = ", ".join(family.grid_shape_text(program) for family in families_of(program))
-    return f"schedule {name}: {program.num_ranks} ranks, {shape}, {program.instruction_count()} instructions"
+    return (f"schedule {name}: {counted(program.num_ranks, 'rank')}, {shape}, "
+            f"{counted(program.instruction_count(), 'instruction')}")
 

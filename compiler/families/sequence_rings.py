@@ -21,7 +21,7 @@ from pipec.compiler.ops import (
     PART_RECV, PART_SEND, RING_PART_OPS, RULES, SEQUENCE_RING, SHARED, SIZE_KV, VALUE_KINDS,
 )
 from pipec.dsl.limits import MAX_CHUNKS, MAX_TASKS
-from pipec.errors import ImportError_, UsageError
+from pipec.errors import ImportError_, UsageError, counted
 
 # What a ring program's file may hold: the family's ops and the exchanges every family shares, that post
 # and wait its parts; a KV or dK, dV move names a bundle (``stage`` its holder rank, ``mb`` its piece).
@@ -102,8 +102,7 @@ class SequenceRings(Family):
 
     def shape_text(self, program):
         plan = program.rings
-        pieces = f"{plan.pieces} KV piece{'s' if plan.pieces != 1 else ''}"
-        return f"{plan.chunks} chunks of {pieces} on {len(plan.rings)} ring{'s' if len(plan.rings) != 1 else ''}"
+        return f"{counted(plan.chunks, 'chunk')} of {counted(plan.pieces, 'KV piece')} on {counted(len(plan.rings), 'ring')}"
 
     def grid_shape_text(self, program):
         plan = program.rings

@@ -30,7 +30,7 @@ from pipec.compiler.ops import (
     TENSOR_PARALLEL, TF, WORLD,
 )
 from pipec.dsl.limits import MAX_TASKS
-from pipec.errors import ImportError_
+from pipec.errors import ImportError_, counted
 
 # What a tensor-parallel program's file may hold: the family's ops and the exchanges that post and wait them.
 _PROGRAM_OPS = frozenset(op for op, rule in RULES.items() if rule.family in (TENSOR_PARALLEL, SHARED))
@@ -149,7 +149,7 @@ class TensorParallel(Family):
 
     def shape_text(self, program):
         layers = self.plan_of(program).layers
-        return f"{layers} layer{'s' if layers != 1 else ''} split across every rank, {program.num_microbatches} microbatches"
+        return f"{counted(layers, 'layer')} split across every rank, {counted(program.num_microbatches, 'microbatch')}"
 
     def block_area(self, program, action):
         if action.op in ALLREDUCE_AFTER and 0 <= action.stage < len(program.stages) \

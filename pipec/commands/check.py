@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pipec.commands._common import (add_target_arguments, byte_budget_from_args, compile_from_args, describe_params,
                                     human_bytes, load_costs, parse_byte_budget, write_output)
-from pipec.errors import UsageError, printable_name
+from pipec.errors import UsageError, counted, printable_name
 
 
 def register(sub) -> None:
@@ -34,8 +34,8 @@ def run(args) -> int:
     sizes = checked.costs.sizes if checked.costs is not None else {}
     shape = ", ".join(family.shape_text(program) for family in families)
     proof = "; ".join(family.proof_text(program, lambda: _memory_text(program, sizes)) for family in families)
-    write_output(f"ok: {printable_name(name)} ({describe_params(program.params)}): {program.num_ranks} ranks, {shape}, "
-                 f"{program.instruction_count()} instructions; {proof}", None)
+    write_output(f"ok: {printable_name(name)} ({describe_params(program.params)}): {counted(program.num_ranks, 'rank')}, "
+                 f"{shape}, {counted(program.instruction_count(), 'instruction')}; {proof}", None)
     return 0
 
 

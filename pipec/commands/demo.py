@@ -19,6 +19,7 @@ import tempfile
 from pipec.commands._common import describe_params, write_output
 from pipec.compiler.defines import parse_defines, value_text
 from pipec.compiler.guarded_read import count_arg
+from pipec.errors import counted
 
 DEFAULT_STEPS = 10
 # The worker's per-step line (runtime.worker): "step K loss X".
@@ -66,8 +67,8 @@ def run(args) -> int:
     bubble = result.bubble_text()
     lines = [
         f"== {args.schedule} ({describe_params(program.params)}) from {compiled.spec.path}",
-        f"compiled: {program.num_ranks} ranks, {len(program.stages)} stages, "
-        f"{program.instruction_count()} instructions",
+        f"compiled: {counted(program.num_ranks, 'rank')}, {counted(len(program.stages), 'stage')}, "
+        f"{counted(program.instruction_count(), 'instruction')}",
         "checked: every task once on its home, every message matched in FIFO order, "
         "deadlock-free under rendezvous semantics, no buffer conflict",
         f"simulated (unit costs F=1 B=2): makespan {result.makespan}, bubble ratio {bubble}, "

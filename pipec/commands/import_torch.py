@@ -61,10 +61,12 @@ def _load_costs(path: str):
 
 
 def _summary(program, result) -> str:
+    from pipec.errors import counted
+
     peaks = " ".join(str(rank.peak_activations) for rank in result.ranks)
     return (
-        f"{program.name}: {program.num_ranks} ranks, {len(program.stages)} stages, "
-        f"{program.num_microbatches} microbatches, {program.instruction_count()} instructions, "
+        f"{program.name}: {counted(program.num_ranks, 'rank')}, {counted(len(program.stages), 'stage')}, "
+        f"{counted(program.num_microbatches, 'microbatch')}, {counted(program.instruction_count(), 'instruction')}, "
         f"makespan {result.makespan:g}, bubble ratio {result.bubble_ratio:.4f}, "
         f"peak activations per rank [{peaks}]"
     )
