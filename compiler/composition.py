@@ -115,13 +115,20 @@ def _ring_program(spec: CompositionSpec, policy: ast.ContextPolicy, size: int,
     refusal = ring.argument_refusal(ranks, size)
     if refusal is not None:
         raise EvalError(f"axis {policy.axis} has {size} ranks: {refusal}", policy.axis_span, spec.source)
+    where = f"the ring {called} on axis {policy.axis} ({size} rank{'' if size == 1 else 's'})"
     try:
         ring_spec = ring.evaluate(arguments)
     except RequireError as error:  # the ring cannot take the axis's size: said where the axis is given to it
-        raise RequireError(f"the ring {called} on axis {policy.axis} ({size} rank{'' if size == 1 else 's'}): "
-                           f"{error.message}",
-                           policy.span, spec.source) from None
+        raise RequireError(f"{where}: {error.message}", policy.span, spec.source) from None
+    except (EvalError, ScheduleError) as error:  # a limit the axis's size passes in the ring's file: said here too
+        raise type(error)(f"{where}: {error.message}{_written_at(error)}", policy.span, spec.source) from None
     return compile_spec(ring_spec, costs=costs).program
+
+
+def _written_at(error) -> str:
+    """`` (zigzag_ring.pipe:10:19)``: where in its own file a ring's error arose, or ''."""
+    span = error.span
+    return f" ({os.path.basename(span.file)}:{span.line}:{span.col})" if span is not None and span.file else ""
 
 
 def _named_schedule(spec: CompositionSpec, name: str | None, name_span, target: str, target_span) -> ResolvedSchedule:

@@ -334,10 +334,23 @@ class ResolvedSchedule:
             if message is not None:
                 if param.name in defines:
                     raise UsageError(f"schedule '{self.name}': {message}")
-                raise EvalError(message, param.span, self.source)
+                raise EvalError(message + self._default_words(param, values, defines), param.span, self.source)
             env[slot] = value
             values[param.name] = value
         return values
+
+    def _default_words(self, param: ast.Param, values: dict, defines: dict) -> str:
+        """Where a defaulted parameter's refused value came from: its default's text and the values given for
+        the parameters before it (``-D P=0`` makes ``N = 2 * P`` zero: the fix is P's, not N's)."""
+        if param.default is None:
+            return ""
+        read = _names_read(param.default)
+        given = {name: value for name, value in values.items() if name in defines and name in read}
+        if not given:
+            return ""
+        names = ", ".join(given)
+        return (f" (its default, {_text_of(self.source, param.default.span)}, at {format_values(given)}: give "
+                f"{names} {'another value' if len(given) == 1 else 'other values'}, or -D {param.name}=...)")
 
     def argument_refusal(self, name: str, value: int | bool) -> str | None:
         """Why ``evaluate`` would refuse ``name = value`` (a composition's arguments, checked where written).
@@ -587,6 +600,20 @@ def _coerce(param: ast.Param, raw, schedule: str) -> int | bool:
     if value is None or not check_int(value):
         raise UsageError(f"schedule '{schedule}': {param.name} exceeds pipec's integer limit {INT_LIMIT_TEXT}")
     return value
+
+
+def _names_read(expr) -> set[str]:
+    """The names an expression reads (its ``Name`` nodes, at any depth)."""
+    found, todo = set(), [expr]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Node):
+            todo.extend(getattr(node, name) for name in node.__dataclass_fields__)
+        elif isinstance(node, (list, tuple)):
+            todo.extend(node)
+    return found
 
 
 def _out_of_range(param: ast.Param, value: int | bool) -> str | None:

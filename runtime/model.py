@@ -70,7 +70,7 @@ class ModelConfig:
     heads: int = 4
     hidden: int = 64
     seq_len: int = 16
-    microbatch_size: int = 2
+    microbatch_size: int = 4
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "layers", "heads", "hidden", "seq_len", "microbatch_size"):

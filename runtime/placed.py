@@ -45,6 +45,7 @@ holds the gathered weights again when the backward runs. Why not torch's FSDP2
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,6 +54,7 @@ from torch import nn
 
 from pipec.compiler import ops
 from pipec.compiler.ir import Action, Program
+from pipec.dsl.composition import PP_AXIS
 from pipec.errors import RuntimeFault, UsageError
 from pipec.runtime import comm
 from pipec.runtime.exchange import Exchange, check_all_waited, post_exchange, wait_exchange
@@ -249,9 +251,14 @@ def stage_ring_model(spec, config, program: Program, name: str) -> RingModel:
     """Check, before any worker starts, that a context-parallel program's stage ring can train the spec's
     model exactly (``sequence.check_ring_model``: the declaration, the mask, the cut); its ``RingModel``."""
     ring = program.stage_ring
-    why = (f"{program.name or 'this program'} runs every stage's attention through the ring {ring.name} over the "
-           "stage's group (PP x CP)")
-    return check_ring_model(spec, config, ring, name, why)
+    composition = program.name or "this program"
+    why = f"{composition} runs every stage's attention through the ring {ring.name} over the stage's group (PP x CP)"
+    # the ring is compiled by the composition, from its `context over` line: the mask is an argument there
+    axis = next((axis for axis in (program.mesh.names if program.mesh else ()) if axis != PP_AXIS), "AXIS")
+    target = os.path.splitext(os.path.basename(ring.source))[0] if ring.source else ring.name
+    fix = (f"give the ring the mask in {composition}'s `context over` line: context over {axis} ring "
+           f"{ring.name}(causal = {{causal}}) from \"{target}\"")
+    return check_ring_model(spec, config, ring, name, why, fix)
 
 
 def token_share(program: Program, rank: int, seq_len: int) -> TokenShare | None:

@@ -106,9 +106,11 @@ def ring_model(spec, config, program, name: str = "", why: str | None = None) ->
     return RingModel(seq_len, causal)
 
 
-def check_ring_model(spec, config, program, name: str = "", why: str | None = None) -> RingModel:
+def check_ring_model(spec, config, program, name: str = "", why: str | None = None,
+                     mask_fix: str | None = None) -> RingModel:
     """Check, before any worker starts, that ``program`` (a ring program) can train this model exactly
-    (``why``: ``ring_model``'s).
+    (``why``: ``ring_model``'s; ``mask_fix``: how to give the ring the model's mask, "{causal}" standing for
+    the value; by default the define that compiles it so).
 
     Returns:
         the model's ``RingModel`` (``ring_model``).
@@ -124,8 +126,9 @@ def check_ring_model(spec, config, program, name: str = "", why: str | None = No
     if plan.causal != declared.causal:
         program_mask, model_mask = ("a full attention mask", "causal") if declared.causal else ("a causal mask", "full")
         verb = "a full-mask ring" if declared.causal else "a causal ring"
+        fix = (mask_fix or "compile it with -D causal={causal}").format(causal=str(declared.causal).lower())
         raise UsageError(f"{schedule} was compiled with {program_mask}, but {who}'s attention is {model_mask}: "
-                         f"{verb} cannot train it exactly; compile it with -D causal={str(declared.causal).lower()}")
+                         f"{verb} cannot train it exactly; {fix}")
     cut = plan.chunks * plan.pieces
     if declared.seq_len % cut:
         pieces = f" x {plan.pieces} pieces" if plan.pieces > 1 else ""

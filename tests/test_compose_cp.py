@@ -67,6 +67,8 @@ def refusal(folder: Path, policy: str, **params) -> str:
     ('context over cp ring "zigzag_ring"\n  context over cp ring "tasp"', {}, "5:3",
      "a composition has one `context over`; another is at line 4"),
     ('context over cp ring "1f1b"', {"C": 1}, "4:24", "one_f_one_b in '1f1b' is not a sequence-ring schedule"),
+    ('context over cp ring "zigzag_ring"', {"C": 1000}, "4:3",
+     "the ring zigzag_ring on axis cp (1000 ranks): the sequence is cut into 2,000 chunks; pipec's limit is 1,000"),
     ('context over cp ring zigzag_ring(P = 1) from "zigzag_ring"', {"C": 1}, "4:36",
      "P is the ring's ranks: the size of axis cp, given by the mesh; leave it out"),
     ('context over cp ring tasp_rails(M = 2) from "tasp"', {}, "4:3",
@@ -318,3 +320,17 @@ def test_the_cli_checks_simulates_renders_and_compiles_a_cp_composition(tmp_path
     shown = capsys.readouterr().out
     assert "ok: interleaved_1f1b_cp" in shown and "1f1b_cp (P=2, C=2, N=4): makespan" in shown
     assert "rank 3: pp 1, cp 1" in (tmp_path / "cp.svg").read_text()
+
+
+def test_a_ring_of_the_wrong_mask_is_refused_with_the_fix_in_the_compositions_own_words(tmp_path, capsys):
+    """The ring is compiled by the composition's `context over` line, so the mask is an argument there: the
+    refusal gives that line (was: "compile it with -D causal=true", which the composition refuses, having no
+    parameter causal)."""
+    pytest.importorskip("torch")
+    path = tmp_path / "cp.pipe"
+    path.write_text(COMPOSITION.replace("POLICY", 'context over cp ring zigzag_ring(causal = false) from "zigzag_ring"'))
+    assert main(["run", str(path), "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    fix = 'context over cp ring zigzag_ring(causal = true) from "zigzag_ring"'
+    assert "a full-mask ring cannot train it exactly" in err and fix in err and "-D causal" not in err, err
+    assert "Traceback" not in err

@@ -168,7 +168,7 @@ def test_a_member_hands_on_its_tokens_of_each_sequence(tmp_path, monkeypatch):
     """The wire between the stages carries a member's half of each sequence, every row: (rows, seq / 2, ...)."""
     monkeypatch.syspath_prepend(TESTS)
     builtin = _plan(tmp_path, composed("1f1b", {}, "zigzag_ring"))
-    assert [leaf.shape for leaf in builtin.layouts[0].leaves] == [(2, 8, 32)]
+    assert [leaf.shape for leaf in builtin.layouts[0].leaves] == [(4, 8, 32)]
     user = _plan(tmp_path, composed("1f1b", {}, "zigzag_ring"), "--model", USER)
     assert [leaf.shape for leaf in user.layouts[0].leaves] == [(2, 4, 6)]
 

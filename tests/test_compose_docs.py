@@ -96,8 +96,8 @@ def test_the_pages_traffic_table_and_memory_figures_are_the_simulators():
 
 def test_the_pages_hsdp_runs_pass_every_check_before_launch_and_fail_without_their_rows():
     """Section 9's `pipec run 1f1b_hsdp ...` lines compile and pass every check ``pipec run`` makes before a
-    worker starts (its rows split over a stage's 4 members); without ``--config microbatch_size=4`` the
-    built-in model's 2 rows are refused there, naming the fix."""
+    worker starts (the built-in model's 4 rows split over a stage's 4 members); with ``--config
+    microbatch_size=2`` its 2 rows are refused there, naming the fix."""
     from pipec.cli import build_parser
     from pipec.commands.run import check_before_launch
     from pipec.errors import PipecError
@@ -109,8 +109,7 @@ def test_the_pages_hsdp_runs_pass_every_check_before_launch_and_fail_without_the
         argv = shlex.split(line)[1:]
         program, nproc = check_before_launch(build_parser().parse_args(argv))
         assert nproc == program.num_ranks == (4 if "P=1" in line else 8)
-        bare = [arg for arg in argv if arg not in ("--config", "microbatch_size=4")]
         with pytest.raises(PipecError) as caught:
-            check_before_launch(build_parser().parse_args(bare))
+            check_before_launch(build_parser().parse_args([*argv, "--config", "microbatch_size=2"]))
         assert "2 rows, which do not split into the 4 equal shares" in str(caught.value)
         assert "--config microbatch_size=" in str(caught.value)

@@ -336,3 +336,15 @@ def test_sorted_order_needs_every_key():
         "schedule s(P: ranks = 2, N: microbatches = 1) { stages P place stage s on rank s order sorted { key F(s, m) = m } }",
     )
     assert "needs a key for every kind" in error.message and "key B(s, m)" in error.message
+
+
+def test_a_default_refused_at_the_values_given_names_them():
+    """``-D P=0`` on a composition makes ``N = 2 * P`` zero: the error names the default and P, the value to
+    change (was: only "N (microbatches) must be at least 1, got 0")."""
+    from pipec.compiler.driver import compile_target
+    from pipec.errors import EvalError
+
+    with pytest.raises(EvalError) as caught:
+        compile_target("1f1b_dp", {"P": 0, "D": 3})
+    assert caught.value.message == ("N (microbatches) must be at least 1, got 0 (its default, 2 * P, at P=0: give P "
+                                    "another value, or -D N=...)")

@@ -50,8 +50,8 @@ def test_profile_writes_a_cost_file_of_exact_bytes_that_partition_reads(capsys, 
     assert "sum / whole" in out and f"wrote {path}" in out
     layers = load_costs(str(path)).layers
     assert [layer.name for layer in layers] == ["embed", "layer0", "layer1", "head"]
-    hidden = 2 * 16 * 32 * 4  # a microbatch of 2 sequences of 16 tokens, dim 32, fp32
-    assert [layer.activation for layer in layers] == [hidden, hidden, hidden, 2 * 16 * 64 * 4]  # logits: vocab 64
+    hidden = 4 * 16 * 32 * 4  # a microbatch of 4 sequences of 16 tokens, dim 32, fp32
+    assert [layer.activation for layer in layers] == [hidden, hidden, hidden, 4 * 16 * 64 * 4]  # logits: vocab 64
     per_layer = (4 * 32 * 32 + 3 * 32 * 64 + 2 * 32) * 4  # wqkv, wo, w13, w2 and two norms
     assert [layer.parameters for layer in layers] == [64 * 32 * 4, per_layer, per_layer, (32 + 32 * 64) * 4]
     status, out, err = run(capsys, "partition", "--costs", str(path), "-D", "P=2")

@@ -188,7 +188,7 @@ def test_a_rail_shape_with_no_rings_is_a_value_error_at_the_written_rails(capsys
     status, out, err = cli(capsys, "check", "tasp:tasp_rails", "-D", "M=3", "-D", "K=2")
     assert status == 1 and out == ""
     lines = err.splitlines()
-    assert lines[0].startswith("schedules/tasp.pipe:33:15: 3 nodes x 2 devices: no such rings exist: ")
+    assert lines[0].startswith("schedules/tasp.pipe:36:15: 3 nodes x 2 devices: no such rings exist: ")
     assert lines[0].endswith("after an odd number (3) of nodes it cannot close")
     assert lines[1:] == ["      rings rails M, K", "                  ^~~~"]
     assert "Traceback" not in err
