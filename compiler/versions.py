@@ -300,7 +300,7 @@ def staleness_note(program: Program) -> str | None:
     Each stage updates several times a step, each update on gradients computed on weights up to
     (its peak versions - 1) updates old; a learning rate set for one update per step of N
     microbatches' mean overshoots (PipeDream at P = 4, N = 32 on the built-in model's SGD 0.2:
-    loss 4.17, then 0.72, then 4.91). docs/runtime.md, "Learning rate under staleness".
+    loss 1.05, then 0.78, then 4.82). docs/runtime.md, "Learning rate under staleness".
     """
     plan = version_plan(program)
     if plan is None:
