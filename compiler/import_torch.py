@@ -35,6 +35,7 @@ from pipec.compiler.lower_comms import insert_communication
 # it; reading builds hundreds of thousands of acyclic ones.
 from pipec.compiler.gc_pause import paused_gc
 from pipec.compiler.guarded_read import TORCH_CSV, plain_int, quote, read_text
+from pipec.dsl.limits import MAX_RANKS
 from pipec.compiler.simulate import SimResult, simulate
 from pipec.errors import ImportError_, WellFormedError
 
@@ -98,12 +99,20 @@ def read_torch_csv(text: str, source: str = "<csv>") -> tuple[Program, bool]:
         WellFormedError: a stage whose compute appears on two ranks.
     """
     rows = csv.reader(io.StringIO(text))
+    grid: list[list[str]] = []
+    ranks_seen = 0  # rows up to the last that is not blank: trailing blank lines are not ranks
     try:
-        grid = [[cell.strip() for cell in row] for row in rows]
+        for row in rows:
+            grid.append([cell.strip() for cell in row])
+            if any(grid[-1]):
+                ranks_seen = len(grid)
+                if ranks_seen > MAX_RANKS:  # refused before the work, which grows as ranks^2 (per-pair tables)
+                    raise ImportError_(f"{source}:{rows.line_num}: the schedule CSV has more than {MAX_RANKS:,} "
+                                       f"rows (ranks); pipec's limit is {MAX_RANKS:,} ranks (a program keeps "
+                                       "per-rank lists and per-pair tables: P^2 entries)")
     except csv.Error as error:  # a field past csv.field_size_limit(), a NUL, a bad quote
         raise ImportError_(f"{source}:{rows.line_num}: cannot read the CSV: {error}") from None
-    while grid and not any(grid[-1]):
-        grid.pop()  # trailing blank lines are not ranks
+    del grid[ranks_seen:]
     if not grid:
         raise ImportError_(f"{source}: empty schedule CSV")
     reader = _Reader(grid)

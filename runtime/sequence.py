@@ -196,10 +196,9 @@ class RingTrainer(Trainer):
         self.optimizer.step()
         if context.synchronize is not None:
             context.synchronize()
-        events = context.events or []
         if context.events is not None:
-            events.append((end, start, perf_counter(), 0.0))
-        return StepOutcome(loss.detach(), norm, events)
+            context.events.append((end, start, perf_counter(), 0.0))
+        return StepOutcome(loss.detach(), norm, context.events or [])
 
     def checkpoint_part(self) -> dict:
         if self.rank != 0:  # rank 0's replica is the checkpoint's (class docstring)

@@ -479,3 +479,17 @@ def test_torchs_zbv_makespans_are_the_ones_pipecs_zbv_is_held_to(pp, nmb):
 
     program = prepare_imported(_torch_compute_program(torch_schedules.ScheduleZBVZeroBubble, pp, nmb, "zbv.csv"), False)
     assert simulate(program).makespan == TORCH_ZBV_MAKESPAN[pp, nmb]
+
+
+def test_a_csv_of_more_ranks_than_pipec_takes_is_refused_before_the_work():
+    """A row is a rank: past ``MAX_RANKS`` rows the CSV is refused at the first row too many, before any table
+    of ranks is built (was: no limit; a million rows ended in a MemoryError traceback, 20,000 took 69 s)."""
+    from pipec.compiler.import_torch import read_torch_csv
+    from pipec.dsl.limits import MAX_RANKS
+    from pipec.errors import ImportError_
+
+    with pytest.raises(ImportError_) as caught:
+        read_torch_csv("0F0\n" * 1_000_000, "big.csv")
+    assert str(caught.value).startswith(f"big.csv:{MAX_RANKS + 1}: the schedule CSV has more than {MAX_RANKS:,} rows")
+    program, _ = read_torch_csv("0F0,0B0\n" + "\n" * (2 * MAX_RANKS), "blank.csv")  # trailing blank lines: no ranks
+    assert program.num_ranks == 1
