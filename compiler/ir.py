@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from functools import cached_property
 from typing import Iterable, NamedTuple
 
 # The op names and what each op does live in the rule table (``ops.py``);
@@ -489,7 +490,7 @@ class RingPlan:
 
     def chunks_of(self, rank: int) -> tuple[int, ...]:
         """The chunks ``rank`` holds, ascending (its bundles' order)."""
-        return tuple(c for c, r in enumerate(self.holders) if r == rank)
+        return self._held.get(rank, ())
 
     def ring_of(self, piece: int) -> tuple[int, ...]:
         return self.rings[piece % len(self.rings)]
@@ -497,12 +498,27 @@ class RingPlan:
     def next_on(self, piece: int, rank: int) -> int:
         """The rank ``rank`` sends piece ``piece``'s bundles to."""
         ring = self.ring_of(piece)
-        return ring[(ring.index(rank) + 1) % len(ring)]
+        return ring[(self._places[piece % len(self.rings)][rank] + 1) % len(ring)]
 
     def prev_on(self, piece: int, rank: int) -> int:
         """The rank ``rank`` receives piece ``piece``'s bundles from."""
         ring = self.ring_of(piece)
-        return ring[(ring.index(rank) - 1) % len(ring)]
+        return ring[(self._places[piece % len(self.rings)][rank] - 1) % len(ring)]
+
+    # Indexes the lookups above read once made (each a scan of the plan: called per instruction by the
+    # lowering, the prover and the runtime, they made a check quadratic in the ranks). Not fields: the
+    # plan's identity and its JSON are unchanged.
+    @cached_property
+    def _held(self) -> dict[int, tuple[int, ...]]:
+        held: dict[int, list[int]] = {}
+        for chunk, rank in enumerate(self.holders):
+            held.setdefault(rank, []).append(chunk)
+        return {rank: tuple(chunks) for rank, chunks in held.items()}
+
+    @cached_property
+    def _places(self) -> list[dict[int, int]]:
+        """Per ring, each rank's place on it."""
+        return [{rank: place for place, rank in enumerate(ring)} for ring in self.rings]
 
     def block(self, kv_chunk: int, piece: int) -> int:
         return kv_chunk * self.pieces + piece

@@ -185,7 +185,7 @@ def test_a_stage_ring_of_another_mask_is_refused(tmp_path):
     full = compile_target("zigzag_ring", {"P": 2, "causal": False}).program
     program = place_on_mesh(compile_target("1f1b", {"P": 2, "N": N}).program, MESH, "pp", ContextParallel("cp", full))
     with pytest.raises(UsageError, match="full attention mask, but the built-in model's attention is causal.*"
-                                         "compile it with -D causal=true"):
+                                         r"context over cp ring zigzag_ring\(causal = true\)"):
         _plan(tmp_path, program)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -131,5 +132,5 @@ def test_peak_kv_bytes_are_three_shares_under_kv_again_and_every_share_under_kv_
     for name, program in programs(P).items():
         own = program.rings.chunks // P * 8
         assert [r.peak_bytes["kv"] for r in simulate(program, sizes={"kv": 8}).ranks] == [3 * own] * P, name
-        kept = lower_plan(RingPlan(**{**program.rings.__dict__, "kv": "kept"}))
+        kept = lower_plan(replace(program.rings, kv="kept"))
         assert [r.peak_bytes["kv"] for r in simulate(kept, sizes={"kv": 8}).ranks] == [P * own] * P, name

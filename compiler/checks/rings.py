@@ -159,7 +159,19 @@ class RingSemantics(Semantics):
             self.deliver(state, bundle, part.exchange)
         elif action.op == ops.RECV_DKV:
             h.incoming[bundle] -= 1
-            h.partials.setdefault(bundle, Counter()).update(part.content or Counter())
+            self.merge(h, bundle, part.content or Counter())
+
+    @staticmethod
+    def merge(h, bundle: tuple[int, int], arrived: Counter) -> None:
+        """Add an arrived partial (the sender gave it up: ``post`` popped it) to this rank's of ``bundle``, the
+        smaller into the larger: a partial riding its ring grows by each rank's contributions, and adding it
+        whole at every hop made the proof quadratic in the ranks."""
+        mine = h.partials.get(bundle)
+        if mine is None or len(mine) < len(arrived):
+            mine, arrived = arrived, mine
+            h.partials[bundle] = mine
+        if arrived:
+            mine.update(arrived)
 
     def deliver(self, state: RankState, bundle: tuple[int, int], exchange: int) -> None:
         """A received bundle takes its piece's buffer (``kv again``): no send of the old one may still run.
