@@ -39,6 +39,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from pipec.dsl.limits import PLAIN_INT
 from pipec.errors import ImportError_, NumberLimitError, PipecError, UsageError
 
 # Integers pipec reads lie in -INT_LIMIT < v < INT_LIMIT (dsl.limits: the
@@ -106,7 +107,7 @@ STREAM_CHUNK = 1 * _MiB
 # it is memory-mapped, not read whole, so the limit only refuses what is surely no checkpoint.
 CHECKPOINT = Kind("pipec checkpoint", "the checkpoint", 1024 * _GiB, "1 TiB")
 
-_PLAIN_INT = re.compile(r"[+-]?[0-9]+")
+_PLAIN_INT = PLAIN_INT  # the one reading of an integer (dsl.limits)
 _PLAIN_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 # A decimal with a sign and an exponent: what ``plain_float`` reads.
 _PLAIN_FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")

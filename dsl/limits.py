@@ -8,6 +8,8 @@ needs to guard against it.
 """
 from __future__ import annotations
 
+import re
+
 # Nesting: every operator, call, conditional, statement and block adds one
 # level (a chain ``a + b + c`` nests one level per operator). The resolver and
 # the evaluator's closures recurse once or twice per level, so this keeps them
@@ -71,6 +73,12 @@ MAX_RANKS = 4096
 # task; 200,000,000 is some tens of seconds, about as long as compiling the
 # largest task grid takes.
 MAX_OPERATIONS = 100 * MAX_TASKS
+
+
+# How pipec reads an integer written as text, wherever it comes from (``-D``, a file, the Python API): ASCII
+# digits with an optional sign, nothing else; not ``1_000``, ``٣``, ``³``, ``0x10`` or ``1e3``, some of which
+# Python's int() takes.
+PLAIN_INT = re.compile(r"[+-]?[0-9]+")
 
 
 def check_int(value: int) -> bool:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 from pipec.dsl import ast
 from pipec.dsl.evaluate import BOOL, INT, KEY, Fn, Resolver, Scope
 from pipec.dsl.limits import (
-    BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, check_int,
+    BYTES_PER_TASK_TEXT, INT_LIMIT, INT_LIMIT_TEXT, MAX_OPERATIONS, MAX_RANKS, MAX_TASKS, PLAIN_INT, check_int,
 )
 from pipec.dsl.families import ACTIVATION_PASSING, Declared, declared_families
 from pipec.dsl.rings import RingDecls
@@ -592,6 +592,8 @@ def _coerce(param: ast.Param, raw, schedule: str) -> int | bool:
         value = None  # more digits than any value in range (and than int() accepts, past 4300)
     else:
         try:
+            if text is not None and not PLAIN_INT.fullmatch(text):  # the one reading of an integer, as -D's
+                raise ValueError(text)
             value = raw if text is None else int(text, 10)
         except ValueError:
             shown = raw if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"

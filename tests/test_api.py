@@ -117,3 +117,11 @@ def test_a_file_with_several_mistakes_is_a_source_error_located_at_the_first(tmp
     assert (error.span.line, error.span.col) == (error.errors[0].span.line, error.errors[0].span.col)
     assert str(error) == error.render() == "\n".join(each.render() for each in error.errors)
     assert all(f"{path}:" in each.render() for each in error.errors), error.render()
+
+
+@pytest.mark.parametrize("value", ["٤", "1_0", "³", "0x4", "4.0"])
+def test_the_api_reads_a_parameter_as_minus_d_does(value):
+    """A parameter given as text is read as ``-D`` reads it: ASCII digits (was: int(), which takes ``٤`` and
+    ``1_0``)."""
+    with pytest.raises(UsageError, match=r"P \(ranks\) must be an integer"):
+        pipec.compile("1f1b", {"P": value})

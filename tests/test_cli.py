@@ -158,3 +158,19 @@ def test_a_count_of_one_is_singular_in_every_summary(capsys):
     assert status == 0 and "2 ranks, 1 layer split across every rank, 1 microbatch, 8 instructions" in out, out
     status, out, _ = run(capsys, "check", "tasp", "-D", "P=2")
     assert status == 0 and "2 ranks, 4 chunks of 1 KV piece on 1 ring, 36 instructions" in out, out
+
+
+@pytest.mark.parametrize("flags", [["--memory", "٣"], ["--memory", "1_0"], ["--time-limit", "٣"], ["--time-limit", "inf"],
+                                   ["--time-limit", "nan"], ["--workers", "٢"], ["--workers", "0"], ["--seed", "1_0"],
+                                   ["--evaluations", "١٠"], ["--candidates", "1_0"]])
+def test_search_reads_numbers_as_every_command_does(capsys, tmp_path, flags):
+    """ASCII digits only, in range, for every number ``pipec search`` takes (was: Python's int() and float(),
+    which take ``٣``, ``1_0``, ``inf`` and ``nan``), refused before any search with exit status 1."""
+    out = tmp_path / "s.pipe"
+    try:
+        status = main(["search", "1f1b", "-D", "P=2", "-D", "N=2", "--method", "heuristic", *flags, "-o", str(out)])
+    except SystemExit as exit_:  # an option's type refused by the parser
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 1 and flags[0] in err and not out.exists(), err
+    assert "Traceback" not in err

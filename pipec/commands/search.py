@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pipec.commands._common import byte_budget_from_args, load_costs, number_text, parse_byte_budget, write_output
 from pipec.compiler.atomic_write import check_writable
+from pipec.compiler.guarded_read import count_arg, is_plain_int, plain_int, positive_count_arg, quote, seconds_arg
 from pipec.errors import UsageError
 
 # CP-SAT's worker threads: more than a machine's cores only share them (and the solver refuses absurd counts).
@@ -32,21 +33,21 @@ def register(sub) -> None:
     parser.add_argument("--recompute", choices=("target", "choose"), default="target",
                         help="target: recompute the stages TARGET recomputes (default); choose: the solver "
                              "chooses per stage whether its forward keeps only its input and recomputes")
-    parser.add_argument("--time-limit", dest="time_limit", type=float, default=30.0, metavar="S",
+    parser.add_argument("--time-limit", dest="time_limit", type=seconds_arg, default=30.0, metavar="S",
                         help="the solver's limit in seconds (default 30)")
     parser.add_argument("--hint", metavar="TARGET",
                         help="a .pipe file or shipped schedule (compiled with the same -D) whose order of the same "
                              "tasks the solver starts from (default: TARGET's own order; 'none' for no hint)")
-    parser.add_argument("--workers", type=int, default=2, metavar="K", help="CP-SAT worker threads (default 2)")
-    parser.add_argument("--candidates", type=int, metavar="K",
+    parser.add_argument("--workers", type=positive_count_arg, default=2, metavar="K", help="CP-SAT worker threads (default 2)")
+    parser.add_argument("--candidates", type=positive_count_arg, metavar="K",
                         help="for a family that searches its own candidates (sequence rings, weight passing): the "
                              "most candidates to price (default: every ring set; 2000 step grids)")
     parser.add_argument("--method", choices=("exact", "heuristic", "auto"), default="auto",
                         help="exact: CP-SAT; heuristic: local search from the target's, the hint's and list-scheduled "
                              "orders, against an analytic lower bound; auto (default): exact up to 200 tasks, past "
                              "them the heuristic for half the time, then CP-SAT hinted with its order")
-    parser.add_argument("--seed", type=int, default=0, help="the heuristic's random seed (default 0)")
-    parser.add_argument("--evaluations", type=int, default=None, metavar="K",
+    parser.add_argument("--seed", type=count_arg, default=0, help="the heuristic's random seed (default 0)")
+    parser.add_argument("--evaluations", type=positive_count_arg, default=None, metavar="K",
                         help="the most moves the heuristic tries (default 20000); with --seed it fixes the result, "
                              "--time-limit only stops it early")
     parser.add_argument("-o", dest="output", metavar="FILE", help="write the searched order as a .pipe file")
@@ -56,12 +57,10 @@ def register(sub) -> None:
 def _memory(text: str | None, ranks: int) -> list[int] | None:
     if text is None:
         return None
-    try:
-        limits = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--memory takes N or N,N,...: not {text!r}") from None
-    if any(limit < 1 for limit in limits):
-        raise UsageError(f"--memory limits must be at least 1: {text!r}")
+    parts = text.split(",")
+    if not all(is_plain_int(part) for part in parts):  # the one reading of an integer, as every option's
+        raise UsageError(f"--memory takes N or N,N,... in ASCII digits: not {quote(text, 40)}")
+    limits = [plain_int(part, "--memory", low=1) for part in parts]
     if len(limits) == 1:
         return limits * ranks
     if len(limits) != ranks:
