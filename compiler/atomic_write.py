@@ -97,6 +97,8 @@ def check_writable(path: str, what: str = "") -> None:
         UsageError: ``cannot write [WHAT ]'PATH': REASON``.
     """
     name = f"{what} '{path}'" if what else f"'{path}'"
+    if not path:
+        raise UsageError(f"cannot write {what or 'a file'}: the file name is empty")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"cannot write {name}: it is a folder")

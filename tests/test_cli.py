@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +175,16 @@ def test_search_reads_numbers_as_every_command_does(capsys, tmp_path, flags):
     err = capsys.readouterr().err
     assert status == 1 and flags[0] in err and not out.exists(), err
     assert "Traceback" not in err
+
+
+def test_search_refuses_an_empty_output_name_and_its_own_target_before_searching(capsys, tmp_path):
+    """``-o ''`` wrote nothing and said nothing; ``-o`` naming TARGET replaced the user's schedule with the
+    searched order. Both are refused before the search, and TARGET is left as it was."""
+    mine = tmp_path / "mine.pipe"
+    text = (Path(__file__).resolve().parents[1] / "schedules" / "1f1b.pipe").read_text()
+    mine.write_text(text)
+    common = ["search", str(mine), "-D", "P=2", "-D", "N=2", "--method", "heuristic"]
+    status, out, err = run(capsys, *common, "-o", "")
+    assert status == 1 and "cannot write the searched order (-o): the file name is empty" in err and not out, err
+    status, out, err = run(capsys, *common, "-o", str(tmp_path / "." / "mine.pipe"))
+    assert status == 1 and "is TARGET itself" in err and mine.read_text() == text, err

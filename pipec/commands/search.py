@@ -9,6 +9,8 @@ the simulator (``Family.search``); its answer is compiled, proved and re-simulat
 """
 from __future__ import annotations
 
+import os
+
 from pipec.commands._common import byte_budget_from_args, load_costs, number_text, parse_byte_budget, write_output
 from pipec.compiler.atomic_write import check_writable
 from pipec.compiler.guarded_read import count_arg, is_plain_int, plain_int, positive_count_arg, quote, seconds_arg
@@ -54,6 +56,15 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
+def _check_output(output: str, target: str) -> None:
+    """``-o`` can be written, and is not the TARGET file itself (the searched order would replace the user's
+    schedule, which the search read)."""
+    check_writable(output, "the searched order (-o)")
+    if os.path.exists(output) and os.path.exists(target) and os.path.samefile(output, target):
+        raise UsageError(f"-o {quote(output, 60)} is TARGET itself: the searched order would replace the schedule "
+                         "it was searched from; write it to another file")
+
+
 def _memory(text: str | None, ranks: int) -> list[int] | None:
     if text is None:
         return None
@@ -97,8 +108,8 @@ def run(args) -> int:
 
     if not 1 <= args.workers <= MOST_WORKERS or not args.time_limit > 0:
         raise UsageError(f"--workers takes 1 to {MOST_WORKERS} and --time-limit a positive number of seconds")
-    if args.output:
-        check_writable(args.output, "the searched order (-o)")  # before the search, not after it
+    if args.output is not None:  # before the search, not after it
+        _check_output(args.output, args.target)
     if args.candidates is not None and args.candidates < 1:
         raise UsageError("--candidates takes at least 1")
     evaluations = DEFAULT_EVALUATIONS if args.evaluations is None else args.evaluations
@@ -141,7 +152,7 @@ def run(args) -> int:
     if result.recomputed:  # as the language names them: positions along a pipeline (every replica of a chunk)
         chunks = sorted({compute.stages[stage].position for stage in result.recomputed})
         print("recomputed stages " + ", ".join(map(str, chunks)))
-    if args.output:
+    if args.output is not None:
         write_output(text, args.output)
     return 0
 
@@ -180,7 +191,7 @@ def _family_search(args, family, spec, program, costs) -> int:
           f"lower bound {bound}, candidates {result.tried:,}{of}, simulated makespan {number_text(simulated)} "
           f"({result.seconds:.2f} s)")
     print(result.choice)
-    if args.output:
+    if args.output is not None:
         write_output(result.text, args.output)
     return 0
 def _method_line(searched) -> str:
