@@ -356,3 +356,16 @@ def test_the_command_prints_json_and_refuses_bad_input(capsys, tmp_path):
 def test_unit_costs_make_communication_free():
     layers = costs_from_json(UNBALANCED).layers
     assert partition(layers, 4) == partition(layers, 4, CostModel.unit())
+
+
+def test_no_output_is_replaced_when_a_later_one_cannot_be_written(capsys, tmp_path):
+    """Every output is checked writable before any is written (was: ``-o`` replaced, then ``--schedule-out`` into a
+    missing folder failed, leaving the user's old partition file gone)."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(UNBALANCED))
+    old = tmp_path / "part.json"
+    old.write_text("the user's old partition file\n")
+    status, out, err = run(capsys, "partition", "--costs", str(costs), "-D", "P=2", "-o", str(old),
+                           "--schedule-out", str(tmp_path / "missing" / "part.pipe"))
+    assert status == 1 and "cannot write the schedule (--schedule-out)" in err and "does not exist" in err, err
+    assert old.read_text() == "the user's old partition file\n"

@@ -17,6 +17,7 @@ predicts the partitioned pipeline on this machine's times.
 from __future__ import annotations
 
 from pipec.commands._common import dump_json, human_bytes, number_text, write_output
+from pipec.compiler.atomic_write import check_writable
 from pipec.compiler.guarded_read import count_arg
 from pipec.errors import UsageError, printable_name
 
@@ -61,6 +62,12 @@ def run(args) -> int:
     from pipec.errors import CostFileError
 
     ranks = _ranks(args.defines)
+    outputs = [(path, what) for path, what in ((args.output, "the partition file (-o)"),
+                                               (args.schedule_out, "the schedule (--schedule-out)"),
+                                               (args.costs_out, "the chunk cost file (--costs-out)"))
+               if path is not None]
+    for path, what in outputs:  # every output checked writable before any is written (or the work is done)
+        check_writable(path, what)
     data = read_json(args.costs, COSTS, CostFileError)  # kept: --costs-out writes it back, rolled up
     data = _with_links(data, args)
     costs = costs_from_json(data, args.costs)
@@ -70,10 +77,11 @@ def run(args) -> int:
     part = partition(costs.layers, ranks, costs, memory_limit=args.memory, replicate=args.replicate)
     document = dump_json(partition_to_json(part), "the partition file")
     # every output made before any is written: a refusal (a chunk's summed costs past the limit) writes none
-    chunk_costs = dump_json(rolled_up(data, part.cut, args.costs), "the chunk cost file") if args.costs_out else None
-    if args.output:
+    chunk_costs = (dump_json(rolled_up(data, part.cut, args.costs), "the chunk cost file")
+                   if args.costs_out is not None else None)
+    if args.output is not None:
         write_output(document, args.output)
-    if args.schedule_out:
+    if args.schedule_out is not None:
         write_output(schedule_source(part), args.schedule_out)
     if chunk_costs is not None:
         write_output(chunk_costs, args.costs_out)
