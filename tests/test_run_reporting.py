@@ -267,3 +267,23 @@ def test_a_diverged_loss_is_still_a_step_line():
                                samples=None, tokens=None, memory_bytes=None, memory_kind="rss peak"))
     [line] = console.out_lines
     assert line.startswith("step 1 loss nan | step 0.500 s | - samples/s | - tokens/s | peak memory r0 ? | 1/1"), line
+
+
+def test_names_from_a_program_file_and_the_log_dir_reach_the_terminal_escaped(tmp_path):
+    """A program file's name and parameter names, and ``--log-dir``, are the user's text: ``pipec run``'s own
+    lines show their escape sequences escaped, as ``pipec check`` does (were written raw: a name could clear
+    the screen or colour every line after it)."""
+    from pipec.cli import main
+
+    program = tmp_path / "p.json"
+    assert main(["compile", "1f1b", "-D", "P=2", "-D", "N=2", "--format", "json", "-o", str(program)]) == 0
+    data = json.loads(program.read_text())
+    data["name"], data["params"] = "evil\x1b[31mRED", {"P\x1b[2J": 2, "N": 2}
+    program.write_text(json.dumps(data))
+    logs = tmp_path / "lo\x1bgs"
+    logs.mkdir()
+    done = run_pipec("run", str(program), "--steps", "1", "--log-dir", str(logs))
+    assert done.status == 0, done.describe()
+    assert "\x1b" not in done.stdout + done.stderr, done.describe()
+    assert "compile: evil\\x1b[31mRED P\\x1b[2J=2 N=2 compiled" in done.stdout, done.describe()
+    assert "worker logs: " + str(tmp_path / "lo\\x1bgs") in done.stdout + done.stderr, done.describe()

@@ -53,7 +53,7 @@ from pipec.commands import run_report
 from pipec.commands._deadline import StopWatch
 from pipec.compiler.defines import parse_defines
 from pipec.compiler.guarded_read import count_arg, positive_count_arg, seconds_arg
-from pipec.errors import UsageError, printable
+from pipec.errors import UsageError, printable, printable_name
 from pipec.runtime.agreement import MISMATCH_PREFIX
 from pipec.runtime.config import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_SEED, DEFAULT_TIMEOUT_S, RunConfig
 from pipec.runtime.phases import PHASE_DIR_ENV
@@ -605,9 +605,9 @@ def launch(
             # we were told to stop; the agent has stopped the workers already
             sigval = getattr(stop, "sigval", signal.SIGINT)
             if sigval == signal.SIGINT:
-                sys.stderr.write(f"{command}: interrupted\nworker logs: {log_dir}\n")
+                sys.stderr.write(f"{command}: interrupted\nworker logs: {printable_name(log_dir)}\n")
                 raise KeyboardInterrupt from None
-            report = f"{command}: stopped by {signal.Signals(sigval).name}\nworker logs: {log_dir}\n"
+            report = f"{command}: stopped by {signal.Signals(sigval).name}\nworker logs: {printable_name(log_dir)}\n"
             return LaunchResult(ok=False, report=report)
         except (RendezvousError, DistError, _NodeZeroUnreachable) as error:
             # no worker ran: the store could not start, or the nodes never met
@@ -762,7 +762,7 @@ def _failure_report(log_dir: str, nproc: int, exits: dict[int, int], faults: lis
             # no fault message: a startup error or a bug; its own words say more than ours
             tail = [line for line in stderr.splitlines() if line.strip()][-TAIL_LINES:]
             lines += [f"  {printable(line)}" for line in tail]
-    lines.append(f"worker logs: {log_dir}")
+    lines.append(f"worker logs: {printable_name(log_dir)}")
     return "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 
 from pipec.compiler.guarded_read import parse_json_text
-from pipec.errors import PipecError, UsageError, printable
+from pipec.errors import PipecError, UsageError, printable, printable_name
 from pipec.runtime.report import EVENT_PREFIX, EVENTS_ENV
 
 # The progress bar's width in characters (a terminal only).
@@ -330,7 +330,8 @@ class RunReport:
 
     def _text(self, kind: str, text: str) -> None:
         node = f" [node {self.node}]" if self.nodes > 1 else ""
-        self.console.out(f"pipec run{node}: {kind}: {text}")
+        # one line, whatever names it quotes (a program's, a parameter's, --log-dir's): escaped for the terminal
+        self.console.out(printable_name(f"pipec run{node}: {kind}: {text}"))
 
     def _json(self, record: dict, drop: tuple[str, ...] = ()) -> None:
         stamped = {"event": record["event"], "time": round(time.monotonic() - self.started, 3), "node": self.node}
