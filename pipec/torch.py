@@ -13,7 +13,8 @@ process group's size against the program's ranks, the microbatch count. torch is
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipec.errors import UsageError
 
@@ -49,6 +50,7 @@ def schedule_for(program: Program, stages: Sequence[Any], n_microbatches: int | 
     """
     from pipec.compiler.emit.torch_csv import installed_torch_runtime
 
+    _check_arguments(program, stages, n_microbatches, loss_fn, comms, scale_grads)
     runtime = installed_torch_runtime()
     if runtime is None or not runtime.loads_comms:
         version = runtime.version if runtime is not None else "no torch"
@@ -72,6 +74,36 @@ def schedule_for(program: Program, stages: Sequence[Any], n_microbatches: int | 
     for caveat in program.torch_caveats() if comms else ():
         warnings.warn(f"pipec.torch: {caveat}", stacklevel=2)
     return schedule
+
+
+# What schedule_for reads of each stage: a PipelineStage has them all.
+_STAGE_ATTRIBUTES = ("stage_index", "num_stages", "group_size", "group_rank")
+
+
+def _check_arguments(program, stages, n_microbatches, loss_fn, comms, scale_grads) -> None:
+    """Each argument of the type ``schedule_for`` takes, or a ``UsageError`` naming it and what it got (never a
+    TypeError or AttributeError from inside, nor a truthy string taken for True)."""
+    from pipec.api import Program
+
+    if not isinstance(program, Program):
+        raise UsageError(f"program: expected a pipec.Program (pipec.compile or pipec.load), got "
+                         f"{type(program).__name__}")
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
+        raise UsageError(f"stages: expected a list of this rank's PipelineStage objects, got {type(stages).__name__}")
+    for index, stage in enumerate(stages):
+        missing = [name for name in _STAGE_ATTRIBUTES if not hasattr(stage, name)]
+        if missing:
+            raise UsageError(f"stages[{index}]: expected a torch.distributed.pipelining PipelineStage, got "
+                             f"{type(stage).__name__} (it has no {missing[0]})")
+    if n_microbatches is not None and (isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int)
+                                       or n_microbatches < 1):
+        shown = repr(n_microbatches) if isinstance(n_microbatches, (int, float, str)) else type(n_microbatches).__name__
+        raise UsageError(f"n_microbatches: expected an int >= 1 (or None: the program's own count), got {shown}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise UsageError(f"loss_fn: expected a function (output, target) -> loss, got {type(loss_fn).__name__}")
+    for name, value in (("comms", comms), ("scale_grads", scale_grads)):
+        if not isinstance(value, bool):
+            raise UsageError(f"{name}: expected True or False, got {type(value).__name__}")
 
 
 def _microbatches(program: Program, n_microbatches: int | None) -> int:

@@ -113,3 +113,28 @@ def test_a_program_torch_cannot_run_is_refused():
     program = pipec.compile("weipipe", {"P": 4, "N": 8})
     with pytest.raises(pipec.PipecError):
         pipec.torch.schedule_for(program, [_Stage(0, 0)])
+
+
+@pytest.mark.parametrize("arguments, options, message", [
+    ("none", {}, "program: expected a pipec.Program (pipec.compile or pipec.load), got NoneType"),
+    ("one stage", {}, "stages: expected a list of this rank's PipelineStage objects, got _Stage"),
+    ("text", {}, "stages: expected a list of this rank's PipelineStage objects, got str"),
+    ("object", {}, "stages[0]: expected a torch.distributed.pipelining PipelineStage, got object (it has no "
+                   "stage_index)"),
+    ("stages", {"n_microbatches": "8"}, "n_microbatches: expected an int >= 1 (or None: the program's own count), "
+                                        "got '8'"),
+    ("stages", {"n_microbatches": True}, "n_microbatches: expected an int >= 1"),
+    ("stages", {"comms": "yes"}, "comms: expected True or False, got str"),
+    ("stages", {"scale_grads": 1}, "scale_grads: expected True or False, got int"),
+    ("stages", {"loss_fn": 3}, "loss_fn: expected a function (output, target) -> loss, got int"),
+])
+def test_arguments_of_the_wrong_type_are_pipecs_errors_naming_them(arguments, options, message):
+    """Never a TypeError or AttributeError from inside, nor "yes" taken for True (was: both)."""
+    import pipec.torch
+
+    program = pipec.compile("1f1b", {"P": 4, "N": 8})
+    given = {"none": (None, [_Stage(0, 0)]), "one stage": (program, _Stage(0, 0)), "text": (program, "stages"),
+             "object": (program, [object()]), "stages": (program, [_Stage(0, 0)])}[arguments]
+    with pytest.raises(pipec.PipecError) as caught:
+        pipec.torch.schedule_for(*given, **options)
+    assert str(caught.value) == message or str(caught.value).startswith(message), caught.value
