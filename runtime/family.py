@@ -62,6 +62,9 @@ class RuntimeFamily:
         takes_partition: whether a partition file's stages can cut the model for its programs.
         reads_whole_batch: whether every rank reads each step's whole batch as one microbatch
             (a sequence ring, which cuts the batch along the sequence instead).
+        trainer: the family's ``Trainer`` class, ``(plan, rank, world, device)``; None for the interpreter's
+            steps of the rank's instruction list (``runtime/list_trainer.py``: activation and weight passing,
+            their compositions), which the worker's loop imports (the family modules sit below it).
         trains_on_groups: whether it trains its programs' stages placed on rank groups (weight passing on
             a mesh, ``compiler/weight_placement.py``); activation passing's are ``runtime/placed.py``'s.
     """
@@ -75,14 +78,7 @@ class RuntimeFamily:
     takes_partition: bool = True
     reads_whole_batch: bool = False
     trains_on_groups: bool = False
-
-    def trainer(self, plan, rank: int, world: int, device) -> Trainer:
-        """What this rank trains of ``plan`` (a ``worker.Plan``), built, with ``plan.checkpoint``'s model and
-        optimizer state restored; collective (the group is joined). By default the interpreter's steps of the
-        rank's instruction list (``runtime/list_trainer.py``: activation and weight passing, their compositions)."""
-        from pipec.runtime.list_trainer import ListTrainer
-
-        return ListTrainer(plan, rank, world, device)
+    trainer: type[Trainer] | None = None
 
     def refusal_outside(self, op: str) -> str | None:
         """Why ``op``, one of this family's, cannot run in another family's program; None: no handler."""

@@ -244,12 +244,10 @@ class SequenceRings(RuntimeFamily):
     runs_chunks = False
     takes_partition = False
     reads_whole_batch = True
+    trainer = RingTrainer
 
     def check_model(self, spec, config, program, name: str) -> None:
         check_ring_model(spec, config, program, name)
-
-    def trainer(self, plan, rank: int, world: int, device) -> RingTrainer:
-        return RingTrainer(plan, rank, world, device)
 
 
 FAMILY = register(SequenceRings(), RingPlan)

@@ -311,6 +311,7 @@ class TensorParallel(RuntimeFamily):
     runs_chunks = False
     takes_partition = False
     reads_whole_batch = True
+    trainer = TensorTrainer
 
     def check_model(self, spec, config, program, name: str) -> None:
         schedule = program.name or "the program"
@@ -324,9 +325,6 @@ class TensorParallel(RuntimeFamily):
 
     def refuse_run(self, run) -> str | None:
         return options_refusal(run)
-
-    def trainer(self, plan, rank: int, world: int, device) -> TensorTrainer:
-        return TensorTrainer(plan, rank, world, device)
 
 
 FAMILY = register(TensorParallel(), TensorPlan)

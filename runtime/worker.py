@@ -705,9 +705,10 @@ def train(plan: Plan, rank: int, world: int, device) -> list[float]:
     import torch.distributed as dist
 
     from pipec.runtime.family import runtime_family
+    from pipec.runtime.list_trainer import ListTrainer
 
     program, run = plan.program, plan.run
-    trainer = runtime_family(program).trainer(plan, rank, world, device)
+    trainer = (runtime_family(program).trainer or ListTrainer)(plan, rank, world, device)
     if plan.inject:
         plant_injection(trainer.context, plan.inject)
     first = 1
