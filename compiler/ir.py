@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from functools import cached_property
+import weakref
 from typing import Iterable, NamedTuple
 
 # The op names and what each op does live in the rule table (``ops.py``);
@@ -423,6 +423,26 @@ DKV_ROUTES = ("behind", "direct")    # dK, dV partials ride the ring behind KV, 
 TRANSFERS = ("p2p", "all_to_all")    # an exchange's moves: one batch of point-to-point, or one all_to_all
 
 
+
+# Per ring plan (by identity, dropped with it): rank -> the chunks it holds, and per ring each rank's place on
+# it. ``chunks_of``, ``next_on`` and ``prev_on`` are called per instruction by the lowering, the prover and the
+# runtime; a scan of the plan each time made a ring's proof quadratic in its ranks. Kept outside the plan, so
+# its fields, identity and JSON are what they were.
+_RING_INDEXES: dict[int, tuple[dict[int, tuple[int, ...]], list[dict[int, int]]]] = {}
+
+
+def _ring_indexes(plan: "RingPlan") -> tuple[dict[int, tuple[int, ...]], list[dict[int, int]]]:
+    found = _RING_INDEXES.get(id(plan))
+    if found is None:
+        held: dict[int, list[int]] = {}
+        for chunk, rank in enumerate(plan.holders):
+            held.setdefault(rank, []).append(chunk)
+        found = ({rank: tuple(chunks) for rank, chunks in held.items()},
+                 [{rank: place for place, rank in enumerate(ring)} for ring in plan.rings])
+        _RING_INDEXES[id(plan)] = found
+        weakref.finalize(plan, _RING_INDEXES.pop, id(plan), None)
+    return found
+
 @dataclass(frozen=True)
 class RingPlan:
     """How a sequence-ring program cuts the sequence and moves KV (ring, zigzag, TASP attention).
@@ -490,7 +510,7 @@ class RingPlan:
 
     def chunks_of(self, rank: int) -> tuple[int, ...]:
         """The chunks ``rank`` holds, ascending (its bundles' order)."""
-        return self._held.get(rank, ())
+        return _ring_indexes(self)[0].get(rank, ())
 
     def ring_of(self, piece: int) -> tuple[int, ...]:
         return self.rings[piece % len(self.rings)]
@@ -498,27 +518,12 @@ class RingPlan:
     def next_on(self, piece: int, rank: int) -> int:
         """The rank ``rank`` sends piece ``piece``'s bundles to."""
         ring = self.ring_of(piece)
-        return ring[(self._places[piece % len(self.rings)][rank] + 1) % len(ring)]
+        return ring[(_ring_indexes(self)[1][piece % len(self.rings)][rank] + 1) % len(ring)]
 
     def prev_on(self, piece: int, rank: int) -> int:
         """The rank ``rank`` receives piece ``piece``'s bundles from."""
         ring = self.ring_of(piece)
-        return ring[(self._places[piece % len(self.rings)][rank] - 1) % len(ring)]
-
-    # Indexes the lookups above read once made (each a scan of the plan: called per instruction by the
-    # lowering, the prover and the runtime, they made a check quadratic in the ranks). Not fields: the
-    # plan's identity and its JSON are unchanged.
-    @cached_property
-    def _held(self) -> dict[int, tuple[int, ...]]:
-        held: dict[int, list[int]] = {}
-        for chunk, rank in enumerate(self.holders):
-            held.setdefault(rank, []).append(chunk)
-        return {rank: tuple(chunks) for rank, chunks in held.items()}
-
-    @cached_property
-    def _places(self) -> list[dict[int, int]]:
-        """Per ring, each rank's place on it."""
-        return [{rank: place for place, rank in enumerate(ring)} for ring in self.rings]
+        return ring[(_ring_indexes(self)[1][piece % len(self.rings)][rank] - 1) % len(ring)]
 
     def block(self, kv_chunk: int, piece: int) -> int:
         return kv_chunk * self.pieces + piece
