@@ -189,7 +189,9 @@ class Program:
 
         For a program of one pipeline, stage ``s`` is the ``s``-th along it: torch's ``stage_index``.
         """
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int):  # a rank given as text is no rank out of range
+            raise UsageError(f"rank: expected an int, got {type(rank).__name__} {rank!r}")
+        if not 0 <= rank < self.num_ranks:
             raise UsageError(f"rank {rank} is out of range: {self.name} has {self.num_ranks} ranks")
         return tuple(sorted(info.id for info in self.ir.stages if rank in info.ranks))
 

@@ -125,3 +125,14 @@ def test_the_api_reads_a_parameter_as_minus_d_does(value):
     ``1_0``)."""
     with pytest.raises(UsageError, match=r"P \(ranks\) must be an integer"):
         pipec.compile("1f1b", {"P": value})
+
+
+@pytest.mark.parametrize("rank, message", [("0", "rank: expected an int, got str '0'"),
+                                           (True, "rank: expected an int, got bool True"),
+                                           (2, "rank 2 is out of range: 1f1b has 2 ranks")])
+def test_a_rank_of_the_wrong_type_is_named_as_such(rank, message):
+    """A rank given as text is a rank of the wrong type (was: "rank 0 is out of range", for a program with rank 0)."""
+    program = pipec.compile("1f1b", {"P": 2, "N": 2})
+    with pytest.raises(UsageError) as caught:
+        program.stages_on(rank)
+    assert str(caught.value) == message
