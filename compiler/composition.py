@@ -115,7 +115,7 @@ def _ring_program(spec: CompositionSpec, policy: ast.ContextPolicy, size: int,
     refusal = ring.argument_refusal(ranks, size)
     if refusal is not None:
         raise EvalError(f"axis {policy.axis} has {size} ranks: {refusal}", policy.axis_span, spec.source)
-    where = f"the ring {called} on axis {policy.axis} ({size} rank{'' if size == 1 else 's'})"
+    where = f"the ring {called} on axis {policy.axis} ({size} ranks)"
     try:
         ring_spec = ring.evaluate(arguments)
     except RequireError as error:  # the ring cannot take the axis's size: said where the axis is given to it

@@ -107,7 +107,6 @@ STREAM_CHUNK = 1 * _MiB
 # it is memory-mapped, not read whole, so the limit only refuses what is surely no checkpoint.
 CHECKPOINT = Kind("pipec checkpoint", "the checkpoint", 1024 * _GiB, "1 TiB")
 
-_PLAIN_INT = PLAIN_INT  # the one reading of an integer (dsl.limits)
 _PLAIN_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 # A decimal with a sign and an exponent: what ``plain_float`` reads.
 _PLAIN_FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
@@ -540,7 +539,7 @@ def _deepest(text: str) -> int:
 def is_plain_int(text: str) -> bool:
     """True when ``text`` (spaces stripped) is written like an integer ``plain_int`` reads:
     ``[+-]?[0-9]+``, any length (a caller that states its own range checks that)."""
-    return _PLAIN_INT.fullmatch(text.strip()) is not None
+    return PLAIN_INT.fullmatch(text.strip()) is not None
 
 
 def plain_int(text: str, what: str, error: type[PipecError] = UsageError, *, low: int | None = None,
@@ -559,7 +558,7 @@ def plain_int(text: str, what: str, error: type[PipecError] = UsageError, *, low
         error: naming ``what`` and quoting ``text``.
     """
     stripped = text.strip()
-    if not _PLAIN_INT.fullmatch(stripped):
+    if not PLAIN_INT.fullmatch(stripped):
         raise error(f"{what}: expected an integer written in ASCII digits, got {quote(text)}")
     if len(stripped.lstrip("+-")) > MAX_INT_DIGITS or not -INT_LIMIT < int(stripped) < INT_LIMIT:
         raise error(f"{what}: {quote(text, 40)} is outside pipec's integer range (-{INT_LIMIT_TEXT} < n < {INT_LIMIT_TEXT})")

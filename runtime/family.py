@@ -1,4 +1,4 @@
-"""Workload families in the runtime: what the interpreter asks of a family, where it finds one, the one loops.
+"""Workload families in the runtime: what the interpreter asks of a family, where it finds one, the one loop.
 
 The runtime's side of ``compiler/family.py``. A family (activation passing,
 weight passing, sequence rings) is a module that builds one ``RuntimeFamily``
@@ -316,6 +316,6 @@ def _shares(program: Program, split: str) -> int:
     return max((len(info.ranks) for info in program.stages if info.placement.split == split), default=1)
 
 
-__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "StepOutcome", "Trainer", "families", "load_families", "placed_refusal",
-           "refusal_outside", "register", "row_shares", "share_of", "run_instructions", "runtime_family",
-           "token_shares"]
+__all__ = ["FAMILY_MODULES", "Handler", "Record", "RuntimeFamily", "StepOutcome", "Trainer", "families",
+           "load_families", "placed_refusal", "refusal_outside", "register", "row_shares", "share_of",
+           "run_instructions", "runtime_family", "token_shares"]

@@ -102,7 +102,8 @@ class SequenceRings(Family):
 
     def shape_text(self, program):
         plan = program.rings
-        return f"{counted(plan.chunks, 'chunk')} of {counted(plan.pieces, 'KV piece')} on {counted(len(plan.rings), 'ring')}"
+        return (f"{counted(plan.chunks, 'chunk')} of {counted(plan.pieces, 'KV piece')} on "
+                f"{counted(len(plan.rings), 'ring')}")
 
     def grid_shape_text(self, program):
         plan = program.rings

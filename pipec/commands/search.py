@@ -13,7 +13,7 @@ import os
 
 from pipec.commands._common import byte_budget_from_args, load_costs, number_text, parse_byte_budget, write_output
 from pipec.compiler.atomic_write import check_writable
-from pipec.compiler.guarded_read import count_arg, is_plain_int, plain_int, positive_count_arg, quote, seconds_arg
+from pipec.compiler.guarded_read import count_arg, plain_int, positive_count_arg, quote, seconds_arg
 from pipec.errors import UsageError
 
 # CP-SAT's worker threads: more than a machine's cores only share them (and the solver refuses absurd counts).
@@ -40,7 +40,8 @@ def register(sub) -> None:
     parser.add_argument("--hint", metavar="TARGET",
                         help="a .pipe file or shipped schedule (compiled with the same -D) whose order of the same "
                              "tasks the solver starts from (default: TARGET's own order; 'none' for no hint)")
-    parser.add_argument("--workers", type=positive_count_arg, default=2, metavar="K", help="CP-SAT worker threads (default 2)")
+    parser.add_argument("--workers", type=positive_count_arg, default=2, metavar="K",
+                        help="CP-SAT worker threads (default 2)")
     parser.add_argument("--candidates", type=positive_count_arg, metavar="K",
                         help="for a family that searches its own candidates (sequence rings, weight passing): the "
                              "most candidates to price (default: every ring set; 2000 step grids)")
@@ -68,10 +69,7 @@ def _check_output(output: str, target: str) -> None:
 def _memory(text: str | None, ranks: int) -> list[int] | None:
     if text is None:
         return None
-    parts = text.split(",")
-    if not all(is_plain_int(part) for part in parts):  # the one reading of an integer, as every option's
-        raise UsageError(f"--memory takes N or N,N,... in ASCII digits: not {quote(text, 40)}")
-    limits = [plain_int(part, "--memory", low=1) for part in parts]
+    limits = [plain_int(part, "--memory N or N,N,...", low=1) for part in text.split(",")]  # as every option's
     if len(limits) == 1:
         return limits * ranks
     if len(limits) != ranks:
@@ -106,15 +104,12 @@ def run(args) -> int:
     from pipec.compiler.search_pipe import order_to_pipe, refuse_unwritable
     from pipec.compiler.simulate import simulate
 
-    if not 1 <= args.workers <= MOST_WORKERS or not args.time_limit > 0:
-        raise UsageError(f"--workers takes 1 to {MOST_WORKERS} and --time-limit a positive number of seconds")
+    # the parser read every number (ASCII digits, in range: at least 1, seconds above 0); the workers' top here
+    if args.workers > MOST_WORKERS:
+        raise UsageError(f"--workers takes 1 to {MOST_WORKERS}")
     if args.output is not None:  # before the search, not after it
         _check_output(args.output, args.target)
-    if args.candidates is not None and args.candidates < 1:
-        raise UsageError("--candidates takes at least 1")
     evaluations = DEFAULT_EVALUATIONS if args.evaluations is None else args.evaluations
-    if evaluations < 1:
-        raise UsageError("--evaluations takes at least 1")
     parse_byte_budget(args.budget_bytes)  # a mistake here is named before the cost file is read
     costs = load_costs(args)
     byte_budget = byte_budget_from_args(args, costs)
